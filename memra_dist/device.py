@@ -1,0 +1,68 @@
+"""Device plumbing: resolve `--device`, drain streams (counted), read free memory per device."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .errors import UserError
+
+__all__ = ["DTYPES", "resolve_device", "resolve_dtype", "Drainer", "device_label", "free_mb"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA device is available here")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise UserError(f"--device {name}: expected cpu, cuda, cuda:N or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise UserError(f"unsupported dtype '{name}' (supported: fp32, bf16, fp16)")
+    return DTYPES[name]
+
+
+def device_label(device: torch.device) -> str:
+    """The `memra.free_mb.<label>` suffix: cuda0, cuda1, ... or cpu."""
+    if device.type == "cuda":
+        return f"cuda{device.index if device.index is not None else torch.cuda.current_device()}"
+    return "cpu"
+
+
+def free_mb(device: torch.device) -> int:
+    """Free memory in MB: device memory on CUDA (~9 us), host-available memory on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free // (1 << 20))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20))
+
+
+class Drainer:
+    """Drains one device's stream and counts the drains (the level-0 test counts them)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.count = 0
+        self._cuda = device.type == "cuda"
+
+    def __call__(self) -> None:
+        self.count += 1
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()

@@ -1,0 +1,67 @@
+"""ModelRunner: one Stage, its cache and its device. The local engine and every pipeline
+stage actor run their layers through one of these."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .cache import StageCache
+from .device import Drainer, device_label, free_mb
+from .errors import UserError
+from .model.config import ModelConfig, load_config
+from .model.loader import load_stage
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """Layers [first, last) (+ embed / head where owned) on one device, with a static cache.
+
+    `forward` writes its rows at [start, start + T) and returns hidden (T, H) or, on a runner
+    that owns the head, fp32 logits (T, V). `rollback(n)` keeps n rows. Both are single calls
+    over static-shaped tensors (positions are a tensor, the mask spans the whole capacity)."""
+
+    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
+                 first: int = 0, last: int | None = None, has_embed: bool = True,
+                 has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096):
+        self.cfg = cfg or load_config(model_dir)
+        last = self.cfg.num_layers if last is None else last
+        self.device, self.dtype = device, dtype
+        self.stage = load_stage(model_dir, first, last, has_embed, has_head, device, dtype,
+                                max_pos, self.cfg)
+        self.max_pos = max_pos
+        self.cache: StageCache | None = None
+        self.drain = Drainer(device)
+        self.label = device_label(device)
+
+    def alloc(self, capacity: int) -> None:
+        """Allocate the cache for a session of `capacity` rows; a clear error if it cannot fit."""
+        if capacity > self.max_pos:
+            raise UserError(f"context {capacity} exceeds the rotary table ({self.max_pos} positions)")
+        try:
+            self.cache = self.stage.new_cache(capacity, self.device, self.dtype)
+        except torch.OutOfMemoryError:
+            raise UserError(
+                f"out of memory allocating the cache for {capacity} rows on {self.label} "
+                f"(free {free_mb(self.device)} MB)"
+            ) from None
+
+    @property
+    def length(self) -> int:
+        return self.cache.length if self.cache is not None else 0
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
+        rows = x.shape[0]
+        self.cache.begin(start, rows)
+        pos = torch.arange(start, start + rows, device=self.device)
+        h = self.stage(x.to(self.device), pos, self.cache, timer)
+        return self.stage.logits(h) if self.stage.has_head else h
+
+    def rollback(self, new_len: int) -> None:
+        self.cache.rollback(new_len)
+
+    def free_mb(self) -> int:
+        return free_mb(self.device)

@@ -1,0 +1,1 @@
+"""Models: HF config.json -> ModelConfig, blocks over a layer range, safetensors loading."""

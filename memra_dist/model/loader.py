@@ -1,0 +1,98 @@
+"""Safetensors loading by layer range: a stage reads only the tensors it owns.
+
+Module keys mirror the HF names, so the mapping is one prefix: `lm_head.*` stays, anything
+else is `model.<key>`. Tied embeddings: a head without `lm_head.weight` in the checkpoint
+reads `model.embed_tokens.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import UserError
+from .config import ModelConfig, load_config
+from .transformer import Stage
+
+__all__ = ["CheckpointReader", "load_stage", "hf_name", "FP32_KEYS"]
+
+# parameters the references keep in fp32 whatever the model dtype (gates, decay, router)
+FP32_KEYS = ("dt_bias", "A_log", "e_score_correction_bias")
+
+
+def hf_name(key: str) -> str:
+    return key if key.startswith("lm_head.") else f"model.{key}"
+
+
+class CheckpointReader:
+    """Maps tensor names to safetensors files (single file, sharded index or a glob)."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise UserError(f"{index}: malformed index ({e})") from None
+            self.where = {k: self.dir / v for k, v in wm.items()}
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise UserError(f"{self.dir}: no *.safetensors weights found")
+            self.where = {}
+            for f in files:
+                with safe_open(str(f), framework="pt") as fh:
+                    for k in fh.keys():
+                        self.where[k] = f
+        self._open: dict[Path, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise UserError(f"{self.dir}: tensor missing from the checkpoint: {name}")
+        f = self.where[name]
+        if f not in self._open:
+            try:
+                self._open[f] = safe_open(str(f), framework="pt")
+            except (OSError, Exception) as e:  # safetensors raises its own error types
+                raise UserError(f"{f}: cannot read safetensors file ({e})") from None
+        return self._open[f].get_tensor(name)
+
+
+def load_stage(
+    model_dir: str | Path,
+    first: int,
+    last: int,
+    has_embed: bool,
+    has_head: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_pos: int,
+    cfg: ModelConfig | None = None,
+) -> Stage:
+    """Build the Stage for layers [first, last) and load exactly its tensors."""
+    cfg = cfg or load_config(model_dir)
+    if not 0 <= first <= last <= cfg.num_layers:
+        raise UserError(f"layer range [{first}, {last}) outside the model's {cfg.num_layers} layers")
+    with torch.device("meta"):
+        stage = Stage(cfg, first, last, has_embed, has_head, max_pos)
+    reader = CheckpointReader(model_dir)
+    state = {}
+    for key, meta in stage.state_dict().items():
+        name = hf_name(key)
+        if key == "lm_head.weight" and not reader.has(name):
+            name = "model.embed_tokens.weight"  # tied embeddings
+        t = reader.get(name)
+        if tuple(t.shape) != tuple(meta.shape):
+            raise UserError(
+                f"{model_dir}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(meta.shape)}"
+            )
+        state[key] = t.to(device=device, dtype=torch.float32 if key.endswith(FP32_KEYS) else dtype)
+    stage.load_state_dict(state, assign=True, strict=True)
+    return stage.to_device(device).eval()

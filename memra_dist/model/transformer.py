@@ -1,0 +1,126 @@
+"""A decoder over a contiguous layer range: the unit a pipeline stage (or the whole model) holds.
+
+The model knows nothing of parallelism (the torchtitan habit): a `Stage` owns layers
+[first, last) and, optionally, the embedding (`has_embed`) and the head (final norm +
+lm_head, `has_head`). One process holding the whole model is the Stage (0, L, True, True).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..cache import StageCache
+from .attention import Attention, causal_mask
+from .config import ModelConfig
+from .layers import RMSNorm, SwiGLU, rope_tables
+
+__all__ = ["Block", "Stage", "StepCtx", "register_family"]
+
+
+@dataclass
+class StepCtx:
+    """What every layer of one forward shares: positions, the mask, rotary rows, a timer."""
+
+    pos: torch.Tensor  # (T,) absolute positions
+    mask: torch.Tensor | None  # (T, C) bool over cache slots; None = plain causal, no cache
+    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # dim -> (T, dim)
+    timer: object | None = None  # level-2 sub-split timer (phase/subsplit.py), None = off
+
+    def rope_for(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope[dim]
+
+
+# family name -> (mixer factory, ffn factory); each factory is (cfg, layer_idx) -> nn.Module
+_FAMILIES: dict[str, tuple[Callable, Callable]] = {}
+
+
+def register_family(name: str, mixer: Callable, ffn: Callable) -> None:
+    _FAMILIES[name] = (mixer, ffn)
+
+
+def _dense_ffn(cfg: ModelConfig, i: int) -> nn.Module:
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+for _n in ("llama", "qwen2", "qwen3"):
+    register_family(_n, lambda cfg, i: Attention(cfg), _dense_ffn)
+
+
+def _family(arch: str) -> tuple[Callable, Callable]:
+    if arch not in _FAMILIES and arch == "kimi_linear":
+        from . import kimi  # noqa: F401,PLC0415 (registers the family on import)
+    return _FAMILIES[arch]
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        mixer, ffn = _family(cfg.arch)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = mixer(cfg, idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = ffn(cfg, idx)
+
+    def forward(self, x: torch.Tensor, ctx: StepCtx, state) -> torch.Tensor:
+        tm = ctx.timer
+        if tm is None:
+            x = x + self.self_attn(self.input_layernorm(x), ctx, state)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        tm.begin()  # level 2: drained laps, so each class gets its device share
+        x = x + self.self_attn(self.input_layernorm(x), ctx, state)
+        tm.lap(self.self_attn.mixer_class)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        tm.lap("ffn")
+        return x
+
+
+class Stage(nn.Module):
+    """Layers [first, last) plus, where owned, the embedding and the head."""
+
+    def __init__(self, cfg: ModelConfig, first: int, last: int, has_embed: bool, has_head: bool, max_pos: int):
+        super().__init__()
+        self.cfg, self.first, self.last = cfg, first, last
+        self.has_embed, self.has_head = has_embed, has_head
+        if has_embed:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(first, last)})
+        if has_head:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        dims = {m.self_attn.rope_dim for m in self.layers.values() if getattr(m.self_attn, "rope_dim", None)}
+        self._rope = {d: rope_tables(d, max_pos, cfg.rope_theta, cfg.rope) for d in dims}
+
+    def to_device(self, device) -> "Stage":
+        self._rope = {d: (c.to(device), s.to(device)) for d, (c, s) in self._rope.items()}
+        return self
+
+    def new_cache(self, capacity: int, device, dtype) -> StageCache:
+        cache = StageCache(capacity)
+        for i, blk in self.layers.items():
+            cache.layers[int(i)] = blk.self_attn.new_state(capacity, device, dtype)
+        return cache
+
+    def step_ctx(self, pos: torch.Tensor, cache: StageCache | None, timer=None) -> StepCtx:
+        mask = causal_mask(pos, cache.capacity) if cache is not None else None
+        rope = {d: (c[pos], s[pos]) for d, (c, s) in self._rope.items()}
+        return StepCtx(pos=pos, mask=mask, rope=rope, timer=timer)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: StageCache | None, timer=None) -> torch.Tensor:
+        """x: token ids (T,) when this stage embeds, else hidden (T, H). Returns hidden (T, H)
+        (the head is separate: `logits`). With a cache the rows land at `pos`."""
+        if self.has_embed:
+            x = self.embed_tokens(x)  # (T, H)
+        ctx = self.step_ctx(pos, cache, timer)
+        for i, blk in self.layers.items():
+            x = blk(x, ctx, cache.layers[int(i)] if cache is not None else None)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head; fp32 logits (T, V)."""
+        return self.lm_head(self.norm(h)).float()
