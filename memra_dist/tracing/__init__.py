@@ -1,0 +1,1 @@
+"""Tracing: the name registry, the OTel provider and exporters, records -> spans."""

@@ -1,0 +1,105 @@
+"""The one registry of names: spans, attributes, metrics, resource keys, stderr tags.
+
+Docs (`docs/spans.md`), dashboards (`dashboards/`) and tests read these constants; nothing
+else spells a name. Units are in the attribute's suffix or its doc string.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SPAN_REQUEST", "SPAN_BURST", "SPAN_ROUND", "PHASES", "PHASE_SPANS", "VERIFY_SUB_SPANS",
+    "SPAN_FIRST_TOKEN", "TTFT_BUCKETS", "ttft_span", "SPAN_STAGE_FORWARD", "ATTR", "RESOURCE",
+    "free_mb_attr", "METRICS", "TAGS", "MIXER_CLASSES", "SERVICE_NAME_DEFAULT",
+]
+
+SERVICE_NAME_DEFAULT = "memra-dist"
+
+# ---- spans ----
+SPAN_REQUEST = "memra.request"  # root, or child of an incoming W3C traceparent
+SPAN_BURST = "spec.burst"
+SPAN_ROUND = "spec.round"
+PHASES = ("draft", "verify", "accept", "rollback", "maint")  # clock order within a round
+PHASE_SPANS = {p: f"spec.{p}" for p in PHASES}
+MIXER_CLASSES = ("kda", "mla", "attn")  # level-2 verify sub-buckets by mixer class
+VERIFY_SUB_SPANS = {
+    "kda": "spec.verify.kda",  # carries ATTR["scan_ms"]
+    "mla": "spec.verify.mla",
+    "attn": "spec.verify.attn",  # GQA class
+    "ffn": "spec.verify.ffn",
+    "rest": "spec.verify.rest",  # verify minus the mixer buckets
+}
+SPAN_FIRST_TOKEN = "memra.first_token"
+# the seed's SpecFirstTokenProf buckets (ms); a bucket the route never runs is 0.0
+TTFT_BUCKETS = (
+    "cache_alloc", "prime", "capture", "anchor", "draft_alloc", "draft_prime",
+    "first_draft", "first_verify", "first_accept", "first_roll", "first_maint",
+)
+SPAN_STAGE_FORWARD = "stage.forward"  # a pipeline stage's share of one forward walk
+
+
+def ttft_span(bucket: str) -> str:
+    return f"ttft.{bucket}"
+
+
+# ---- attributes ----
+ATTR = {
+    "round": "memra.round",  # round index within the request (int)
+    "burst": "memra.burst",  # burst index within the request (int)
+    "k": "memra.k",  # drafted tokens that entered the verify (int)
+    "accepted": "memra.accepted",  # accepted drafts j, 0 <= j <= k (int)
+    "ctx": "memra.ctx",  # committed target rows at round entry (int)
+    "stage": "memra.stage",  # pipeline stage index (int)
+    "phase": "memra.phase",  # on stage spans: the phase the forward served
+    "rows": "memra.rows",  # rows in a forward (int)
+    "scan_ms": "memra.scan_ms",  # KDA recurrent-scan share inside spec.verify.kda (ms)
+    "seq_rows": "memra.seq_rows",  # verify rows that took a per-row mixer arm (int)
+    "tokens": "memra.tokens",  # tokens committed (int)
+    "rounds": "memra.rounds",  # rounds in a burst / request (int)
+    "drafter": "memra.drafter",
+    "model": "memra.model",  # model directory name (never the prompt)
+    "pp": "memra.pp",
+    "trace_level": "memra.trace_level",
+    "prompt_tokens": "memra.prompt_tokens",
+    "prompt": "memra.prompt",  # only with --trace-content
+    "output": "memra.output",  # only with --trace-content
+    "kv_mb": "memra.draft_kv_mb",
+}
+FREE_MB_PREFIX = "memra.free_mb."  # + device label: cuda0, cuda1, ... or cpu (MB)
+
+
+def free_mb_attr(label: str) -> str:
+    return FREE_MB_PREFIX + label
+
+
+RESOURCE = {
+    "service": "service.name",
+    "role": "memra.role",  # driver | stage | head
+    "host": "host.name",
+    "pid": "process.pid",
+}
+ROLES = ("driver", "stage", "head")
+
+# ---- metrics (OpenTelemetry instrument names; Prometheus turns '.' into '_') ----
+METRICS = {
+    "phase_duration": "memra.spec.phase.duration",  # histogram, ms, attr memra.phase
+    "verify_sub_duration": "memra.spec.verify.sub.duration",  # histogram, ms, attr memra.bucket
+    "drafted": "memra.spec.drafted",  # counter, tokens
+    "accepted": "memra.spec.accepted",  # counter, tokens
+    "tokens_per_round": "memra.spec.tokens_per_round",  # histogram
+    "acceptance": "memra.spec.acceptance",  # histogram, ratio per burst
+    "first_token": "memra.first_token.duration",  # histogram, ms, attr memra.bucket
+    "free_memory": "memra.device.free_memory",  # gauge, MB, attr memra.device
+    "slow_rounds": "memra.spec.slow_rounds",  # counter, rounds past 1.5x the median
+    "round_duration": "memra.spec.round.duration",  # histogram, ms
+}
+METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device"}
+
+# ---- stderr line tags (the seed's grep shapes) ----
+TAGS = {
+    "phase": "spec-phase",
+    "phase_v": "spec-phase-v",
+    "prof": "spec-prof",
+    "prof_rounds": "spec-prof-rounds",
+    "prof_summary": "spec-prof-summary",
+    "trace": "spec-trace",
+}
