@@ -20,7 +20,7 @@ from .transformer import Stage
 __all__ = ["CheckpointReader", "load_stage", "hf_name", "FP32_KEYS"]
 
 # parameters the references keep in fp32 whatever the model dtype (gates, decay, router)
-FP32_KEYS = ("dt_bias", "A_log", "e_score_correction_bias")
+FP32_KEYS = ("dt_bias", "A_log", "e_score_correction_bias", "mlp.gate.weight")
 
 
 def hf_name(key: str) -> str:

@@ -1,0 +1,273 @@
+"""Kimi Delta Attention (KDA): gated delta rule with a per-channel decay, pure PyTorch.
+
+Per head, state S (Dk, Dv), for each row t (q, k l2-normalised, q scaled by Dk^-1/2):
+    S <- diag(exp(g_t)) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
+q, k, v come out of a causal depthwise short conv (kernel K, silu) over [q_proj | k_proj | v_proj];
+g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) (per channel, <= 0), beta = sigmoid(b_proj(x)).
+The output is RMS-normed per head, gated by sigmoid(g_b(g_a(x))), then o_proj.
+
+Two scan forms with the same math: `kda_recurrent` (row by row; decode / verify rows) and
+`kda_chunked` (chunks of CHUNK rows, the intra-chunk dependence solved as a unit-lower
+triangular system; prefill). Parameter names mirror transformers' KimiLinearDeltaAttention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .config import ModelConfig
+from .kimi_config import KimiSpec
+
+__all__ = ["KDA", "KDAState", "kda_chunked", "kda_recurrent", "RECURRENT_MAX_ROWS", "CHUNK"]
+
+RECURRENT_MAX_ROWS = 16  # forwards of at most this many rows scan recurrently (and snapshot each row)
+CHUNK = 64  # rows per chunk of the chunked form
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (the FLA / reference convention, not max(., eps))."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_recurrent(q, k, v, g, beta, S, snaps: torch.Tensor | None = None):
+    """q, k, g (T, H, Dk); v (T, H, Dv); beta (T, H); S (H, Dk, Dv); all fp32.
+    Returns o (T, H, Dv) and the final S. With `snaps` (>= T + 1, H, Dk, Dv): snaps[0] = S in,
+    snaps[t + 1] = S after row t."""
+    T, H, Dv = v.shape
+    o = v.new_empty(T, H, Dv)
+    decay = g.exp()  # (T, H, Dk)
+    if snaps is not None:
+        snaps[0].copy_(S)
+    for t in range(T):
+        S = S * decay[t][:, :, None]  # (H, Dk, Dv)
+        kv_mem = torch.einsum("hk,hkv->hv", k[t], S)  # (H, Dv)
+        u = (v[t] - kv_mem) * beta[t][:, None]  # (H, Dv)
+        S = S + k[t][:, :, None] * u[:, None, :]
+        o[t] = torch.einsum("hk,hkv->hv", q[t], S)
+        if snaps is not None:
+            snaps[t + 1].copy_(S)
+    return o, S
+
+
+def _chunk(q, k, v, g, beta, S):
+    """One chunk of n rows, head-major inputs: q, k, g (H, n, Dk); v (H, n, Dv); beta (H, n).
+    With G = cumsum(g) and u the delta-rule updates:  (I + L) u = beta (v - (k e^G) S0), where
+    L[i, j] = beta_i sum_d k_i k_j e^(G_i - G_j) for j < i; o = (q e^G) S0 + P u with
+    P[i, j] = sum_d q_i k_j e^(G_i - G_j) for j <= i; S_n = e^(G_n) S0 + (k e^(G_n - G))^T u."""
+    H, n, Dk = k.shape
+    Dv = v.shape[-1]
+    G = g.cumsum(1)  # (H, n, Dk)
+    lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()  # j <= i
+    diff = G[:, :, None, :] - G[:, None, :, :]  # (H, n, n, Dk): G_i - G_j
+    pair = diff.masked_fill(~lower[None, :, :, None], float("-inf")).exp()  # <= 1, 0 above diagonal
+    kk = ((k[:, :, None, :] * pair) * k[:, None, :, :]).sum(-1)  # (H, n, n)
+    qk = ((q[:, :, None, :] * pair) * k[:, None, :, :]).sum(-1)  # (H, n, n), lower incl. diagonal
+    b = beta[:, :, None]  # (H, n, 1)
+    A = torch.eye(n, dtype=k.dtype, device=k.device) + (b * kk).tril(-1)  # (H, n, n) unit lower
+    eG = G.exp()  # (H, n, Dk)
+    rhs = torch.cat([b * v, b * (k * eG)], dim=-1)  # (H, n, Dv + Dk)
+    sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    u0, w = sol.split([Dv, Dk], dim=-1)  # (H, n, Dv), (H, n, Dk)
+    u = u0 - w @ S  # (H, n, Dv)
+    o = (q * eG) @ S + qk @ u  # (H, n, Dv)
+    last = G[:, -1:, :]  # (H, 1, Dk)
+    S = last.transpose(1, 2).exp() * S + (k * (last - G).exp()).transpose(1, 2) @ u  # (H, Dk, Dv)
+    return o, S
+
+
+def kda_chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
+    """Same contract as `kda_recurrent` (no snapshots): (T, H, d) inputs, S (H, Dk, Dv)."""
+    outs = []
+    for a in range(0, q.shape[0], chunk):
+        rows = [t[a:a + chunk].transpose(0, 1) for t in (q, k, v, g, beta)]  # (H, n, d) / (H, n)
+        o, S = _chunk(*rows, S)
+        outs.append(o.transpose(0, 1))  # (n, H, Dv)
+    return torch.cat(outs), S
+
+
+@dataclass
+class KDAState:
+    """Recurrent state of one KDA layer + what rollback needs.
+
+    S (H, Dk, Dv) fp32; conv (K-1, 3Q): the last K-1 conv inputs; length: rows folded in.
+    Rollback keeps per-row snapshots of the last forward: snaps[j] = S after row snap_from+j-1
+    (snaps[0] = S before row snap_from), hist = conv inputs of positions [snap_from-K+1, end).
+    A forward of T <= snap_rows rows snapshots all its rows (snap_from = start), so any
+    rollback to [start, start + T] is an O(1) copy. A longer (chunked) forward snapshots its
+    last snap_rows rows only; rolling back further into it (a prefill) raises.
+
+    Why snapshots and not a re-scan from a saved pre-forward state: a verify round rolls
+    back on almost every partial accept, and a re-scan puts a second sequential pass (plus
+    keeping k, v, g, beta of every row) on the critical path between verify and the next
+    draft; the snapshot is one (H, Dk, Dv) copy per row written by the recurrent form the
+    verify rows take anyway (T <= 9), and rollback is a copy. The price is memory:
+    (snap_rows + 1) state matrices per layer, preallocated (static shapes, no allocation
+    per round)."""
+
+    S: torch.Tensor
+    conv: torch.Tensor
+    snaps: torch.Tensor
+    hist: torch.Tensor
+    length: int = 0
+    snap_from: int = 0
+
+    @classmethod
+    def alloc(cls, heads: int, dk: int, dv: int, conv_dim: int, kernel: int, snap_rows: int,
+              device, dtype) -> "KDAState":
+        f32 = torch.float32
+        return cls(
+            S=torch.zeros(heads, dk, dv, device=device, dtype=f32),
+            conv=torch.zeros(kernel - 1, conv_dim, device=device, dtype=dtype),
+            snaps=torch.zeros(snap_rows + 1, heads, dk, dv, device=device, dtype=f32),
+            hist=torch.zeros(kernel - 1 + snap_rows, conv_dim, device=device, dtype=dtype),
+        )
+
+    @property
+    def snap_rows(self) -> int:
+        return self.snaps.shape[0] - 1
+
+    def begin(self, start: int, rows: int) -> None:
+        if start != self.length:
+            self.rollback(start)  # a forward from an earlier row: the snapshot window decides
+
+    def rollback(self, new_len: int) -> None:
+        if new_len == self.length:
+            return
+        if new_len == 0:
+            self.reset()
+            return
+        if not self.snap_from <= new_len < self.length:
+            raise ValueError(
+                f"KDA state cannot roll back to {new_len}: snapshots cover rows "
+                f"[{self.snap_from}, {self.length}] of the last forward"
+            )
+        j = new_len - self.snap_from
+        self.S.copy_(self.snaps[j])
+        self.conv.copy_(self.hist[j:j + self.conv.shape[0]])
+        self.length = new_len
+
+    def reset(self) -> None:
+        self.S.zero_()
+        self.conv.zero_()
+        self.length = self.snap_from = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.S, self.conv, self.snaps, self.hist))
+
+    def advance(self, q, k, v, g, beta, xc: torch.Tensor) -> torch.Tensor:
+        """Fold T rows in from `length`. xc (K-1+T, 3Q): the conv inputs of positions
+        [length-K+1, length+T). Returns o (T, H, Dv)."""
+        T = q.shape[0]
+        tail = min(T, self.snap_rows)
+        head = T - tail
+        S, parts = self.S, []
+        if head:
+            o_head, S = kda_chunked(q[:head], k[:head], v[:head], g[:head], beta[:head], S)
+            parts.append(o_head)
+        o_tail, S = kda_recurrent(q[head:], k[head:], v[head:], g[head:], beta[head:], S, self.snaps)
+        parts.append(o_tail)
+        keep = xc[head:]  # (K-1+tail, 3Q): inputs of positions [snap_from-K+1, end)
+        self.hist[:keep.shape[0]].copy_(keep)
+        self.conv.copy_(xc[xc.shape[0] - self.conv.shape[0]:])
+        self.S.copy_(S)
+        self.snap_from = self.length + head
+        self.length += T
+        return torch.cat(parts) if head else o_tail
+
+
+class ForgetGate(nn.Module):
+    """g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), fp32, (T, H, D)."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, heads * head_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(heads * head_dim, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(1, 1, heads, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()  # (T, H*D)
+        g = g.view(x.shape[0], self.heads, self.head_dim)  # (T, H, D)
+        rate = self.A_log.float().view(self.heads, 1).exp()  # (H, 1)
+        return -rate * F.softplus(g, threshold=20.0)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm in fp32, times sigmoid(gate); back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KDA(nn.Module):
+    mixer_class = "kda"
+
+    def __init__(self, cfg: ModelConfig, spec: KimiSpec):
+        super().__init__()
+        h, H, D = cfg.hidden_size, spec.kda_heads, spec.kda_head_dim
+        self.H, self.D, self.Q, self.K = H, D, H * D, spec.conv_kernel
+        self.q_proj = nn.Linear(h, self.Q, bias=False)
+        self.k_proj = nn.Linear(h, self.Q, bias=False)
+        self.v_proj = nn.Linear(h, self.Q, bias=False)
+        self.conv1d = nn.Conv1d(3 * self.Q, 3 * self.Q, self.K, groups=3 * self.Q, bias=False)
+        self.forget_gate = ForgetGate(h, H, D)
+        self.b_proj = nn.Linear(h, H, bias=False)
+        self.g_a_proj = nn.Linear(h, D, bias=False)
+        self.g_b_proj = nn.Linear(D, self.Q, bias=False)
+        self.o_norm = GatedRMSNorm(D, spec.rms_eps)
+        self.o_proj = nn.Linear(self.Q, h, bias=False)
+
+    def new_state(self, capacity: int, device, dtype) -> KDAState:
+        return KDAState.alloc(self.H, self.D, self.D, 3 * self.Q, self.K, RECURRENT_MAX_ROWS, device, dtype)
+
+    def _conv(self, xc: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + silu: xc (K-1+T, 3Q) (the window, then the rows) -> (T, 3Q)."""
+        w = self.conv1d.weight  # (3Q, 1, K)
+        y = F.conv1d(xc.T[None].to(w.dtype), w, groups=w.shape[0])  # (1, 3Q, T)
+        return F.silu(y[0].T).to(xc.dtype)
+
+    def _qkv(self, x: torch.Tensor, state: KDAState | None):
+        """Returns q, k, v (T, H, D) fp32 (q, k normalised, q scaled) and the conv inputs xc."""
+        T = x.shape[0]
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (T, 3Q)
+        window = state.conv.to(mixed.dtype) if state is not None else mixed.new_zeros(self.K - 1, 3 * self.Q)
+        xc = torch.cat([window, mixed])  # (K-1+T, 3Q)
+        q, k, v = (t.reshape(T, self.H, self.D).float() for t in self._conv(xc).split(self.Q, dim=-1))
+        return l2norm(q) * self.D ** -0.5, l2norm(k), v, xc
+
+    def forward(self, x: torch.Tensor, ctx, state: KDAState | None) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden). With a state the rows continue it (from state.length,
+        which StageCache.begin set to the forward's start); without, a fresh sequence."""
+        T = x.shape[0]
+        q, k, v, xc = self._qkv(x, state)
+        g = self.forget_gate(x)  # (T, H, D)
+        beta = torch.sigmoid(self.b_proj(x)).float()  # (T, H)
+        tm = ctx.timer
+        if tm is None:
+            o = self._scan(q, k, v, g, beta, state, xc)
+        else:
+            tm.scan_begin()
+            o = self._scan(q, k, v, g, beta, state, xc)
+            tm.scan_end()
+        gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.H, self.D)  # (T, H, D)
+        o = self.o_norm(o.to(x.dtype), gate).reshape(T, self.Q)  # (T, Q)
+        return self.o_proj(o)
+
+    def _scan(self, q, k, v, g, beta, state: KDAState | None, xc) -> torch.Tensor:
+        if state is not None:
+            return state.advance(q, k, v, g, beta, xc)
+        S = q.new_zeros(self.H, self.D, self.D)
+        scan = kda_chunked if q.shape[0] > RECURRENT_MAX_ROWS else kda_recurrent
+        return scan(q, k, v, g, beta, S)[0]

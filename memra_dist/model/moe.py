@@ -1,0 +1,94 @@
+"""Kimi (DeepSeek-V3 style) MoE FFN: sigmoid router with a score-correction bias and grouped
+top-k, stacked SwiGLU experts, optional always-on shared experts.
+
+Parameter names mirror transformers' in-memory / `save_original_format=False` layout:
+`gate.weight` (E, H) + `gate.e_score_correction_bias` (E,) (both fp32, see loader.FP32_KEYS),
+`experts.gate_up_proj` (E, 2I, H) (gate rows first, then up), `experts.down_proj` (E, H, I),
+`shared_experts.{gate,up,down}_proj.weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .config import ModelConfig
+from .kimi_config import KimiSpec
+from .layers import SwiGLU
+
+__all__ = ["MoE", "Router", "Experts"]
+
+
+class Router(nn.Module):
+    """Scores in fp32: sigmoid(x W^T); choice = scores + bias, restricted to the best
+    `topk_group` groups (a group scores the sum of its two best choices); the chosen experts
+    weigh with their uncorrected scores, renormalised, times `routed_scale`."""
+
+    def __init__(self, hidden: int, spec: KimiSpec):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(spec.num_experts, hidden, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
+        self.spec = spec
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, H) -> (weights (T, k) fp32, expert ids (T, k))."""
+        s = self.spec
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
+        choice = scores + self.e_score_correction_bias
+        choice = self._group_filter(choice)
+        idx = choice.topk(s.top_k, dim=-1, sorted=False)[1]  # (T, k)
+        w = scores.gather(1, idx)  # (T, k)
+        if s.renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * s.routed_scale, idx
+
+    def _group_filter(self, choice: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        if s.n_group == 1:
+            return choice  # one group: the filter keeps everything
+        T = choice.shape[0]
+        grouped = choice.view(T, s.n_group, s.num_experts // s.n_group)  # (T, G, E/G)
+        gscore = grouped.topk(2, dim=-1)[0].sum(-1)  # (T, G)
+        keep = torch.zeros_like(gscore, dtype=torch.bool)
+        keep.scatter_(1, gscore.topk(s.topk_group, dim=-1, sorted=False)[1], True)
+        keep = keep[:, :, None].expand_as(grouped).reshape(T, s.num_experts)  # (T, E)
+        return choice.masked_fill(~keep, float("-inf"))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights; runs each expert that any row picked."""
+
+    def __init__(self, hidden: int, spec: KimiSpec):
+        super().__init__()
+        e, i = spec.num_experts, spec.moe_inter
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x (T, H), w / idx (T, k) -> (T, H): sum over a row's experts of w * expert(x)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():  # host sync: the experts hit (small T in decode)
+            rows, slot = torch.where(idx == e)  # (n,), (n,)
+            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, I) each
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # (n, H)
+            out.index_add_(0, rows, (y * w[rows, slot, None]).to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts (a SwiGLU of width moe_inter * n_shared, if any)."""
+
+    def __init__(self, cfg: ModelConfig, spec: KimiSpec):
+        super().__init__()
+        self.gate = Router(cfg.hidden_size, spec)
+        self.experts = Experts(cfg.hidden_size, spec)
+        if spec.n_shared > 0:  # zero shared experts: the reference's zero-width MLP adds 0
+            self.shared_experts = SwiGLU(cfg.hidden_size, spec.moe_inter * spec.n_shared)
+        self.has_shared = spec.n_shared > 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, H) -> (T, H)."""
+        w, idx = self.gate(x)
+        y = self.experts(x, w, idx)
+        return y + self.shared_experts(x) if self.has_shared else y
