@@ -72,7 +72,8 @@ class Experts(nn.Module):
             rows, slot = torch.where(idx == e)  # (n,), (n,)
             gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, I) each
             y = F.linear(F.silu(gate) * up, self.down_proj[e])  # (n, H)
-            out.index_add_(0, rows, (y * w[rows, slot, None]).to(out.dtype))
+            # index_put_ (accumulate), not index_add_: the latter costs ~50 ms a call on CPU torch 2.13
+            out.index_put_((rows,), (y * w[rows, slot, None]).to(out.dtype), accumulate=True)
         return out
 
 
