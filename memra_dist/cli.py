@@ -1,0 +1,97 @@
+"""`memra-dist`: generate, demo (and bench). Bad input: one stderr line, exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+from . import __version__
+from .errors import UserError
+
+__all__ = ["main", "build_parser"]
+
+EPILOG = """\
+environment:
+  MEMRA_SPEC_TRACE=1|2     trace level (MEMRA_GLM5_SPEC_TRACE is an alias); --trace-level beats it
+  MEMRA_SPEC_PROF=1        first-token profile + per-round depth log; --prof beats it
+  OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL (grpc | http/protobuf),
+  OTEL_EXPORTER_OTLP_HEADERS, OTEL_SERVICE_NAME   export spans over OTLP (standard SDK names);
+                           with no endpoint, traced runs write a run directory (OTLP JSON + Perfetto)
+  RAY_ADDRESS              with --pp > 1: join this Ray cluster (unset: start a local one)
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage + error)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
+    if not demo:
+        p.add_argument("--model", required=True, metavar="DIR", help="HF checkpoint directory (config.json + *.safetensors + tokenizer.json)")
+        p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64 if not demo else 96, metavar="N", help="tokens to generate (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1] (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="top-k sampling (default 0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    p.add_argument("--drafter", choices=["none", "ngram", "model", "replay"], default=None,
+                   help="none = plain decoding; ngram = prompt lookup; model = a draft checkpoint; "
+                        "replay = BENCHMARKING TOOL: a recorded greedy continuation, corrupted at --replay-corrupt")
+    p.add_argument("--draft-model", metavar="DIR", help="draft checkpoint (same vocabulary); implies --drafter model")
+    p.add_argument("-k", type=int, default=4, help="drafted tokens per round (default 4)")
+    p.add_argument("--replay-corrupt", type=float, default=0.2, metavar="R", help="replay drafter: per-token corruption rate")
+    p.add_argument("--ctx", type=int, metavar="N", help="session context rows (default: prompt + max-new + k + 1)")
+    p.add_argument("--burst-rounds", type=int, default=8, metavar="N", help="rounds per burst: lines, spans and token streaming happen per burst")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "auto"], default="auto", help="auto = fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (Ray actors, one device each); 1 = in-process")
+    p.add_argument("--stage-bounds", metavar="A,B,..", help="explicit first layer of stages 2..N (default: even split)")
+    p.add_argument("--trace-level", type=int, choices=[0, 1, 2], default=None, help="0 off, 1 phases, 2 + verify sub-split (beats MEMRA_SPEC_TRACE)")
+    p.add_argument("--prof", action="store_true", default=None, help="first-token profile + per-round depth log (beats MEMRA_SPEC_PROF)")
+    p.add_argument("--traceparent", metavar="TP", help="W3C traceparent to parent memra.request (or TRACEPARENT)")
+    p.add_argument("--trace-content", action="store_true", help="put prompt and output text on the request span (off: never exported)")
+    p.add_argument("--run-dir", metavar="DIR", help="where traced runs without an OTLP endpoint write spans (default ./runs/<time>)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object: token_ids, text, stats")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="memra-dist", description="Speculative-decoding LLM inference, every phase of a round traced.",
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"memra-dist {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate from a checkpoint directory", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_run_args(g, demo=False)
+    d = sub.add_parser("demo", help="the embedded default: tiny target + draft built once, a traced speculative run",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_run_args(d, demo=True)
+    d.add_argument("--prompt", default=None, help="prompt text (default: the start of a sentence the demo model knows)")
+    return p
+
+
+def _on_sigterm(signum, frame):
+    raise KeyboardInterrupt  # unwinds through the same flush-and-teardown path as Ctrl-C
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    from .app import run_command  # noqa: PLC0415 (keeps --help fast: no torch import)
+
+    try:
+        return run_command(args)
+    except UserError as e:
+        print(f"memra-dist: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("memra-dist: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Run configuration: one frozen dataclass built from the CLI (or the Python API), validated
+once. Environment flags (MEMRA_*) are read once in phase/levels.py; OTEL_* stay the SDK's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .errors import UserError
+from .phase.levels import TraceSettings
+from .spec.drafters import DRAFTERS
+from .spec.sampling import SamplingParams
+
+__all__ = ["RunConfig", "MAX_K"]
+
+MAX_K = 32  # verify rows per round beyond this stop paying on any drafter we ship
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str
+    drafter: str = "ngram"
+    draft_model: str | None = None
+    k: int = 4
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    device: str = "auto"
+    dtype: str | None = None
+    ctx: int | None = None  # session context rows; default prompt + max_new + k + 1
+    pp: int = 1
+    stage_bounds: tuple[int, ...] | None = None
+    burst_rounds: int = 8
+    replay_corrupt: float = 0.2
+    trace: TraceSettings = field(default_factory=TraceSettings)
+    trace_content: bool = False
+
+    def __post_init__(self):
+        if self.draft_model and self.drafter not in ("model",):
+            object.__setattr__(self, "drafter", "model")  # --draft-model implies --drafter model
+        if self.drafter not in DRAFTERS:
+            raise UserError(f"unknown drafter '{self.drafter}' (choose from {', '.join(DRAFTERS)})")
+        if self.drafter == "model" and not self.draft_model:
+            raise UserError("--drafter model needs --draft-model DIR")
+        if self.k < 1:
+            raise UserError(f"-k must be >= 1 (got {self.k})")
+        if self.k > MAX_K:
+            raise UserError(f"-k {self.k} is too large (at most {MAX_K} drafted tokens per round)")
+        if self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.pp < 1:
+            raise UserError(f"--pp must be >= 1 (got {self.pp})")
+        if self.burst_rounds < 1:
+            raise UserError(f"--burst-rounds must be >= 1 (got {self.burst_rounds})")
+        if not 0.0 <= self.replay_corrupt <= 1.0:
+            raise UserError(f"--replay-corrupt must be in [0, 1] (got {self.replay_corrupt})")
+        if self.ctx is not None and self.ctx < 2:
+            raise UserError(f"--ctx must be >= 2 (got {self.ctx})")
+
+    def capacity(self, prompt_len: int) -> int:
+        return self.ctx if self.ctx is not None else prompt_len + self.max_new_tokens + self.k + 1
+
+    def with_(self, **kw) -> "RunConfig":
+        return replace(self, **kw)

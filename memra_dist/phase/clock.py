@@ -1,0 +1,41 @@
+"""The phase clock: drain the streams of the engines that ran a phase, then stamp the time.
+
+Which streams each boundary drains (and why that bounds the phase):
+- The clock of a session drains its PRIMARY engine's stream (the target's first engine in
+  this process: the whole model at pp=1, the head at pp>1) and its HEAD engine's stream when
+  that is a different engine or device (the drafter's device when the drafter sits apart).
+  At pp=1 primary == head == one device, so a boundary is one drain.
+- draft: the drafter runs on the head's device, so the head drain bounds it.
+- verify: at pp>1 the head's verify walk ends by receiving the last stage's hidden rows and
+  running the lm_head on them; the receive cannot complete before every stage's forward
+  has, so the head's terminal drain covers all stage streams TRANSITIVELY (the seed's
+  argument). No stage is drained directly from here.
+- accept: host + head-device work (argmax / rejection sampling + readback): head drain.
+- rollback: head cache length change; at pp>1 the stages get the rollback command on
+  their own serial queue (host-only length change, no device work), so nothing to drain.
+- maint: drafter rollback / re-seed on the head's device: head drain.
+Only constructed when the clock is on (trace level >= 1 or the profile): level 0 has no
+clock object, hence no drains and no clock reads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+__all__ = ["PhaseClock"]
+
+
+class PhaseClock:
+    def __init__(self, drains: Sequence[Callable[[], None]], free_mb: Callable[[], dict[str, int]]):
+        self.drains = tuple(drains)
+        self.free_mb = free_mb  # device label -> free MB, for the devices of this process
+
+    def stamp(self) -> int:
+        for d in self.drains:
+            d()
+        return time.perf_counter_ns()
+
+    def lap_ms(self, since_ns: int) -> tuple[int, float]:
+        now = self.stamp()
+        return now, (now - since_ns) / 1e6

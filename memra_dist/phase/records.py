@@ -1,0 +1,66 @@
+"""What a round leaves behind when the clock is on: numbers only, filled in the round loop,
+turned into lines and spans after the burst (never inside it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RoundRecord", "BurstRecord", "PHASE_COUNT"]
+
+PHASE_COUNT = 5  # draft, verify, accept, rollback, maint
+
+
+@dataclass
+class RoundRecord:
+    """One round: six clock stamps (entry + the five boundaries, perf_counter ns) and the
+    numbers each phase span carries."""
+
+    index: int = 0
+    t: list[int] = field(default_factory=lambda: [0] * (PHASE_COUNT + 1))
+    k: int = 0  # drafted tokens that entered the verify
+    j: int = 0  # accepted drafts
+    ctx: int = 0  # committed target rows at round entry
+    free_mb: list[dict[str, int]] = field(default_factory=lambda: [{} for _ in range(PHASE_COUNT)])
+    sub_ns: dict[str, int] = field(default_factory=dict)  # level 2: kda/mla/attn/ffn/scan
+    seq_rows: int = 0
+
+    def phase_ns(self, i: int) -> int:
+        return self.t[i + 1] - self.t[i]
+
+    @property
+    def wall_ns(self) -> int:
+        return self.t[PHASE_COUNT] - self.t[0]
+
+
+@dataclass
+class BurstRecord:
+    """The rounds of one burst plus its bounds. `rounds` is a preallocated pool; `n` are live."""
+
+    index: int = 0
+    t0: int = 0
+    t1: int = 0
+    k: int = 0
+    rounds: list[RoundRecord] = field(default_factory=list)
+    n: int = 0
+    tokens: int = 0
+
+    def reset(self, index: int, k: int, capacity: int) -> None:
+        self.index, self.k, self.n, self.tokens = index, k, 0, 0
+        while len(self.rounds) < capacity:
+            self.rounds.append(RoundRecord())
+
+    def next_round(self) -> RoundRecord:
+        r = self.rounds[self.n]
+        self.n += 1
+        return r
+
+    def live(self) -> list[RoundRecord]:
+        return self.rounds[: self.n]
+
+    def totals_ns(self) -> list[int]:
+        """Per-phase ns summed over the live rounds (draft, verify, accept, rollback, maint)."""
+        out = [0] * PHASE_COUNT
+        for r in self.live():
+            for i in range(PHASE_COUNT):
+                out[i] += r.phase_ns(i)
+        return out

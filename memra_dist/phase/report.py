@@ -1,0 +1,61 @@
+"""Session sinks: the seed's stderr lines, and a fan-out to several sinks (lines + spans)."""
+
+from __future__ import annotations
+
+import sys
+
+from ..tracing.conventions import TAGS
+from .first_token import FirstTokenProf
+from .levels import TraceSettings
+from .lines import phase_line, phase_v_line
+from .records import BurstRecord
+from .rounds_log import RoundsLog
+
+__all__ = ["LineSink", "FanOut"]
+
+
+class LineSink:
+    """[spec-phase] per burst (level >= 1), [spec-phase-v] (level 2), [spec-prof] once per
+    request, [spec-prof-rounds] rows and one [spec-prof-summary] (profile on)."""
+
+    def __init__(self, settings: TraceSettings, out=None):
+        self.s = settings
+        self.out = out
+
+    def _print(self, line: str | None) -> None:
+        if line:
+            print(line, file=self.out or sys.stderr, flush=True)
+
+    def burst(self, rec: BurstRecord) -> None:
+        if self.s.level >= 1:
+            self._print(phase_line(rec))
+        if self.s.level >= 2:
+            self._print(phase_v_line(rec))
+
+    def first_token(self, prof: FirstTokenProf) -> None:
+        self._print(f"[{TAGS['prof']}] {prof.line()}")
+
+    def rounds(self, log: RoundsLog, final: bool) -> None:
+        base = log.printed
+        for i, row in enumerate(log.fresh()):
+            self._print(f"[{TAGS['prof_rounds']}] {row.line(base + i)}")
+        if final and not log.summarized:
+            log.summarized = True
+            self._print(f"[{TAGS['prof_summary']}] {log.summary()}")
+
+
+class FanOut:
+    def __init__(self, *sinks):
+        self.sinks = [s for s in sinks if s is not None]
+
+    def burst(self, rec):
+        for s in self.sinks:
+            s.burst(rec)
+
+    def first_token(self, prof):
+        for s in self.sinks:
+            s.first_token(prof)
+
+    def rounds(self, log, final):
+        for s in self.sinks:
+            s.rounds(log, final)

@@ -1,0 +1,1 @@
+"""Speculative decoding: acceptance (pure), drafters (one per file), the session."""

@@ -1,0 +1,44 @@
+"""The drafter interface every proposer implements (one proposer per file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingParams
+
+__all__ = ["Drafter", "Proposal", "EMPTY"]
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # (k',) int64 drafted ids, k' <= k (0 = plain decode this round)
+    q: torch.Tensor | None = None  # (k', V) draft probabilities; None = deterministic (one-hot)
+
+
+EMPTY = Proposal(torch.zeros(0, dtype=torch.long))
+
+
+class Drafter:
+    """Lifecycle per session: alloc(capacity) -> prime(prompt) -> rounds of
+    propose(context, k) ... maintain(context) (after each round's accept)."""
+
+    name = "base"
+    device: torch.device | None = None  # device the drafter's state lives on (None: host only)
+
+    def alloc(self, capacity: int) -> float:
+        """Allocate per-session state; returns the MB allocated (the profile's draft_kv_mb)."""
+        return 0.0
+
+    def prime(self, prompt: list[int]) -> None:
+        """Ingest the prompt (draft_prime)."""
+
+    def propose(self, context: list[int], k: int, sp: SamplingParams, gen: torch.Generator) -> Proposal:
+        raise NotImplementedError
+
+    def maintain(self, context: list[int]) -> None:
+        """Draft-source maintenance after a round: drop state past the committed context."""
+
+    def drain(self) -> None:
+        """Drain the drafter's device stream (a no-op for host-only drafters)."""

@@ -1,0 +1,254 @@
+"""The speculative session: prime on the prompt, then bursts of rounds
+draft K -> verify K+1 rows in one target forward -> accept -> rollback -> maint.
+
+The phase clock (phase/clock.py) runs only when tracing or the profile is on: at level 0
+each boundary costs one boolean test - no drains, no clock reads, no records. Records are
+numbers only; lines and spans are built from them by the sink after each burst.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from ..errors import UserError
+from ..phase.clock import PhaseClock
+from ..phase.first_token import FirstTokenProf
+from ..phase.levels import TraceSettings
+from ..phase.records import BurstRecord
+from ..phase.rounds_log import RoundProf, RoundsLog
+from ..phase.subsplit import SubsplitTimer
+from .accept import accept_greedy, accept_sampled
+from .drafters.base import Drafter
+from .sampling import SamplingParams, probs
+
+__all__ = ["SpecSession", "SessionStats", "Target", "SessionSink"]
+
+
+class Target(Protocol):
+    """The verifying engine(s): a local ModelRunner or the head side of a pipeline."""
+
+    def alloc(self, capacity: int) -> None: ...
+    def forward(self, ids: torch.Tensor, start: int, timer=None) -> torch.Tensor: ...  # (T, V) fp32
+    def rollback(self, new_len: int) -> None: ...
+    def drain(self) -> None: ...
+    def free_mb(self) -> int: ...
+    label: str
+
+
+class SessionSink(Protocol):
+    """Receives records after each burst (lines, spans, metrics). Never called mid-burst."""
+
+    def burst(self, rec: BurstRecord) -> None: ...
+    def first_token(self, prof: FirstTokenProf) -> None: ...
+    def rounds(self, log: RoundsLog, final: bool) -> None: ...
+
+
+@dataclass
+class SessionStats:
+    tokens: int = 0  # generated tokens (the anchor included)
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    bursts: int = 0
+    t_start: float = field(default_factory=time.perf_counter)
+    t_end: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return (self.tokens - 1) / self.rounds if self.rounds else 0.0
+
+    def as_dict(self) -> dict:
+        wall = (self.t_end or time.perf_counter()) - self.t_start
+        return {"tokens": self.tokens, "seconds": round(wall, 4),
+                "tok_per_s": round(self.tokens / wall, 2) if wall > 0 else 0.0,
+                "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": round(self.acceptance, 4), "tokens_per_round": round(self.tokens_per_round, 3)}
+
+
+class SpecSession:
+    def __init__(self, target: Target, drafter: Drafter, sp: SamplingParams, gen: torch.Generator,
+                 k: int, trace: TraceSettings = TraceSettings(), sink: SessionSink | None = None,
+                 eos_ids: tuple[int, ...] = ()):
+        if k < 1:
+            raise UserError(f"-k must be >= 1 (got {k})")
+        self.target, self.drafter, self.sp, self.gen, self.k = target, drafter, sp, gen, k
+        self.trace, self.sink, self.eos = trace, sink, set(eos_ids)
+        self.clock: PhaseClock | None = None
+        if trace.clock_on:
+            drains = [target.drain]
+            if drafter.device is not None and drafter.device != getattr(target, "device", None):
+                drains.append(drafter.drain)  # a drafter on its own device: drain it too
+            self.clock = PhaseClock(drains, self._free_mb)
+        self.timer = SubsplitTimer(target.drain) if trace.level >= 2 else None
+        self.prof = FirstTokenProf() if trace.prof else None
+        self.log = RoundsLog() if trace.prof else None
+        self.rec = BurstRecord()
+        self.tokens: list[int] = []
+        self.stats = SessionStats()
+        self.done = False
+
+    def _free_mb(self) -> dict[str, int]:
+        out = {self.target.label: self.target.free_mb()}
+        dev = getattr(self.drafter, "runner", None)
+        if dev is not None and dev.label not in out:
+            out[dev.label] = dev.free_mb()
+        return out
+
+    # ---- prime ----
+    def start(self, prompt: list[int], max_new: int, capacity: int) -> int:
+        """Allocate, prime target and drafter on the prompt, draw the first token (the anchor)."""
+        if not prompt:
+            raise UserError("the prompt is empty")
+        if max_new < 1:
+            raise UserError(f"--max-new-tokens must be >= 1 (got {max_new})")
+        if len(prompt) >= capacity:
+            raise UserError(f"the prompt ({len(prompt)} tokens) does not fit the context ({capacity})")
+        self.capacity, self.max_new, self.prompt_len = capacity, max_new, len(prompt)
+        c, pf = self.clock, self.prof
+        if pf is not None:
+            pf.free_mb_before = self._free_mb()
+            t = pf.t0_ns = c.stamp()
+        self.target.alloc(capacity)
+        if pf is not None:
+            t, pf.ms["cache_alloc"] = c.lap_ms(t)
+        logits = self.target.forward(torch.tensor(prompt), 0)[-1:]  # (1, V)
+        if pf is not None:
+            t, pf.ms["prime"] = c.lap_ms(t)
+        first = self._draw(logits)
+        if pf is not None:
+            t, pf.ms["anchor"] = c.lap_ms(t)
+        kv_mb = self.drafter.alloc(capacity)
+        if pf is not None:
+            t, pf.ms["draft_alloc"] = c.lap_ms(t)
+            pf.draft_kv_mb, pf.free_mb_after = kv_mb, self._free_mb()
+        self.drafter.prime(prompt)
+        if pf is not None:
+            t, pf.ms["draft_prime"] = c.lap_ms(t)
+        self.tokens = list(prompt) + [first]
+        self.stats = SessionStats(tokens=1, t_start=self.stats.t_start)
+        self._check_stop([first])
+        return first
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        if self.sp.greedy:
+            return int(logits[0].argmax())
+        return int(torch.multinomial(probs(logits, self.sp)[0].cpu(), 1, generator=self.gen))
+
+    def _check_stop(self, new: list[int]) -> list[int]:
+        for i, t in enumerate(new):
+            if t in self.eos:
+                self.done = True
+                return new[: i + 1]
+        if self.stats.tokens >= self.max_new or len(self.tokens) >= self.capacity:
+            self.done = True
+        return new
+
+    # ---- rounds ----
+    def burst(self, max_rounds: int, hook: Callable[[list[int]], None] | None = None) -> list[int]:
+        """Run up to `max_rounds` rounds (fewer if the request ends); the hook receives each
+        round's committed tokens as they are accepted. Returns the burst's tokens."""
+        out: list[int] = []
+        rec, c = self.rec, self.clock
+        if c is not None:
+            rec.reset(self.stats.bursts, self.k, max_rounds)
+        first = self.prof is not None and self.stats.bursts == 0
+        t_b0, hook_ns = time.perf_counter_ns(), 0
+        rec.t0 = t_b0
+        for _ in range(max_rounds):
+            if self.done:
+                break
+            new = self._round(rec if c is not None else None)
+            out.extend(new)
+            if hook is not None:
+                th = time.perf_counter_ns()
+                hook(new)
+                hook_ns += time.perf_counter_ns() - th
+        rec.t1 = time.perf_counter_ns()
+        self.stats.bursts += 1
+        if first:
+            self._finish_first_burst(rec, (rec.t1 - t_b0) / 1e6, hook_ns / 1e6, len(out))
+        if self.done:
+            self.stats.t_end = time.perf_counter()
+        if self.sink is not None and c is not None:
+            rec.tokens = len(out)
+            if self.trace.level >= 1:
+                self.sink.burst(rec)
+            if self.log is not None:
+                self.sink.rounds(self.log, final=self.done or not self.log.wants_more())
+        return out
+
+    def _round(self, rec: BurstRecord | None) -> list[int]:
+        n = len(self.tokens)
+        k = min(self.k, self.capacity - n, self.max_new - self.stats.tokens - 1)
+        c = self.clock
+        if rec is not None:
+            r = rec.next_round()
+            r.index, r.ctx = self.stats.rounds, n - 1
+            r.t[0] = time.perf_counter_ns()  # the previous boundary drained; the hook is host-only
+        prop = self.drafter.propose(self.tokens, max(k, 0), self.sp, self.gen) if k > 0 else None
+        drafts = prop.tokens[:k] if prop is not None else torch.zeros(0, dtype=torch.long)
+        kk = int(drafts.shape[0])
+        if rec is not None:
+            r.t[1], r.free_mb[0] = c.stamp(), c.free_mb()
+        ids = torch.cat([torch.tensor([self.tokens[-1]]), drafts])  # (kk+1,)
+        logits = self.target.forward(ids, n - 1, self.timer)  # (kk+1, V)
+        if rec is not None:
+            r.t[2], r.free_mb[1] = c.stamp(), c.free_mb()
+            if self.timer is not None:
+                r.sub_ns, r.seq_rows = self.timer.take()
+        if self.sp.greedy:
+            j, nxt = accept_greedy(logits, drafts)
+        else:
+            q = prop.q[:kk] if prop is not None and prop.q is not None else None
+            j, nxt, _kind = accept_sampled(probs(logits, self.sp), q, drafts, self.gen)
+        new = drafts[:j].tolist() + [nxt]
+        if rec is not None:
+            r.t[3], r.free_mb[2] = c.stamp(), c.free_mb()
+        self.target.rollback(n + j)  # keep the pending token + j accepted drafts
+        if rec is not None:
+            r.t[4], r.free_mb[3] = c.stamp(), c.free_mb()
+        new = self._commit(new)
+        self.drafter.maintain(self.tokens)
+        if rec is not None:
+            r.t[5], r.free_mb[4] = c.stamp(), c.free_mb()
+            r.k, r.j = kk, j
+            self._profile_round(r)
+        self.stats.rounds += 1
+        self.stats.drafted += kk
+        self.stats.accepted += j
+        return new
+
+    def _commit(self, new: list[int]) -> list[int]:
+        room = self.max_new - self.stats.tokens
+        new = new[:room]
+        self.tokens.extend(new)
+        self.stats.tokens += len(new)
+        return self._check_stop(new)
+
+    # ---- profile ----
+    def _profile_round(self, r) -> None:
+        if self.log is None:
+            return
+        ms = [r.phase_ns(i) / 1e6 for i in range(5)]
+        if self.stats.rounds == 0:
+            for name, v in zip(("first_draft", "first_verify", "first_accept", "first_roll", "first_maint"), ms):
+                self.prof.ms[name] = v
+            self.prof.first_round_tokens = r.j + 1
+            self.prof.round1_t0_ns = r.t[0]
+        self.log.push(RoundProf(wall_ms=r.wall_ns / 1e6, draft_ms=ms[0], verify_ms=ms[1], accept_ms=ms[2],
+                                rest_ms=ms[3] + ms[4], k=r.k, j=r.j, ctx=r.ctx, seq_rows=r.seq_rows))
+
+    def _finish_first_burst(self, rec, wall_ms, hook_ms, ntok) -> None:
+        pf = self.prof
+        pf.first_burst_ms, pf.first_burst_hook_ms = wall_ms, hook_ms
+        pf.first_burst_rounds, pf.first_burst_tokens = rec.n, ntok + 1  # + the anchor
+        if self.sink is not None:
+            self.sink.first_token(pf)

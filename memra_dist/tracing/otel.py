@@ -1,0 +1,213 @@
+"""Tracer provider and exporters, the ecosystem's way: the standard OTEL_* variables choose
+OTLP (gRPC or HTTP/protobuf), endpoint, headers and service name; with no endpoint, a run
+directory (tracing/files.py). Export runs on the BatchSpanProcessor's thread, never in the
+round loop; shutdown is bounded and reports spans it could not deliver."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlparse
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from ..errors import UserError
+from .conventions import ATTR, RESOURCE, SERVICE_NAME_DEFAULT, SPAN_REQUEST
+from .emit import SpanSink
+from .files import RunDirExporter
+
+__all__ = ["TracingSession", "make_provider", "otlp_endpoint", "parse_traceparent", "FLUSH_TIMEOUT_S"]
+
+FLUSH_TIMEOUT_S = float(os.environ.get("MEMRA_FLUSH_TIMEOUT_S", "5"))
+_PROP = TraceContextTextMapPropagator()
+
+
+def otlp_endpoint() -> str | None:
+    """The traces endpoint from the standard variables, validated (a one-line error if malformed)."""
+    ep = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not ep:
+        return None
+    u = urlparse(ep if "://" in ep else f"http://{ep}")
+    try:
+        port = u.port
+    except ValueError:
+        port = -1
+    if u.scheme not in ("http", "https") or not u.hostname or port == -1:
+        raise UserError(f"OTEL_EXPORTER_OTLP_ENDPOINT '{ep}' is malformed (expected e.g. http://127.0.0.1:4317)")
+    return ep
+
+
+class CountingExporter(SpanExporter):
+    """Wraps the real exporter and counts what it could not deliver."""
+
+    def __init__(self, inner: SpanExporter):
+        self.inner, self.sent, self.failed = inner, 0, 0
+
+    def export(self, spans):
+        try:
+            res = self.inner.export(spans)
+        except Exception:  # an exporter must never take the app down
+            res = SpanExportResult.FAILURE
+        if res == SpanExportResult.SUCCESS:
+            self.sent += len(spans)
+        else:
+            self.failed += len(spans)
+        return res
+
+    def shutdown(self):
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+def _otlp_exporter() -> SpanExporter:
+    proto = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    if proto == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+    elif proto == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+    else:
+        raise UserError(f"OTEL_EXPORTER_OTLP_PROTOCOL '{proto}' is not supported (grpc or http/protobuf)")
+    return OTLPSpanExporter()  # endpoint, headers, TLS and timeout from the OTEL_* variables
+
+
+def make_provider(role: str, run_dir: Path | None, stem: str = ""):
+    """(provider, counting exporter, run-dir exporter or None) for this process's role."""
+    res = Resource.create({
+        RESOURCE["service"]: os.environ.get("OTEL_SERVICE_NAME", SERVICE_NAME_DEFAULT),
+        RESOURCE["role"]: role, RESOURCE["host"]: socket.gethostname(), RESOURCE["pid"]: os.getpid()})
+    provider = TracerProvider(resource=res)
+    files = None
+    if otlp_endpoint():
+        inner = _otlp_exporter()
+    else:
+        inner = files = RunDirExporter(run_dir, stem)
+    counting = CountingExporter(inner)
+    provider.add_span_processor(BatchSpanProcessor(counting, max_queue_size=8192, schedule_delay_millis=500))
+    return provider, counting, files
+
+
+def shutdown_bounded(provider: TracerProvider, counting: CountingExporter, ended: int, timeout_s: float) -> int:
+    """Flush and shut down within `timeout_s`; returns spans not delivered."""
+    t = threading.Thread(target=lambda: (provider.force_flush(int(timeout_s * 1000)), provider.shutdown()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return max(0, ended - counting.sent)
+
+
+def parse_traceparent(tp: str | None):
+    """A W3C traceparent -> parent context; malformed = None with one warning line."""
+    if not tp:
+        return None
+    ctx = _PROP.extract({"traceparent": tp})
+    if not trace.get_current_span(ctx).get_span_context().is_valid:
+        print(f"memra-dist: warning: ignoring malformed traceparent '{tp}'", file=sys.stderr)
+        return None
+    return ctx
+
+
+class _Request:
+    def __init__(self, span, trace_content: bool):
+        self.span, self.trace_content = span, trace_content
+
+    def carrier(self) -> dict:
+        """The W3C context of this request, to carry in every command to an actor."""
+        c: dict = {}
+        if self.span is not None:
+            _PROP.inject(c, context=trace.set_span_in_context(self.span))
+        return c
+
+    def context(self):
+        return trace.set_span_in_context(self.span) if self.span is not None else None
+
+    def finish(self, result, text: str) -> None:
+        if self.span is None:
+            return
+        st = result.stats
+        self.span.set_attributes({ATTR["tokens"]: st["tokens"], ATTR["rounds"]: st["rounds"],
+                                  "memra.drafted": st["drafted"], "memra.accepted_total": st["accepted"]})
+        if self.trace_content:
+            self.span.set_attribute(ATTR["output"], text)
+
+
+class TracingSession:
+    """The driver's tracing for one CLI run. Disabled (no provider, no spans) at level 0
+    without the profile."""
+
+    def __init__(self, enabled: bool, run_dir: Path | None, parent):
+        self.enabled, self.run_dir, self.parent = enabled, run_dir, parent
+        self.provider = self.counting = self.files = None
+        self._sink: SpanSink | None = None
+        self._req: _Request | None = None
+        self.ended = 0
+
+    @classmethod
+    def open(cls, cfg, run_dir: str | None = None, traceparent: str | None = None) -> "TracingSession":
+        parent = parse_traceparent(traceparent or os.environ.get("TRACEPARENT"))
+        enabled = cfg.trace.level >= 1 or cfg.trace.prof
+        ep = otlp_endpoint()  # validated even when tracing is off: a bad variable is bad input
+        if not enabled:
+            return cls(False, None, parent)
+        rd = None if ep else Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        if rd is not None and run_dir is None:
+            rd = rd.with_name(f"{rd.name}-{os.getpid()}")
+        self = cls(True, rd, parent)
+        self.provider, self.counting, self.files = make_provider("driver", rd)
+        self.tracer = self.provider.get_tracer("memra_dist")
+        return self
+
+    @contextmanager
+    def request(self, cfg, prompt: str, n_prompt: int):
+        if not self.enabled:
+            yield _Request(None, False)
+            return
+        attrs = {ATTR["model"]: Path(cfg.model).name, ATTR["drafter"]: cfg.drafter, ATTR["k"]: cfg.k,
+                 ATTR["pp"]: cfg.pp, ATTR["trace_level"]: cfg.trace.level, ATTR["prompt_tokens"]: n_prompt}
+        if cfg.trace_content:
+            attrs[ATTR["prompt"]] = prompt
+        span = self.tracer.start_span(SPAN_REQUEST, context=self.parent, attributes=attrs)
+        self.ended += 1
+        self._req = _Request(span, cfg.trace_content)
+        self._sink = SpanSink(self.tracer, self._req.context())
+        try:
+            yield self._req
+        except BaseException as e:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, type(e).__name__))
+            raise
+        finally:
+            span.end()
+
+    def sink(self):
+        return _LazySink(self)
+
+    def close(self, interrupted: bool = False) -> None:
+        if not self.enabled:
+            return
+        made = self.ended + (self._sink.count if self._sink else 0)
+        dropped = shutdown_bounded(self.provider, self.counting, made, FLUSH_TIMEOUT_S)
+        if dropped:
+            print(f"memra-dist: warning: {dropped} of {made} spans were not delivered "
+                  f"(exporter unreachable or slow; flush bounded at {FLUSH_TIMEOUT_S:.0f}s)", file=sys.stderr)
+
+
+class _LazySink:
+    """Forwards to the request's SpanSink once the request span exists."""
+
+    def __init__(self, ts: TracingSession):
+        self.ts = ts
+
+    def __getattr__(self, name):
+        sink = self.ts._sink
+        if sink is None:
+            return lambda *a, **k: None
+        return getattr(sink, name)
