@@ -20,6 +20,7 @@ from memra_dist.errors import UserError  # noqa: E402
 from memra_dist.model import kda as kda_mod  # noqa: E402
 from memra_dist.model import mla as mla_mod  # noqa: E402
 from memra_dist.model.config import parse_config  # noqa: E402
+from memra_dist.model.kimi_config import KimiSpec  # noqa: E402
 from memra_dist.model.kda import KDA, KDAState, kda_chunked, kda_recurrent, l2norm  # noqa: E402
 from memra_dist.model.mla import MLA  # noqa: E402
 from memra_dist.model.moe import MoE  # noqa: E402
@@ -249,8 +250,6 @@ def test_config_parsing_and_errors():
         d.pop(k)
     d["linear_attn_config"] = {"head_dim": 8, "num_heads": 4}  # no layer lists: HF's default
     d["first_k_dense_replace"] = 2
-    from memra_dist.model.kimi_config import KimiSpec
-
     spec = KimiSpec.from_config(parse_config(d))
     assert spec.layer_types == ("linear_attention",) * 4
     assert spec.mlp_types == ("dense", "dense", "sparse", "sparse")

@@ -107,7 +107,7 @@ class KimiSpec:
     def from_raw(cls, d: dict, where: str) -> "KimiSpec":
         try:
             return cls._parse(d, where)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:  # AttributeError: a non-dict sub-config
             raise UserError(f"{where}: config.json has a malformed value ({e})") from None
 
     @classmethod
