@@ -16,6 +16,7 @@ from .phase.levels import resolve
 from .phase.report import FanOut, LineSink
 from .phase.share import ShareTable
 from .spec.sampling import SamplingParams
+from .tracing.metrics import MetricsSession
 from .tracing.otel import TracingSession
 
 __all__ = ["run_command", "config_from_args"]
@@ -72,30 +73,33 @@ def run_command(args) -> int:
         raise UserError("the prompt is empty after tokenizing")
     tracing = TracingSession.open(cfg, run_dir=args.run_dir, traceparent=args.traceparent)
     share = ShareTable() if cfg.trace.level >= 1 else None
-    sink = FanOut(LineSink(cfg.trace), tracing.sink(), share)
+    metrics = MetricsSession.open(cfg, tracing, getattr(args, "metrics_port", None), getattr(args, "metrics_hold", 0.0))
+    # driver-side sinks; at pp > 1 the head actor emits the round spans itself
+    local = FanOut(LineSink(cfg.trace), share, metrics.sink)
     dec = StreamDecoder(tok)
     stream = None if args.json else (lambda new: print(dec.push(new), end="", flush=True))
     ok = False
     try:
         with tracing.request(cfg, prompt, len(ids)) as req:
-            result = _run(cfg, ids, stream, sink, req)
+            result = _run(cfg, ids, stream, local, tracing, req)
             text = tok.decode(result.token_ids)
             req.finish(result, text)
         ok = True
     finally:
         tracing.close(interrupted=not ok)
+        metrics.close()
     _report(args, cfg, result, text, share, tracing)
     return 0
 
 
-def _run(cfg: RunConfig, ids, stream, sink, req):
+def _run(cfg: RunConfig, ids, stream, local: FanOut, tracing, req):
     if cfg.pp > 1:
         from .dist.engine import run_pipeline  # noqa: PLC0415 (Ray only when asked for)
 
-        return run_pipeline(cfg, ids, stream, req.carrier())
+        return run_pipeline(cfg, ids, stream, req.carrier(), tracing.run_dir, local)
     from .request import run_local  # noqa: PLC0415
 
-    return run_local(cfg, ids, stream, sink)
+    return run_local(cfg, ids, stream, FanOut(local, tracing.sink()))
 
 
 def _report(args, cfg, result, text, share, tracing) -> None:

@@ -1,0 +1,49 @@
+"""Tracing inside an actor: its own provider (resource memra.role), the driver's W3C context
+as parent, stage-forward records turned into spans at the end of a request, and a bounded
+flush before teardown (a BatchSpanProcessor loses buffered spans on ray.kill)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from ..tracing.conventions import ATTR, SPAN_STAGE_FORWARD, free_mb_attr
+from ..tracing.otel import FLUSH_TIMEOUT_S, make_provider, shutdown_bounded
+
+__all__ = ["ActorTracing"]
+
+
+class ActorTracing:
+    def __init__(self, role: str, stage: int, run_dir: str | None, enabled: bool):
+        self.enabled = enabled
+        self.stage = stage
+        if enabled:
+            stem = f"{role}{stage}-"
+            self.provider, self.counting, self.files = make_provider(role, Path(run_dir) if run_dir else None, stem)
+            self.tracer = self.provider.get_tracer("memra_dist")
+        self.made = 0
+        self.offset = time.time_ns() - time.perf_counter_ns()
+
+    @staticmethod
+    def parent(carrier: dict):
+        return TraceContextTextMapPropagator().extract(carrier or {})
+
+    def stage_spans(self, carrier: dict, records: list[tuple]) -> None:
+        """records: (t0_ns, t1_ns, start, rows, round, free_mb, label) per forward."""
+        if not self.enabled:
+            return
+        ctx = self.parent(carrier)
+        for t0, t1, start, rows, rnd, mb, label in records:
+            s = self.tracer.start_span(SPAN_STAGE_FORWARD, context=ctx, start_time=t0 + self.offset, attributes={
+                ATTR["stage"]: self.stage, ATTR["rows"]: rows, ATTR["ctx"]: start, ATTR["round"]: rnd,
+                ATTR["phase"]: "verify" if rnd >= 0 else "prime", free_mb_attr(label): mb})
+            s.end(end_time=t1 + self.offset)
+            self.made += 1
+
+    def close(self, extra_made: int = 0) -> int:
+        """Flush within the bound; returns spans not delivered."""
+        if not self.enabled:
+            return 0
+        return shutdown_bounded(self.provider, self.counting, self.made + extra_made, FLUSH_TIMEOUT_S)

@@ -1,0 +1,157 @@
+"""The driver of the ppN split: start or join Ray, place the actors (one GPU per stage,
+placement-group based), bootstrap the process group from inside the actors, run the request
+a burst per Ray call, stream tokens, and tear everything down (also on errors and Ctrl-C)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ..config import RunConfig
+from ..errors import UserError
+from ..model.config import load_config
+from ..request import Result, plan_capacity
+from .partition import partition
+from .setup_hook import HOOK
+from .transport import PG_TIMEOUT_S
+
+__all__ = ["run_pipeline", "Pipeline"]
+
+_OTEL_PASS = ("OTEL_", "MEMRA_")
+
+
+def _runtime_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k.startswith(_OTEL_PASS)}
+    return {"worker_process_setup_hook": HOOK, "env_vars": env}
+
+
+def _ray_up():
+    """(ray, started_here). Joins RAY_ADDRESS when set; else a local single-node Ray."""
+    import ray  # noqa: PLC0415
+
+    if ray.is_initialized():
+        return ray, False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=_runtime_env(), log_to_driver=True)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, runtime_env=_runtime_env(),
+                 log_to_driver=True, configure_logging=False)
+    return ray, True
+
+
+class Pipeline:
+    """The actors of one ppN split, placed and connected."""
+
+    def __init__(self, cfg: RunConfig, capacity: int, run_dir: str | None):
+        import ray  # noqa: PLC0415
+        from ray.util.placement_group import placement_group  # noqa: PLC0415
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        from .actors import HeadWorker, StageWorker  # noqa: PLC0415
+
+        self.ray = ray
+        mcfg = load_config(cfg.model)
+        stages = partition(mcfg.num_layers, cfg.pp, cfg.stage_bounds)
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        use_gpu = gpus > 0 and cfg.device != "cpu"
+        if cfg.device.startswith("cuda") and gpus == 0:
+            raise UserError("--device cuda: the Ray cluster has no GPUs")
+        if use_gpu and gpus < cfg.pp:
+            raise UserError(f"--pp {cfg.pp} needs {cfg.pp} GPUs (one per stage); the Ray cluster has {gpus}")
+        self.pg = None
+        opts = []
+        if use_gpu:
+            self.pg = placement_group([{"GPU": 1, "CPU": 1}] * cfg.pp, strategy="PACK")
+            ray.get(self.pg.ready(), timeout=120)
+            opts = [dict(num_gpus=1, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=i)) for i in range(cfg.pp)]
+        else:
+            opts = [dict(num_cpus=1)] * cfg.pp
+        world = cfg.pp
+        first, last = stages[-1]
+        self.head = ray.remote(HeadWorker).options(**opts[0]).remote(
+            cfg, 0, world, cfg.pp - 1, first, last, capacity, run_dir)
+        self.stages = [ray.remote(StageWorker).options(**opts[r]).remote(
+            cfg, r, world, r - 1, stages[r - 1][0], stages[r - 1][1], capacity, run_dir) for r in range(1, world)]
+        addr, port = ray.get(self.head.address.remote())
+        ray.get([a.connect.remote(addr, port, PG_TIMEOUT_S) for a in [self.head, *self.stages]])
+
+    def all(self):
+        return [self.head, *self.stages]
+
+    def close(self) -> int:
+        """Flush every actor's spans (bounded), destroy the process group, kill the actors."""
+        ray, dropped = self.ray, 0
+        try:
+            dropped = sum(ray.get([a.close.remote() for a in self.all()], timeout=30))
+        except Exception:  # a dead actor cannot flush; the rest already did
+            pass
+        for a in self.all():
+            ray.kill(a)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+
+            remove_placement_group(self.pg)
+        return dropped
+
+
+def _stage_failure(ray, pipe: Pipeline, serving) -> str | None:
+    """Names the first stage whose serve loop died (None if all are alive)."""
+    done, _ = ray.wait(serving, num_returns=len(serving), timeout=0)
+    for i, ref in enumerate(serving):
+        if ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 (report whatever killed it)
+                return f"pipeline stage {i} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return None
+
+
+def run_pipeline(cfg: RunConfig, prompt: list[int], stream=None, carrier: dict | None = None,
+                 run_dir: str | None = None, sink=None) -> Result:
+    """One request through a ppN split. `sink` (driver-side) gets each burst's records for
+    lines / the share table / metrics; the head and the stages emit their own spans."""
+    mcfg = load_config(cfg.model)
+    partition(mcfg.num_layers, cfg.pp, cfg.stage_bounds)  # bad --pp / bounds: refuse before Ray starts
+    capacity = plan_capacity(cfg, mcfg, len(prompt))
+    ray, started = _ray_up()
+    pipe = None
+    try:
+        pipe = Pipeline(cfg, capacity, str(run_dir) if run_dir else None)
+        serving = [s.serve.remote(carrier or {}) for s in pipe.stages]
+        try:
+            out = [ray.get(pipe.head.start.remote(carrier or {}, prompt, capacity))]
+            if stream:
+                stream(out)
+            done = False
+            while not done:
+                toks, done, rec, prof, log = ray.get(pipe.head.burst.remote())
+                _feed(sink, rec, prof, log)
+                out.extend(toks)
+                if stream and toks:
+                    stream(toks)
+            stats = ray.get(pipe.head.finish.remote())
+            ray.get(serving, timeout=PG_TIMEOUT_S)
+        except ray.exceptions.RayError as e:
+            why = _stage_failure(ray, pipe, serving) or f"pipeline head failed: {str(e).splitlines()[0][:300]}"
+            raise UserError(why) from None
+        return Result(out, stats)
+    finally:
+        if pipe is not None:
+            dropped = pipe.close()
+            if dropped:
+                print(f"memra-dist: warning: {dropped} actor spans were not delivered", file=sys.stderr)
+        if started:
+            ray.shutdown()
+
+
+def _feed(sink, rec, prof, log) -> None:
+    if sink is None:
+        return
+    if prof is not None:
+        sink.first_token(prof)
+    if rec is not None:
+        sink.burst(rec)
+    if log is not None:
+        sink.rounds(*log)

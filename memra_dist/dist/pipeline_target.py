@@ -1,0 +1,60 @@
+"""The head's view of the pipeline: a `Target` (spec/session.py) whose forward walks the ring.
+
+The head holds the LAST stage's layers plus the final norm and lm_head, so a forward sends
+the command and the token ids to rank 1 (stage 0), receives the hidden rows of the
+second-to-last stage, and finishes the walk locally. Verify's clock (phase/clock.py) then
+drains only the head's stream: the receive cannot complete before every stage's forward
+has, so that terminal drain covers the stage streams transitively.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine import ModelRunner
+from ..phase.subsplit import SUB_BUCKETS
+from .transport import Flag, Link, Op
+
+__all__ = ["PipelineTarget"]
+
+
+class PipelineTarget:
+    def __init__(self, link: Link, runner: ModelRunner, traced: bool):
+        self.link, self.runner, self.traced = link, runner, traced
+        self.device, self.label = runner.device, runner.label
+        self.drain = runner.drain
+        self.hidden = runner.cfg.hidden_size
+        self.round = -1  # one target forward per round: -1 = the prime, then round 0, 1, ...
+
+    def alloc(self, capacity: int) -> None:
+        self.link.send_cmd(Op.ALLOC, capacity)
+        self.runner.alloc(capacity)
+        self.round = -1
+
+    @property
+    def length(self) -> int:
+        return self.runner.length
+
+    def forward(self, ids: torch.Tensor, start: int, timer=None) -> torch.Tensor:
+        rows = ids.shape[0]
+        flags = (Flag.TRACED if self.traced else 0) | (Flag.TIMED if timer is not None else 0)
+        self.link.send_cmd(Op.FORWARD, start, rows, flags, self.round)
+        self.round += 1
+        self.link.send(ids.to(self.device))
+        h = self.link.recv((rows, self.hidden), self.runner.dtype)  # (rows, H) from the last remote stage
+        if timer is not None:
+            sub = self.link.recv((len(SUB_BUCKETS),), torch.long).tolist()
+            for b, ns in zip(SUB_BUCKETS, sub):
+                timer.ns[b] += ns
+        return self.runner.forward(h, start, timer)
+
+    def rollback(self, new_len: int) -> None:
+        # the stages apply it in order on their own serial queue: host-only, nothing to drain
+        self.link.send_cmd(Op.ROLLBACK, new_len)
+        self.runner.rollback(new_len)
+
+    def free_mb(self) -> int:
+        return self.runner.free_mb()
+
+    def end(self) -> None:
+        self.link.send_cmd(Op.END)
