@@ -1,0 +1,104 @@
+"""Acceptance rules on hand-made tables: greedy (exact j and next token) and rejection
+sampling (exact cases where the outcome is forced, and the vocabulary accepted / recovered /
+bonus)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memra_dist.spec.accept import BONUS, RECOVERED, accept_greedy, accept_sampled
+
+
+def onehot_logits(rows: list[int], vocab: int = 8) -> torch.Tensor:
+    """(len(rows), vocab) logits whose argmax per row is the given id."""
+    x = torch.zeros(len(rows), vocab)
+    for i, t in enumerate(rows):
+        x[i, t] = 5.0
+    return x
+
+
+@pytest.mark.parametrize(
+    "preds, drafts, j, nxt",
+    [
+        ([3, 4, 5, 6], [3, 4, 5], 3, 6),  # all accepted: bonus from the last row
+        ([3, 4, 5, 6], [1, 4, 5], 0, 3),  # first rejected: later matches do not count
+        ([3, 4, 5, 6], [3, 1, 5], 1, 4),  # rejected at 1: the correction is row 1's argmax
+        ([3, 4, 5, 6], [3, 4, 1], 2, 5),
+        ([7], [], 0, 7),  # K = 0: plain decode, next = row 0's argmax
+        ([2, 2], [2], 1, 2),
+    ],
+)
+def test_accept_greedy_table(preds, drafts, j, nxt):
+    got = accept_greedy(onehot_logits(preds), torch.tensor(drafts, dtype=torch.long))
+    assert got == (j, nxt)
+
+
+def _p(rows):
+    t = torch.tensor(rows, dtype=torch.float32)
+    return t / t.sum(-1, keepdim=True)
+
+
+def test_sampled_forced_accept_all_gives_bonus_from_last_row():
+    # p(d_i) = q(d_i) = 1: every u <= 1 accepts; the bonus row is one-hot on token 2
+    p = _p([[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0]])
+    q = _p([[0, 1, 0, 0], [1, 0, 0, 0]])
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        assert accept_sampled(p, q, torch.tensor([1, 0]), g) == (2, 2, BONUS)
+
+
+def test_sampled_forced_reject_recovers_from_residual():
+    # p(d_0) = 0 -> always rejected; residual max(p - q, 0) is one-hot on token 3
+    p = _p([[0, 0, 1, 1], [1, 1, 1, 1]])
+    q = _p([[1, 0, 1, 0]])
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        assert accept_sampled(p, q, torch.tensor([0]), g) == (0, 3, RECOVERED)
+
+
+def test_sampled_one_hot_draft_never_recovers_the_rejected_token():
+    # deterministic drafter (q = None): p(d) = 0.5 -> accepted about half the time; when
+    # rejected, the recovered token is drawn from p with d removed -> never d itself
+    p = _p([[1, 1, 0, 0], [0, 0, 0, 1]])
+    kinds = {RECOVERED: 0, BONUS: 0}
+    for seed in range(400):
+        g = torch.Generator().manual_seed(seed)
+        j, nxt, kind = accept_sampled(p, None, torch.tensor([0]), g)
+        kinds[kind] += 1
+        if kind == RECOVERED:
+            assert (j, nxt) == (0, 1)
+        else:
+            assert (j, nxt) == (1, 3)
+    assert 150 < kinds[BONUS] < 250  # binomial(400, 0.5): +-5 sigma
+
+
+def test_sampled_rejection_stops_at_first_reject():
+    # d_0 certain (p = q = 1 on it), d_1 impossible under p: j == 1, recovered from row 1
+    p = _p([[1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]])
+    q = _p([[1, 0, 0, 0], [0, 1, 0, 0]])
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        assert accept_sampled(p, q, torch.tensor([0, 1]), g) == (1, 2, RECOVERED)
+
+
+def test_sampled_p_equals_q_never_rejects():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(4, 6), -1)
+    q = p[:3].clone()
+    for seed in range(50):
+        g = torch.Generator().manual_seed(seed)
+        d = torch.multinomial(q, 1, generator=g)[:, 0]
+        j, _, kind = accept_sampled(p, q, d, g)
+        assert (j, kind) == (3, BONUS)
+
+
+def test_sampled_is_reproducible_with_the_same_generator():
+    torch.manual_seed(1)
+    p = torch.softmax(torch.randn(5, 10), -1)
+    q = torch.softmax(torch.randn(4, 10), -1)
+    d = torch.tensor([1, 2, 3, 4])
+    a = [accept_sampled(p, q, d, torch.Generator().manual_seed(s)) for s in range(30)]
+    b = [accept_sampled(p, q, d, torch.Generator().manual_seed(s)) for s in range(30)]
+    assert a == b
+    assert len(set(a)) > 1  # the generator does drive the outcome
