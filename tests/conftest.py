@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny HF checkpoints saved with transformers' save_pretrained, each with a
+tokenizer.json, so every test loads real files through the real loader."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+VOCAB = 128
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def save_hf(path, arch: str, seed: int = 0, **kw):
+    """A tiny random `arch` checkpoint (llama | qwen2 | qwen3) + tokenizer.json at `path`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    from memra_dist.model.tiny import train_tokenizer
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    shape = {**SHAPE, **kw}
+    if arch == "qwen3":
+        shape.setdefault("head_dim", 16)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cls(**shape)).float().eval()
+    with torch.no_grad():  # bigger weights than the default init: sharper, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(path))
+    train_tokenizer(vocab_size=shape["vocab_size"]).save(str(path / "tokenizer.json"))
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    cache = {}
+
+    def make(arch: str = "llama", seed: int = 0, **kw):
+        key = (arch, seed, tuple(sorted(kw.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"{arch}-{seed}")
+            cache[key] = save_hf(d, arch, seed, **kw)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama(ckpt_factory):
+    return ckpt_factory("llama")[0]
+
+
+@pytest.fixture(scope="session")
+def draft_llama(ckpt_factory):
+    """A smaller draft of the same vocabulary."""
+    return ckpt_factory("llama", seed=1, num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                        num_attention_heads=2, num_key_value_heads=1)[0]
