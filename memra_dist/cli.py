@@ -57,6 +57,9 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--trace-content", action="store_true", help="put prompt and output text on the request span (off: never exported)")
     p.add_argument("--run-dir", metavar="DIR", help="where traced runs without an OTLP endpoint write spans (default ./runs/<time>)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object: token_ids, text, stats")
+    p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus metrics on 127.0.0.1:N (0 = any free port)")
+    p.add_argument("--metrics-hold", type=float, default=0.0, metavar="S",
+                   help="keep the metrics endpoint up S seconds after the run, for a last scrape (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
