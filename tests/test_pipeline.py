@@ -1,0 +1,138 @@
+"""The ppN split on CPU with a real local Ray: token-identical to pp=1, no leaks, one trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memra_dist.config import RunConfig
+from memra_dist.errors import UserError
+from memra_dist.request import run_local
+from memra_dist.spec.sampling import SamplingParams
+
+PROMPT = [5, 9, 17, 5, 9, 23, 40, 5, 9]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    from memra_dist.dist.engine import _runtime_env
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env=_runtime_env(), configure_logging=False,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _cfg(model, **kw):
+    base = dict(model=str(model), max_new_tokens=16, device="cpu", k=3)
+    return RunConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_greedy_pp_token_identical(ray_local, llama, draft_llama, drafter):
+    from memra_dist.dist.engine import run_pipeline
+
+    extra = {"draft_model": str(draft_llama)} if drafter == "model" else {}
+    ref = run_local(_cfg(llama, drafter=drafter, **extra), PROMPT).token_ids
+    for pp in (2, 3):
+        got = run_pipeline(_cfg(llama, drafter=drafter, pp=pp, **extra), PROMPT).token_ids
+        assert got == ref, f"pp={pp} drafter={drafter}"
+
+
+def test_greedy_pp_matches_transformers(ray_local, ckpt_factory):
+    import torch
+
+    from memra_dist.dist.engine import run_pipeline
+
+    path, model = ckpt_factory("qwen3")
+    got = run_pipeline(_cfg(path, drafter="ngram", pp=2, max_new_tokens=12), PROMPT).token_ids
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):].tolist()
+    assert got == ref
+
+
+def test_sampled_identical_across_pp(ray_local, llama, draft_llama):
+    from memra_dist.dist.engine import run_pipeline
+
+    sp = SamplingParams(temperature=0.9, top_p=0.95)
+    cfg = _cfg(llama, draft_model=str(draft_llama), sampling=sp, seed=7, max_new_tokens=20)
+    ref = run_local(cfg, PROMPT)
+    got = run_pipeline(cfg.with_(pp=2), PROMPT)
+    assert got.token_ids == ref.token_ids
+    assert got.stats["accepted"] == ref.stats["accepted"]
+
+
+def test_stage_bounds_explicit(ray_local, llama):
+    from memra_dist.dist.engine import run_pipeline
+
+    ref = run_local(_cfg(llama, drafter="ngram"), PROMPT).token_ids
+    assert run_pipeline(_cfg(llama, drafter="ngram", pp=2, stage_bounds=(1,)), PROMPT).token_ids == ref
+
+
+def test_nothing_left_after_a_run(ray_local, llama):
+    import time
+
+    import ray._private.state as gcs  # the GCS actor table (the state API needs the dashboard)
+    import torch.distributed as dist
+
+    from memra_dist.dist.engine import run_pipeline
+
+    before = set(gcs.actors())
+    run_pipeline(_cfg(llama, drafter="ngram", pp=3), PROMPT)
+    ours = {k: v for k, v in gcs.actors().items() if k not in before}
+    assert len(ours) == 3  # the head + two stage actors of this run
+    deadline = time.time() + 10
+    while any(v["State"] != "DEAD" for v in gcs.actors().values()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert {k: v["State"] for k, v in gcs.actors().items() if k in ours} == dict.fromkeys(ours, "DEAD")
+    assert not dist.is_initialized()  # the driver never joins the group
+
+
+def test_pp_larger_than_layers_refused_before_ray(llama):
+    from memra_dist.dist.engine import run_pipeline
+
+    with pytest.raises(UserError, match="larger than the model's 4 layers"):
+        run_pipeline(_cfg(llama, pp=5), PROMPT)
+
+
+def test_cli_pp2_one_trace_across_actors(llama, tmp_path):
+    """The CLI starts a local Ray itself, runs pp=2 at level 1 and shuts Ray down; the
+    driver, the stage actor and the head write spans of ONE trace, parents right."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RAY_ADDRESS", "MEMRA_"))}
+    p = subprocess.run([sys.executable, "-m", "memra_dist.cli", "generate", "--model", str(llama), "--prompt",
+                        "The phase clock drains", "--pp", "2", "--trace-level", "1", "--max-new-tokens", "12",
+                        "--device", "cpu", "--run-dir", str(run_dir), "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert len(out["token_ids"]) == 12
+    spans = {}
+    for f in sorted(Path(run_dir).glob("*spans.otlp.json")):
+        for rs in json.loads(f.read_text())["resourceSpans"]:
+            role = {a["key"]: a["value"] for a in rs["resource"]["attributes"]}["memra.role"]["stringValue"]
+            for ss in rs["scopeSpans"]:
+                for s in ss["spans"]:
+                    spans.setdefault(role, []).append(s)
+    assert set(spans) == {"driver", "stage", "head"}
+    assert len({s["traceId"] for ss in spans.values() for s in ss}) == 1
+    (req,) = [s for s in spans["driver"] if s["name"] == "memra.request"]
+    by_id = {s["spanId"]: s for ss in spans.values() for s in ss}
+    for s in spans["head"]:
+        if s["name"] == "spec.burst":
+            assert s["parentSpanId"] == req["spanId"]
+        if s["name"] in ("spec.draft", "spec.verify"):
+            assert by_id[s["parentSpanId"]]["name"] == "spec.round"
+            assert any(a["key"] == "memra.free_mb.cpu" for a in s["attributes"])
+    stage_spans = [s for s in spans["stage"] if s["name"] == "stage.forward"]
+    assert stage_spans and all(s["parentSpanId"] == req["spanId"] for s in stage_spans)
+    for s in stage_spans:
+        attrs = {a["key"]: a["value"] for a in s["attributes"]}
+        assert attrs["memra.stage"]["intValue"] in ("0", 0)
+        assert int(attrs["memra.free_mb.cpu"]["intValue"]) > 0
