@@ -9,7 +9,7 @@ from __future__ import annotations
 __all__ = [
     "SPAN_REQUEST", "SPAN_BURST", "SPAN_ROUND", "PHASES", "PHASE_SPANS", "VERIFY_SUB_SPANS",
     "SPAN_FIRST_TOKEN", "TTFT_BUCKETS", "ttft_span", "SPAN_STAGE_FORWARD", "ATTR", "RESOURCE",
-    "free_mb_attr", "METRICS", "METRIC_ATTR", "METRIC_META", "TAGS", "MIXER_CLASSES", "SERVICE_NAME_DEFAULT",
+    "free_mb_attr", "METRICS", "METRIC_ATTR", "METRIC_META", "SPANMETRICS", "SPANMETRICS_NAMESPACE", "TAGS", "MIXER_CLASSES", "SERVICE_NAME_DEFAULT",
 ]
 
 SERVICE_NAME_DEFAULT = "memra-dist"
@@ -96,8 +96,8 @@ METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memr
 # kind, UCUM unit and description of each instrument (docs/metrics.md and the dashboards read
 # these; the Prometheus form of a name adds the unit word and _total / _bucket suffixes)
 METRIC_META = {
-    "phase_duration": ("histogram", "ms", "Phase wall time per round, by phase (memra.phase: draft | verify | accept | rollback | maint)."),
-    "verify_sub_duration": ("histogram", "ms", "Level-2 verify sub-bucket time per round, by memra.bucket (kda | mla | attn | ffn | rest)."),
+    "phase_duration": ("histogram", "ms", "Phase wall time per round, by phase (memra.phase: draft, verify, accept, rollback, maint)."),
+    "verify_sub_duration": ("histogram", "ms", "Level-2 verify sub-bucket time per round, by memra.bucket (kda, mla, attn, ffn, rest)."),
     "drafted": ("counter", "{token}", "Drafted tokens that entered a verify."),
     "accepted": ("counter", "{token}", "Drafted tokens the verify accepted."),
     "tokens_per_round": ("histogram", "{token}", "Tokens committed per round (accepted drafts + the bonus/recovered token)."),
@@ -107,6 +107,11 @@ METRIC_META = {
     "slow_rounds": ("counter", "{round}", "Rounds whose wall time is past 1.5x the median round of their burst."),
     "round_duration": ("histogram", "ms", "Round wall time (draft through maint)."),
 }
+
+# The Collector's spanmetrics connector turns our spans into these (namespace set in
+# cluster/observability/otel-collector.yaml; Prometheus label span_name = a span name above)
+SPANMETRICS_NAMESPACE = "traces.span.metrics"
+SPANMETRICS = {"duration": SPANMETRICS_NAMESPACE + ".duration", "calls": SPANMETRICS_NAMESPACE + ".calls"}
 
 # ---- stderr line tags (the seed's grep shapes) ----
 TAGS = {

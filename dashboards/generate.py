@@ -1,0 +1,232 @@
+"""Generate the Grafana dashboard (dashboards/memra-spec.json) and docs/metrics.md from the
+one name registry (memra_dist.tracing.conventions), so neither can name a metric, label or
+span the engine does not emit.
+
+    python dashboards/generate.py          # rewrite both files
+    python dashboards/generate.py --check  # exit 1 if either is stale (tests/test_dashboards.py)
+
+Datasource uids `prometheus` and `tempo` are the ones cluster/observability provisions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from memra_dist.tracing.conventions import (ATTR, METRIC_ATTR, METRIC_META, METRICS, PHASE_SPANS, PHASES,
+                                            SPAN_ROUND, SPANMETRICS, TTFT_BUCKETS, VERIFY_SUB_SPANS)
+from memra_dist.tracing.metrics import SLOW_FACTOR, prometheus_name
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "dashboards" / "memra-spec.json"
+DOC = ROOT / "docs" / "metrics.md"
+PROM = {"type": "prometheus", "uid": "prometheus"}
+TEMPO = {"type": "tempo", "uid": "tempo"}
+RI = "$__rate_interval"
+
+
+def label(key: str) -> str:
+    """A metric attribute's Prometheus label name."""
+    return METRIC_ATTR[key].replace(".", "_")
+
+
+def m(key: str, suffix: str = "") -> str:
+    return prometheus_name(key) + suffix
+
+
+def spanmetric(key: str, suffix: str) -> str:
+    base = SPANMETRICS[key].replace(".", "_")
+    return base + ("_milliseconds" + suffix if key == "duration" else "_total")
+
+
+def rate_sum(key: str, by: str = "", sel: str = "", part: str = "_sum") -> str:
+    grp = f" by ({by})" if by else ""
+    return f"sum{grp} (rate({m(key, part)}{sel}[{RI}]))"
+
+
+def target(expr: str, legend: str = "", ref: str = "A", exemplar: bool = False, instant: bool = False) -> dict:
+    t = {"datasource": PROM, "refId": ref, "expr": expr, "legendFormat": legend or "__auto",
+         "exemplar": exemplar, "range": not instant, "instant": instant}
+    return t
+
+
+def panel(pid: int, title: str, targets: list, grid: tuple, kind: str = "timeseries", unit: str = "",
+          desc: str = "", stack: str | None = None, ds: dict = PROM, options: dict | None = None,
+          draw: str = "line") -> dict:
+    x, y, w, h = grid
+    custom = {"drawStyle": draw, "fillOpacity": 60 if stack else 10, "lineWidth": 1, "showPoints": "never"}
+    if stack:
+        custom["stacking"] = {"mode": stack, "group": "A"}
+    p = {"id": pid, "type": kind, "title": title, "description": desc, "datasource": ds,
+         "gridPos": {"x": x, "y": y, "w": w, "h": h}, "targets": targets,
+         "fieldConfig": {"defaults": {"unit": unit, "custom": custom if kind == "timeseries" else {}}, "overrides": []},
+         "options": options or {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                                "tooltip": {"mode": "multi", "sort": "desc"}}}
+    return p
+
+
+def _phase_panels() -> list:
+    ph, b = label("phase"), label("bucket")
+    share = (f"{rate_sum('phase_duration', ph)} / on() group_left() "
+             f"{rate_sum('round_duration')}")
+    mean = f"{rate_sum('phase_duration', ph)} / {rate_sum('phase_duration', ph, part='_count')}"
+    verify = f'{{{ph}="verify"}}'
+    sub = (f"{rate_sum('verify_sub_duration', b)} / on() group_left() "
+           f"{rate_sum('phase_duration', sel=verify)}")
+    return [
+        panel(1, "Phase share of round time", [target(share, f"{{{{{ph}}}}}")], (0, 0, 12, 8),
+              unit="percentunit", stack="normal",
+              desc="Each phase's share of round wall time (draft, verify, accept, rollback, maint), "
+                   "from the per-phase duration histograms; stacks to 100 %."),
+        panel(2, "Mean phase time per round", [target(mean, f"{{{{{ph}}}}}")], (12, 0, 12, 8), unit="ms",
+              desc="Mean wall time of each phase per round."),
+        panel(3, "Verify sub-bucket share of verify (trace level 2)", [target(sub, f"{{{{{b}}}}}")],
+              (0, 8, 12, 8), unit="percentunit", stack="normal",
+              desc="Level-2 verify sub-split by mixer class (kda, mla, attn), ffn and rest, as a share of verify."),
+    ]
+
+
+def _spec_panels() -> list:
+    acc = f"sum(rate({m('accepted')}[{RI}])) / sum(rate({m('drafted')}[{RI}]))"
+    acc_med = f"histogram_quantile(0.5, sum by (le) (rate({m('acceptance', '_bucket')}[{RI}])))"
+    tpr = f"{rate_sum('tokens_per_round')} / {rate_sum('tokens_per_round', part='_count')}"
+    slow = f"sum(increase({m('slow_rounds')}[{RI}]))"
+    slow_frac = f"sum(rate({m('slow_rounds')}[{RI}])) / sum(rate({m('round_duration', '_count')}[{RI}]))"
+    q = lambda p: (f"histogram_quantile({p}, sum by (le) (rate({m('round_duration', '_bucket')}[{RI}])))")  # noqa: E731
+    return [
+        panel(4, "Acceptance", [target(acc, "accepted / drafted"), target(acc_med, "median burst acceptance", "B")],
+              (12, 8, 12, 8), unit="percentunit", desc="Accepted drafted tokens over drafted tokens."),
+        panel(5, "Tokens per round", [target(tpr, "mean tokens / round")], (0, 16, 8, 8), unit="none",
+              desc="Tokens committed per round: accepted drafts + 1."),
+        panel(6, f"Slow rounds (> {SLOW_FACTOR}x the burst median)",
+              [target(slow, "slow rounds"), target(slow_frac, "share of rounds", "B")], (8, 16, 8, 8),
+              unit="none", draw="bars",
+              desc="Rounds whose wall time is past 1.5x the median round of their burst."),
+        panel(7, "Round duration (exemplars link to the trace)",
+              [target(q(0.5), "p50", "A", True), target(q(0.9), "p90", "B", True), target(q(0.99), "p99", "C", True)],
+              (16, 16, 8, 8), unit="ms",
+              desc="Round wall-time quantiles. Exemplar points carry the request's trace id: click one to open it in Tempo."),
+    ]
+
+
+def _first_token_panel() -> dict:
+    b = label("bucket")
+    targets = []
+    for i, bucket in enumerate(TTFT_BUCKETS):
+        sel = f'{{{b}="{bucket}"}}'
+        expr = (f"sum(increase({m('first_token', '_sum')}{sel}[$__range])) / "
+                f"sum(increase({m('first_token', '_count')}{sel}[$__range]))")
+        targets.append(target(expr, bucket, chr(ord("A") + i), instant=True))
+    opts = {"orientation": "horizontal", "displayMode": "basic", "showUnfilled": True,
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}
+    return panel(8, "First-token waterfall (mean per request, in route order)", targets, (0, 24, 12, 10),
+                 kind="bargauge", unit="ms", options=opts,
+                 desc="The first-token profile buckets (MEMRA_SPEC_PROF=1 / --prof), in the order the route runs them.")
+
+
+def _memory_panel() -> dict:
+    d = label("device")
+    return panel(9, "Free memory per device", [target(f"max by ({d}) ({m('free_memory')})", f"{{{{{d}}}}}")],
+                 (12, 24, 12, 10), unit="decmbytes",
+                 desc="Free memory per device at the last phase boundary of each burst (cuda0, cuda1, ... or cpu).")
+
+
+def _span_panels() -> list:
+    spans = "|".join(s.replace(".", "\\\\.") for s in [*PHASE_SPANS.values(), *VERIFY_SUB_SPANS.values()])
+    p90 = (f"histogram_quantile(0.9, sum by (le, span_name) (rate({spanmetric('duration', '_bucket')}"
+           f'{{span_name=~"{spans}"}}[{RI}])))')
+    round_attrs = ", ".join(f"span.{ATTR[k]}" for k in ("round", "k", "accepted", "ctx"))
+    slow = f'{{ name = "{SPAN_ROUND}" && duration > ${{slow_round_ms}}ms }} | select({round_attrs})'
+    verify = f'{{ name = "{PHASE_SPANS["verify"]}" && duration > ${{slow_verify_ms}}ms }} | select({round_attrs})'
+    tempo = lambda q, ref: {"datasource": TEMPO, "refId": ref, "queryType": "traceql", "query": q,  # noqa: E731
+                            "limit": 20, "spss": 5, "tableType": "spans"}
+    table_opts = {"showHeader": True, "sortBy": [{"displayName": "Duration", "desc": True}]}
+    return [
+        panel(10, "Phase span p90 (collector span metrics; exemplars link to traces)",
+              [target(p90, "{{span_name}}", exemplar=True)], (0, 34, 24, 8), unit="ms",
+              desc="p90 of each phase and verify sub-span, from the Collector's spanmetrics connector."),
+        panel(11, "Slowest rounds (Tempo: spec.round past $slow_round_ms ms)", [tempo(slow, "A")], (0, 42, 12, 10),
+              kind="table", ds=TEMPO, options=table_opts,
+              desc="Round spans slower than the threshold variable; click a trace id to open the trace."),
+        panel(12, "Slowest verifies (Tempo: spec.verify past $slow_verify_ms ms)", [tempo(verify, "A")],
+              (12, 42, 12, 10), kind="table", ds=TEMPO, options=table_opts,
+              desc="Verify spans slower than the threshold variable, with their round's k and accepted."),
+    ]
+
+
+def _textbox(name: str, default: str, label_: str) -> dict:
+    return {"type": "textbox", "name": name, "label": label_, "query": default,
+            "current": {"text": default, "value": default}, "hide": 0}
+
+
+def dashboard() -> dict:
+    panels = [*_phase_panels(), *_spec_panels(), _first_token_panel(), _memory_panel(), *_span_panels()]
+    return {
+        "uid": "memra-spec", "title": "memra-dist: speculative phases", "tags": ["memra-dist", "speculative"],
+        "description": "Generated by dashboards/generate.py from memra_dist.tracing.conventions; do not edit by hand.",
+        "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1, "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"}, "timezone": "",
+        "templating": {"list": [_textbox("slow_round_ms", "5", "slow round (ms)"),
+                                _textbox("slow_verify_ms", "5", "slow verify (ms)")]},
+        "annotations": {"list": []},
+        "links": [{"title": "Jaeger", "type": "link", "url": "http://127.0.0.1:16686/search?service=memra-dist",
+                   "targetBlank": True}],
+        "panels": panels,
+    }
+
+
+def metrics_doc() -> str:
+    lines = ["# Metrics", "",
+             "Generated by `dashboards/generate.py` from `memra_dist/tracing/conventions.py` "
+             "(`METRICS`, `METRIC_META`, `METRIC_ATTR`); a test fails when this file is stale.", "",
+             "The engine records them after each burst (never inside the round loop) when the trace level is "
+             ">= 1, `--metrics-port` is given or `OTEL_EXPORTER_OTLP_ENDPOINT` is set. Export: OTLP with the "
+             "traces' `OTEL_*` settings (`OTEL_METRIC_EXPORT_INTERVAL` sets the period), and with "
+             "`--metrics-port N` a Prometheus endpoint on `127.0.0.1:N/metrics` (`--metrics-hold S` keeps it "
+             "up S seconds after the run for a last scrape).", "",
+             "| OpenTelemetry name | Prometheus series | kind | unit | labels | meaning |",
+             "|---|---|---|---|---|---|"]
+    labels = {"phase_duration": "phase", "verify_sub_duration": "bucket", "first_token": "bucket",
+              "free_memory": "device"}
+    for key, name in METRICS.items():
+        kind, unit, desc = METRIC_META[key]
+        prom = prometheus_name(key)
+        series = f"`{prom}_bucket`, `_sum`, `_count`" if kind == "histogram" else f"`{prom}`"
+        lab = f"`{METRIC_ATTR[labels[key]]}`" if key in labels else ""
+        lines.append(f"| `{name}` | {series} | {kind} | `{unit}` | {lab} | {desc} |")
+    lines += ["", "Label values: `memra.phase` is one of " + ", ".join(f"`{p}`" for p in PHASES)
+              + "; `memra.bucket` on the verify sub-split is one of " + ", ".join(f"`{b}`" for b in VERIFY_SUB_SPANS)
+              + ", on the first-token histogram one of " + ", ".join(f"`{b}`" for b in TTFT_BUCKETS)
+              + "; `memra.device` is `cuda0`, `cuda1`, ... or `cpu`.", "",
+              f"Slow rounds: a round counts when its wall time is past {SLOW_FACTOR}x the median round wall time of "
+              "its burst (the sorted middle element, as the seed's summary takes it). The request-wide count "
+              "stays on the `[spec-prof-summary]` line.", "",
+              "Exemplars: with tracing on, histogram points carry the request's trace id, so a Grafana panel "
+              "with exemplars links to the trace in Tempo.", "",
+              "Span metrics: the Collector in `cluster/observability` also derives "
+              + ", ".join(f"`{spanmetric('duration', '_bucket')}`" if k == "duration" else f"`{spanmetric(k, '')}`"
+                          for k in SPANMETRICS)
+              + " from the spans (label `span_name`), with exemplars.", ""]
+    return "\n".join(lines)
+
+
+def render() -> dict[Path, str]:
+    return {DASHBOARD: json.dumps(dashboard(), indent=2) + "\n", DOC: metrics_doc()}
+
+
+def main(argv: list[str]) -> int:
+    stale = [p for p, text in render().items() if not p.exists() or p.read_text() != text]
+    if "--check" in argv:
+        for p in stale:
+            print(f"{p.relative_to(ROOT)} is stale: run python dashboards/generate.py", file=sys.stderr)
+        return 1 if stale else 0
+    for p, text in render().items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        print(f"wrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
