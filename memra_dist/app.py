@@ -42,7 +42,8 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p), seed=args.seed,
         device=args.device, dtype=None if args.dtype == "auto" else args.dtype, ctx=args.ctx,
         pp=args.pp, stage_bounds=_bounds(args.stage_bounds), burst_rounds=args.burst_rounds,
-        replay_corrupt=args.replay_corrupt, trace=trace, trace_content=args.trace_content)
+        replay_corrupt=args.replay_corrupt, trace=trace, trace_content=args.trace_content,
+        graphs=getattr(args, "graphs", "auto"))
 
 
 def _demo_args(args):

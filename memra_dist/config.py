@@ -33,6 +33,7 @@ class RunConfig:
     replay_corrupt: float = 0.2
     trace: TraceSettings = field(default_factory=TraceSettings)
     trace_content: bool = False
+    graphs: str = "auto"  # CUDA graphs for decode/verify steps: auto (= on with CUDA) | on | off
 
     def __post_init__(self):
         if self.draft_model and self.drafter not in ("model",):
@@ -55,6 +56,9 @@ class RunConfig:
             raise UserError(f"--replay-corrupt must be in [0, 1] (got {self.replay_corrupt})")
         if self.ctx is not None and self.ctx < 2:
             raise UserError(f"--ctx must be >= 2 (got {self.ctx})")
+
+    def use_graphs(self, device) -> bool:
+        return self.graphs == "on" or (self.graphs == "auto" and device.type == "cuda")
 
     def capacity(self, prompt_len: int) -> int:
         return self.ctx if self.ctx is not None else prompt_len + self.max_new_tokens + self.k + 1

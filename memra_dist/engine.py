@@ -10,6 +10,7 @@ import torch
 from .cache import StageCache
 from .device import Drainer, device_label, free_mb
 from .errors import UserError
+from .graphs import StepGraphs, graphs_supported
 from .model.config import ModelConfig, load_config
 from .model.loader import load_stage
 
@@ -25,7 +26,8 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                  first: int = 0, last: int | None = None, has_embed: bool = True,
-                 has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096):
+                 has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096,
+                 graphs: bool = False):
         self.cfg = cfg or load_config(model_dir)
         last = self.cfg.num_layers if last is None else last
         self.device, self.dtype = device, dtype
@@ -33,14 +35,27 @@ class ModelRunner:
                                 max_pos, self.cfg)
         self.max_pos = max_pos
         self.cache: StageCache | None = None
+        self.graphs = None
+        if graphs and device.type == "cuda" and graphs_supported(self.stage):
+            for blk in self.stage.layers.values():  # fused QKV and gate-up GEMMs on the fast path
+                for m in (blk.self_attn, blk.mlp):
+                    if hasattr(m, "fuse"):
+                        m.fuse()
+            self.graphs = StepGraphs(self)
         self.drain = Drainer(device)
         self.label = device_label(device)
 
     def alloc(self, capacity: int) -> None:
         """Allocate the cache for a session of `capacity` rows; a clear error if it cannot fit."""
+        if self.cache is not None and self.cache.capacity == capacity:
+            self.cache.rollback(0)  # reuse: no reallocation, captured graphs stay valid
+            return
         if capacity > self.max_pos:
             raise UserError(f"context {capacity} exceeds the rotary table ({self.max_pos} positions)")
         try:
+            self.cache = None
+            if self.graphs is not None:
+                self.graphs.reset()
             self.cache = self.stage.new_cache(capacity, self.device, self.dtype)
         except torch.OutOfMemoryError:
             raise UserError(
@@ -56,6 +71,8 @@ class ModelRunner:
     def forward(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         rows = x.shape[0]
         self.cache.begin(start, rows)
+        if self.graphs is not None and timer is None:
+            return self.graphs.run(x, start)
         pos = torch.arange(start, start + rows, device=self.device)
         h = self.stage(x.to(self.device), pos, self.cache, timer)
         return self.stage.logits(h) if self.stage.has_head else h

@@ -40,27 +40,51 @@ class Attention(nn.Module):
     def new_state(self, capacity: int, device, dtype) -> KVLayer:
         return KVLayer.alloc(capacity, self.nkv, self.hd, device, dtype)
 
+    graph_safe = True  # static shapes, no host syncs: CUDA-graph capturable (graphs.py)
+
+    def fuse(self) -> None:
+        """One QKV GEMM instead of three (the fast path; the reference keeps q/k/v_proj)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
+                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self, x: torch.Tensor):
+        T = x.shape[0]
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.view(T, self.nh, self.hd), k.view(T, self.nkv, self.hd), v.view(T, self.nkv, self.hd)
+
     def forward(self, x: torch.Tensor, ctx, state: KVLayer | None) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). ctx: StepCtx (positions, mask over cache slots, rotary
         rows); without a state (no cache) plain causal attention over x."""
         T, pos, mask = x.shape[0], ctx.pos, ctx.mask
         rope = ctx.rope_for(self.hd)
-        q = self.q_proj(x).view(T, self.nh, self.hd)  # (T, nh, hd)
-        k = self.k_proj(x).view(T, self.nkv, self.hd)  # (T, nkv, hd)
-        v = self.v_proj(x).view(T, self.nkv, self.hd)
+        q, k, v = self._qkv(x)  # (T, nh, hd), (T, nkv, hd), (T, nkv, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if state is not None:
-            state.k.index_copy_(0, pos, k)
-            state.v.index_copy_(0, pos, v)
-            k, v = state.k, state.v  # (C, nkv, hd)
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, rows, hd)
-        if self.nkv != self.nh:
-            rep = self.nh // self.nkv
-            kh, vh = kh.repeat_interleave(rep, 0), vh.repeat_interleave(rep, 0)  # (nh, C, hd)
-        if mask is None:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        else:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
-        return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))  # (T, hidden)
+        if state is None:  # reference / training path: plain causal over x
+            qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, T, hd)
+            if self.nkv != self.nh:
+                rep = self.nh // self.nkv
+                kh, vh = kh.repeat_interleave(rep, 0), vh.repeat_interleave(rep, 0)  # (nh, T, hd)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # (nh, T, hd)
+            return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
+        state.k.index_copy_(0, pos, k)
+        state.v.index_copy_(0, pos, v)
+        # GQA without materialising repeated K/V: the `rep` query heads that share a KV head
+        # become extra query rows of that head (head h = kv * rep + r, HF's layout)
+        rep = self.nh // self.nkv
+        qg = q.view(T, self.nkv, rep, self.hd).permute(1, 2, 0, 3).reshape(self.nkv, rep * T, self.hd)
+        kh, vh = state.k.transpose(0, 1), state.v.transpose(0, 1)  # (nkv, C, hd)
+        o = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask.repeat(rep, 1))  # (nkv, rep*T, hd)
+        o = o.view(self.nkv, rep, T, self.hd).permute(2, 0, 1, 3).reshape(T, self.nh * self.hd)
+        return self.o_proj(o)  # (T, hidden)

@@ -33,7 +33,19 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
+    def fuse(self) -> None:
+        """One gate+up GEMM (the fast path; the reference keeps both projections)."""
+        g, u = self.gate_proj, self.up_proj
+        fused = nn.Linear(g.in_features, g.out_features * 2, bias=False, device=g.weight.device, dtype=g.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([g.weight, u.weight]))
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

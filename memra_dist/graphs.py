@@ -1,0 +1,75 @@
+"""CUDA graphs for the decode (1 row) and verify (K+1 rows) steps: the fast path.
+
+One graph per row count, captured lazily on first use over static buffers (token ids or
+hidden rows, positions) against the runner's cache; replays write the cache rows at the
+positions in the static buffer, exactly as the eager forward does. The eager forward stays
+the reference (CPU, tests, and level-2 tracing, whose per-layer drains cannot live inside
+a graph). A new cache (a different capacity) drops the graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StepGraphs", "graphs_supported"]
+
+
+def graphs_supported(stage) -> bool:
+    """Every mixer of the stage declares itself capturable (static shapes, no host syncs)."""
+    return all(getattr(b.self_attn, "graph_safe", False) for b in stage.layers.values())
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    x: torch.Tensor  # (rows,) ids or (rows, H) hidden
+    base: torch.Tensor  # (rows,) 0..rows-1
+    pos: torch.Tensor  # (rows,) absolute positions
+    out: torch.Tensor  # (rows, V) logits or (rows, H) hidden
+
+
+class StepGraphs:
+    def __init__(self, runner):
+        self.runner = runner
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None
+
+    def reset(self) -> None:
+        self.graphs.clear()
+
+    def _eager(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        st = self.runner.stage
+        h = st(x, pos, self.runner.cache, None)
+        return st.logits(h) if st.has_head else h
+
+    def _capture(self, x: torch.Tensor, start: int) -> _Graph:
+        dev = self.runner.device
+        rows = x.shape[0]
+        sx = x.to(dev).clone()
+        base = torch.arange(rows, device=dev)
+        pos = base + start
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: writes the same rows the real step will
+            for _ in range(2):
+                self._eager(sx, pos)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self._eager(sx, pos)
+        return _Graph(g, sx, base, pos, out)
+
+    def run(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        rows = x.shape[0]
+        g = self.graphs.get(rows)
+        if g is None:
+            g = self.graphs[rows] = self._capture(x, start)
+        else:
+            g.x.copy_(x, non_blocking=True)
+        torch.add(g.base, start, out=g.pos)
+        g.graph.replay()
+        return g.out.clone()  # the static buffer is rewritten by the next replay
