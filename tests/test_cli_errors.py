@@ -161,3 +161,35 @@ def test_malformed_traceparent_is_only_a_warning(bad_dirs, tmp_path):
     spans = json.loads((tmp_path / "run" / "spans.otlp.json").read_text())
     names = [s["name"] for rs in spans["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
     assert names.count("memra.request") == 1
+
+
+def test_plain_output_streams_text_then_one_summary_line(bad_dirs, capsys, tmp_path):
+    """Without --json: the streamed text equals --json's text, then one [memra] summary line;
+    at trace level 1 the phase-share table and the run directory go to stderr."""
+    rc, out_json, _ = run_main(_gen(bad_dirs["good"], "--json", "--max-new-tokens", "12"), capsys)
+    assert rc == 0
+    want = json.loads(out_json)
+    rc, out, err = run_main(_gen(bad_dirs["good"], "--max-new-tokens", "12", "--trace-level", "1",
+                                 "--run-dir", str(tmp_path / "run")), capsys)
+    assert rc == 0, err
+    text, summary = out.rstrip("\n").rsplit("\n", 1)
+    assert text == want["text"]
+    st = want["stats"]
+    assert summary.startswith(f"[memra] tokens={st['tokens']} tok/s=")
+    for key in ("rounds", "drafted", "accepted"):
+        assert f" {key}={st[key]} " in summary
+    assert " acceptance=" in summary and " tokens/round=" in summary
+    assert "phase shares over" in err and str(tmp_path / "run") in err
+    assert (tmp_path / "run" / "spans.otlp.json").exists()
+
+
+def test_seed_makes_sampling_reproducible(bad_dirs, capsys):
+    def ids(seed):
+        rc, out, err = run_main(_gen(bad_dirs["good"], "--json", "--temperature", "1.0", "--max-new-tokens", "16",
+                                     "--seed", str(seed)), capsys)
+        assert rc == 0, err
+        return json.loads(out)["token_ids"]
+
+    a, b = ids(1), ids(1)
+    assert a == b
+    assert any(ids(s) != a for s in (2, 3, 4))

@@ -288,3 +288,20 @@ def test_cli_flag_beats_env(llama, tmp_path):
     assert "[spec-phase]" not in tags and "[spec-phase-v]" not in tags
     assert tags.count("[spec-prof]") == 1 and tags.count("[spec-prof-summary]") == 1
     assert tags.count("[spec-prof-rounds]") == out["stats"]["rounds"]
+
+
+def test_traceparent_env_and_flag_precedence(monkeypatch, tmp_path, llama):
+    from opentelemetry import trace as otel_trace
+
+    env_tp = "00-11111111111111111111111111111111-2222222222222222-01"
+    flag_tp = "00-33333333333333333333333333333333-4444444444444444-01"
+    monkeypatch.setenv("TRACEPARENT", env_tp)
+    cfg = RunConfig(model=str(llama), trace=TraceSettings(level=1))
+
+    def parent_ids(ts):
+        sc = otel_trace.get_current_span(ts.parent).get_span_context()
+        ts.close()
+        return f"{sc.trace_id:032x}", f"{sc.span_id:016x}"
+
+    assert parent_ids(TracingSession.open(cfg, run_dir=str(tmp_path / "a"))) == ("1" * 32, "2" * 16)
+    assert parent_ids(TracingSession.open(cfg, run_dir=str(tmp_path / "b"), traceparent=flag_tp)) == ("3" * 32, "4" * 16)
