@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_args(d, demo=True)
     d.add_argument("--prompt", default=None, help="prompt text (default: the start of a sentence the demo model knows)")
+    from .bench import add_bench_parser  # noqa: PLC0415 (its handler lives in memra_dist/bench)
+
+    add_bench_parser(sub)
     return p
 
 
@@ -86,7 +89,10 @@ def _on_sigterm(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from .app import run_command  # noqa: PLC0415 (keeps --help fast: no torch import)
+    if args.cmd == "bench":
+        from .bench import run_bench as run_command  # noqa: PLC0415
+    else:
+        from .app import run_command  # noqa: PLC0415 (keeps --help fast: no torch import)
 
     try:
         return run_command(args)

@@ -1,0 +1,21 @@
+"""`memra-dist bench`: one command, one run, every figure of issue 7 against its target.
+
+One role per file: checkpoints (made on the machine), timing (sync, medians, copy bandwidth),
+roofline (pure formulas), fastpath (the one place the CUDA-graph switch is wired), runs
+(runners built once, generations, step timing), sections / peer / dist_bench / hybrid (what is
+measured), suite (order, budget, progress), report (targets, markdown), cli (argparse glue).
+"""
+
+__all__ = ["add_bench_parser", "run_bench"]
+
+
+def add_bench_parser(sub) -> None:
+    from .cli import add_bench_parser as add  # noqa: PLC0415
+
+    add(sub)
+
+
+def run_bench(args) -> int:
+    from .cli import run_bench as run  # noqa: PLC0415
+
+    return run(args)

@@ -1,0 +1,77 @@
+"""`memra-dist bench`: the subparser (added by memra_dist/cli.py) and its handler."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["add_bench_parser", "run_bench"]
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (BENCHMARKS.md, git commit)
+SECTIONS = ("bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid")  # in run order
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="measure decode / verify / spec / trace / pp against the roofline and transformers",
+                       description="One run on this machine, so the ratios hold. Checkpoints are made here "
+                                   "(random weights at real shapes) and cached. Progress goes to stderr.")
+    b.add_argument("--shape", choices=["tiny", "mid", "8b"], default=None,
+                   help="target shape (draft: tiny-draft / mid-draft / 1b); default 8b on CUDA, tiny on CPU")
+    b.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default)")
+    b.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "auto"], default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
+    b.add_argument("--quick", action="store_true", help="fewer tokens and repeats (smoke run)")
+    b.add_argument("--sections", metavar="A,B", help=f"comma list of {','.join(SECTIONS)} (default: the suite for this machine)")
+    b.add_argument("--budget-s", type=float, default=480.0, metavar="S", help="cap on the total wall; later parts are skipped (default %(default)s)")
+    b.add_argument("--hybrid", action="store_true", help="include the kimi_linear hybrid section (default on CUDA)")
+    b.add_argument("--graphs", choices=["on", "off", "auto"], default="auto", help="CUDA-graph fast path (auto = on with CUDA)")
+    b.add_argument("--cache-dir", metavar="DIR", help="checkpoint cache (default $MEMRA_BENCH_CACHE or ~/.cache/memra_dist/bench)")
+    b.add_argument("--ctx", type=int, metavar="N", help="context rows for steps / prompt length (default 512 CUDA, 128 CPU)")
+    b.add_argument("--max-new", type=int, metavar="N", help="tokens per generation (default 256 CUDA, 64 CPU)")
+    b.add_argument("--out", metavar="JSON", help="result file (default: $OUT/bench.json if $OUT is set, else bench.json)")
+    b.add_argument("--record", action="store_true", help="append the markdown table to BENCHMARKS.md (never by default)")
+    b.add_argument("--benchmarks-md", metavar="FILE", default=str(ROOT / "BENCHMARKS.md"), help=argparse.SUPPRESS)
+
+
+def _options(args):
+    from ..errors import UserError  # noqa: PLC0415
+    from .suite import Options  # noqa: PLC0415
+
+    secs = None
+    if args.sections:
+        secs = tuple(x.strip() for x in args.sections.split(",") if x.strip())
+        bad = [x for x in secs if x not in SECTIONS]
+        if bad:
+            raise UserError(f"--sections: unknown {', '.join(bad)} (choose from {', '.join(SECTIONS)})")
+    if args.budget_s <= 0:
+        raise UserError(f"--budget-s must be > 0 (got {args.budget_s})")
+    shape = args.shape
+    if shape is None:
+        import torch  # noqa: PLC0415
+
+        cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+        shape = "8b" if cuda else "tiny"
+    return Options(shape=shape, device=args.device, dtype=args.dtype, quick=args.quick, sections=secs,
+                   budget_s=args.budget_s, hybrid=args.hybrid, graphs=args.graphs, cache_dir=args.cache_dir,
+                   ctx=args.ctx, max_new=args.max_new)
+
+
+def run_bench(args) -> int:
+    from .report import append_benchmarks, markdown  # noqa: PLC0415
+    from .suite import run_suite  # noqa: PLC0415
+
+    opts = _options(args)
+    res = run_suite(opts, ROOT)
+    out = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT")
+                                          else Path("bench.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    md = markdown(res)
+    print(md)
+    print(f"[bench] wrote {out}", file=sys.stderr)
+    if args.record:
+        append_benchmarks(md, Path(args.benchmarks_md))
+        print(f"[bench] appended to {args.benchmarks_md}", file=sys.stderr)
+    return 0

@@ -1,0 +1,127 @@
+"""pp=2 against pp=1, and the per-hop activation transfer time.
+
+Hop: two bench-only Ray actors (one GPU each, or CPU) join a 2-rank torch.distributed group
+through the engine's own `Link` (NCCL on GPU, gloo on CPU) and ping-pong a (rows, hidden)
+activation; one hop = median round trip / 2, host sync included (the DESIGN §3 convention).
+pp: the real `run_pipeline` with drafter none; decode tok/s from the driver's token stream
+(first token -> last), against the in-process plain decode of this same run."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["pipeline", "HopActor"]
+
+
+class HopActor:
+    def __init__(self, rank: int):
+        from ..dist.actors import _device_and_label  # noqa: PLC0415
+        from ..dist.transport import Link  # noqa: PLC0415
+
+        self.device, _ = _device_and_label()
+        self.link = Link(rank, 2, self.device)
+
+    def address(self):
+        from ..dist.transport import free_port  # noqa: PLC0415
+
+        return free_port()
+
+    def connect(self, addr: str, port: int) -> None:
+        self.link.connect(addr, port, 60.0)
+
+    def pingpong(self, rows: int, hidden: int, dtype: str, iters: int) -> list[float]:
+        link, dev = self.link, self.device
+        dt = getattr(torch, dtype)
+        x = torch.randn(rows, hidden, device=dev).to(dt)
+        xs = []
+        for i in range(iters + 5):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            if link.rank == 0:
+                link.send(x)
+                y = link.recv((rows, hidden), dt)
+            else:
+                y = link.recv((rows, hidden), dt)
+                link.send(y)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if i >= 5:
+                xs.append(time.perf_counter() - t0)
+        return xs
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def _hop(s, ray, hidden: int, gpu: bool) -> dict:
+    from .roofline import median  # noqa: PLC0415
+
+    opts = dict(num_gpus=1, num_cpus=1) if gpu else dict(num_cpus=1)
+    actors = [ray.remote(HopActor).options(**opts).remote(r) for r in range(2)]
+    try:
+        addr, port = ray.get(actors[0].address.remote())
+        ray.get([a.connect.remote(addr, port) for a in actors], timeout=120)
+        dtype = "bfloat16" if gpu else "float32"
+        out = {"hidden": hidden, "dtype": dtype, "backend": "nccl" if gpu else "gloo"}
+        for rows in (1, max(s.p.ks) + 1):
+            xs = ray.get([a.pingpong.remote(rows, hidden, dtype, s.p.hop_iters) for a in actors], timeout=300)[0]
+            out[f"rows_{rows}_one_way_us"] = round(median(xs) / 2 * 1e6, 2)
+        out["one_way_us"] = out["rows_1_one_way_us"]
+        ray.get([a.close.remote() for a in actors], timeout=60)
+        return out
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _pp2_decode(s, ray) -> dict:
+    from ..config import RunConfig  # noqa: PLC0415
+    from ..dist.engine import run_pipeline  # noqa: PLC0415
+    from .fastpath import config_kwargs  # noqa: PLC0415
+
+    dev = "cuda" if s.device.type == "cuda" else "cpu"
+    cfg = RunConfig(model=s.bench.target_dir, drafter="none", k=1, max_new_tokens=s.p.max_new, device=dev,
+                    dtype={torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[s.dtype],
+                    pp=2, **config_kwargs(s.bench.graphs))
+    stamps = []
+
+    def stream(toks):
+        stamps.append((time.perf_counter(), len(toks)))
+
+    run_pipeline(cfg, s.prompt, stream)  # warm (actor start, load, first compile) and measured: one run
+    t_first, t_last = stamps[0][0], stamps[-1][0]
+    ntok = sum(n for _, n in stamps[1:])
+    return {"tokens": ntok + 1, "decode_s": round(t_last - t_first, 4),
+            "tok_s": round(ntok / (t_last - t_first), 3) if t_last > t_first else None}
+
+
+def pipeline(s) -> dict:
+    gpus = torch.cuda.device_count() if s.device.type == "cuda" else 0
+    if s.device.type == "cuda" and gpus < 2:
+        return {"skipped": f"needs >= 2 GPUs (this machine has {gpus})"}
+    from ..dist.engine import _ray_up  # noqa: PLC0415
+
+    ray, started = _ray_up()
+    try:
+        s.say("  hop: 2 actors ping-pong the activation over torch.distributed")
+        out = {"hop": _hop(s, ray, s.bench.target.cfg.hidden_size, gpus >= 2)}
+        s.say(f"  hop one-way: {out['hop']['one_way_us']} us")
+        if s.left() <= 0:
+            out["pp2"] = {"skipped": "budget"}
+            return out
+        s.say("  pp=2: run_pipeline (2 actors load their halves)")
+        out["pp2"] = _pp2_decode(s, ray)
+        plain = s.memo.get("plain")
+        if plain is not None and out["pp2"]["tok_s"]:
+            p1 = plain["result"].decode_tok_s
+            out["pp1_tok_s"] = round(p1, 3)
+            out["pp2_over_pp1_step"] = round(p1 / out["pp2"]["tok_s"], 4)
+            out["note"] = ("pp=1 is the in-process decode of this run; pp=2 includes the per-burst Ray call "
+                           "that streams tokens to the driver")
+        return out
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,68 @@
+"""The peer: transformers `generate()` on the SAME checkpoint files, plain and assisted
+(`assistant_model` = the draft checkpoint), greedy, batch 1. Decode tok/s = (n - 1) tokens
+over t(generate n) - t(generate 1), so the prefill cancels as in our own decode timing."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .timing import sync
+
+__all__ = ["peer"]
+
+
+def _load(path: str, device, dtype):
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def _gen_s(model, ids, n: int, device, **kw) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def _decode_tok_s(model, ids, n: int, device, **kw) -> dict:
+    _gen_s(model, ids, min(4, n), device, **kw)  # warm-up
+    t1 = _gen_s(model, ids, 1, device, **kw)
+    tn = _gen_s(model, ids, n, device, **kw)
+    dec = max(tn - t1, 1e-9)
+    return {"tok_s": round((n - 1) / dec, 3), "generate_s": round(tn, 4), "prefill_plus_one_s": round(t1, 4)}
+
+
+def peer(s) -> dict:
+    try:
+        import transformers  # noqa: PLC0415
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    b = s.bench
+    if b.target.cfg.arch != "llama":
+        return {"skipped": f"peer only for llama shapes (target is {b.target.cfg.arch})"}
+    ids = torch.tensor([s.prompt], device=s.device)
+    n = s.p.max_new
+    s.say(f"  loading the transformers {transformers.__version__} model from the same files")
+    model = _load(b.target_dir, s.device, s.dtype)
+    out = {"transformers": transformers.__version__, "tokens": n, "plain": _decode_tok_s(model, ids, n, s.device)}
+    s.say(f"  transformers plain: {out['plain']['tok_s']:.1f} tok/s")
+    if b.draft_dir and s.left() > 0:
+        draft = _load(b.draft_dir, s.device, s.dtype)
+        out["assisted"] = _decode_tok_s(model, ids, n, s.device, assistant_model=draft)
+        out["assisted"]["note"] = "transformers' default assistant schedule (num_assistant_tokens heuristic)"
+        s.say(f"  transformers assisted: {out['assisted']['tok_s']:.1f} tok/s")
+        del draft
+    elif b.draft_dir:
+        out["assisted"] = {"skipped": "budget"}
+    del model
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    plain = s.memo.get("plain")
+    if plain is not None:
+        out["memra_plain_tok_s"] = round(plain["result"].decode_tok_s, 3)
+        out["memra_over_transformers"] = round(plain["result"].decode_tok_s / out["plain"]["tok_s"], 3)
+    return out

@@ -1,0 +1,61 @@
+"""Timing primitives: device sync, median-of-repeats wall timing, copy bandwidth."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .roofline import median
+
+__all__ = ["sync", "time_call", "copy_bandwidth", "device_name"]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2,
+              between: Callable[[], object] | None = None) -> dict:
+    """Wall seconds of `fn` with a device sync on both sides (launch overhead included, as a
+    real step pays it); `between` runs untimed after each call (e.g. a cache rollback)."""
+    for _ in range(warmup):
+        fn()
+        if between is not None:
+            between()
+    sync(device)
+    xs = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        xs.append(time.perf_counter() - t0)
+        if between is not None:
+            between()
+    return {"median_s": median(xs), "min_s": min(xs), "max_s": max(xs), "n": len(xs)}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> dict:
+    """Device-to-device copy of an `nbytes` buffer (a host memcpy on CPU). Counts read + write
+    (2 x nbytes per copy), the convention under which one H200 measured 4.25 TB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    t = time_call(lambda: dst.copy_(src), device, repeats, warmup=2)
+    bw = 2 * nbytes / t["median_s"]
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"bytes": nbytes, "copy_median_s": t["median_s"], "bandwidth_bytes_s": bw,
+            "bandwidth_tb_s": bw / 1e12, "convention": "2 * bytes / copy time (read + write)"}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform  # noqa: PLC0415
+
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
