@@ -32,6 +32,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--max-new", type=int, metavar="N", help="tokens per generation (default 256 CUDA, 64 CPU)")
     b.add_argument("--out", metavar="JSON", help="result file (default: $OUT/bench.json if $OUT is set, else bench.json)")
     b.add_argument("--record", action="store_true", help="append the markdown table to BENCHMARKS.md (never by default)")
+    b.add_argument("--from-json", metavar="FILE", help="measure nothing: render (and with --record append) the "
+                                                      "table of an earlier result file, e.g. one fetched from the GPU machine")
     b.add_argument("--benchmarks-md", metavar="FILE", default=str(ROOT / "BENCHMARKS.md"), help=argparse.SUPPRESS)
 
 
@@ -58,19 +60,33 @@ def _options(args):
                    ctx=args.ctx, max_new=args.max_new)
 
 
+def _load_result(path: str) -> dict:
+    from ..errors import UserError  # noqa: PLC0415
+
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"--from-json {path}: cannot read a result ({e})") from None
+    if not isinstance(res, dict) or "meta" not in res or "targets" not in res:
+        raise UserError(f"--from-json {path}: not a memra-dist bench result (no meta / targets)")
+    return res
+
+
 def run_bench(args) -> int:
     from .report import append_benchmarks, markdown  # noqa: PLC0415
     from .suite import run_suite  # noqa: PLC0415
 
-    opts = _options(args)
-    res = run_suite(opts, ROOT)
-    out = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT")
-                                          else Path("bench.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    if args.from_json:
+        res = _load_result(args.from_json)
+    else:
+        res = run_suite(_options(args), ROOT)
+        out = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT")
+                                              else Path("bench.json"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        print(f"[bench] wrote {out}", file=sys.stderr)
     md = markdown(res)
     print(md)
-    print(f"[bench] wrote {out}", file=sys.stderr)
     if args.record:
         append_benchmarks(md, Path(args.benchmarks_md))
         print(f"[bench] appended to {args.benchmarks_md}", file=sys.stderr)

@@ -19,21 +19,34 @@ def _load(path: str, device, dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def _gen_s(model, ids, n: int, device, **kw) -> float:
+def _gen_s(model, ids, n: int, device, keep: list | None = None, **kw) -> float:
     sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
     sync(device)
+    if keep is not None:
+        keep.extend(out[0, ids.shape[1]:].tolist())
     return time.perf_counter() - t0
 
 
-def _decode_tok_s(model, ids, n: int, device, **kw) -> dict:
+def _agree(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _decode_tok_s(model, ids, n: int, device, ours: list[int] | None = None, **kw) -> dict:
     _gen_s(model, ids, min(4, n), device, **kw)  # warm-up
     t1 = _gen_s(model, ids, 1, device, **kw)
-    tn = _gen_s(model, ids, n, device, **kw)
+    toks: list[int] = []
+    tn = _gen_s(model, ids, n, device, toks, **kw)
     dec = max(tn - t1, 1e-9)
-    return {"tok_s": round((n - 1) / dec, 3), "generate_s": round(tn, 4), "prefill_plus_one_s": round(t1, 4)}
+    out = {"tok_s": round((n - 1) / dec, 3), "generate_s": round(tn, 4), "prefill_plus_one_s": round(t1, 4)}
+    if ours:  # same weights, same greedy rule: the leading tokens should agree (bf16 near-ties may split later)
+        out["greedy_agree_prefix"] = _agree(toks, ours)
+    return out
 
 
 def peer(s) -> dict:
@@ -48,11 +61,14 @@ def peer(s) -> dict:
     n = s.p.max_new
     s.say(f"  loading the transformers {transformers.__version__} model from the same files")
     model = _load(b.target_dir, s.device, s.dtype)
-    out = {"transformers": transformers.__version__, "tokens": n, "plain": _decode_tok_s(model, ids, n, s.device)}
+    plain = s.memo.get("plain")
+    ours = plain["result"].tokens if plain is not None else None
+    out = {"transformers": transformers.__version__, "tokens": n,
+           "plain": _decode_tok_s(model, ids, n, s.device, ours)}
     s.say(f"  transformers plain: {out['plain']['tok_s']:.1f} tok/s")
     if b.draft_dir and s.left() > 0:
         draft = _load(b.draft_dir, s.device, s.dtype)
-        out["assisted"] = _decode_tok_s(model, ids, n, s.device, assistant_model=draft)
+        out["assisted"] = _decode_tok_s(model, ids, n, s.device, ours, assistant_model=draft)
         out["assisted"]["note"] = "transformers' default assistant schedule (num_assistant_tokens heuristic)"
         s.say(f"  transformers assisted: {out['assisted']['tok_s']:.1f} tok/s")
         del draft
@@ -61,7 +77,6 @@ def peer(s) -> dict:
     del model
     if s.device.type == "cuda":
         torch.cuda.empty_cache()
-    plain = s.memo.get("plain")
     if plain is not None:
         out["memra_plain_tok_s"] = round(plain["result"].decode_tok_s, 3)
         out["memra_over_transformers"] = round(plain["result"].decode_tok_s / out["plain"]["tok_s"], 3)

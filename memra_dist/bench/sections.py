@@ -11,7 +11,7 @@ from .checkpoints import shape_config, weight_bytes
 from .roofline import SPEC_FORMULA, achieved_fraction, ideal_speedup, median, per_token_acceptance, roofline_tok_s
 from .timing import copy_bandwidth
 
-__all__ = ["bandwidth", "steps", "decode", "trace_levels"]
+__all__ = ["bandwidth", "steps", "decode", "trace_levels", "plain_decode"]
 
 
 def bandwidth(s) -> dict:
@@ -52,7 +52,7 @@ def steps(s) -> dict:
     return out
 
 
-def _plain(s) -> dict:
+def plain_decode(s) -> dict:
     if "plain" in s.memo:
         return s.memo["plain"]
     b, prompt, n = s.bench, s.prompt, s.p.max_new
@@ -97,7 +97,7 @@ def _spec_run(s, name: str, k: int, corrupt: float | None, plain_tok_s: float) -
 
 
 def decode(s) -> dict:
-    pl = _plain(s)
+    pl = plain_decode(s)
     r = pl["result"]
     out = {"prompt_len": len(s.prompt), "max_new": s.p.max_new, "formula": SPEC_FORMULA,
            "plain": {**r.as_dict(), "tok_s_all": pl["tok_s_all"]}, "spec": [], "skipped": []}
@@ -142,7 +142,7 @@ def trace_levels(s) -> dict:
     repeats, median decode wall; spans go to a batched in-memory exporter (the SDK's real
     cost, no network). Level-0 noise = spread of the level-0 repeats."""
     b, prompt, n, k = s.bench, s.prompt, s.p.max_new, 4
-    rec = _plain(s)["result"].tokens
+    rec = plain_decode(s)["result"].tokens
     walls = {0: [], 1: [], 2: []}
     for lv in (0, 1, 2):  # warm-up of each level
         sink, tp = _trace_sink(lv)

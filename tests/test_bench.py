@@ -1,0 +1,199 @@
+"""memra-dist bench: the pure parts (roofline, expected tokens, ideal speedup, acceptance
+inversion, report format) on hand-computed values, and one tiny CPU run end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memra_dist.bench.checkpoints import ensure_checkpoint, shape_config, weight_bytes
+from memra_dist.bench.report import TARGETS, append_benchmarks, evaluate, markdown
+from memra_dist.bench.roofline import (SPEC_FORMULA, achieved_fraction, expected_tokens, ideal_speedup, median,
+                                       per_token_acceptance, roofline_tok_s)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_roofline_matches_the_design_anchor():
+    # DESIGN §6: 4.25 TB/s over 16.06 GB of weights -> 265 tok/s
+    assert roofline_tok_s(4.25e12, 16.06e9) == pytest.approx(264.63, abs=0.01)
+    assert roofline_tok_s(1e9, 1e9) == 1.0
+    with pytest.raises(ValueError):
+        roofline_tok_s(1e12, 0)
+
+
+def test_8b_shape_is_the_design_weight_count():
+    assert weight_bytes(shape_config("8b")) == 16_060_522_496  # 8.03 B params in bf16
+
+
+@pytest.mark.parametrize("a,k,e", [(0.5, 2, 1.75), (0.0, 4, 1.0), (1.0, 4, 5.0), (0.8, 1, 1.8),
+                                   (0.9, 8, (1 - 0.9 ** 9) / 0.1)])
+def test_expected_tokens(a, k, e):
+    assert expected_tokens(a, k) == pytest.approx(e)
+
+
+def test_expected_tokens_rejects_bad_input():
+    with pytest.raises(ValueError):
+        expected_tokens(1.2, 2)
+    with pytest.raises(ValueError):
+        expected_tokens(0.5, -1)
+
+
+def test_ideal_speedup_hand_computed():
+    # a = 0.5, K = 2: E = 1 + 0.5 + 0.25 = 1.75; cost = 2 * 1 + 11 = 13 (ms); 1.75 * 10 / 13
+    assert ideal_speedup(0.5, 2, t_decode=10.0, t_draft_step=1.0, t_verify=11.0) == pytest.approx(17.5 / 13)
+    # free drafts, verify as cheap as a decode, perfect acceptance: exactly K + 1
+    assert ideal_speedup(1.0, 4, 1.0, 0.0, 1.0) == pytest.approx(5.0)
+    # zero acceptance with a costly draft: a slowdown
+    assert ideal_speedup(0.0, 4, 1.0, 0.5, 1.2) == pytest.approx(1 / 3.2)
+    with pytest.raises(ValueError):
+        ideal_speedup(0.5, 2, 1.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("a", [0.1, 0.6, 0.8, 0.9, 0.99])
+def test_acceptance_inversion_round_trips(a, k):
+    per_round = expected_tokens(a, k) - 1  # accepted drafts per round
+    assert per_token_acceptance(per_round, k) == pytest.approx(a, abs=1e-6)
+
+
+def test_acceptance_inversion_edges():
+    assert per_token_acceptance(0.0, 4) == 0.0
+    assert per_token_acceptance(4.0, 4) == 1.0
+    assert per_token_acceptance(0.75, 2) == pytest.approx(0.5)
+
+
+def test_achieved_fraction_and_median():
+    assert achieved_fraction(300.0, 100.0, 3.5) == pytest.approx(3.0 / 3.5)
+    assert median([3, 1, 2]) == 2 and median([4, 1, 2, 3]) == 2.5
+    assert "E = (1 - a^(K+1)) / (1 - a)" in SPEC_FORMULA
+
+
+def _fake_result(shape="8b") -> dict:
+    return {
+        "meta": {"date": "2026-11-30 12:00", "device": "cuda", "device_name": "NVIDIA H200", "commit": "abc1234",
+                 "shape": shape, "dtype": "bfloat16", "graphs": {"active": True}, "quick": False, "ctx": 512,
+                 "max_new": 256, "torch": "2.13"},
+        "formula": SPEC_FORMULA,
+        "bandwidth": {"bandwidth_tb_s": 4.25, "weight_bytes": 16.06e9, "roofline_tok_s": 264.6},
+        "steps": {"verify": {"2": {"ratio_vs_decode": 1.05}, "4": {"ratio_vs_decode": 1.20}}},
+        "decode": {"plain": {"tok_s": 230.0, "roofline_fraction": 0.87}, "spec": [
+            {"drafter": "replay", "k": 2, "target_acceptance": 0.6, "tok_s": 300.0, "acceptance": 0.6,
+             "achieved_speedup": 1.3, "ideal_speedup": 1.4, "fraction_of_ideal": 0.93},
+            {"drafter": "replay", "k": 4, "target_acceptance": 0.6, "tok_s": 290.0, "acceptance": 0.6,
+             "achieved_speedup": 1.26, "ideal_speedup": 1.5, "fraction_of_ideal": 0.84},
+            {"drafter": "replay", "k": 4, "target_acceptance": 0.8, "tok_s": 500.0, "acceptance": 0.8,
+             "achieved_speedup": 2.2, "ideal_speedup": 2.3, "fraction_of_ideal": 0.95}]},
+        "trace": {"overhead_pct": {"1": 2.0, "2": 9.0}, "level0_noise_pct": 0.8},
+        "peer": {"memra_over_transformers": 6.1, "plain": {"tok_s": 37.0}},
+        "pp": {"skipped": "needs >= 2 GPUs"},
+        "hybrid": {"shape": "kimi", "k": {"4": {"ratio_vs_decode": 1.3, "rollback_share_of_verify": 0.02}}},
+    }
+
+
+def test_evaluate_pass_miss_na():
+    rows = {r["name"]: r for r in evaluate(_fake_result())}
+    assert set(TARGETS) <= set(rows)
+    assert rows["plain_roofline_fraction"]["status"] == "pass"
+    assert rows["verify_ratio_k2"]["status"] == "pass"
+    assert rows["verify_ratio_k4"]["status"] == "miss"
+    assert rows["spec_fraction_acc0.6"]["value"] == 0.84  # the worst K at that acceptance
+    assert rows["spec_fraction_acc0.6"]["status"] == "miss"
+    assert rows["spec_fraction_acc0.8"]["status"] == "pass"
+    assert rows["spec_fraction_acc0.9"]["status"].startswith("n/a")  # not measured: never claimed
+    assert rows["pp2_over_pp1_step"]["status"].startswith("n/a")
+    assert rows["over_transformers"]["status"] == "pass"
+    assert rows["trace_l1_overhead_pct"]["status"] == "pass"
+    tiny = {r["name"]: r for r in evaluate(_fake_result("tiny"))}
+    assert tiny["plain_roofline_fraction"]["status"].startswith("n/a")
+
+
+def test_markdown_format(tmp_path):
+    res = _fake_result()
+    res["targets"] = evaluate(res)
+    md = markdown(res)
+    lines = md.splitlines()
+    assert lines[0] == "### memra-dist bench · 2026-11-30 12:00 · NVIDIA H200 · commit abc1234 · shape 8b"
+    assert "| figure | measured | target | status |" in lines
+    assert "| verify(5) / decode(1) step cost | 1.2 | <= 1.15 (issue 7) | miss |" in lines
+    assert any(ln.startswith("| copy bandwidth | 4.250 TB/s |") for ln in lines)
+    assert any("KDA rollback 2.00 % of verify" in ln for ln in lines)
+    assert md.rstrip().endswith(SPEC_FORMULA)
+    f = tmp_path / "BENCHMARKS.md"
+    append_benchmarks(md, f)
+    append_benchmarks(md, f)
+    text = f.read_text()
+    assert text.startswith("# Benchmarks") and text.count("# Benchmarks\n") == 1
+    assert text.count("### memra-dist bench") == 2
+
+
+def test_checkpoint_cache_reuses(tmp_path):
+    import torch
+
+    said = []
+    a = ensure_checkpoint("tiny-draft", tmp_path, torch.device("cpu"), said.append, torch.float32)
+    t = (a / "model.safetensors").stat().st_mtime_ns
+    b = ensure_checkpoint("tiny-draft", tmp_path, torch.device("cpu"), said.append, torch.float32)
+    assert a == b and (b / "model.safetensors").stat().st_mtime_ns == t
+    assert any("reusing" in s for s in said)
+    assert json.loads((a / "config.json").read_text())["hidden_size"] == 32
+
+
+def _cli(*args, timeout=120):
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("OUT", None)
+    return subprocess.run([sys.executable, "-m", "memra_dist.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def test_bad_sections_is_one_line_exit_2():
+    p = _cli("bench", "--sections", "decode,bogus")
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["memra-dist: error: --sections: unknown bogus "
+                                             "(choose from bandwidth, steps, decode, trace, peer, pp, hybrid)"]
+
+
+def test_tiny_cpu_run_writes_every_key(tmp_path):
+    md = REPO / "BENCHMARKS.md"
+    before = md.read_text() if md.exists() else None
+    out = tmp_path / "bench.json"
+    t0 = time.perf_counter()
+    p = _cli("bench", "--shape", "tiny", "--quick", "--device", "cpu", "--hybrid", "--out", str(out),
+             "--cache-dir", str(tmp_path / "cache"))
+    wall = time.perf_counter() - t0
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert wall < 60, f"tiny quick bench took {wall:.1f}s"
+    assert (md.read_text() if md.exists() else None) == before  # no --record: BENCHMARKS.md untouched
+    assert "section decode: start" in p.stderr and "section decode: done" in p.stderr  # progress on stderr
+    res = json.loads(out.read_text())
+    for key in ("meta", "formula", "bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid", "targets"):
+        assert key in res, key
+    m = res["meta"]
+    assert m["device"] == "cpu" and m["shape"] == "tiny" and m["commit"] and m["graphs"]["active"] is False
+    assert res["bandwidth"]["bandwidth_bytes_s"] > 0 and res["bandwidth"]["roofline_tok_s"] > 0
+    assert set(res["steps"]["verify"]) == {"2", "4", "8"}
+    dec = res["decode"]
+    assert dec["plain"]["tok_s"] > 0 and "roofline_fraction" in dec["plain"]
+    spec = dec["spec"]
+    replay = [r for r in spec if r["drafter"] == "replay"]
+    assert len(replay) == 9 and {r["k"] for r in replay} == {2, 4, 8}
+    assert {r["target_acceptance"] for r in replay} == {0.6, 0.8, 0.9}
+    assert {r["drafter"] for r in spec} == {"replay", "ngram", "model"}
+    for r in spec:
+        if r["rounds"]:
+            for k in ("acceptance", "ideal_speedup", "achieved_speedup", "fraction_of_ideal"):
+                assert k in r, (r, k)
+        assert not r.get("greedy_mismatch"), r
+    assert set(res["trace"]["wall_s"]) == {"0", "1", "2"} and set(res["trace"]["overhead_pct"]) == {"1", "2"}
+    assert res["peer"]["plain"]["tok_s"] > 0 and "memra_over_transformers" in res["peer"]
+    assert "skipped" in res["pp"]
+    assert set(res["hybrid"]["k"]) == {"2", "4", "8"}
+    assert 0 < res["hybrid"]["k"]["4"]["rollback_share_of_verify"] < 1
+    assert {t["name"] for t in res["targets"]} >= set(TARGETS)
+    assert p.stdout.startswith("### memra-dist bench")
