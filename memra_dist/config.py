@@ -34,6 +34,7 @@ class RunConfig:
     trace: TraceSettings = field(default_factory=TraceSettings)
     trace_content: bool = False
     graphs: str = "auto"  # CUDA graphs for decode/verify steps: auto (= on with CUDA) | on | off
+    compile: bool = False  # torch.compile the blocks captured in those graphs (CUDA; slower start)
 
     def __post_init__(self):
         if self.draft_model and self.drafter not in ("model",):
@@ -59,6 +60,11 @@ class RunConfig:
 
     def use_graphs(self, device) -> bool:
         return self.graphs == "on" or (self.graphs == "auto" and device.type == "cuda")
+
+    def runner_kwargs(self, device) -> dict:
+        """The fast-path switches every ModelRunner of this run gets."""
+        on = self.use_graphs(device)
+        return {"graphs": on, "compile": on and self.compile}
 
     def capacity(self, prompt_len: int) -> int:
         return self.ctx if self.ctx is not None else prompt_len + self.max_new_tokens + self.k + 1

@@ -10,7 +10,7 @@ import torch
 from .cache import StageCache
 from .device import Drainer, device_label, free_mb
 from .errors import UserError
-from .graphs import StepGraphs, graphs_supported
+from .graphs import MAX_GRAPH_ROWS, StepGraphs, compile_blocks, graphs_supported
 from .model.config import ModelConfig, load_config
 from .model.loader import load_stage
 
@@ -27,7 +27,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                  first: int = 0, last: int | None = None, has_embed: bool = True,
                  has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096,
-                 graphs: bool = False):
+                 graphs: bool = False, compile: bool = False):
         self.cfg = cfg or load_config(model_dir)
         last = self.cfg.num_layers if last is None else last
         self.device, self.dtype = device, dtype
@@ -42,6 +42,8 @@ class ModelRunner:
                     if hasattr(m, "fuse"):
                         m.fuse()
             self.graphs = StepGraphs(self)
+            if compile:
+                compile_blocks(self.stage)
         self.drain = Drainer(device)
         self.label = device_label(device)
 
@@ -71,7 +73,7 @@ class ModelRunner:
     def forward(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         rows = x.shape[0]
         self.cache.begin(start, rows)
-        if self.graphs is not None and timer is None:
+        if self.graphs is not None and timer is None and rows <= MAX_GRAPH_ROWS:
             return self.graphs.run(x, start)
         pos = torch.arange(start, start + rows, device=self.device)
         h = self.stage(x.to(self.device), pos, self.cache, timer)

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StepGraphs", "graphs_supported"]
+__all__ = ["StepGraphs", "graphs_supported", "compile_blocks", "MAX_GRAPH_ROWS"]
+
+MAX_GRAPH_ROWS = 64  # decode and verify rows; a prefill runs eager (one graph per prompt length would not pay)
 
 
 def graphs_supported(stage) -> bool:
@@ -41,7 +43,14 @@ class StepGraphs:
 
     def _eager(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         st = self.runner.stage
-        h = st(x, pos, self.runner.cache, None)
+        blocks = [b for b in st.layers.values() if hasattr(b, "_compiled")]
+        for b in blocks:
+            b.forward = b._compiled
+        try:
+            h = st(x, pos, self.runner.cache, None)
+        finally:
+            for b in blocks:
+                del b.forward  # back to the class's eager forward
         return st.logits(h) if st.has_head else h
 
     def _capture(self, x: torch.Tensor, start: int) -> _Graph:
@@ -73,3 +82,18 @@ class StepGraphs:
         torch.add(g.base, start, out=g.pos)
         g.graph.replay()
         return g.out.clone()  # the static buffer is rewritten by the next replay
+
+
+def compile_blocks(stage) -> None:
+    """torch.compile each block's forward (CUDA fast path, opt-in `--compile`): fuses the
+    norms, rotary and gating elementwise work that dominates after the GEMMs. One compiled
+    function is shared by every block (parameters are graph inputs), specialised per row
+    count; CUDA graphs are then captured over the compiled kernels."""
+    import types  # noqa: PLC0415
+
+    from .model.transformer import Block  # noqa: PLC0415
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    fn = torch.compile(Block.forward, dynamic=False)
+    for blk in stage.layers.values():
+        blk._compiled = types.MethodType(fn, blk)  # used only while capturing (small row counts)

@@ -58,7 +58,7 @@ def make_drafter(cfg: RunConfig, mcfg: ModelConfig, device, dtype, capacity: int
         dcfg = load_config(cfg.draft_model)
         check_vocab(mcfg, dcfg)
         return ModelDrafter(ModelRunner(cfg.draft_model, device, dtype, cfg=dcfg, max_pos=capacity,
-                                        graphs=cfg.use_graphs(device)))
+                                        **cfg.runner_kwargs(device)))
     return ReplayDrafter(record(), prompt_len, mcfg.vocab_size, cfg.replay_corrupt, seed=cfg.seed + 1)
 
 
@@ -81,7 +81,7 @@ def run_local(cfg: RunConfig, prompt: list[int], hook=None, sink: SessionSink | 
     dtype = resolve_dtype(cfg.dtype, device)
     mcfg = load_config(cfg.model)
     capacity = plan_capacity(cfg, mcfg, len(prompt))
-    target = ModelRunner(cfg.model, device, dtype, cfg=mcfg, max_pos=capacity, graphs=cfg.use_graphs(device))
+    target = ModelRunner(cfg.model, device, dtype, cfg=mcfg, max_pos=capacity, **cfg.runner_kwargs(device))
 
     def record() -> list[int]:  # the replay drafter's recording: a plain greedy pass, untraced
         plain = cfg.with_(drafter="none", sampling=SamplingParams(), trace=TraceSettings())

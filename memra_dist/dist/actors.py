@@ -55,7 +55,7 @@ class _Worker:
         dtype = resolve_dtype(cfg.dtype, self.device)
         self.runner = ModelRunner(cfg.model, self.device, dtype, first, last, has_embed=first == 0,
                                   has_head=self.role == "head", max_pos=capacity,
-                                  graphs=cfg.use_graphs(self.device))
+                                  **cfg.runner_kwargs(self.device))
         self.runner.label = label
         self.link = Link(rank, world, self.device)
         self.tracing = ActorTracing(self.role, stage, run_dir, cfg.trace.level >= 1 or cfg.trace.prof)
