@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .whl/use-wheels.sh ]; then
   # shellcheck disable=SC1091
-  source .whl/use-wheels.sh
+  source .whl/use-wheels.sh || echo "[run_gpu] warning: .whl/use-wheels.sh failed; using the installed packages" >&2
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the repo itself, installed or not
 export TOKENIZERS_PARALLELISM=false

@@ -21,12 +21,15 @@ from typing import Callable
 
 import torch
 
-__all__ = ["SHAPES", "DRAFT_OF", "HYBRID_OF", "shape_config", "bench_cache_dir", "ensure_checkpoint",
+__all__ = ["SHAPES", "DRAFT_OF", "chain_perm", "HYBRID_OF", "shape_config", "bench_cache_dir", "ensure_checkpoint",
            "weight_bytes", "CKPT_VERSION"]
 
-CKPT_VERSION = "1"  # bump when the writer changes: part of the cache key
+CKPT_VERSION = "2"  # bump when the writer changes: part of the cache key
 SHARD_BYTES = 4 << 30
 INIT_STD = 0.02
+EMB_STD = 64.0
+CHAIN_SEED = 1234
+DRAFT_AGREE = 0.75
 
 _LLAMA = dict(rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
 SHAPES: dict[str, dict] = {
@@ -70,6 +73,7 @@ HYBRID_SHAPES = {
     "kimi-tiny": _kimi(32, 48, 4, 4, 8, 4, 16, 8, 8, 12, 8, 2, 16, 97),
 }
 DRAFT_OF = {"8b": "1b", "mid": "mid-draft", "tiny": "tiny-draft"}
+_DRAFTS = set(DRAFT_OF.values())
 HYBRID_OF = {"8b": "kimi", "mid": "kimi", "tiny": "kimi-tiny"}
 
 
@@ -117,21 +121,47 @@ def _draw(name: str, shape, dtype, device, gen) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, INIT_STD, generator=gen)
 
 
+def chain_perm(vocab: int) -> torch.Tensor:
+    """P: the target's greedy next token of t is P[t] (a random permutation, fixed seed)."""
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(CHAIN_SEED))
+
+
+def _chain_head(name: str, cfg: dict, tensors: dict, device, dtype) -> None:
+    """Overwrite embed_tokens / lm_head of a llama shape with the chain structure (see above)."""
+    V, H = cfg["vocab_size"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(CHAIN_SEED + 1)
+    emb = torch.randn(V, H, generator=g) * EMB_STD
+    P = chain_perm(V)
+    if name in _DRAFTS:  # the draft follows the chain on a DRAFT_AGREE share of tokens
+        off = torch.rand(V, generator=g) >= DRAFT_AGREE
+        P = torch.where(off, torch.randint(0, V, (V,), generator=g), P)
+    head = torch.zeros(V, H)
+    head[P] = emb * (INIT_STD / EMB_STD)  # logits of row t peak at P[t]: W[P[t]] ~ e_t
+    tensors["model.embed_tokens.weight"] = emb.to(device=device, dtype=dtype)
+    tensors["lm_head.weight"] = head.to(device=device, dtype=dtype)
+
+
 def weight_bytes(cfg: dict, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of every weight at `dtype` (fp32-kept tensors at 4 bytes): what a dense decode step reads."""
     size = torch.empty(0, dtype=dtype).element_size()
     return sum(math.prod(s) * (4 if f32 else size) for s, f32 in _param_shapes(cfg).values())
 
 
-def _write(out: Path, cfg: dict, device: torch.device, dtype: torch.dtype, say: Callable[[str], None]) -> None:
+def _write(out: Path, name: str, cfg: dict, device: torch.device, dtype: torch.dtype,
+           say: Callable[[str], None]) -> None:
     from safetensors.torch import save_file  # noqa: PLC0415
 
     shapes = _param_shapes(cfg)
     gen = torch.Generator(device=device).manual_seed(0)
+    special = {}
+    if cfg.get("model_type") == "llama":
+        _chain_head(name, cfg, special, device, dtype)
     shards, cur, cur_bytes = [], {}, 0
-    for name, (shape, f32) in shapes.items():
-        t = _draw(name, shape, torch.float32 if f32 else dtype, device, gen)
-        cur[name] = t.cpu()
+    for tname, (shape, f32) in shapes.items():
+        t = special.pop(tname, None)
+        if t is None:
+            t = _draw(tname, shape, torch.float32 if f32 else dtype, device, gen)
+        cur[tname] = t.cpu()
         cur_bytes += t.numel() * t.element_size()
         if cur_bytes >= SHARD_BYTES:
             shards.append(cur)
@@ -169,7 +199,7 @@ def ensure_checkpoint(name: str, cache: Path, device: torch.device, say: Callabl
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache))
     try:
-        _write(tmp, cfg, device, dtype, say)
+        _write(tmp, name, cfg, device, dtype, say)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

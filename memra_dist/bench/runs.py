@@ -18,14 +18,31 @@ from .fastpath import config_kwargs, runner_kwargs
 from .roofline import median
 from .timing import sync, time_call
 
-__all__ = ["Bench", "Steps", "make_prompt", "GenResult"]
+__all__ = ["Bench", "Steps", "make_prompt", "chain", "GenResult"]
 
 
-def make_prompt(n: int, vocab: int, seed: int = 0, period: int = 48) -> list[int]:
-    """n token ids: a random block repeated, so the n-gram drafter finds matches in the prompt."""
+def chain(P: torch.Tensor, start: int, n: int) -> list[int]:
+    out = [start]
+    for _ in range(n - 1):
+        out.append(int(P[out[-1]]))
+    return out
+
+
+def make_prompt(n: int, vocab: int, seed: int = 0, hole_every: int = 5) -> list[int]:
+    """n token ids for the chain-structured bench checkpoints (checkpoints.py): the prompt is
+    A = the greedy chain from s with every `hole_every`-th token replaced, then B = the chain
+    from s again (its first quarter). The target continues B along the chain, which A holds
+    with holes: a copy-with-edits workload where the n-gram drafter is right most of the time."""
+    from .checkpoints import chain_perm  # noqa: PLC0415
+
     g = torch.Generator().manual_seed(seed)
-    block = torch.randint(3, vocab, (min(period, n),), generator=g).tolist()
-    return (block * (n // len(block) + 1))[:n]
+    P = chain_perm(vocab)
+    s = int(torch.randint(3, vocab, (1,), generator=g))
+    m = max(2, n // 4)
+    a = chain(P, s, n - m)
+    for i in range(hole_every - 1, len(a), hole_every):
+        a[i] = int(torch.randint(3, vocab, (1,), generator=g))
+    return a + chain(P, s, m)
 
 
 @dataclass
