@@ -16,7 +16,11 @@ __all__ = ["peer"]
 def _load(path: str, device, dtype):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    try:
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        m = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
+    return m.to(device).eval()
 
 
 def _gen_s(model, ids, n: int, device, keep: list | None = None, **kw) -> float:
