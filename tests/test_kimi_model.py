@@ -194,9 +194,9 @@ def test_kda_rollback_limits():
     _, _, ids, ref = checkpoint("kda_only")
     r = runner("kda_only")
     r.forward(ids[:8], 0)
-    r.forward(ids[8:13], 8)
+    r.forward(ids[8:20], 8)
     with pytest.raises(ValueError, match="cannot roll back"):
-        r.rollback(7)  # before the last forward's start
+        r.rollback(3)  # past the 16-row snapshot ring (lengths [4, 20] restorable)
     # a forward from an earlier row (begin(start < length)) rolls back through the snapshots
     close(r.forward(ids[10:14], 10), ref[10:14])
     r.rollback(0)  # to empty: a reset

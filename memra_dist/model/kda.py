@@ -9,6 +9,16 @@ The output is RMS-normed per head, gated by sigmoid(g_b(g_a(x))), then o_proj.
 Two scan forms with the same math: `kda_recurrent` (row by row; decode / verify rows) and
 `kda_chunked` (chunks of CHUNK rows, the intra-chunk dependence solved as a unit-lower
 triangular system; prefill). Parameter names mirror transformers' KimiLinearDeltaAttention.
+
+Verify rows and the depth log's `seq_rows` (decided here): a verify of K+1 rows is ONE mixer
+call: the projections, the short conv, the gates and the output norm run batched over all
+rows; only the delta-rule recurrence inside `kda_recurrent` walks the rows in order, and that
+is the seed's "scan = the sequential KDA chain inside the batched call", timed as the scan
+share of vkda (`memra.scan_ms`). It is not a per-row ARM: no layer falls back to running the
+verify rows through the mixer one call per row, so KDA adds nothing to `ctx.timer.seq_rows`
+(nor do MLA, whose absorbed and expanded arms both take all rows at once, or MoE). A future
+per-row fallback (e.g. a kernel that cannot take T > 1 and loops decode calls) must count its
+rows there.
 """
 
 from __future__ import annotations
@@ -35,8 +45,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def kda_recurrent(q, k, v, g, beta, S, snaps: torch.Tensor | None = None):
     """q, k, g (T, H, Dk); v (T, H, Dv); beta (T, H); S (H, Dk, Dv); all fp32.
-    Returns o (T, H, Dv) and the final S. With `snaps` (>= T + 1, H, Dk, Dv): snaps[0] = S in,
-    snaps[t + 1] = S after row t."""
+    Returns o (T, H, Dv) and the final S. With `snaps` (a (>= T + 1, H, Dk, Dv) tensor or a
+    list of >= T + 1 (H, Dk, Dv) views): snaps[0] = S in, snaps[t + 1] = S after row t."""
     T, H, Dv = v.shape
     o = v.new_empty(T, H, Dv)
     decay = g.exp()  # (T, H, Dk)
@@ -94,26 +104,31 @@ class KDAState:
     """Recurrent state of one KDA layer + what rollback needs.
 
     S (H, Dk, Dv) fp32; conv (K-1, 3Q): the last K-1 conv inputs; length: rows folded in.
-    Rollback keeps per-row snapshots of the last forward: snaps[j] = S after row snap_from+j-1
-    (snaps[0] = S before row snap_from), hist = conv inputs of positions [snap_from-K+1, end).
-    A forward of T <= snap_rows rows snapshots all its rows (snap_from = start), so any
-    rollback to [start, start + T] is an O(1) copy. A longer (chunked) forward snapshots its
-    last snap_rows rows only; rolling back further into it (a prefill) raises.
+    Rollback keeps per-row snapshots in two rings indexed by ABSOLUTE position, across
+    forwards: snaps[p % (R+1)] = S after p rows, hist[p % (R+K-1)] = the conv input of
+    position p (R = snap_rows). Any length in [lo, length] can be restored with one copy of
+    S and a K-1-row gather of the conv window, where lo >= length - R is the lowest length
+    still in the rings. A forward of T <= R rows keeps every row (the recurrent form writes
+    the snapshots); a longer (chunked) forward keeps only its last R rows (lo = its end - R).
+
+    Why a ring across forwards and not the last forward's rows only: a target verify is one
+    forward of K+1 rows, but a kimi_linear DRAFT model feeds its K-1 proposal rows one
+    forward each, and its maintenance rolls back to the first rejected draft row, several
+    forwards back (K rows + the feed <= 2K rows: K <= 8 fits R = 16).
 
     Why snapshots and not a re-scan from a saved pre-forward state: a verify round rolls
     back on almost every partial accept, and a re-scan puts a second sequential pass (plus
     keeping k, v, g, beta of every row) on the critical path between verify and the next
     draft; the snapshot is one (H, Dk, Dv) copy per row written by the recurrent form the
     verify rows take anyway (T <= 9), and rollback is a copy. The price is memory:
-    (snap_rows + 1) state matrices per layer, preallocated (static shapes, no allocation
-    per round)."""
+    (R + 1) state matrices per layer, preallocated (static shapes, no allocation per round)."""
 
     S: torch.Tensor
     conv: torch.Tensor
     snaps: torch.Tensor
     hist: torch.Tensor
     length: int = 0
-    snap_from: int = 0
+    lo: int = 0  # the lowest length the rings can restore
 
     @classmethod
     def alloc(cls, heads: int, dk: int, dv: int, conv_dim: int, kernel: int, snap_rows: int,
@@ -132,7 +147,7 @@ class KDAState:
 
     def begin(self, start: int, rows: int) -> None:
         if start != self.length:
-            self.rollback(start)  # a forward from an earlier row: the snapshot window decides
+            self.rollback(start)  # a forward from an earlier row: the snapshot rings decide
 
     def rollback(self, new_len: int) -> None:
         if new_len == self.length:
@@ -140,20 +155,25 @@ class KDAState:
         if new_len == 0:
             self.reset()
             return
-        if not self.snap_from <= new_len < self.length:
+        if not self.lo <= new_len < self.length:
             raise ValueError(
-                f"KDA state cannot roll back to {new_len}: snapshots cover rows "
-                f"[{self.snap_from}, {self.length}] of the last forward"
+                f"KDA state cannot roll back to {new_len}: snapshots cover lengths "
+                f"[{self.lo}, {self.length}]"
             )
-        j = new_len - self.snap_from
-        self.S.copy_(self.snaps[j])
-        self.conv.copy_(self.hist[j:j + self.conv.shape[0]])
+        self.S.copy_(self.snaps[new_len % self.snaps.shape[0]])
+        kc, w = self.conv.shape[0], self.hist.shape[0]
+        first = new_len - kc  # the window holds the inputs of positions [new_len-K+1, new_len)
+        idx = [p % w for p in range(max(first, 0), new_len)]
+        pad = kc - len(idx)  # positions before 0: the zero window of a fresh sequence
+        if pad:
+            self.conv[:pad].zero_()
+        self.conv[pad:].copy_(self.hist[idx])
         self.length = new_len
 
     def reset(self) -> None:
         self.S.zero_()
         self.conv.zero_()
-        self.length = self.snap_from = 0
+        self.length = self.lo = 0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.S, self.conv, self.snaps, self.hist))
@@ -161,21 +181,26 @@ class KDAState:
     def advance(self, q, k, v, g, beta, xc: torch.Tensor) -> torch.Tensor:
         """Fold T rows in from `length`. xc (K-1+T, 3Q): the conv inputs of positions
         [length-K+1, length+T). Returns o (T, H, Dv)."""
-        T = q.shape[0]
-        tail = min(T, self.snap_rows)
+        T, L, R = q.shape[0], self.length, self.snap_rows
+        tail = min(T, R)
         head = T - tail
         S, parts = self.S, []
         if head:
             o_head, S = kda_chunked(q[:head], k[:head], v[:head], g[:head], beta[:head], S)
             parts.append(o_head)
-        o_tail, S = kda_recurrent(q[head:], k[head:], v[head:], g[head:], beta[head:], S, self.snaps)
+        base, n = L + head, self.snaps.shape[0]
+        slots = [self.snaps[(base + t) % n] for t in range(tail + 1)]  # S at lengths base..L+T
+        o_tail, S = kda_recurrent(q[head:], k[head:], v[head:], g[head:], beta[head:], S, slots)
         parts.append(o_tail)
-        keep = xc[head:]  # (K-1+tail, 3Q): inputs of positions [snap_from-K+1, end)
-        self.hist[:keep.shape[0]].copy_(keep)
-        self.conv.copy_(xc[xc.shape[0] - self.conv.shape[0]:])
+        kc, w = self.conv.shape[0], self.hist.shape[0]
+        pos = torch.arange(base - kc, L + T, device=xc.device)  # positions of xc[head:]
+        keep = xc[head:]  # (K-1+tail, 3Q)
+        ok = pos >= 0  # the zero rows before position 0 need not be kept
+        self.hist.index_copy_(0, (pos[ok] % w), keep[ok])
+        self.conv.copy_(xc[xc.shape[0] - kc:])
         self.S.copy_(S)
-        self.snap_from = self.length + head
-        self.length += T
+        self.lo = max(self.lo, L + T - R)  # a chunked head (T > R): lo = base
+        self.length = L + T
         return torch.cat(parts) if head else o_tail
 
 
