@@ -40,6 +40,7 @@ class StepGraphs:
 
     def reset(self) -> None:
         self.graphs.clear()
+        self.pool = None  # a fresh pool: reusing the handle of destroyed graphs trips the allocator
 
     def _eager(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         st = self.runner.stage
