@@ -69,9 +69,23 @@ def _rope_params(d: dict) -> tuple[float, tuple]:
 
 def parse_config(d: dict, where: str = "model") -> ModelConfig:
     """Parse a config.json dict. Raises UserError naming the problem."""
+    c = _parse_config(d, where)
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings"):
+        if getattr(c, name) < 1:
+            raise UserError(f"{where}: config.json has a non-positive {name} ({getattr(c, name)})")
+    if c.num_heads % c.num_kv_heads:
+        raise UserError(f"{where}: config.json: num_attention_heads ({c.num_heads}) is not a multiple of "
+                        f"num_key_value_heads ({c.num_kv_heads})")
+    return c
+
+
+def _parse_config(d: dict, where: str) -> ModelConfig:
     if not isinstance(d, dict):
         raise UserError(f"{where}: config.json is not a JSON object")
     arch = _need(d, "model_type", where)
+    if not isinstance(arch, str):
+        raise UserError(f"{where}: config.json 'model_type' must be a string (got {type(arch).__name__})")
     if arch == "kimi_linear":
         from .kimi_config import parse_kimi_config  # noqa: PLC0415 (optional family)
 
@@ -107,7 +121,7 @@ def parse_config(d: dict, where: str = "model") -> ModelConfig:
             eos_token_ids=eos_ids,
             raw=d,
         )
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError) as e:
         raise UserError(f"{where}: config.json has a malformed value ({e})") from None
 
 
@@ -119,12 +133,14 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if not p.is_dir():
         raise UserError(f"model path is not a directory: {p}")
     cfg = p / "config.json"
-    if not cfg.exists():
-        raise UserError(f"{p}: no config.json (is this a HF checkpoint directory?)")
     try:
+        if not cfg.exists():
+            raise UserError(f"{p}: no config.json (is this a HF checkpoint directory?)")
         d = json.loads(cfg.read_text())
     except PermissionError:
         raise UserError(f"{cfg}: not readable (permission denied)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{cfg}: malformed JSON ({e})") from None
+    except OSError as e:  # a directory, a device, an I/O error: still one line
+        raise UserError(f"{cfg}: cannot read ({e.strerror or e})") from None
     return parse_config(d, where=str(p))

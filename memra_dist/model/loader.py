@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -17,10 +18,19 @@ from ..errors import UserError
 from .config import ModelConfig, load_config
 from .transformer import Stage
 
-__all__ = ["CheckpointReader", "load_stage", "hf_name", "FP32_KEYS"]
+__all__ = ["CheckpointReader", "load_stage", "hf_name", "FP32_KEYS", "register_checkpoint_names"]
 
 # parameters the references keep in fp32 whatever the model dtype (gates, decay, router)
 FP32_KEYS = ("dt_bias", "A_log", "e_score_correction_bias", "mlp.gate.weight")
+
+
+# family -> (reader, hf name) -> tensor | None: the family's other checkpoint layouts, asked
+# only for names missing from the checkpoint (kimi_linear: model/kimi_names.py)
+_NAME_HOOKS: dict[str, Callable[["CheckpointReader", str], torch.Tensor | None]] = {}
+
+
+def register_checkpoint_names(arch: str, hook: Callable[["CheckpointReader", str], torch.Tensor | None]) -> None:
+    _NAME_HOOKS[arch] = hook
 
 
 def hf_name(key: str) -> str:
@@ -45,9 +55,12 @@ class CheckpointReader:
                 raise UserError(f"{self.dir}: no *.safetensors weights found")
             self.where = {}
             for f in files:
-                with safe_open(str(f), framework="pt") as fh:
-                    for k in fh.keys():
-                        self.where[k] = f
+                try:
+                    with safe_open(str(f), framework="pt") as fh:
+                        for k in fh.keys():
+                            self.where[k] = f
+                except Exception as e:  # noqa: BLE001 (safetensors raises its own types; unreadable = one line)
+                    raise UserError(f"{f}: cannot read safetensors file ({str(e).splitlines()[0][:200]})") from None
         self._open: dict[Path, object] = {}
 
     def has(self, name: str) -> bool:
@@ -88,7 +101,9 @@ def load_stage(
         name = hf_name(key)
         if key == "lm_head.weight" and not reader.has(name):
             name = "model.embed_tokens.weight"  # tied embeddings
-        t = reader.get(name)
+        hook = None if reader.has(name) else _NAME_HOOKS.get(cfg.arch)
+        t = hook(reader, name) if hook is not None else None
+        t = reader.get(name) if t is None else t  # still missing: reader.get names it
         if tuple(t.shape) != tuple(meta.shape):
             raise UserError(
                 f"{model_dir}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(meta.shape)}"
