@@ -1,6 +1,7 @@
 """The kimi_linear family: KDA or MLA mixer per layer, dense SwiGLU or MoE FFN per layer.
 
-Importing this module registers the family with the transformer (`register_family`). The
+Importing this module registers the family with the transformer (`register_family`) and its
+original-layout checkpoint names with the loader (`register_checkpoint_names`). The
 per-layer choices come from `KimiSpec` (kimi_config.py): `layer_types` (or linear_attn_config
 kda_layers / full_attn_layers) and `mlp_layer_types` (or first_k_dense_replace).
 """
@@ -12,7 +13,9 @@ from torch import nn
 from .config import ModelConfig
 from .kda import KDA
 from .kimi_config import DENSE, FULL, KimiSpec
+from .kimi_names import checkpoint_tensor
 from .layers import SwiGLU
+from .loader import register_checkpoint_names
 from .mla import MLA
 from .moe import MoE
 from .transformer import register_family
@@ -33,3 +36,4 @@ def kimi_ffn(cfg: ModelConfig, idx: int) -> nn.Module:
 
 
 register_family("kimi_linear", kimi_mixer, kimi_ffn)
+register_checkpoint_names("kimi_linear", checkpoint_tensor)
