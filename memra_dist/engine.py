@@ -27,7 +27,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                  first: int = 0, last: int | None = None, has_embed: bool = True,
                  has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096,
-                 graphs: bool = False, compile: bool = False):
+                 graphs: bool = False, compile: bool = False, warm_rows: int = 0):
         self.cfg = cfg or load_config(model_dir)
         last = self.cfg.num_layers if last is None else last
         self.device, self.dtype = device, dtype
@@ -44,6 +44,7 @@ class ModelRunner:
             self.graphs = StepGraphs(self)
             if compile:
                 compile_blocks(self.stage)
+        self.warm_rows = warm_rows  # capture graphs for 1..warm_rows rows at allocation
         self.drain = Drainer(device)
         self.label = device_label(device)
 
@@ -54,16 +55,39 @@ class ModelRunner:
             return
         if capacity > self.max_pos:
             raise UserError(f"context {capacity} exceeds the rotary table ({self.max_pos} positions)")
+        self._check_fits(capacity)
         try:
             self.cache = None
             if self.graphs is not None:
                 self.graphs.reset()
             self.cache = self.stage.new_cache(capacity, self.device, self.dtype)
+            if self.graphs is not None and self.warm_rows:
+                # every decode/verify row count up front (vLLM's habit): no capture or compile
+                # ever lands inside a round
+                self.graphs.warm(range(1, min(self.warm_rows, capacity) + 1))
         except torch.OutOfMemoryError:
             raise UserError(
                 f"out of memory allocating the cache for {capacity} rows on {self.label} "
                 f"(free {free_mb(self.device)} MB)"
             ) from None
+
+    def planned_bytes(self, capacity: int) -> int:
+        """Bytes the cache for `capacity` rows will take, from the states' shapes built on the
+        meta device (nothing allocated)."""
+        return self.stage.new_cache(capacity, torch.device("meta"), self.dtype).nbytes()
+
+    def _check_fits(self, capacity: int) -> None:
+        """Refuse a cache larger than the device's free memory (host MemAvailable on CPU)
+        before allocating: on CPU an oversized allocation would swap or meet the OOM killer,
+        not raise. The old cache counts as free: it is dropped first."""
+        need = self.planned_bytes(capacity)
+        free = free_mb(self.device)
+        reclaim = self.cache.nbytes() if self.cache is not None else 0
+        if need > free * (1 << 20) + reclaim:
+            raise UserError(
+                f"out of memory: the cache for {capacity} rows needs {need / (1 << 20):.0f} MB on {self.label}, "
+                f"free {free} MB (lower --ctx)"
+            )
 
     @property
     def length(self) -> int:

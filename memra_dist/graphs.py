@@ -73,6 +73,18 @@ class StepGraphs:
             out = self._eager(sx, pos)
         return _Graph(g, sx, base, pos, out)
 
+    def warm(self, rows_list) -> None:
+        """Capture the graphs for these row counts now (at position 0 of a fresh cache)."""
+        st = self.runner.stage
+        for rows in rows_list:
+            if rows in self.graphs:
+                continue
+            if st.has_embed:
+                x = torch.zeros(rows, dtype=torch.long, device=self.runner.device)
+            else:
+                x = torch.zeros(rows, st.cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
+            self.graphs[rows] = self._capture(x, 0)
+
     def run(self, x: torch.Tensor, start: int) -> torch.Tensor:
         rows = x.shape[0]
         g = self.graphs.get(rows)

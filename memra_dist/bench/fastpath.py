@@ -14,6 +14,9 @@ __all__ = ["resolve_graphs", "runner_kwargs", "config_kwargs", "graphs_status"]
 _COMPILE = os.environ.get("MEMRA_BENCH_COMPILE", "1") == "1"
 
 
+WARM_ROWS = 9  # K up to 8: every verify row count captured before anything is timed
+
+
 def resolve_graphs(flag: str, device: torch.device) -> bool:
     """--graphs on|off|auto: auto = on when CUDA."""
     if flag == "auto":
@@ -23,7 +26,7 @@ def resolve_graphs(flag: str, device: torch.device) -> bool:
 
 def runner_kwargs(on: bool) -> dict:
     """Keyword arguments for every ModelRunner the bench builds."""
-    return {"graphs": on, "compile": on and _COMPILE}
+    return {"graphs": on, "compile": on and _COMPILE, "warm_rows": WARM_ROWS if on else 0}
 
 
 def config_kwargs(on: bool) -> dict:

@@ -98,7 +98,9 @@ class Bench:
                         **config_kwargs(self.graphs))
         s = SpecSession(self.target, drafter, cfg.sampling, torch.Generator().manual_seed(0), k, trace, sink,
                         self.target.cfg.eos_token_ids)
-        capacity = len(prompt) + max_new + k + 1
+        # one capacity for every run: a new one would re-capture (and, compiled, re-specialise)
+        # every step graph
+        capacity = max(self.max_pos, len(prompt) + max_new + k + 1)
         out = [s.start(prompt, max_new, capacity)]
         sync(self.device)
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ def step_costs(s) -> dict:
     if "costs" in s.memo:
         return s.memo["costs"]
     b, ctx, n = s.bench, s.p.ctx, s.p.step_repeats
-    cap = ctx + max(s.p.ks) + 8
+    cap = b.max_pos  # the capacity every bench run uses (see Bench.generate)
     s.say(f"  priming target and draft at ctx {ctx}")
     b.steps.prime(b.target, ctx, cap)
     costs = {"ctx": ctx, "decode": b.steps.step_time(b.target, 1, ctx, n)}
