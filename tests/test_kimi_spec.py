@@ -191,3 +191,23 @@ def test_original_and_module_layouts_load_identically():
         outs.append(torch.cat([p.detach().flatten() for p in mid.stage.state_dict().values()]))
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
     torch.testing.assert_close(outs[0], ref, atol=1e-4, rtol=0)
+
+
+def test_kda_ring_rolls_back_across_forwards():
+    """Single-row forwards (a draft's proposals) then a rollback several forwards back,
+    including before K-1 rows exist (the zero conv window) and after the ring wrapped."""
+    _, target, _ = hybrid()
+    ids = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    r = ModelRunner(target, CPU, torch.float32)
+    r.alloc(48)
+    for p in range(5):
+        r.forward(torch.tensor(ids[p:p + 1]), p)
+    r.rollback(2)  # conv window of length 2 holds one zero row (position -1)
+    _same_kda_state(r, _fresh(target, ids[:2], 48))
+    r.forward(torch.tensor(ids[2:20]), 2)  # 18 rows > 16: a chunked head + a 16-row tail
+    for p in range(20, 34):  # 14 single-row forwards: the rings wrap
+        r.forward(torch.tensor(ids[p:p + 1]), p)
+    r.rollback(23)
+    _same_kda_state(r, _fresh(target, ids[:23], 48))
+    with pytest.raises(ValueError, match="cannot roll back"):
+        r.rollback(17)  # past the ring: lengths [34 - 16, 34] were restorable

@@ -193,10 +193,9 @@ class KDAState:
         o_tail, S = kda_recurrent(q[head:], k[head:], v[head:], g[head:], beta[head:], S, slots)
         parts.append(o_tail)
         kc, w = self.conv.shape[0], self.hist.shape[0]
-        pos = torch.arange(base - kc, L + T, device=xc.device)  # positions of xc[head:]
-        keep = xc[head:]  # (K-1+tail, 3Q)
-        ok = pos >= 0  # the zero rows before position 0 need not be kept
-        self.hist.index_copy_(0, (pos[ok] % w), keep[ok])
+        first = max(base - kc, 0)  # xc[head:] holds positions [base-K+1, L+T); those < 0 are zeros
+        keep = xc[xc.shape[0] - (L + T - first):]  # (<= K-1+tail, 3Q)
+        self.hist.index_copy_(0, torch.arange(first, L + T, device=xc.device) % w, keep)
         self.conv.copy_(xc[xc.shape[0] - kc:])
         self.S.copy_(S)
         self.lo = max(self.lo, L + T - R)  # a chunked head (T > R): lo = base
