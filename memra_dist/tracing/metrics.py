@@ -32,7 +32,7 @@ from ..phase.first_token import FirstTokenProf
 from ..phase.records import BurstRecord
 from .conventions import METRIC_ATTR, METRIC_META, METRICS, PHASES, RESOURCE, SERVICE_NAME_DEFAULT
 from .emit import verify_sub_layout
-from .otel import otlp_endpoint
+from .otel import FLUSH_TIMEOUT_S, otlp_endpoint
 
 __all__ = ["MetricsSink", "MetricsSession", "make_meter_provider", "prometheus_name",
            "SLOW_FACTOR", "MS_BUCKETS", "TOKEN_BUCKETS", "RATIO_BUCKETS"]
@@ -214,11 +214,12 @@ class MetricsSession:
         req = getattr(self._tracing, "_req", None)  # the request span, once TracingSession opened it
         return req.context() if req is not None else None
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Hold the scrape endpoint open `hold_s` seconds (so a scraper sees the final values),
-        then flush OTLP and stop, bounded by `timeout_s`."""
+        then flush OTLP and stop, bounded by `timeout_s` (default: the traces' FLUSH_TIMEOUT_S)."""
         if self.provider is None:
             return
+        timeout_s = FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
         if self.server is not None and self.hold_s > 0:
             time.sleep(self.hold_s)
         t = threading.Thread(target=lambda: self.provider.shutdown(timeout_millis=timeout_s * 1000), daemon=True)

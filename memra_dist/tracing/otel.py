@@ -51,8 +51,14 @@ class CountingExporter(SpanExporter):
 
     def __init__(self, inner: SpanExporter):
         self.inner, self.sent, self.failed = inner, 0, 0
+        self._abandoned = False
+        self._shut = threading.Lock()
+        self._inner_down = False
 
     def export(self, spans):
+        if self._abandoned:  # past the flush bound: fail at once, never block the exit
+            self.failed += len(spans)
+            return SpanExportResult.FAILURE
         try:
             res = self.inner.export(spans)
         except Exception:  # an exporter must never take the app down
@@ -64,7 +70,20 @@ class CountingExporter(SpanExporter):
         return res
 
     def shutdown(self):
+        with self._shut:  # once: the bounded flush and the SDK's atexit hook may both get here
+            if self._inner_down:
+                return
+            self._inner_down = True
         self.inner.shutdown()
+
+    def abandon(self) -> None:
+        """Give up delivering: later batches fail at once and an OTLP export stuck in its
+        retry/backoff loop is aborted (the exporter's shutdown closes the channel and wakes
+        the backoff wait). Without this the SDK's atexit shutdown joins the export thread,
+        which retries every queued batch for up to OTEL_EXPORTER_OTLP_TIMEOUT each."""
+        self._abandoned = True
+        if not isinstance(self.inner, RunDirExporter):  # local files never wait on a network
+            self.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)
@@ -102,6 +121,9 @@ def shutdown_bounded(provider: TracerProvider, counting: CountingExporter, ended
     t = threading.Thread(target=lambda: (provider.force_flush(int(timeout_s * 1000)), provider.shutdown()), daemon=True)
     t.start()
     t.join(timeout_s)
+    if t.is_alive():  # collector down or stalling: stop trying, so the process can exit now
+        counting.abandon()
+        t.join(min(1.0, timeout_s))
     return max(0, ended - counting.sent)
 
 
