@@ -126,8 +126,9 @@ def test_chunked_prefill_and_expanded_mla_arm(monkeypatch):
     close(r.forward(ids[13:20], 13), ref[13:20])
 
 
-def test_no_cache_path_matches_reference():
+def test_no_cache_path_matches_reference(monkeypatch):
     """Stage without a cache (reference / training path); 20 rows > RECURRENT_MAX_ROWS: chunked."""
+    monkeypatch.setattr(kda_mod, "RECURRENT_MAX_ROWS", 16)
     _, _, ids, ref = checkpoint("kda3_mla1")
     st = runner("kda3_mla1").stage
     with torch.no_grad():
@@ -165,10 +166,10 @@ def _kda_states(r: ModelRunner) -> dict[int, KDAState]:
     return {i: s for i, s in r.cache.layers.items() if isinstance(s, KDAState)}
 
 
-@pytest.mark.parametrize("P", [7, 20])
+@pytest.mark.parametrize("P", [7, 40])
 def test_kda_rollback_restores_state(P):
     """Prefill P, verify 5, roll back to P+2: state == a fresh prefill of P+2 tokens, and the
-    next forward matches the reference. P=20 > RECURRENT_MAX_ROWS: a chunked prefill."""
+    next forward matches the reference. P=40 > RECURRENT_MAX_ROWS: a chunked prefill."""
     m, _, _, _ = checkpoint("kda3_mla1")
     ids = torch.randint(3, V, (P + 8,), generator=torch.Generator().manual_seed(P))
     with torch.no_grad():
@@ -190,7 +191,8 @@ def test_kda_rollback_restores_state(P):
     close(r.forward(ids[P + 2:P + 8], P + 2), ref[P + 2:P + 8])
 
 
-def test_kda_rollback_limits():
+def test_kda_rollback_limits(monkeypatch):
+    monkeypatch.setattr(kda_mod, "RECURRENT_MAX_ROWS", 16)  # a 16-row ring: its limit within 20 ids
     _, _, ids, ref = checkpoint("kda_only")
     r = runner("kda_only")
     r.forward(ids[:8], 0)

@@ -193,7 +193,27 @@ def test_original_and_module_layouts_load_identically():
     torch.testing.assert_close(outs[0], ref, atol=1e-4, rtol=0)
 
 
-def test_kda_ring_rolls_back_across_forwards():
+def test_snapshot_ring_covers_the_largest_verify():
+    from memra_dist.config import MAX_K
+    from memra_dist.model import kda
+
+    assert kda.RECURRENT_MAX_ROWS >= MAX_K + 1  # any accepted row of a K+1-row verify restorable
+
+
+def test_spec_greedy_equals_plain_at_max_k():
+    """K = MAX_K: the first rounds verify MAX_K + 1 rows and roll back inside them."""
+    from memra_dist.config import MAX_K
+
+    ref = run_local(_cfg(hybrid()[1]).with_(max_new_tokens=40), PROMPT).token_ids
+    for name in ("replay0.3", "model"):
+        res = run_local(_cfg(hybrid()[1], name, k=MAX_K).with_(max_new_tokens=40), PROMPT)
+        assert res.token_ids == ref and res.stats["accepted"] < res.stats["drafted"]
+
+
+def test_kda_ring_rolls_back_across_forwards(monkeypatch):
+    from memra_dist.model import kda
+
+    monkeypatch.setattr(kda, "RECURRENT_MAX_ROWS", 16)  # a 16-row ring, wrapped within 40 ids
     """Single-row forwards (a draft's proposals) then a rollback several forwards back,
     including before K-1 rows exist (the zero conv window) and after the ring wrapped."""
     _, target, _ = hybrid()

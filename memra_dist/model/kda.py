@@ -34,7 +34,10 @@ from .kimi_config import KimiSpec
 
 __all__ = ["KDA", "KDAState", "kda_chunked", "kda_recurrent", "RECURRENT_MAX_ROWS", "CHUNK"]
 
-RECURRENT_MAX_ROWS = 16  # forwards of at most this many rows scan recurrently (and snapshot each row)
+# forwards of at most this many rows scan recurrently (and snapshot each row); also the
+# snapshot ring's length. = config.MAX_K + 1: a whole verify of K+1 rows must be restorable
+# at any accepted row (a chunked head is not snapshotted); tests check the tie.
+RECURRENT_MAX_ROWS = 33
 CHUNK = 64  # rows per chunk of the chunked form
 
 
@@ -114,14 +117,15 @@ class KDAState:
     Why a ring across forwards and not the last forward's rows only: a target verify is one
     forward of K+1 rows, but a kimi_linear DRAFT model feeds its K-1 proposal rows one
     forward each, and its maintenance rolls back to the first rejected draft row, several
-    forwards back (K rows + the feed <= 2K rows: K <= 8 fits R = 16).
+    forwards back (the feed, <= 2 rows, plus K-1 proposal rows: <= K+1 <= R rows).
 
     Why snapshots and not a re-scan from a saved pre-forward state: a verify round rolls
     back on almost every partial accept, and a re-scan puts a second sequential pass (plus
     keeping k, v, g, beta of every row) on the critical path between verify and the next
     draft; the snapshot is one (H, Dk, Dv) copy per row written by the recurrent form the
-    verify rows take anyway (T <= 9), and rollback is a copy. The price is memory:
-    (R + 1) state matrices per layer, preallocated (static shapes, no allocation per round)."""
+    verify rows take anyway (T = K+1 <= R), and rollback is a copy. The price is memory:
+    (R + 1) state matrices per layer (34: Kimi-Linear-48B's 32 x 128 x 128 fp32 state is
+    2 MiB, so 68 MiB per KDA layer), preallocated (static shapes, no allocation per round)."""
 
     S: torch.Tensor
     conv: torch.Tensor
