@@ -5,7 +5,10 @@ a burst per Ray call, stream tokens, and tear everything down (also on errors an
 from __future__ import annotations
 
 import os
+import re
+import signal
 import sys
+import threading
 import time
 
 from ..config import RunConfig
@@ -32,11 +35,16 @@ def _ray_up():
 
     if ray.is_initialized():
         return ray, False
+    on_term = signal.getsignal(signal.SIGTERM)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=_runtime_env(), log_to_driver=True)
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, runtime_env=_runtime_env(),
                  log_to_driver=True, configure_logging=False)
+    if callable(on_term) and threading.current_thread() is threading.main_thread():
+        # ray.init replaces SIGTERM with sys.exit(15) (its C++ core logs and exits too), which
+        # skips the CLI's flush-and-teardown path; keep the handler the caller had
+        signal.signal(signal.SIGTERM, on_term)
     return ray, True
 
 
@@ -96,15 +104,32 @@ class Pipeline:
         return dropped
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STAGE_DEATH_WAIT_S = 3.0  # how long a failed head waits to learn which stage died
+
+
+def _why(e: BaseException) -> str:
+    """One line for an error that came back from an actor: the actor's own exception (a
+    RayTaskError's cause) when there is one, never the `ray::Class.method() (pid=..)` banner."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
+    msg = lines[0][:300] if lines else ""
+    return msg if isinstance(e, UserError) else f"{type(e).__name__}: {msg}"
+
+
 def _stage_failure(ray, pipe: Pipeline, serving) -> str | None:
-    """Names the first stage whose serve loop died (None if all are alive)."""
+    """Names the first stage whose serve loop died (None if all are alive). A killed stage
+    usually breaks the head's receive before Ray marks the actor dead: wait a moment."""
+    ray.wait(serving, num_returns=1, timeout=STAGE_DEATH_WAIT_S)
     done, _ = ray.wait(serving, num_returns=len(serving), timeout=0)
     for i, ref in enumerate(serving):
         if ref in done:
             try:
                 ray.get(ref)
             except Exception as e:  # noqa: BLE001 (report whatever killed it)
-                return f"pipeline stage {i} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                return f"pipeline stage {i} failed: {_why(e)}"
     return None
 
 
@@ -134,7 +159,7 @@ def run_pipeline(cfg: RunConfig, prompt: list[int], stream=None, carrier: dict |
             stats = ray.get(pipe.head.finish.remote())
             ray.get(serving, timeout=PG_TIMEOUT_S)
         except ray.exceptions.RayError as e:
-            why = _stage_failure(ray, pipe, serving) or f"pipeline head failed: {str(e).splitlines()[0][:300]}"
+            why = _stage_failure(ray, pipe, serving) or f"pipeline head failed: {_why(e)}"
             raise UserError(why) from None
         return Result(out, stats)
     finally:
