@@ -122,19 +122,27 @@ def decode(s) -> dict:
 
 
 def _trace_sink(level: int):
+    """(sink, closer): the sink the CLI would build at `level`; closer() flushes and stops it."""
     if level == 0:
-        return None, None
+        return None, lambda: None
     from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
     from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: PLC0415
 
     from ..phase.report import FanOut  # noqa: PLC0415
     from ..phase.share import ShareTable  # noqa: PLC0415
+    from ..tracing.background import BackgroundSink  # noqa: PLC0415
     from ..tracing.emit import SpanSink  # noqa: PLC0415
 
     tp = TracerProvider()
     tp.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
-    return FanOut(ShareTable(), SpanSink(tp.get_tracer("memra.bench"), None)), tp
+    spans = BackgroundSink(SpanSink(tp.get_tracer("memra.bench"), None))  # as the CLI builds them
+
+    def close() -> None:  # after the timed decode, as the CLI does at request end
+        spans.close()
+        tp.shutdown()
+
+    return FanOut(ShareTable(), spans), close
 
 
 def trace_levels(s) -> dict:
@@ -145,15 +153,15 @@ def trace_levels(s) -> dict:
     rec = plain_decode(s)["result"].tokens
     walls = {0: [], 1: [], 2: []}
     for lv in (0, 1, 2):  # warm-up of each level
-        sink, tp = _trace_sink(lv)
+        sink, close = _trace_sink(lv)
         b.generate(b.drafter("replay", rec, len(prompt), 0.2), prompt, min(8, n), k, TraceSettings(level=lv), sink)
+        close()
     for _ in range(s.p.trace_repeats):
         for lv in (0, 1, 2):
-            sink, tp = _trace_sink(lv)
+            sink, close = _trace_sink(lv)
             r = b.generate(b.drafter("replay", rec, len(prompt), 0.2), prompt, n, k, TraceSettings(level=lv), sink)
             walls[lv].append(r.decode_s)
-            if tp is not None:
-                tp.shutdown()
+            close()
     m = {lv: median(w) for lv, w in walls.items()}
     w0 = walls[0]
     noise = (max(w0) - min(w0)) / m[0] * 100 if len(w0) > 1 else None

@@ -130,9 +130,7 @@ class _Collect:
     def burst(self, rec):
         if self.spans is not None:
             self.spans.burst(rec)
-        import copy  # noqa: PLC0415
-
-        self.rec = copy.deepcopy(rec)
+        self.rec = rec  # the session gives each burst a fresh record
 
     def first_token(self, prof):
         if self.spans is not None:
@@ -157,13 +155,14 @@ class HeadWorker(_Worker):
         from ..spec.sampling import SamplingParams  # noqa: PLC0415
         from ..phase.levels import TraceSettings  # noqa: PLC0415
         from ..spec.session import SpecSession  # noqa: PLC0415
+        from ..tracing.background import BackgroundSink  # noqa: PLC0415
         from ..tracing.emit import SpanSink  # noqa: PLC0415
 
         cfg, mcfg = self.cfg, self.runner.cfg
         self.target = PipelineTarget(self.link, self.runner, traced=cfg.trace.level >= 1)
         spans = None
         if self.tracing.enabled:
-            spans = SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {})
+            spans = BackgroundSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
         self._spans = spans
         self.collect = _Collect(spans)
 
@@ -189,6 +188,8 @@ class HeadWorker(_Worker):
 
     def finish(self) -> dict:
         self.target.end()
+        if self._spans is not None:
+            self._spans.close()  # every burst's spans built before the flush in close()
         return self.session.stats.as_dict()
 
     def _extra_spans(self) -> int:

@@ -156,9 +156,11 @@ class SpecSession:
         """Run up to `max_rounds` rounds (fewer if the request ends); the hook receives each
         round's committed tokens as they are accepted. Returns the burst's tokens."""
         out: list[int] = []
-        rec, c = self.rec, self.clock
-        if c is not None:
-            rec.reset(self.stats.bursts, self.k, max_rounds)
+        c = self.clock
+        if c is not None:  # a fresh record per burst (between bursts, never in a round): sinks may keep it
+            self.rec = BurstRecord()
+            self.rec.reset(self.stats.bursts, self.k, max_rounds)
+        rec = self.rec
         first = self.prof is not None and self.stats.bursts == 0
         t_b0, hook_ns = time.perf_counter_ns(), 0
         rec.t0 = t_b0
