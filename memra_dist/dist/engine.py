@@ -15,6 +15,7 @@ from ..config import RunConfig
 from ..errors import UserError
 from ..model.config import load_config
 from ..request import Result, plan_capacity
+from ..tracing.otel import default_run_dir, otlp_endpoint
 from .partition import partition
 from .setup_hook import HOOK
 from .transport import PG_TIMEOUT_S
@@ -143,6 +144,8 @@ def run_pipeline(cfg: RunConfig, prompt: list[int], stream=None, carrier: dict |
     ray, started = _ray_up()
     pipe = None
     try:
+        if run_dir is None and (cfg.trace.level >= 1 or cfg.trace.prof) and not otlp_endpoint():
+            run_dir = default_run_dir()  # the actors' spans need somewhere to go (as the CLI's do)
         pipe = Pipeline(cfg, capacity, str(run_dir) if run_dir else None)
         serving = [s.serve.remote(carrier or {}) for s in pipe.stages]
         try:

@@ -26,10 +26,15 @@ from .background import BackgroundSink
 from .emit import SpanSink
 from .files import RunDirExporter
 
-__all__ = ["TracingSession", "make_provider", "otlp_endpoint", "parse_traceparent", "FLUSH_TIMEOUT_S"]
+__all__ = ["TracingSession", "default_run_dir", "make_provider", "otlp_endpoint", "parse_traceparent", "FLUSH_TIMEOUT_S"]
 
 FLUSH_TIMEOUT_S = float(os.environ.get("MEMRA_FLUSH_TIMEOUT_S", "5"))
 _PROP = TraceContextTextMapPropagator()
+
+
+def default_run_dir() -> Path:
+    """Where a traced run with no OTLP endpoint writes its spans: ./runs/<time>-<pid>."""
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def otlp_endpoint() -> str | None:
@@ -181,9 +186,7 @@ class TracingSession:
         ep = otlp_endpoint()  # validated even when tracing is off: a bad variable is bad input
         if not enabled:
             return cls(False, None, parent)
-        rd = None if ep else Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-        if rd is not None and run_dir is None:
-            rd = rd.with_name(f"{rd.name}-{os.getpid()}")
+        rd = None if ep else Path(run_dir) if run_dir else default_run_dir()
         self = cls(True, rd, parent)
         self.provider, self.counting, self.files = make_provider("driver", rd)
         self.tracer = self.provider.get_tracer("memra_dist")
