@@ -152,13 +152,20 @@ def run_pipeline(cfg: RunConfig, prompt: list[int], stream=None, carrier: dict |
             out = [ray.get(pipe.head.start.remote(carrier or {}, prompt, capacity))]
             if stream:
                 stream(out)
+            # two bursts in flight: the head starts the next burst while the previous one's
+            # tokens travel back, so the Ray round trip (~1 ms) never idles the pipeline;
+            # a burst asked for after the request ended returns no tokens
+            inflight = [pipe.head.burst.remote(), pipe.head.burst.remote()]
             done = False
             while not done:
-                toks, done, rec, prof, log = ray.get(pipe.head.burst.remote())
+                toks, done, rec, prof, log = ray.get(inflight.pop(0))
+                if not done:
+                    inflight.append(pipe.head.burst.remote())
                 _feed(sink, rec, prof, log)
                 out.extend(toks)
                 if stream and toks:
                     stream(toks)
+            ray.get(inflight)  # the spare burst: empty
             stats = ray.get(pipe.head.finish.remote())
             ray.get(serving, timeout=PG_TIMEOUT_S)
         except ray.exceptions.RayError as e:

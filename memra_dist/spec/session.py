@@ -155,6 +155,8 @@ class SpecSession:
     def burst(self, max_rounds: int, hook: Callable[[list[int]], None] | None = None) -> list[int]:
         """Run up to `max_rounds` rounds (fewer if the request ends); the hook receives each
         round's committed tokens as they are accepted. Returns the burst's tokens."""
+        if self.done:
+            return []  # nothing to run, nothing to record
         out: list[int] = []
         c = self.clock
         if c is not None:  # a fresh record per burst (between bursts, never in a round): sinks may keep it
