@@ -63,6 +63,8 @@ ATTR = {
     "prompt": "memra.prompt",  # only with --trace-content
     "output": "memra.output",  # only with --trace-content
     "kv_mb": "memra.draft_kv_mb",
+    "drafted": "memra.drafted",  # request total of drafted tokens (int)
+    "accepted_total": "memra.accepted_total",  # request total of accepted drafts (int)
 }
 FREE_MB_PREFIX = "memra.free_mb."  # + device label: cuda0, cuda1, ... or cpu (MB)
 

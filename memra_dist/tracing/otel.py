@@ -163,7 +163,7 @@ class _Request:
             return
         st = result.stats
         self.span.set_attributes({ATTR["tokens"]: st["tokens"], ATTR["rounds"]: st["rounds"],
-                                  "memra.drafted": st["drafted"], "memra.accepted_total": st["accepted"]})
+                                  ATTR["drafted"]: st["drafted"], ATTR["accepted_total"]: st["accepted"]})
         if self.trace_content:
             self.span.set_attribute(ATTR["output"], text)
 

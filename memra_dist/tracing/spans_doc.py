@@ -1,0 +1,136 @@
+"""Renders docs/spans.md from the name registry (conventions.py) and from the very functions
+that print the stderr lines, so the doc cannot drift from the code.
+
+    python -m memra_dist.tracing.spans_doc          # rewrite docs/spans.md
+    python -m memra_dist.tracing.spans_doc --check  # exit 1 if it is stale (tests do this)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..phase.first_token import FirstTokenProf
+from ..phase.levels import trace_level_from
+from ..phase.lines import phase_line, phase_v_line
+from ..phase.records import BurstRecord
+from ..phase.rounds_log import RoundProf, RoundsLog
+from . import conventions as C
+
+__all__ = ["render", "ATTR_DOC", "DOC_PATH"]
+
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "spans.md"
+
+# key of conventions.ATTR -> (unit, where it appears, meaning)
+ATTR_DOC = {
+    "round": ("", "round, phase, sub-bucket and stage spans", "round index within the request"),
+    "burst": ("", "spec.burst", "burst index within the request"),
+    "k": ("{token}", "burst, round, phase spans; memra.request", "drafted tokens that entered the verify (the request's K on memra.request)"),
+    "accepted": ("{token}", "round and phase spans", "accepted drafts j, 0 <= j <= k"),
+    "ctx": ("{row}", "round, phase, stage spans", "committed target rows at round entry (a stage span: the forward's first row)"),
+    "stage": ("", "stage.forward", "pipeline stage index (0 = the first layers)"),
+    "phase": ("", "stage.forward", "`prime` or `verify`: what the forward served"),
+    "rows": ("{row}", "stage.forward", "rows in the forward"),
+    "scan_ms": ("ms", "spec.verify.kda", "the recurrent scan's share inside the KDA mixer bucket"),
+    "seq_rows": ("{row}", "spec.round", "verify rows that took a per-row mixer arm instead of the batched one"),
+    "tokens": ("{token}", "spec.burst, memra.request, memra.first_token", "tokens committed (the first-token span: tokens of the first burst, anchor included)"),
+    "rounds": ("{round}", "spec.burst, memra.request, memra.first_token", "rounds run"),
+    "drafter": ("", "memra.request", "none | ngram | model | replay"),
+    "model": ("", "memra.request", "the model directory's name (never a path, never the prompt)"),
+    "pp": ("", "memra.request", "pipeline stages"),
+    "trace_level": ("", "memra.request", "0, 1 or 2"),
+    "prompt_tokens": ("{token}", "memra.request", "prompt length"),
+    "prompt": ("", "memra.request", "the prompt text: ONLY with --trace-content"),
+    "output": ("", "memra.request", "the generated text: ONLY with --trace-content"),
+    "kv_mb": ("MB", "memra.first_token", "the drafter state allocated for the session"),
+    "drafted": ("{token}", "memra.request", "drafted tokens over the request"),
+    "accepted_total": ("{token}", "memra.request", "accepted drafts over the request"),
+}
+
+_SPANS = [
+    (C.SPAN_REQUEST, "-", "driver", "one per request; root, or child of an incoming W3C traceparent (--traceparent / TRACEPARENT)"),
+    (C.SPAN_BURST, C.SPAN_REQUEST, "driver (pp=1) / head", "a burst of rounds; tokens stream to the caller per round inside it"),
+    (C.SPAN_ROUND, C.SPAN_BURST, "driver / head", "one speculative round; its five phase spans tile it in clock order"),
+    *[(C.PHASE_SPANS[p], C.SPAN_ROUND, "driver / head", f"the {p} phase, bounded by drained clock stamps on both sides") for p in C.PHASES],
+    *[(C.VERIFY_SUB_SPANS[b], C.PHASE_SPANS["verify"], "driver / head", f"level 2: the {b} share of the verify walk (drained per-layer laps summed; laid end to end)") for b in C.VERIFY_SUB_SPANS],
+    (C.SPAN_FIRST_TOKEN, C.SPAN_REQUEST, "driver / head", "profile on: everything between the session's prime and the first burst's end"),
+    *[(C.ttft_span(b), C.SPAN_FIRST_TOKEN, "driver / head", "first-token bucket " + b) for b in C.TTFT_BUCKETS],
+    (C.SPAN_STAGE_FORWARD, C.SPAN_REQUEST, "stage", "pp > 1: a stage actor's share of one forward walk (its layers, drained)"),
+]
+
+
+def _sample_burst() -> BurstRecord:
+    b = BurstRecord()
+    b.reset(3, 4, 2)
+    for i, (d, v, a, r, m, j) in enumerate(((2.1, 9.8, 0.4, 0.1, 0.2, 3), (2.0, 9.9, 0.4, 0.1, 0.2, 4))):
+        rr = b.next_round()
+        t = 10_000_000 * (i + 1)
+        rr.t = [t]
+        for ms in (d, v, a, r, m):
+            t += int(ms * 1e6)
+            rr.t.append(t)
+        rr.index, rr.k, rr.j, rr.ctx = 24 + i, 4, j, 300 + 5 * i
+        rr.sub_ns = {"kda": 4_100_000, "scan": 1_200_000, "mla": 2_300_000, "attn": 0, "ffn": 2_000_000}
+    return b
+
+
+def _lines() -> list[str]:
+    b = _sample_burst()
+    log = RoundsLog()
+    for r in b.live():
+        log.push(RoundProf(r.wall_ns / 1e6, r.phase_ns(0) / 1e6, r.phase_ns(1) / 1e6, r.phase_ns(2) / 1e6,
+                           (r.phase_ns(3) + r.phase_ns(4)) / 1e6, r.k, r.j, r.ctx))
+    pf = FirstTokenProf()
+    pf.ms.update(cache_alloc=0.8, prime=41.2, anchor=0.3, draft_alloc=0.2, draft_prime=6.1, first_draft=2.1,
+                 first_verify=9.8, first_accept=0.4, first_roll=0.1, first_maint=0.2)
+    pf.first_round_tokens, pf.first_burst_ms, pf.first_burst_rounds, pf.first_burst_tokens = 4, 101.5, 8, 29
+    pf.draft_kv_mb, pf.free_mb_before, pf.free_mb_after = 64.0, {"cuda0": 80123}, {"cuda0": 80011}
+    loud: list[str] = []
+    trace_level_from("2", "1", warn=loud.append)  # the [spec-trace] override line
+    return [phase_line(b), phase_v_line(b), f"[{C.TAGS['prof']}] {pf.line()}",
+            f"[{C.TAGS['prof_rounds']}] {log.rounds[0].line(0)}", f"[{C.TAGS['prof_summary']}] {log.summary()}",
+            *loud]
+
+
+def render() -> str:
+    out = ["# Spans, attributes and line shapes", "",
+           "Generated by `python -m memra_dist.tracing.spans_doc` from `memra_dist/tracing/conventions.py`",
+           "(the one registry) and from the functions that print the lines; `tests/test_spans_doc.py` fails",
+           "when this file is stale. Metrics: [metrics.md](metrics.md).", "",
+           "## Spans", "", "| span | parent | emitted by (memra.role) | what it covers |", "|---|---|---|---|"]
+    out += [f"| `{n}` | `{p}` | {who} | {what} |" if p != "-" else f"| `{n}` | - | {who} | {what} |" for n, p, who, what in _SPANS]
+    out += ["", "Every phase span (and sub-bucket span) also carries one "
+            f"`{C.FREE_MB_PREFIX}<device>` attribute (MB) per device of the engines that ran it: "
+            "`cuda0`, `cuda1`, ... by physical GPU id, or `cpu` (host MemAvailable) in CPU mode. "
+            "Start and end times are the recorded clock stamps; spans are built after each burst "
+            "(on a background thread), never inside the round loop. Level 0 makes no spans at all.", "",
+            "## Attributes", "", "| attribute | unit | on | meaning |", "|---|---|---|---|"]
+    out += [f"| `{C.ATTR[k]}` | {u or '-'} | {on} | {what} |" for k, (u, on, what) in ATTR_DOC.items()]
+    out += [f"| `{C.FREE_MB_PREFIX}<device>` | MB | phase, sub-bucket, stage and ttft spans | free memory of that device at the boundary |",
+            "", "## Resource", "", "| key | value |", "|---|---|",
+            f"| `{C.RESOURCE['service']}` | `OTEL_SERVICE_NAME`, default `{C.SERVICE_NAME_DEFAULT}` |",
+            f"| `{C.RESOURCE['role']}` | {' / '.join(C.ROLES)} |",
+            f"| `{C.RESOURCE['host']}` | the host name |", f"| `{C.RESOURCE['pid']}` | the process id |",
+            "", "## Stderr lines (the seed's shapes)", "",
+            "`[spec-phase]` per burst at level >= 1; `[spec-phase-v]` per burst at level 2 (vrest = verify",
+            "minus the mixer buckets, vffn printed inside it, a class the model lacks prints 0);",
+            "`[spec-prof]` once per request, `[spec-prof-rounds]` rows for the first 64 rounds and one",
+            "`[spec-prof-summary]` with the profile on; `[spec-trace]` once when both trace variables are",
+            "set and differ. Example lines, printed by the code itself from sample records:", "", "```"]
+    out += _lines() + ["```", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        ok = DOC_PATH.exists() and DOC_PATH.read_text() == text
+        if not ok:
+            print(f"{DOC_PATH} is stale: run python -m memra_dist.tracing.spans_doc", file=sys.stderr)
+        return 0 if ok else 1
+    DOC_PATH.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
