@@ -45,6 +45,15 @@ def test_greedy_pp_token_identical(ray_local, llama, draft_llama, drafter):
         assert got == ref, f"pp={pp} drafter={drafter}"
 
 
+def test_pp4_on_cpu_token_identical(ray_local, llama, draft_llama):
+    """Four stage actors (one layer each) + the head: the CPU share of the pp=4 issue."""
+    from memra_dist.dist.engine import run_pipeline
+
+    for drafter, extra in (("ngram", {}), ("model", {"draft_model": str(draft_llama)})):
+        ref = run_local(_cfg(llama, drafter=drafter, **extra), PROMPT).token_ids
+        assert run_pipeline(_cfg(llama, drafter=drafter, pp=4, **extra), PROMPT).token_ids == ref
+
+
 def test_greedy_pp_matches_transformers(ray_local, ckpt_factory):
     import torch
 
