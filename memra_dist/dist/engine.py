@@ -4,6 +4,7 @@ a burst per Ray call, stream tokens, and tear everything down (also on errors an
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -27,7 +28,20 @@ _OTEL_PASS = ("OTEL_", "MEMRA_")
 
 def _runtime_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k.startswith(_OTEL_PASS)}
-    return {"worker_process_setup_hook": HOOK, "env_vars": env}
+    rt = {"worker_process_setup_hook": HOOK, "env_vars": env}
+    # Under `ray job submit` the job's runtime env (cluster/runtime_env.yaml) is already set, and
+    # ray.init refuses to merge ours with it when a field or an env var is given in both: add only
+    # what the job's lacks (its values are the same ones: the job's env_vars are this process's env)
+    job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if job:
+        try:
+            have = json.loads(job).get("runtime_env") or {}
+        except (ValueError, AttributeError):
+            have = {}
+        if "worker_process_setup_hook" in have:
+            rt.pop("worker_process_setup_hook")
+        rt["env_vars"] = {k: v for k, v in env.items() if k not in (have.get("env_vars") or {})}
+    return rt
 
 
 def _ray_up():
