@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-from pathlib import Path
 
 from .config import RunConfig
 from .errors import UserError

@@ -61,3 +61,15 @@ def draft_llama(ckpt_factory):
     """A smaller draft of the same vocabulary."""
     return ckpt_factory("llama", seed=1, num_hidden_layers=1, hidden_size=16, intermediate_size=32,
                         num_attention_heads=2, num_key_value_heads=1)[0]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for one test module (CPU actors), with the engine's runtime env."""
+    ray = pytest.importorskip("ray")
+    from memra_dist.dist.engine import _runtime_env
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env=_runtime_env(), configure_logging=False,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()

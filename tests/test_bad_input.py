@@ -22,7 +22,7 @@ import pytest
 
 from memra_dist.cli import main
 
-from test_cli_errors import PROMPT, _assert_one_line_error, _gen, run_main
+from test_cli_errors import _assert_one_line_error, _gen, run_main
 
 _DROP = "-dac_override,-dac_read_search"
 

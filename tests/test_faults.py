@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import select
 import signal
 import socket
@@ -223,17 +222,6 @@ def _kill_all(pids):
 
 
 # ---- 2. a stage actor dies mid-request ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    from memra_dist.dist.engine import _runtime_env
-
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env=_runtime_env(), configure_logging=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def _cfg(model, **kw):

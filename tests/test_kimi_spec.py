@@ -72,17 +72,6 @@ def test_llama_draft_for_kimi_target(plain, draft_llama):
 # ---------------------------------------------------------------- pp=2 (a module-scoped local Ray)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    from memra_dist.dist.engine import _runtime_env
-
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env=_runtime_env(), configure_logging=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("name,k", [("ngram", 4), ("replay0.3", 8), ("model", 1), ("replay1.0", 4)])
 def test_spec_greedy_pp2_equals_plain(ray_local, plain, name, k):
     """[KDA, MLA | KDA, KDA]: KDA state rolls back on the stage actor and on the head."""

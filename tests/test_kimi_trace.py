@@ -15,15 +15,12 @@ import pytest
 pytest.importorskip("transformers")
 
 from kimi_ckpt import PROMPT, hybrid  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+from test_tracing_spans import in_memory_session  # noqa: E402
 
 from memra_dist.config import RunConfig  # noqa: E402
 from memra_dist.phase.levels import TraceSettings  # noqa: E402
 from memra_dist.phase.report import FanOut, LineSink  # noqa: E402
 from memra_dist.request import run_local  # noqa: E402
-from memra_dist.tracing.otel import CountingExporter, TracingSession  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -56,16 +53,6 @@ class Records:
         pass
 
 
-def _in_memory():
-    exp = InMemorySpanExporter()
-    ts = TracingSession(True, None, None)
-    ts.provider = TracerProvider()
-    ts.counting = CountingExporter(exp)
-    ts.provider.add_span_processor(SimpleSpanProcessor(ts.counting))
-    ts.tracer = ts.provider.get_tracer("memra_dist")
-    return ts, exp
-
-
 def _children(spans, parent):
     return sorted((s for s in spans if s.parent is not None and s.parent.span_id == parent.context.span_id),
                   key=lambda s: s.start_time)
@@ -94,7 +81,7 @@ def _check_records(recs: Records, rounds_n: int) -> None:
 
 def test_level2_hybrid_sub_spans_and_line():
     cfg = _cfg()
-    ts, exp = _in_memory()
+    ts, exp = in_memory_session()
     lines, recs = io.StringIO(), Records()
     with ts.request(cfg, "prompt", len(PROMPT)) as req:
         res = run_local(cfg, PROMPT, None, FanOut(LineSink(cfg.trace, out=lines), ts.sink(), recs))
@@ -125,17 +112,6 @@ def test_level2_hybrid_sub_spans_and_line():
         assert vffn <= vrest  # the seed's vrest (verify - vkda - vmla) holds the ffn share
     summary = [ln for ln in text.splitlines() if ln.startswith("[spec-prof-summary]")]
     assert len(summary) == 1 and "seq_rows_total=0 " in summary[0]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    from memra_dist.dist.engine import _runtime_env
-
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env=_runtime_env(), configure_logging=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def test_level2_pp2_sub_split_reaches_the_driver(ray_local, tmp_path):

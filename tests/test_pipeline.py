@@ -18,17 +18,6 @@ from memra_dist.spec.sampling import SamplingParams
 PROMPT = [5, 9, 17, 5, 9, 23, 40, 5, 9]
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    from memra_dist.dist.engine import _runtime_env
-
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env=_runtime_env(), configure_logging=False,
-             log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _cfg(model, **kw):
     base = dict(model=str(model), max_new_tokens=16, device="cpu", k=3)
     return RunConfig(**{**base, **kw})

@@ -10,7 +10,6 @@ import re
 import signal
 import sys
 import threading
-import time
 
 from ..config import RunConfig
 from ..errors import UserError
