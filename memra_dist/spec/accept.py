@@ -24,11 +24,13 @@ RECOVERED, BONUS = "recovered", "bonus"
 
 def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
     """target_logits (K+1, V), drafts (K,) -> (j, next token). next = argmax of row j."""
-    pred = target_logits.argmax(-1)  # (K+1,)
-    k = drafts.shape[0]
-    match = (pred[:k] == drafts.to(pred.device)).int()
-    j = int(match.cumprod(0).sum()) if k else 0
-    return j, int(pred[j])
+    pred = target_logits.argmax(-1).tolist()  # (K+1,): the round's one device readback
+    j = 0
+    for d in drafts.tolist():  # the longest prefix the target agrees with
+        if pred[j] != d:
+            break
+        j += 1
+    return j, pred[j]
 
 
 def accept_sampled(
