@@ -8,6 +8,9 @@ import time
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, TraceFlags
 
 from ..phase.first_token import FirstTokenProf
 from ..phase.records import BurstRecord, RoundRecord
@@ -39,51 +42,66 @@ def verify_sub_layout(r: RoundRecord) -> list[tuple[str, int, dict]]:
 
 
 class SpanSink:
-    def __init__(self, tracer: trace.Tracer, parent: Context | None, attrs: dict | None = None):
-        self.tracer = tracer
-        self.parent = parent
+    """Builds finished spans straight from the records: ids, parents, times and attributes are
+    all known after the burst, so the SDK's live-span path (a sampler call, locks and
+    on_start per span) buys nothing; each span is a `ReadableSpan` handed to the provider's
+    span processors (`on_end`), i.e. the same batching and export path as any span.
+    The sampling decision is the parent's (or the tracer's sampler for a root), once per sink."""
+
+    def __init__(self, tracer, parent: Context | None, attrs: dict | None = None):
+        self.proc = tracer.span_processor
+        self.resource = tracer.resource
+        self.ids = tracer.id_generator
+        self.scope = InstrumentationScope("memra_dist")
         self.attrs = attrs or {}  # e.g. memra.stage on a stage's spans
         self.offset = time.time_ns() - time.perf_counter_ns()
         self.count = 0  # spans made (the level-0 test counts zero)
+        psc = trace.get_current_span(parent).get_span_context() if parent is not None else None
+        if psc is not None and psc.is_valid:
+            self.parent, self.trace_id = psc, psc.trace_id
+            self.sampled = psc.trace_flags.sampled
+        else:
+            self.parent, self.trace_id = None, self.ids.generate_trace_id()
+            res = tracer.sampler.should_sample(None, self.trace_id, SPAN_BURST)
+            self.sampled = res.decision.is_sampled()
+        self.flags = TraceFlags(TraceFlags.SAMPLED if self.sampled else TraceFlags.DEFAULT)
 
-    def _span(self, name: str, ctx: Context | None, t0: int, attrs: dict):
-        self.count += 1
-        return self.tracer.start_span(name, context=ctx, start_time=t0 + self.offset,
-                                      attributes={**self.attrs, **attrs})
+    def _span(self, name: str, parent: SpanContext | None, t0: int, t1: int, attrs: dict) -> SpanContext:
+        sc = SpanContext(self.trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=self.flags)
+        if self.sampled:
+            self.count += 1
+            self.proc.on_end(ReadableSpan(name, context=sc, parent=parent, resource=self.resource,
+                                          attributes={**self.attrs, **attrs}, instrumentation_scope=self.scope,
+                                          start_time=t0 + self.offset, end_time=t1 + self.offset))
+        return sc
 
     @staticmethod
     def _mem(d: dict[str, int]) -> dict:
         return {free_mb_attr(k): v for k, v in d.items()}
 
     def burst(self, rec: BurstRecord) -> None:
-        b = self._span(SPAN_BURST, self.parent, rec.t0, {ATTR["burst"]: rec.index, ATTR["k"]: rec.k,
-                                                         ATTR["rounds"]: rec.n, ATTR["tokens"]: rec.tokens})
-        bctx = trace.set_span_in_context(b)
+        b = self._span(SPAN_BURST, self.parent, rec.t0, rec.t1, {
+            ATTR["burst"]: rec.index, ATTR["k"]: rec.k, ATTR["rounds"]: rec.n, ATTR["tokens"]: rec.tokens})
         for r in rec.live():
-            self._round(r, bctx)
-        b.end(end_time=rec.t1 + self.offset)
+            self._round(r, b)
 
-    def _round(self, r: RoundRecord, bctx: Context) -> None:
+    def _round(self, r: RoundRecord, burst: SpanContext) -> None:
         base = {ATTR["round"]: r.index, ATTR["k"]: r.k, ATTR["accepted"]: r.j, ATTR["ctx"]: r.ctx}
-        rs = self._span(SPAN_ROUND, bctx, r.t[0], {**base, ATTR["seq_rows"]: r.seq_rows})
-        rctx = trace.set_span_in_context(rs)
+        rs = self._span(SPAN_ROUND, burst, r.t[0], r.t[5], {**base, ATTR["seq_rows"]: r.seq_rows})
         for i, ph in enumerate(PHASES):
-            ps = self._span(PHASE_SPANS[ph], rctx, r.t[i], {**base, **self._mem(r.free_mb[i])})
+            mem = self._mem(r.free_mb[i])
+            ps = self._span(PHASE_SPANS[ph], rs, r.t[i], r.t[i + 1], {**base, **mem})
             if ph == "verify" and r.sub_ns:
-                vctx, t = trace.set_span_in_context(ps), r.t[1]
+                t = r.t[1]
                 for bucket, ns, extra in verify_sub_layout(r):
-                    sub = self._span(VERIFY_SUB_SPANS[bucket], vctx, t, {**base, **extra, **self._mem(r.free_mb[i])})
+                    self._span(VERIFY_SUB_SPANS[bucket], ps, t, t + ns, {**base, **extra, **mem})
                     t += ns
-                    sub.end(end_time=t + self.offset)
-            ps.end(end_time=r.t[i + 1] + self.offset)
-        rs.end(end_time=r.t[5] + self.offset)
 
     def first_token(self, pf: FirstTokenProf) -> None:
         end = pf.round1_t0_ns + int(sum(pf.ms[b] for b in _ROUND1_BUCKETS) * 1e6)
-        ft = self._span(SPAN_FIRST_TOKEN, self.parent, pf.t0_ns, {
+        ft = self._span(SPAN_FIRST_TOKEN, self.parent, pf.t0_ns, max(end, pf.t0_ns), {
             ATTR["tokens"]: pf.first_burst_tokens, ATTR["rounds"]: pf.first_burst_rounds,
             ATTR["kv_mb"]: pf.draft_kv_mb})
-        fctx = trace.set_span_in_context(ft)
         for buckets, t in ((_PRIME_BUCKETS, pf.t0_ns), (_ROUND1_BUCKETS, pf.round1_t0_ns)):
             for b in buckets:
                 attrs = {}
@@ -91,10 +109,9 @@ class SpanSink:
                     attrs = self._mem(pf.free_mb_before)
                 elif b == "draft_alloc":
                     attrs = self._mem(pf.free_mb_after)
-                s = self._span(ttft_span(b), fctx, t, attrs)
-                t += int(pf.ms[b] * 1e6)
-                s.end(end_time=t + self.offset)
-        ft.end(end_time=max(end, pf.t0_ns) + self.offset)
+                dt = int(pf.ms[b] * 1e6)
+                self._span(ttft_span(b), ft, t, t + dt, attrs)
+                t += dt
 
     def rounds(self, log, final: bool) -> None:
         pass  # the depth log is a line instrument; its rows are the round spans already
