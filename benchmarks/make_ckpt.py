@@ -26,7 +26,7 @@ def make_8b(big: Path, tok) -> float:
     from safetensors.torch import save_file
     mc = parse_config(cfg8)
     with torch.device("meta"):
-        st = Stage(mc, 0, 32, True, True, 16)
+        st = Stage(mc, 0, 32, True, True)
     big.mkdir(parents=True, exist_ok=True)
     shard, idx, size, k = {}, {}, 0, 0
     def flush():

@@ -31,8 +31,7 @@ class ModelRunner:
         self.cfg = cfg or load_config(model_dir)
         last = self.cfg.num_layers if last is None else last
         self.device, self.dtype = device, dtype
-        self.stage = load_stage(model_dir, first, last, has_embed, has_head, device, dtype,
-                                max_pos, self.cfg)
+        self.stage = load_stage(model_dir, first, last, has_embed, has_head, device, dtype, self.cfg)
         self.max_pos = max_pos
         self.cache: StageCache | None = None
         self.graphs = None
@@ -54,7 +53,7 @@ class ModelRunner:
             self.cache.rollback(0)  # reuse: no reallocation, captured graphs stay valid
             return
         if capacity > self.max_pos:
-            raise UserError(f"context {capacity} exceeds the rotary table ({self.max_pos} positions)")
+            raise UserError(f"context {capacity} exceeds this runner's limit ({self.max_pos} rows)")
         self._check_fits(capacity)
         try:
             self.cache = None

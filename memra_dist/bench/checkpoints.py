@@ -107,7 +107,7 @@ def _param_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
 
     mcfg = parse_config(cfg, "bench")
     with torch.device("meta"):
-        stage = Stage(mcfg, 0, mcfg.num_layers, True, True, 16)
+        stage = Stage(mcfg, 0, mcfg.num_layers, True, True)
     return {hf_name(k): (tuple(v.shape), k.endswith(FP32_KEYS)) for k, v in stage.state_dict().items()}
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["RMSNorm", "SwiGLU", "rope_tables", "apply_rope"]
+__all__ = ["RMSNorm", "SwiGLU", "rope_inv_freq", "rope_rows", "apply_rope"]
 
 
 class RMSNorm(nn.Module):
@@ -62,18 +62,22 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
-def rope_tables(
-    head_dim: int, max_pos: int, theta: float, rope: dict | None = None, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables, each (max_pos, head_dim), fp32, in the HF rotate-half layout."""
+def rope_inv_freq(head_dim: int, theta: float, rope: dict | None = None) -> torch.Tensor:
+    """(head_dim/2,) fp32 inverse frequencies (llama3 scaling applied when configured)."""
     cpu = torch.device("cpu")  # explicit: stages are built under a meta-device context
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
     if rope and rope.get("rope_type") == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope)
-    t = torch.arange(max_pos, dtype=torch.float32, device=cpu)
-    freqs = torch.outer(t, inv_freq)  # (max_pos, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, head_dim)
-    return emb.cos().to(device), emb.sin().to(device)
+    return inv_freq
+
+
+def rope_rows(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, head_dim) fp32 for the rows at `pos`, in the HF rotate-half layout.
+    Computed per step, not read from a table: one multiply per element, exactly the
+    reference's values, and no table whose size grows with the context."""
+    freqs = pos.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
+    return emb.cos(), emb.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,6 @@ def load_stage(
     has_head: bool,
     device: torch.device,
     dtype: torch.dtype,
-    max_pos: int,
     cfg: ModelConfig | None = None,
 ) -> Stage:
     """Build the Stage for layers [first, last) and load exactly its tensors."""
@@ -94,7 +93,7 @@ def load_stage(
     if not 0 <= first <= last <= cfg.num_layers:
         raise UserError(f"layer range [{first}, {last}) outside the model's {cfg.num_layers} layers")
     with torch.device("meta"):
-        stage = Stage(cfg, first, last, has_embed, has_head, max_pos)
+        stage = Stage(cfg, first, last, has_embed, has_head)
     reader = CheckpointReader(model_dir)
     state = {}
     for key, meta in stage.state_dict().items():

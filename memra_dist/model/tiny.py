@@ -76,7 +76,7 @@ def build_checkpoint(out: str | Path, cfg_dict: dict, tok: Tokenizer, seed: int 
     out = Path(out)
     cfg = parse_config(cfg_dict)
     torch.manual_seed(seed)
-    stage = Stage(cfg, 0, cfg.num_layers, True, True, cfg.max_position_embeddings)
+    stage = Stage(cfg, 0, cfg.num_layers, True, True)
     with torch.no_grad():
         for name, p in stage.named_parameters():
             if p.dim() >= 2:

@@ -16,7 +16,7 @@ from torch import nn
 from ..cache import StageCache
 from .attention import Attention, causal_mask
 from .config import ModelConfig
-from .layers import RMSNorm, SwiGLU, rope_tables
+from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_rows
 
 __all__ = ["Block", "Stage", "StepCtx", "register_family"]
 
@@ -83,7 +83,7 @@ class Block(nn.Module):
 class Stage(nn.Module):
     """Layers [first, last) plus, where owned, the embedding and the head."""
 
-    def __init__(self, cfg: ModelConfig, first: int, last: int, has_embed: bool, has_head: bool, max_pos: int):
+    def __init__(self, cfg: ModelConfig, first: int, last: int, has_embed: bool, has_head: bool):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         self.has_embed, self.has_head = has_embed, has_head
@@ -94,10 +94,10 @@ class Stage(nn.Module):
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         dims = {m.self_attn.rope_dim for m in self.layers.values() if getattr(m.self_attn, "rope_dim", None)}
-        self._rope = {d: rope_tables(d, max_pos, cfg.rope_theta, cfg.rope) for d in dims}
+        self._inv_freq = {d: rope_inv_freq(d, cfg.rope_theta, cfg.rope) for d in dims}
 
     def to_device(self, device) -> "Stage":
-        self._rope = {d: (c.to(device), s.to(device)) for d, (c, s) in self._rope.items()}
+        self._inv_freq = {d: f.to(device) for d, f in self._inv_freq.items()}
         return self
 
     def new_cache(self, capacity: int, device, dtype) -> StageCache:
@@ -108,7 +108,7 @@ class Stage(nn.Module):
 
     def step_ctx(self, pos: torch.Tensor, cache: StageCache | None, timer=None) -> StepCtx:
         mask = causal_mask(pos, cache.capacity) if cache is not None else None
-        rope = {d: (c[pos], s[pos]) for d, (c, s) in self._rope.items()}
+        rope = {d: rope_rows(pos, f) for d, f in self._inv_freq.items()}
         return StepCtx(pos=pos, mask=mask, rope=rope, timer=timer)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: StageCache | None, timer=None) -> torch.Tensor:
