@@ -52,7 +52,9 @@ def _demo_args(args):
     if args.trace_level is None and not os.environ.get("MEMRA_SPEC_TRACE") and not os.environ.get("MEMRA_GLM5_SPEC_TRACE"):
         args.trace_level = 1  # the demo shows the phase shares unless told otherwise
     draft_model = args.draft_model or (str(draft) if args.drafter in (None, "model") else None)
-    return str(target), draft_model, args.prompt or DEMO_PROMPT
+    prompt = args.prompt or DEMO_PROMPT
+    say(f"tiny target + draft llamas trained on the embedded text ({target.parent}); prompt: {prompt!r}")
+    return str(target), draft_model, prompt
 
 
 def run_command(args) -> int:
