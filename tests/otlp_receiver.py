@@ -41,6 +41,8 @@ class ReceivedSpan:
     attributes: dict = field(default_factory=dict)
     resource: dict = field(default_factory=dict)
     scope: str = ""
+    status_code: int = 0  # OTLP Status.code: 0 unset, 1 ok, 2 error
+    status_message: str = ""
 
 
 class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
@@ -65,7 +67,8 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
                             parent_span_id=s.parent_span_id.hex(), start_ns=s.start_time_unix_nano,
                             end_ns=s.end_time_unix_nano,
                             attributes={a.key: any_value(a.value) for a in s.attributes},
-                            resource=res, scope=ss.scope.name))
+                            resource=res, scope=ss.scope.name, status_code=s.status.code,
+                            status_message=s.status.message))
         return trace_service_pb2.ExportTraceServiceResponse()
 
 

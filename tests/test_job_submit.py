@@ -1,7 +1,10 @@
 """End to end on CPU: a real Ray head on this machine (token authentication ON), `ray job
 submit` of `memra-dist demo --pp 2` through cluster/submit.sh with cluster/runtime_env.yaml,
 the job reaches SUCCEEDED, and an in-test OTLP/gRPC receiver gets the run's spans from the
-driver AND the head and stage actors, in one trace.
+driver AND the head and stage actors, in one trace. Then `ray job stop` of a long
+`demo --pp 2` mid-request: STOPPED, the driver's request span flushed (ERROR), no process of
+the job left, the cluster still runs jobs (docs/reliability.md, fault 3b). Both tests share
+one head (the `ray_head` fixture, started once for the module).
 
 How it stays isolated and bounded:
 - the head's temp dir is a short private /tmp/rj-<random> (Ray's socket paths are length
@@ -38,6 +41,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -157,18 +162,63 @@ def test_driver_runtime_env_merges_with_the_jobs(monkeypatch):
     assert merged["env_vars"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://c:4317"
 
 
-def test_ray_job_submit_demo_pp2_spans_in_one_trace(tmp_path):
-    t_start = time.monotonic()
+@dataclass
+class Head:
+    """The Ray head this module's tests share (started once: ~10-20 s of the budget)."""
+
+    tag: str  # the value of MARKER in every process of this head
+    address: str  # the job API (dashboard), 127.0.0.1 only
+    token_file: Path
+    real_ray: str
+    cache: Path
+    shim_dir: Path
+    record: Path  # the runtime env submit.sh built for the latest submission (before the shim's override)
+    build: subprocess.Popen
+    build_log: Path
+    temp_dir: Path
+
+    def job_log(self, sub_id: str, supervisor: bool = False) -> str:
+        """The tail of the job's driver log (or its supervisor's log) on the head."""
+        name = f"jobs/supervisor-{sub_id}.log" if supervisor else f"job-driver-{sub_id}.log"
+        logs = sorted(self.temp_dir.glob(f"session_*/logs/{name}"))
+        return logs[-1].read_text(errors="replace")[-4000:] if logs else f"(no {name})"
+
+    def checkpoints(self) -> None:
+        """Wait for the demo's checkpoints (built while the head started)."""
+        assert self.build.wait(timeout=BUILD_TIMEOUT_S) == 0, self.build_log.read_text()[-3000:]
+
+    def job_env(self, rx: OTLPReceiver, sub_id: str, *submit_args: str) -> dict:
+        """The submitting shell of cluster/submit.sh: address, token file, OTEL_* to `rx`."""
+        return _clean_env(
+            RAY_ADDRESS=self.address, RAY_AUTH_TOKEN_PATH=str(self.token_file), **rx.env(),
+            OTEL_SERVICE_NAME="memra-dist", RAY_SUBMIT_ARGS=" ".join(["--submission-id", sub_id, *submit_args]),
+            PATH=f"{self.shim_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+    def auth_env(self) -> dict:
+        """What submit.sh gives the ray CLI: token auth, the token file."""
+        return _clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_file))
+
+    def job_status(self, sub_id: str) -> str:
+        """GET /api/jobs/<id> of the job API, with the token (a plain HTTP call: no ray import)."""
+        req = urllib.request.Request(f"{self.address}/api/jobs/{sub_id}",
+                                     headers={"authorization": f"Bearer {self.token_file.read_text().strip()}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.load(r)["status"]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    base = tmp_path_factory.mktemp("rj")
     real_ray = shutil.which("ray")
     tag = secrets.token_hex(4)
     temp_dir = Path(tempfile.mkdtemp(prefix=f"rj-{tag}-", dir="/tmp"))  # short: socket paths
     token_file = temp_dir / "auth_token"
     token_file.write_text(secrets.token_hex(32))
     token_file.chmod(0o600)
-    cache = tmp_path / "cache"
+    cache = base / "cache"
 
-    # the demo's tiny checkpoints, built while the head starts (the job then only loads them)
-    build_log = tmp_path / "build.log"
+    # the demo's tiny checkpoints, built while the head starts (the jobs then only load them)
+    build_log = base / "build.log"
     with open(build_log, "w") as log:
         build = subprocess.Popen(
             [sys.executable, "-c", "from memra_dist.model.tiny import demo_checkpoints; demo_checkpoints()"],
@@ -196,82 +246,16 @@ def test_ray_job_submit_demo_pp2_spans_in_one_trace(tmp_path):
             # /dev/shm, sockets, sandbox limits)
             pytest.skip(f"`ray start --head` failed here (environment): {(up.stdout + up.stderr)[-1500:]}")
 
-        address = f"http://127.0.0.1:{dash}"
-        # token auth is ON: the job API refuses a wrong token
-        wrong = subprocess.run([real_ray, "job", "list", "--address", address],
-                               env=_clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32)),
-                               capture_output=True, text=True, timeout=60)
-        said = wrong.stdout + wrong.stderr
-        assert wrong.returncode != 0 and "Invalid authentication token" in said, said[-2000:]
-
-        assert build.wait(timeout=BUILD_TIMEOUT_S) == 0, build_log.read_text()[-3000:]
-
-        shim_dir = tmp_path / "shim"
+        shim_dir = base / "shim"
         shim_dir.mkdir()
-        record, override = tmp_path / "runtime_env.submitted.json", tmp_path / "runtime_env.used.json"
+        record, override = base / "runtime_env.submitted.json", base / "runtime_env.used.json"
         shim = shim_dir / "ray"
         shim.write_text(SHIM.format(python=sys.executable, record=str(record), override=str(override),
                                     cache=str(cache), real=real_ray))
         shim.chmod(0o755)
-
-        sub_id = f"memra-test-{tag}"
-        with OTLPReceiver() as rx:
-            job_env = _clean_env(
-                RAY_ADDRESS=address, RAY_AUTH_TOKEN_PATH=str(token_file), **rx.env(),
-                OTEL_SERVICE_NAME="memra-dist", RAY_SUBMIT_ARGS=f"--submission-id {sub_id}",
-                PATH=f"{shim_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-            try:
-                job = subprocess.run(["bash", str(SUBMIT), "demo", "--pp", "2", "--max-new-tokens", "16"],
-                                     cwd=str(tmp_path), env=job_env, capture_output=True, text=True,
-                                     timeout=JOB_TIMEOUT_S)
-            except subprocess.TimeoutExpired as e:
-                pytest.fail(f"the job did not finish in {JOB_TIMEOUT_S}s: {str(e.stdout)[-3000:]}")
-            out = job.stdout + job.stderr
-            assert job.returncode == 0, out[-5000:]
-
-            # the job's status from the job API itself (a subprocess: Ray caches the token per process)
-            status = subprocess.run(
-                [sys.executable, "-c", "import sys; from ray.job_submission import JobSubmissionClient as C; "
-                 "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)", address, sub_id],
-                env=_clean_env(RAY_AUTH_TOKEN_PATH=str(token_file), RAY_AUTH_MODE="token"),
-                capture_output=True, text=True, timeout=60)
-            assert status.stdout.strip().splitlines()[-1:] == ["SUCCEEDED"], (status.stdout + status.stderr)[-2000:]
-
-            def one_trace_all_roles(spans):
-                by_trace: dict[str, set] = {}
-                for s in spans:
-                    by_trace.setdefault(s.trace_id, set()).add(s.resource.get("memra.role"))
-                return any(ROLES <= roles for roles in by_trace.values())
-
-            spans = rx.wait_for_spans(one_trace_all_roles, timeout=30)
-
-        # what submit.sh built from cluster/runtime_env.yaml (before the shim's override)
-        submitted = json.loads(record.read_text())
-        assert Path(submitted["working_dir"]).resolve() == ROOT
-        assert submitted["worker_process_setup_hook"] == "memra_dist.dist.setup_hook.setup"
-        assert submitted["pip"]["packages"] == ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}"]
-        assert submitted["env_vars"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == rx.endpoint
-        # the token never travels in the runtime env
-        assert not any(k.startswith("RAY_AUTH") for k in submitted["env_vars"])
-        assert token_file.read_text() not in json.dumps(submitted)
-
-        # the run's spans: driver + head + stage, in ONE trace, under the driver's request span
-        roles_by_trace: dict[str, set] = {}
-        for s in spans:
-            roles_by_trace.setdefault(s.trace_id, set()).add(s.resource.get("memra.role"))
-        full = [t for t, r in roles_by_trace.items() if ROLES <= r]
-        assert full, f"no trace with spans from {sorted(ROLES)}: {roles_by_trace}"
-        trace = [s for s in spans if s.trace_id == full[0]]
-        names = {s.name for s in trace}
-        assert "memra.request" in names, sorted(names)
-        root = [s for s in trace if s.name == "memra.request"]
-        assert len(root) == 1 and root[0].resource.get("memra.role") == "driver"
-        pids = {(s.resource.get("memra.role"), s.resource.get("process.pid")) for s in trace}
-        assert len({p for _, p in pids}) >= 3, pids  # three processes: the job's driver and two actors
-        ids = {s.span_id for s in trace}
-        orphans = [s.name for s in trace if s.parent_span_id and s.parent_span_id not in ids]
-        assert not orphans, orphans
-        assert time.monotonic() - t_start < 600
+        yield Head(tag=tag, address=f"http://127.0.0.1:{dash}", token_file=token_file, real_ray=real_ray,
+                   cache=cache, shim_dir=shim_dir, record=record, build=build, build_log=build_log,
+                   temp_dir=temp_dir)
     finally:
         if build.poll() is None:
             build.kill()
@@ -279,3 +263,179 @@ def test_ray_job_submit_demo_pp2_spans_in_one_trace(tmp_path):
         left = _kill_cluster(tag)
         shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"Ray processes of the test's head still alive: {left}"
+
+
+def test_ray_job_submit_demo_pp2_spans_in_one_trace(ray_head, tmp_path):
+    t_start = time.monotonic()
+    head = ray_head
+    address, real_ray = head.address, head.real_ray
+    # token auth is ON: the job API refuses a wrong token
+    wrong = subprocess.run([real_ray, "job", "list", "--address", address],
+                           env=_clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32)),
+                           capture_output=True, text=True, timeout=60)
+    said = wrong.stdout + wrong.stderr
+    assert wrong.returncode != 0 and "Invalid authentication token" in said, said[-2000:]
+
+    head.checkpoints()
+
+    sub_id = f"memra-test-{head.tag}"
+    with OTLPReceiver() as rx:
+        job_env = head.job_env(rx, sub_id)
+        try:
+            job = subprocess.run(["bash", str(SUBMIT), "demo", "--pp", "2", "--max-new-tokens", "16"],
+                                 cwd=str(tmp_path), env=job_env, capture_output=True, text=True,
+                                 timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the job did not finish in {JOB_TIMEOUT_S}s: {str(e.stdout)[-3000:]}")
+        out = job.stdout + job.stderr
+        assert job.returncode == 0, out[-5000:]
+
+        # the job's status from the job API itself (a subprocess: Ray caches the token per process)
+        status = subprocess.run(
+            [sys.executable, "-c", "import sys; from ray.job_submission import JobSubmissionClient as C; "
+             "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)", address, sub_id],
+            env=head.auth_env(), capture_output=True, text=True, timeout=60)
+        assert status.stdout.strip().splitlines()[-1:] == ["SUCCEEDED"], (status.stdout + status.stderr)[-2000:]
+
+        def one_trace_all_roles(spans):
+            by_trace: dict[str, set] = {}
+            for s in spans:
+                by_trace.setdefault(s.trace_id, set()).add(s.resource.get("memra.role"))
+            return any(ROLES <= roles for roles in by_trace.values())
+
+        spans = rx.wait_for_spans(one_trace_all_roles, timeout=30)
+
+    # what submit.sh built from cluster/runtime_env.yaml (before the shim's override)
+    submitted = json.loads(head.record.read_text())
+    assert Path(submitted["working_dir"]).resolve() == ROOT
+    assert submitted["worker_process_setup_hook"] == "memra_dist.dist.setup_hook.setup"
+    assert submitted["pip"]["packages"] == ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}"]
+    assert submitted["env_vars"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == rx.endpoint
+    # the token never travels in the runtime env
+    assert not any(k.startswith("RAY_AUTH") for k in submitted["env_vars"])
+    assert head.token_file.read_text() not in json.dumps(submitted)
+
+    # the run's spans: driver + head + stage, in ONE trace, under the driver's request span
+    roles_by_trace: dict[str, set] = {}
+    for s in spans:
+        roles_by_trace.setdefault(s.trace_id, set()).add(s.resource.get("memra.role"))
+    full = [t for t, r in roles_by_trace.items() if ROLES <= r]
+    assert full, f"no trace with spans from {sorted(ROLES)}: {roles_by_trace}"
+    trace = [s for s in spans if s.trace_id == full[0]]
+    names = {s.name for s in trace}
+    assert "memra.request" in names, sorted(names)
+    root = [s for s in trace if s.name == "memra.request"]
+    assert len(root) == 1 and root[0].resource.get("memra.role") == "driver"
+    pids = {(s.resource.get("memra.role"), s.resource.get("process.pid")) for s in trace}
+    assert len({p for _, p in pids}) >= 3, pids  # three processes: the job's driver and two actors
+    ids = {s.span_id for s in trace}
+    orphans = [s.name for s in trace if s.parent_span_id and s.parent_span_id not in ids]
+    assert not orphans, orphans
+    assert time.monotonic() - t_start < 600
+
+
+STOP_BOUND_S = 30  # `ray job stop` -> STOPPED (a few seconds alone: the driver's flush and teardown)
+GONE_BOUND_S = 20  # STOPPED -> no process of the job left
+JOB_PROCS = ("memra_dist.cli", "ray::HeadWorker", "ray::StageWorker", "ray::JobSupervisor")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _job_processes(tag: str) -> dict[int, str]:
+    """The job's processes on this head: its driver (and the shell Ray runs it under), its
+    actors and its supervisor, found by the head's marker and their command lines (Ray sets
+    a worker's title to ray::Class.method)."""
+    procs = {pid: _cmdline(pid) for pid in _marked_pids(tag)}
+    return {pid: c for pid, c in procs.items() if any(k in c for k in JOB_PROCS)}
+
+
+def _wait_status(head: Head, sub_id: str, want: set[str], timeout: float) -> str:
+    end = time.monotonic() + timeout
+    while True:
+        status = head.job_status(sub_id)
+        if status in want or time.monotonic() > end:
+            return status
+        time.sleep(0.2)
+
+
+def test_ray_job_stop_flushes_spans_and_leaves_no_process(ray_head, tmp_path):
+    """`ray job stop` of a submitted `demo --pp 2` mid-request: Ray SIGTERMs the entrypoint,
+    the CLI's handler unwinds through the same flush-and-teardown path as Ctrl-C (actors
+    closed and killed, spans flushed), the job is STOPPED, no process of it is left, and the
+    cluster runs the next job."""
+    t_start = time.monotonic()
+    head = ray_head
+    head.checkpoints()
+    sub_id = f"memra-stop-{head.tag}"
+    with OTLPReceiver() as rx:
+        # ~1900 plain-decoding rounds (~30 s at pp=1 alone on 2 cores, longer at pp=2), a burst
+        # every 2 rounds: bursts (with their spans) from the first second of generation
+        sub = subprocess.run(["bash", str(SUBMIT), "demo", "--pp", "2", "--max-new-tokens", "1900",
+                              "--drafter", "none", "--burst-rounds", "2", "--trace-level", "1"],
+                             cwd=str(tmp_path), env=head.job_env(rx, sub_id, "--no-wait"),
+                             capture_output=True, text=True, timeout=120)
+        assert sub.returncode == 0, (sub.stdout + sub.stderr)[-3000:]
+        status = _wait_status(head, sub_id, {"RUNNING", "SUCCEEDED", "FAILED", "STOPPED"}, JOB_TIMEOUT_S)
+        assert status == "RUNNING", status
+
+        def head_burst(spans):
+            return any(s.name == "spec.burst" and s.resource.get("memra.role") == "head" for s in spans)
+
+        assert head_burst(rx.wait_for_spans(head_burst, timeout=JOB_TIMEOUT_S)), "no spec.burst span from the head"
+        assert head.job_status(sub_id) == "RUNNING"  # mid-request
+        assert not any(s.name == "memra.request" for s in rx.snapshot())  # the request span is still open
+        during = _job_processes(head.tag)
+        kinds = " ".join(during.values())
+        assert "memra_dist.cli" in kinds and "ray::HeadWorker" in kinds and "ray::StageWorker" in kinds, during
+
+        t0 = time.monotonic()
+        stop = subprocess.run([head.real_ray, "job", "stop", "--address", head.address, sub_id],
+                              env=head.auth_env(), capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0, (stop.stdout + stop.stderr)[-3000:]
+        status = _wait_status(head, sub_id, {"STOPPED", "SUCCEEDED", "FAILED"}, STOP_BOUND_S)
+        took_stop = time.monotonic() - t0
+        log = head.job_log(sub_id)
+        assert status == "STOPPED", (status, log)
+        assert took_stop < STOP_BOUND_S, (took_stop, log)
+
+        # the driver's request span, flushed by the SIGTERM path (not by a normal end: ERROR)
+        def request_span(spans):
+            return [s for s in spans if s.name == "memra.request" and s.resource.get("memra.role") == "driver"]
+
+        req = request_span(rx.wait_for_spans(lambda s: bool(request_span(s)), timeout=15))
+        assert len(req) == 1, ([s.name for s in rx.snapshot()], log)
+        assert req[0].status_code == 2 and req[0].status_message == "KeyboardInterrupt", (req[0], log)
+        assert req[0].trace_id in {s.trace_id for s in rx.snapshot() if s.resource.get("memra.role") == "head"}
+        # the driver ran its flush-and-teardown to the end; Ray did not have to SIGKILL it
+        sup = head.job_log(sub_id, supervisor=True)
+        assert "memra-dist: interrupted" in log, log
+        assert "terminated gracefully" in sup and "SIGKILL" not in sup, sup
+        print(f"ray job stop -> STOPPED in {took_stop:.1f}s; memra.request status "
+              f"{req[0].status_code} {req[0].status_message!r}")
+
+    # no driver, shell or actor process of the job is left (the ones seen mid-run included)
+    end = time.monotonic() + GONE_BOUND_S
+    while True:
+        left = _job_processes(head.tag)
+        left.update({p: c for p, c in during.items() if _cmdline(p) == c})
+        if not left or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    assert not left, left
+    print(f"job processes gone {time.monotonic() - t0:.1f}s after `ray job stop`")
+
+    # the cluster still runs a job
+    with OTLPReceiver() as rx:
+        again = subprocess.run(["bash", str(SUBMIT), "demo", "--pp", "2", "--max-new-tokens", "4",
+                                "--trace-level", "0"],
+                               cwd=str(tmp_path), env=head.job_env(rx, f"{sub_id}-again"),
+                               capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert head.job_status(f"{sub_id}-again") == "SUCCEEDED"
+    assert time.monotonic() - t_start < 600
