@@ -44,7 +44,8 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("-k", type=int, default=4, help="drafted tokens per round (default 4)")
     p.add_argument("--replay-corrupt", type=float, default=0.2, metavar="R", help="replay drafter: per-token corruption rate")
     p.add_argument("--ctx", type=int, metavar="N", help="session context rows (default: prompt + max-new + k + 1)")
-    p.add_argument("--burst-rounds", type=int, default=8, metavar="N", help="rounds per burst: lines, spans and token streaming happen per burst")
+    p.add_argument("--burst-rounds", type=int, default=8 if not demo else 32, metavar="N", help="rounds per burst: phase lines and spans per burst; tokens stream per round "
+                        "(pp=1) or per burst (pp>1) (default %(default)s)")
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "auto"], default="auto", help="auto = fp32 on CPU, bf16 on CUDA")
     p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
