@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from memra_dist.bench.checkpoints import ensure_checkpoint
 from memra_dist.engine import ModelRunner
 
-big = Path("/tmp/memra-ckpt/8b")
+big = ensure_checkpoint("8b", Path("/tmp/memra-ckpt"), torch.device("cuda"), print)
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
 res = {}
 P = 512

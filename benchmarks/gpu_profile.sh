@@ -3,5 +3,4 @@ set -uo pipefail
 [ -f .whl/use-wheels.sh ] && source .whl/use-wheels.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 200 python benchmarks/make_ckpt.py /tmp/memra-ckpt/8b
 timeout 300 python benchmarks/gpu_profile.py "$OUT" 2>&1 | tail -45
