@@ -91,6 +91,8 @@ class SpecSession:
         self.prof = FirstTokenProf() if trace.prof else None
         self.log = RoundsLog() if trace.prof else None
         self.rec = BurstRecord()
+        self._ids = torch.zeros(k + 1, dtype=torch.long)  # the verify row ids, reused every round
+        self._no_drafts = torch.zeros(0, dtype=torch.long)
         self.tokens: list[int] = []
         self.stats = SessionStats()
         self.done = False
@@ -200,11 +202,13 @@ class SpecSession:
             r.index, r.ctx = self.stats.rounds, n - 1
             r.t[0] = time.perf_counter_ns()  # the previous boundary drained; the hook is host-only
         prop = self.drafter.propose(self.tokens, max(k, 0), self.sp, self.gen) if k > 0 else None
-        drafts = prop.tokens[:k] if prop is not None else torch.zeros(0, dtype=torch.long)
+        drafts = prop.tokens[:k] if prop is not None else self._no_drafts
         kk = int(drafts.shape[0])
         if rec is not None:
             r.t[1], r.free_mb[0] = c.stamp(), c.free_mb()
-        ids = torch.cat([torch.tensor([self.tokens[-1]]), drafts])  # (kk+1,)
+        ids = self._ids[: kk + 1]  # (kk+1,): the pending token, then the drafts (a preallocated row)
+        ids[0] = self.tokens[-1]
+        ids[1:] = drafts
         logits = self.target.forward(ids, n - 1, self.timer)  # (kk+1, V)
         if rec is not None:
             r.t[2], r.free_mb[1] = c.stamp(), c.free_mb()
