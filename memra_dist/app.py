@@ -79,15 +79,13 @@ def run_command(args) -> int:
     local = FanOut(LineSink(cfg.trace), share, metrics.sink)
     dec = StreamDecoder(tok)
     stream = None if args.json else (lambda new: print(dec.push(new), end="", flush=True))
-    ok = False
     try:
         with tracing.request(cfg, prompt, len(ids)) as req:
             result = _run(cfg, ids, stream, local, tracing, req)
             text = tok.decode(result.token_ids)
             req.finish(result, text)
-        ok = True
-    finally:
-        tracing.close(interrupted=not ok)
+    finally:  # normal exit, error or Ctrl-C: spans flushed within the bound
+        tracing.close()
         metrics.close()
     _report(args, cfg, result, text, share, tracing)
     return 0

@@ -90,7 +90,6 @@ class SpecSession:
         self.timer = SubsplitTimer(target.drain) if trace.level >= 2 else None
         self.prof = FirstTokenProf() if trace.prof else None
         self.log = RoundsLog() if trace.prof else None
-        self.rec = BurstRecord()
         self._ids = torch.zeros(k + 1, dtype=torch.long)  # the verify row ids, reused every round
         self._no_drafts = torch.zeros(0, dtype=torch.long)
         self.tokens: list[int] = []
@@ -160,32 +159,32 @@ class SpecSession:
         if self.done:
             return []  # nothing to run, nothing to record
         out: list[int] = []
-        c = self.clock
-        if c is not None:  # a fresh record per burst (between bursts, never in a round): sinks may keep it
-            self.rec = BurstRecord()
-            self.rec.reset(self.stats.bursts, self.k, max_rounds)
-        rec = self.rec
-        first = self.prof is not None and self.stats.bursts == 0
-        t_b0, hook_ns = time.perf_counter_ns(), 0
-        rec.t0 = t_b0
+        rec = None  # level 0 without the profile: no record, no clock read in the loop
+        if self.clock is not None:  # a fresh record per burst (between bursts): sinks may keep it
+            rec = BurstRecord()
+            rec.reset(self.stats.bursts, self.k, max_rounds)
+            rec.t0 = time.perf_counter_ns()
+        first = self.prof is not None and self.stats.bursts == 0  # the profile implies a record
+        hook_ns = 0
         for _ in range(max_rounds):
             if self.done:
                 break
-            new = self._round(rec if c is not None else None)
+            new = self._round(rec)
             out.extend(new)
             if hook is not None and first:  # the hook share is read only by the first-token profile
                 th = time.perf_counter_ns()
                 hook(new)
                 hook_ns += time.perf_counter_ns() - th
-            elif hook is not None:  # level 0 must not read the clock per round
+            elif hook is not None:
                 hook(new)
-        rec.t1 = time.perf_counter_ns()
+        if rec is not None:
+            rec.t1 = time.perf_counter_ns()
         self.stats.bursts += 1
         if first:
-            self._finish_first_burst(rec, (rec.t1 - t_b0) / 1e6, hook_ns / 1e6, len(out))
+            self._finish_first_burst(rec, (rec.t1 - rec.t0) / 1e6, hook_ns / 1e6, len(out))
         if self.done:
             self.stats.t_end = time.perf_counter()
-        if self.sink is not None and c is not None:
+        if self.sink is not None and rec is not None:
             rec.tokens = len(out)
             if self.trace.level >= 1:
                 self.sink.burst(rec)

@@ -53,17 +53,16 @@ def otlp_endpoint() -> str | None:
 
 
 class CountingExporter(SpanExporter):
-    """Wraps the real exporter and counts what it could not deliver."""
+    """Wraps the real exporter and counts what it delivered (spans made - sent = dropped)."""
 
     def __init__(self, inner: SpanExporter):
-        self.inner, self.sent, self.failed = inner, 0, 0
+        self.inner, self.sent = inner, 0
         self._abandoned = False
         self._shut = threading.Lock()
         self._inner_down = False
 
     def export(self, spans):
         if self._abandoned:  # past the flush bound: fail at once, never block the exit
-            self.failed += len(spans)
             return SpanExportResult.FAILURE
         try:
             res = self.inner.export(spans)
@@ -71,8 +70,6 @@ class CountingExporter(SpanExporter):
             res = SpanExportResult.FAILURE
         if res == SpanExportResult.SUCCESS:
             self.sent += len(spans)
-        else:
-            self.failed += len(spans)
         return res
 
     def shutdown(self):
@@ -217,7 +214,7 @@ class TracingSession:
     def sink(self):
         return _LazySink(self)
 
-    def close(self, interrupted: bool = False) -> None:
+    def close(self) -> None:
         if not self.enabled:
             return
         made = self.ended + (self._sink.count if self._sink else 0)
