@@ -1,6 +1,5 @@
-"""GPU smoke + first figures: CUDA generate (eager vs graphs, fp32 ids equal), trace-level
-overhead on a tiny and a mid-size checkpoint, and the 8B-shape decode step vs the copy
-roofline. Run on the GPU machine: python benchmarks/gpu_smoke.py OUT_DIR"""
+"""GPU smoke + first figures: CUDA generate (eager vs graphs, fp32 ids equal) and the
+8B-shape decode step vs the copy roofline. Run on the GPU machine: python benchmarks/gpu_smoke.py OUT_DIR"""
 
 from __future__ import annotations
 
@@ -47,33 +46,8 @@ res["graphs_equal_eager_fp32"] = ids["on"] == ids["off"]
 log("graphs==eager", res["graphs_equal_eager_fp32"])
 
 
-# 2. trace level overhead (same generation), tiny and mid, bf16, graphs on
-def timed(cfg, reps=3):
-    run_local(cfg, prompt)  # warm (captures graphs)
-    ws = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        run_local(cfg, prompt)
-        ws.append(time.perf_counter() - t)
-    return sorted(ws)[len(ws) // 2]
-
-
-class Null:
-    def burst(self, r): pass
-    def first_token(self, p): pass
-    def rounds(self, l, f): pass
-
-
-for name in shapes:
-    base = RunConfig(model=str(root / name), drafter="ngram", max_new_tokens=128, device="cuda", dtype="bf16", k=4)
-    row = {}
-    for lvl in (0, 1, 2):
-        cfg = base.with_(trace=TraceSettings(level=lvl))
-        row[f"level{lvl}_s"] = timed(cfg)
-    row["level1_overhead_pct"] = 100 * (row["level1_s"] / row["level0_s"] - 1)
-    row["level2_overhead_pct"] = 100 * (row["level2_s"] / row["level0_s"] - 1)
-    res[f"trace_overhead_{name}"] = row
-    log(name, row)
+# (trace-level cost: `memra-dist bench --sections trace` keeps the model loaded across runs;
+# timing whole run_local calls here reloaded it inside every timed run)
 
 # 3. copy bandwidth and an 8B-shape decode step (random bf16 weights, made here)
 n = 1 << 30
