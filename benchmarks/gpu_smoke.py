@@ -14,7 +14,6 @@ import torch
 from memra_dist.config import RunConfig
 from memra_dist.engine import ModelRunner
 from memra_dist.model.tiny import build_checkpoint, llama_config, train_tokenizer
-from memra_dist.phase.levels import TraceSettings
 from memra_dist.request import run_local
 
 from memra_dist.bench.checkpoints import ensure_checkpoint  # noqa: E402
