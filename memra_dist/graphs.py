@@ -30,6 +30,19 @@ class _Graph:
     base: torch.Tensor  # (rows,) 0..rows-1
     pos: torch.Tensor  # (rows,) absolute positions
     out: torch.Tensor  # (rows, V) logits or (rows, H) hidden
+    host: torch.Tensor | None = None  # pinned staging row for host ids (token-id graphs)
+    copied: torch.cuda.Event | None = None  # the last copy out of `host` (before it is rewritten)
+
+    def load(self, x: torch.Tensor) -> None:
+        """Write the step's input into the static buffer without blocking the host: host ids go
+        through the pinned row (a pageable copy would wait for the whole stream)."""
+        if x.device.type != "cpu" or self.host is None:
+            self.x.copy_(x, non_blocking=True)
+            return
+        self.copied.synchronize()  # the previous step's copy out of the row is done (it is, by now)
+        self.host.copy_(x)
+        self.x.copy_(self.host, non_blocking=True)
+        self.copied.record()
 
 
 class StepGraphs:
@@ -71,7 +84,12 @@ class StepGraphs:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
             out = self._eager(sx, pos)
-        return _Graph(g, sx, base, pos, out)
+        graph = _Graph(g, sx, base, pos, out)
+        if not sx.is_floating_point():
+            graph.host = torch.zeros(sx.shape, dtype=sx.dtype, pin_memory=True)
+            graph.copied = torch.cuda.Event()
+            graph.copied.record()
+        return graph
 
     def warm(self, rows_list) -> None:
         """Capture the graphs for these row counts now (at position 0 of a fresh cache)."""
@@ -91,7 +109,7 @@ class StepGraphs:
         if g is None:
             g = self.graphs[rows] = self._capture(x, start)
         else:
-            g.x.copy_(x, non_blocking=True)
+            g.load(x)
         torch.add(g.base, start, out=g.pos)
         g.graph.replay()
         return g.out.clone()  # the static buffer is rewritten by the next replay

@@ -84,14 +84,13 @@ class StageWorker(_Worker):
         link, run = self.link, self.runner
         records, served = [], 0
         while True:
-            cmd = link.recv_cmd()
-            op, start, rows, flags, arg = cmd
+            op, start, rows, flags, arg = link.recv_cmd()
             if link.next != 0:
-                link.forward_cmd(cmd)  # ahead of the payload: the next stage posts its receive
+                link.forward_cmd()  # ahead of the payload: the next stage posts its receive
             if op == Op.FORWARD:
+                if run.length > start:  # the round's rollback, carried by this forward's start
+                    run.rollback(start)
                 served += self._forward(start, rows, flags, arg, records)
-            elif op == Op.ROLLBACK:
-                run.rollback(start)
             elif op == Op.ALLOC:
                 run.alloc(start)
             elif op == Op.END:
@@ -101,7 +100,12 @@ class StageWorker(_Worker):
 
     def _forward(self, start, rows, flags, rnd, records) -> int:
         link, run = self.link, self.runner
-        x = link.recv((rows,), torch.long) if run.stage.has_embed else link.recv((rows, run.cfg.hidden_size), run.dtype)
+        if not run.stage.has_embed:
+            x = link.recv((rows, run.cfg.hidden_size), run.dtype)
+        elif flags & Flag.INLINE:
+            x = link.cmd_ids(rows)
+        else:
+            x = link.recv((rows,), torch.long)
         timer = SubsplitTimer(run.drain) if flags & Flag.TIMED else None
         if flags & Flag.TRACED:
             run.drain()

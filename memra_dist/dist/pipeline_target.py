@@ -1,7 +1,7 @@
 """The head's view of the pipeline: a `Target` (spec/session.py) whose forward walks the ring.
 
 The head holds the LAST stage's layers plus the final norm and lm_head, so a forward sends
-the command and the token ids to rank 1 (stage 0), receives the hidden rows of the
+the command with the token ids inside it to rank 1 (stage 0), receives the hidden rows of the
 second-to-last stage, and finishes the walk locally. Verify's clock (phase/clock.py) then
 drains only the head's stream: the receive cannot complete before every stage's forward
 has, so that terminal drain covers the stage streams transitively.
@@ -38,9 +38,9 @@ class PipelineTarget:
     def forward(self, ids: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         rows = ids.shape[0]
         flags = (Flag.TRACED if self.traced else 0) | (Flag.TIMED if timer is not None else 0)
-        self.link.send_cmd(Op.FORWARD, start, rows, flags, self.round)
+        if not self.link.send_cmd(Op.FORWARD, start, rows, flags, self.round, ids=ids):
+            self.link.send(ids.to(self.device))  # a prefill: the ids follow as a payload
         self.round += 1
-        self.link.send(ids.to(self.device))
         h = self.link.recv((rows, self.hidden), self.runner.dtype)  # (rows, H) from the last remote stage
         if timer is not None:
             sub = self.link.recv((len(SUB_BUCKETS),), torch.long).tolist()
@@ -49,8 +49,8 @@ class PipelineTarget:
         return self.runner.forward(h, start, timer)
 
     def rollback(self, new_len: int) -> None:
-        # the stages apply it in order on their own serial queue: host-only, nothing to drain
-        self.link.send_cmd(Op.ROLLBACK, new_len)
+        # no message: the next forward's start is new_len, and each stage rolls back to it
+        # before that forward (transport.Op); the head's own layers roll back now
         self.runner.rollback(new_len)
 
     def free_mb(self) -> int:

@@ -7,8 +7,11 @@ goes head -> rank 1 -> ... -> rank N-1 -> head. Rank 0 opens the TCP store; the 
 passes its address to every rank. The group has an explicit timeout, so a dead peer turns
 a receive into an error instead of a hang.
 
-A command is a small int64 vector [op, start, rows, flags, arg]; it travels ahead of its
-payload on the same pair, and p2p order per pair is FIFO, so no tags are needed.
+A command is one int64 vector [op, start, rows, flags, arg, ids...]: a forward of at most
+INLINE_IDS token rows (every decode and verify step) carries its ids inside the command, so a
+step costs one message into the first stage, not two; a longer forward (a prefill) sends the
+ids as a payload after the command. p2p order per pair is FIFO, so no tags are needed. The
+command row is staged in pinned host memory and copied without blocking the host.
 """
 
 from __future__ import annotations
@@ -20,15 +23,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["Link", "Op", "CMD_LEN", "free_port", "PG_TIMEOUT_S"]
+from ..config import MAX_K
 
-CMD_LEN = 5
+__all__ = ["Link", "Op", "Flag", "CMD_LEN", "INLINE_IDS", "free_port", "PG_TIMEOUT_S"]
+
+CMD_HEAD = 5  # op, start, rows, flags, arg
+INLINE_IDS = MAX_K + 1  # a verify of K+1 rows fits the command
+CMD_LEN = CMD_HEAD + INLINE_IDS
 PG_TIMEOUT_S = float(os.environ.get("MEMRA_PG_TIMEOUT_S", "60"))
 
 
 class Op:
+    """No ROLLBACK op: a forward at `start` first rolls the stage back to `start` (a round's
+    rollback always precedes the next round's forward at exactly that length), so a round
+    sends no message of its own for it."""
+
     FORWARD = 1
-    ROLLBACK = 2
     ALLOC = 3
     END = 4
 
@@ -36,6 +46,7 @@ class Op:
 class Flag:
     TIMED = 1  # level-2: carry the sub-split ns vector along with the activations
     TRACED = 2  # level >= 1: stages record their forward for stage spans
+    INLINE = 4  # the token ids ride in the command (rows <= INLINE_IDS)
 
 
 def free_port() -> tuple[str, int]:
@@ -64,6 +75,10 @@ class Link:
         self.next = (rank + 1) % world
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self._cmd = torch.zeros(CMD_LEN, dtype=torch.long, device=device)
+        cuda = device.type == "cuda"
+        self._host = torch.zeros(CMD_LEN, dtype=torch.long, pin_memory=cuda)  # the staged command row
+        self._host_np = self._host.numpy()
+        self._copied = torch.cuda.Event() if cuda else None  # the last copy out of _host
 
     def connect(self, addr: str, port: int, timeout_s: float = PG_TIMEOUT_S) -> None:
         if self.device.type == "cuda":
@@ -76,17 +91,41 @@ class Link:
             dist.destroy_process_group()
 
     # ---- commands ----
-    def send_cmd(self, op: int, start: int = 0, rows: int = 0, flags: int = 0, arg: int = 0) -> None:
-        self._cmd.copy_(torch.tensor([op, start, rows, flags, arg]))
+    def send_cmd(self, op: int, start: int = 0, rows: int = 0, flags: int = 0, arg: int = 0,
+                 ids: torch.Tensor | None = None) -> bool:
+        """Send a command; `ids` (rows,) ride inside it when they fit. Returns whether they did
+        (if not, the caller sends them as a payload next)."""
+        inline = ids is not None and ids.shape[0] <= INLINE_IDS
+        if inline:
+            flags |= Flag.INLINE
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous command's copy out of the pinned row is done
+        h = self._host_np
+        h[:CMD_HEAD] = (op, start, rows, flags, arg)
+        host_ids = inline and ids.device.type == "cpu"
+        if host_ids:
+            h[CMD_HEAD:CMD_HEAD + rows] = ids.numpy()
+        n = CMD_HEAD + rows if host_ids else CMD_HEAD
+        self._cmd[:n].copy_(self._host[:n], non_blocking=True)
+        if inline and not host_ids:
+            self._cmd[CMD_HEAD:CMD_HEAD + rows].copy_(ids)  # device ids (a model drafter's): no host trip
+        if self._copied is not None:
+            self._copied.record()
         dist.send(self._cmd, self.next)
+        return inline
 
-    def forward_cmd(self, cmd: list[int]) -> None:
-        self._cmd.copy_(torch.tensor(cmd))
+    def forward_cmd(self) -> None:
+        """Pass the command just received on to the next rank, unchanged (device to device)."""
         dist.send(self._cmd, self.next)
 
     def recv_cmd(self) -> list[int]:
+        """The next command's head [op, start, rows, flags, arg] (one sync: it decides shapes)."""
         dist.recv(self._cmd, self.prev)
-        return self._cmd.tolist()  # host values: one sync, the command decides the shapes
+        return self._cmd[:CMD_HEAD].tolist()
+
+    def cmd_ids(self, rows: int) -> torch.Tensor:
+        """The inline ids of the command just received (a view; valid until the next recv_cmd)."""
+        return self._cmd[CMD_HEAD:CMD_HEAD + rows]
 
     # ---- payloads ----
     def send(self, t: torch.Tensor) -> None:

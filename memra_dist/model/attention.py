@@ -96,7 +96,8 @@ def cached_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: 
     qg = q.view(T, nkv, rep, hd).permute(1, 2, 0, 3).reshape(nkv, rep * T, hd)  # (nkv, rep*T, hd)
     kh, vh = kc.transpose(0, 1), vc.transpose(0, 1)  # (nkv, C, hd) strided views, no copy
     scores = torch.matmul(qg, kh.transpose(1, 2)).float() * (hd ** -0.5)  # (nkv, rep*T, C)
-    scores = scores.masked_fill(~mask.repeat(rep, 1), float("-inf"))
+    C = kc.shape[0]  # the mask broadcasts over the rep query heads of a KV head (no repeated copy)
+    scores = scores.view(nkv, rep, T, C).masked_fill(~mask, float("-inf")).view(nkv, rep * T, C)
     p = torch.softmax(scores, dim=-1).to(vc.dtype)
     o = torch.matmul(p, vh)  # (nkv, rep*T, hd)
     return o.view(nkv, rep, T, hd).permute(2, 0, 1, 3).reshape(T, nh * hd)

@@ -1,0 +1,97 @@
+"""Where does the time between two decode steps go? (issue 7: plain decode vs graph step rate)
+
+8B shape, bf16, compiled blocks inside CUDA graphs, 512 rows of context. Measures, per step:
+  A  the graph replayed back to back (GPU time by events: the step's device cost);
+  B  the graph replayed with a sync after each step (A + launch latency);
+  C  ModelRunner.forward(host ids) + argmax readback (B + the input copy and the readback);
+  D  a whole plain-decode session round (C + the session's host work);
+then the kernel table of the replayed graph and the CPU-op table of session rounds.
+usage: python benchmarks/host_gap.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from memra_dist.bench.checkpoints import ensure_checkpoint
+from memra_dist.engine import ModelRunner
+from memra_dist.spec.drafters.none import NoDrafter
+from memra_dist.spec.sampling import SamplingParams
+from memra_dist.spec.session import SpecSession
+
+out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
+out.mkdir(parents=True, exist_ok=True)
+dev = torch.device("cuda")
+ckpt = ensure_checkpoint("8b", Path("/tmp/memra-ckpt"), dev, print)
+P, N = 512, 100
+res: dict = {}
+r = ModelRunner(str(ckpt), dev, torch.bfloat16, max_pos=2048, graphs=True, compile=True, warm_rows=2)
+t = time.perf_counter()
+r.alloc(2048)
+res["alloc_capture_s"] = round(time.perf_counter() - t, 2)
+r.forward(torch.arange(P) % 1000, 0)
+torch.cuda.synchronize()
+ids = torch.tensor([17])
+g = r.graphs.graphs[1]
+g.x.copy_(ids.to(dev))
+torch.add(g.base, P, out=g.pos)
+
+
+def per_step_ms(fn, n=N) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+e0.record()
+for _ in range(N):
+    g.graph.replay()
+e1.record()
+torch.cuda.synchronize()
+res["A_replay_gpu_ms"] = e0.elapsed_time(e1) / N
+res["B_replay_sync_ms"] = per_step_ms(lambda: (g.graph.replay(), torch.cuda.synchronize()))
+
+
+def fwd():
+    int(r.forward(ids, P)[-1].argmax())
+    r.rollback(P)
+
+
+res["C_forward_readback_ms"] = per_step_ms(fwd)
+r.rollback(P)
+
+s = SpecSession(r, NoDrafter(), SamplingParams(), torch.Generator().manual_seed(0), 1)
+prompt = [int(x) for x in torch.arange(P) % 1000]
+s.start(prompt, 10_000, 2048)
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+s.burst(N)
+torch.cuda.synchronize()
+res["D_session_round_ms"] = (time.perf_counter() - t0) * 1e3 / N
+print(json.dumps(res), flush=True)
+
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(5):
+        g.graph.replay()
+    torch.cuda.synchronize()
+ktab = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof2:
+    s.burst(10)
+    torch.cuda.synchronize()
+ctab = prof2.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+prof2.export_chrome_trace(str(out / "session_rounds.json"))
+print(ktab)
+print(ctab)
+(out / "host_gap.txt").write_text(json.dumps(res) + "\n\n" + ktab + "\n\n" + ctab)
