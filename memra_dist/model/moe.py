@@ -57,16 +57,46 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as stacked weights; runs each expert that any row picked."""
+    """E SwiGLU experts as stacked weights. Two forms with the same math:
+    - `forward_loop` (the reference; CPU): each expert that any row picked, one host sync to
+      list them;
+    - `forward_grouped` (CUDA): the T*k (row, expert) slots sorted by expert and run as two
+      grouped GEMMs (`torch._grouped_mm`, per-expert row offsets computed on the device), so
+      no host sync and static shapes (CUDA-graph capturable); an empty expert reads no weights.
+      A row's contributions are summed in ascending expert order, as the reference adds them."""
 
     def __init__(self, hidden: int, spec: KimiSpec):
         super().__init__()
         e, i = spec.num_experts, spec.moe_inter
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, i))
+        self.grouped = False  # bf16 on CUDA: set by Stage.to_device through MoE.use_grouped
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x (T, H), w / idx (T, k) -> (T, H): sum over a row's experts of w * expert(x)."""
+        return self.forward_grouped(x, w, idx) if self.grouped else self.forward_loop(x, w, idx)
+
+    def forward_grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        T, k = idx.shape
+        idx, perm = idx.sort(dim=-1)  # each row's experts in ascending order (the reference's sum order)
+        w = w.gather(1, perm)
+        flat = idx.reshape(-1)  # (T*k,) slot -> expert
+        order = flat.argsort(stable=True)  # slots grouped by expert
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # no bincount: it syncs
+        offs = counts.cumsum(0, dtype=torch.int32)  # (E,) end row of each expert's group
+        xs = x[order // k]  # (T*k, H) the slot rows, grouped
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # (T*k, H)
+        y = torch.empty_like(ys)
+        y[order] = ys  # back to slot order: (T, k) row-major
+        y = (y.view(T, k, -1) * w[:, :, None]).to(x.dtype)  # (T, k, H)
+        out = torch.zeros_like(x)
+        for j in range(k):  # sequential, ascending expert: the reference's accumulation order
+            out = out + y[:, j]
+        return out
+
+    def forward_loop(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():  # host sync: the experts hit (small T in decode)
             rows, slot = torch.where(idx == e)  # (n,), (n,)
@@ -87,6 +117,9 @@ class MoE(nn.Module):
         if spec.n_shared > 0:  # zero shared experts: the reference's zero-width MLP adds 0
             self.shared_experts = SwiGLU(cfg.hidden_size, spec.moe_inter * spec.n_shared)
         self.has_shared = spec.n_shared > 0
+
+    def use_grouped(self, on: bool) -> None:
+        self.experts.grouped = on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) -> (T, H)."""

@@ -98,6 +98,10 @@ class Stage(nn.Module):
 
     def to_device(self, device) -> "Stage":
         self._inv_freq = {d: f.to(device) for d, f in self._inv_freq.items()}
+        for blk in self.layers.values():  # MoE FFNs: grouped GEMMs where torch has the kernel (bf16 CUDA)
+            if hasattr(blk.mlp, "use_grouped"):
+                blk.mlp.use_grouped(torch.device(device).type == "cuda"
+                                    and blk.mlp.experts.gate_up_proj.dtype == torch.bfloat16)
         return self
 
     def new_cache(self, capacity: int, device, dtype) -> StageCache:

@@ -11,8 +11,10 @@ Which streams each boundary drains (and why that bounds the phase):
   has, so the head's terminal drain covers all stage streams TRANSITIVELY (the seed's
   argument). No stage is drained directly from here.
 - accept: host + head-device work (argmax / rejection sampling + readback): head drain.
-- rollback: head cache length change; at pp>1 the stages get the rollback command on
-  their own serial queue (host-only length change, no device work), so nothing to drain.
+- rollback: the head's cache rollback (a length change; KDA layers restore a snapshot on
+  the head's device): head drain. At pp>1 no message goes to the stages: each stage rolls
+  back to the next forward's start before running it, so a stage's own rollback work (a
+  snapshot restore for its KDA layers) lands in the NEXT round's verify.
 - maint: drafter rollback / re-seed on the head's device: head drain.
 Only constructed when the clock is on (trace level >= 1 or the profile): level 0 has no
 clock object, hence no drains and no clock reads.
