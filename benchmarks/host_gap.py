@@ -5,7 +5,9 @@
   B  the graph replayed with a sync after each step (A + launch latency);
   C  ModelRunner.forward(host ids) + argmax readback (B + the input copy and the readback);
   D  a whole plain-decode session round (C + the session's host work);
-then the kernel table of the replayed graph and the CPU-op table of session rounds.
+then the kernel table of the replayed graph, split into weight GEMMs and the rest against this
+machine's copy-bandwidth roofline, the cost of one phase-clock boundary (drain + free memory,
+what trace level 1 adds five times a round), and the CPU-op table of session rounds.
 usage: python benchmarks/host_gap.py OUT_DIR
 """
 
@@ -19,7 +21,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from memra_dist.bench.checkpoints import ensure_checkpoint
+from memra_dist.bench.checkpoints import ensure_checkpoint, shape_config, weight_bytes
+from memra_dist.bench.timing import copy_bandwidth
+from memra_dist.device import free_mb
 from memra_dist.engine import ModelRunner
 from memra_dist.spec.drafters.none import NoDrafter
 from memra_dist.spec.sampling import SamplingParams
@@ -86,6 +90,32 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(5):
         g.graph.replay()
     torch.cuda.synchronize()
+gemm_us = other_us = 0.0
+for ev in prof.key_averages():
+    us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    if not us or ev.key.startswith(("cuda", "aten::")):
+        continue
+    if any(w in ev.key.lower() for w in ("nvjet", "gemm", "gemv", "cublas", "splitk", "sm90_xmma", "cutlass")):
+        gemm_us += us
+    else:
+        other_us += us
+bw = copy_bandwidth(dev, 1 << 30)["bandwidth_bytes_s"]
+wb = weight_bytes(shape_config("8b"), torch.bfloat16)
+ideal_ms = wb / bw * 1e3
+res.update(bandwidth_tb_s=round(bw / 1e12, 3), roofline_step_ms=round(ideal_ms, 3),
+           gemm_ms_per_step=round(gemm_us / 5e3, 3), other_kernels_ms_per_step=round(other_us / 5e3, 3))
+res["gemm_only_fraction_of_roofline"] = round(ideal_ms / res["gemm_ms_per_step"], 4)
+res["replay_fraction_of_roofline"] = round(ideal_ms / res["A_replay_gpu_ms"], 4)
+res["session_fraction_of_roofline"] = round(ideal_ms / res["D_session_round_ms"], 4)
+t0 = time.perf_counter()
+for _ in range(1000):
+    torch.cuda.synchronize()
+res["idle_drain_us"] = round((time.perf_counter() - t0) * 1e3, 2)
+t0 = time.perf_counter()
+for _ in range(1000):
+    free_mb(dev)
+res["free_mb_us"] = round((time.perf_counter() - t0) * 1e3, 2)
+print(json.dumps(res), flush=True)
 ktab = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof2:
     s.burst(10)
