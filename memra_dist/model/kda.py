@@ -9,6 +9,8 @@ The output is RMS-normed per head, gated by sigmoid(g_b(g_a(x))), then o_proj.
 Two scan forms with the same math: `kda_recurrent` (row by row; decode / verify rows) and
 `kda_chunked` (chunks of CHUNK rows, the intra-chunk dependence solved as a unit-lower
 triangular system; prefill). Parameter names mirror transformers' KimiLinearDeltaAttention.
+These are the reference: on CUDA, kda_kernels may run flash-linear-attention's kernels in
+their place (same contract, same snapshot ring; MEMRA_KDA_KERNELS=torch forces these).
 
 Verify rows and the depth log's `seq_rows` (decided here): a verify of K+1 rows is ONE mixer
 call: the projections, the short conv, the gates and the output norm run batched over all
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import kda_kernels
 from .config import ModelConfig
 from .kimi_config import KimiSpec
 
@@ -189,12 +192,18 @@ class KDAState:
         tail = min(T, R)
         head = T - tail
         S, parts = self.S, []
+        fla = kda_kernels.fla_for(q, v)  # None: the reference forms below (CPU, or forced)
         if head:
-            o_head, S = kda_chunked(q[:head], k[:head], v[:head], g[:head], beta[:head], S)
+            chunked = kda_chunked if fla is None else fla.chunked
+            o_head, S = chunked(q[:head], k[:head], v[:head], g[:head], beta[:head], S)
             parts.append(o_head)
         base, n = L + head, self.snaps.shape[0]
-        slots = [self.snaps[(base + t) % n] for t in range(tail + 1)]  # S at lengths base..L+T
-        o_tail, S = kda_recurrent(q[head:], k[head:], v[head:], g[head:], beta[head:], S, slots)
+        rows = (q[head:], k[head:], v[head:], g[head:], beta[head:])
+        if fla is None:
+            slots = [self.snaps[(base + t) % n] for t in range(tail + 1)]  # S at lengths base..L+T
+            o_tail, S = kda_recurrent(*rows, S, slots)
+        else:  # one kernel writes the same ring slots (kda_kernels explains the indexing)
+            o_tail, S = fla.recurrent_ring(*rows, S, self.snaps, base)
         parts.append(o_tail)
         kc, w = self.conv.shape[0], self.hist.shape[0]
         first = max(base - kc, 0)  # xc[head:] holds positions [base-K+1, L+T); those < 0 are zeros
@@ -297,5 +306,9 @@ class KDA(nn.Module):
         if state is not None:
             return state.advance(q, k, v, g, beta, xc)
         S = q.new_zeros(self.H, self.D, self.D)
-        scan = kda_chunked if q.shape[0] > RECURRENT_MAX_ROWS else kda_recurrent
+        fla, long = kda_kernels.fla_for(q, v), q.shape[0] > RECURRENT_MAX_ROWS
+        if fla is None:
+            scan = kda_chunked if long else kda_recurrent
+        else:
+            scan = fla.chunked if long else fla.recurrent
         return scan(q, k, v, g, beta, S)[0]
