@@ -131,12 +131,12 @@ def _trace_sink(level: int):
 
     from ..phase.report import FanOut  # noqa: PLC0415
     from ..phase.share import ShareTable  # noqa: PLC0415
-    from ..tracing.background import BackgroundSink  # noqa: PLC0415
+    from ..tracing.deferred import DeferredSink  # noqa: PLC0415
     from ..tracing.emit import SpanSink  # noqa: PLC0415
 
     tp = TracerProvider()
     tp.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
-    spans = BackgroundSink(SpanSink(tp.get_tracer("memra.bench"), None))  # as the CLI builds them
+    spans = DeferredSink(SpanSink(tp.get_tracer("memra.bench"), None))  # as the CLI builds them
 
     def close() -> None:  # after the timed decode, as the CLI does at request end
         spans.close()

@@ -144,6 +144,10 @@ class _Collect:
     def rounds(self, log, final):
         self.log = (log, final)
 
+    def pump(self):
+        if self.spans is not None:
+            self.spans.pump()
+
     def take(self):
         out = (self.rec, self.prof, self.log)
         self.rec = self.prof = self.log = None
@@ -159,14 +163,14 @@ class HeadWorker(_Worker):
         from ..spec.sampling import SamplingParams  # noqa: PLC0415
         from ..phase.levels import TraceSettings  # noqa: PLC0415
         from ..spec.session import SpecSession  # noqa: PLC0415
-        from ..tracing.background import BackgroundSink  # noqa: PLC0415
+        from ..tracing.deferred import DeferredSink  # noqa: PLC0415
         from ..tracing.emit import SpanSink  # noqa: PLC0415
 
         cfg, mcfg = self.cfg, self.runner.cfg
         self.target = PipelineTarget(self.link, self.runner, traced=cfg.trace.level >= 1)
         spans = None
         if self.tracing.enabled:
-            spans = BackgroundSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
+            spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
         self._spans = spans
         self.collect = _Collect(spans)
 

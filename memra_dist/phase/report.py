@@ -59,3 +59,10 @@ class FanOut:
     def rounds(self, log, final):
         for s in self.sinks:
             s.rounds(log, final)
+
+    def pump(self):
+        """Deferred host work (span building) the session runs while a verify is on the device."""
+        for s in self.sinks:
+            p = getattr(s, "pump", None)
+            if p is not None:
+                p()

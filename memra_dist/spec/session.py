@@ -92,6 +92,12 @@ class SpecSession:
         self.log = RoundsLog() if trace.prof else None
         self._ids = torch.zeros(k + 1, dtype=torch.long)  # the verify row ids, reused every round
         self._no_drafts = torch.zeros(0, dtype=torch.long)
+        # deferred sink work (span building, tracing/deferred.py) runs while a verify is on the
+        # device: right after the forward is launched, before the clock drains it. At level 2
+        # the forward drains per layer (nothing to overlap), so it runs between rounds instead.
+        pump = getattr(sink, "pump", None) if sink is not None else None
+        self._pump_in_verify = pump if trace.level < 2 else None
+        self._pump_between = pump if trace.level >= 2 else None
         self.tokens: list[int] = []
         self.stats = SessionStats()
         self.done = False
@@ -209,6 +215,8 @@ class SpecSession:
         ids[0] = self.tokens[-1]
         ids[1:] = drafts
         logits = self.target.forward(ids, n - 1, self.timer)  # (kk+1, V)
+        if self._pump_in_verify is not None:
+            self._pump_in_verify()
         if rec is not None:
             r.t[2], r.free_mb[1] = c.stamp(), c.free_mb()
             if self.timer is not None:
@@ -230,6 +238,8 @@ class SpecSession:
             r.t[5], r.free_mb[4] = c.stamp(), c.free_mb()
             r.k, r.j = kk, j
             self._profile_round(r)
+        if self._pump_between is not None:
+            self._pump_between()
         self.stats.rounds += 1
         self.stats.drafted += kk
         self.stats.accepted += j

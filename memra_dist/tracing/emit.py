@@ -80,10 +80,16 @@ class SpanSink:
         return {free_mb_attr(k): v for k, v in d.items()}
 
     def burst(self, rec: BurstRecord) -> None:
+        for _ in self.burst_steps(rec):
+            pass
+
+    def burst_steps(self, rec: BurstRecord):
+        """The burst's spans, yielding after each round's (tracing/deferred.py pumps them)."""
         b = self._span(SPAN_BURST, self.parent, rec.t0, rec.t1, {
             ATTR["burst"]: rec.index, ATTR["k"]: rec.k, ATTR["rounds"]: rec.n, ATTR["tokens"]: rec.tokens})
         for r in rec.live():
             self._round(r, b)
+            yield
 
     def _round(self, r: RoundRecord, burst: SpanContext) -> None:
         base = {ATTR["round"]: r.index, ATTR["k"]: r.k, ATTR["accepted"]: r.j, ATTR["ctx"]: r.ctx}
@@ -98,6 +104,10 @@ class SpanSink:
                     t += ns
 
     def first_token(self, pf: FirstTokenProf) -> None:
+        for _ in self.first_token_steps(pf):
+            pass
+
+    def first_token_steps(self, pf: FirstTokenProf):
         end = pf.round1_t0_ns + int(sum(pf.ms[b] for b in _ROUND1_BUCKETS) * 1e6)
         ft = self._span(SPAN_FIRST_TOKEN, self.parent, pf.t0_ns, max(end, pf.t0_ns), {
             ATTR["tokens"]: pf.first_burst_tokens, ATTR["rounds"]: pf.first_burst_rounds,
@@ -112,6 +122,7 @@ class SpanSink:
                 dt = int(pf.ms[b] * 1e6)
                 self._span(ttft_span(b), ft, t, t + dt, attrs)
                 t += dt
+        yield
 
     def rounds(self, log, final: bool) -> None:
         pass  # the depth log is a line instrument; its rows are the round spans already

@@ -22,7 +22,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from ..errors import UserError
 from .conventions import ATTR, RESOURCE, SERVICE_NAME_DEFAULT, SPAN_REQUEST
-from .background import BackgroundSink
+from .deferred import DeferredSink
 from .emit import SpanSink
 from .files import RunDirExporter
 
@@ -201,7 +201,7 @@ class TracingSession:
         span = self.tracer.start_span(SPAN_REQUEST, context=self.parent, attributes=attrs)
         self.ended += 1
         self._req = _Request(span, cfg.trace_content)
-        self._sink = BackgroundSink(SpanSink(self.tracer, self._req.context()))
+        self._sink = DeferredSink(SpanSink(self.tracer, self._req.context()))
         try:
             yield self._req
         except BaseException as e:

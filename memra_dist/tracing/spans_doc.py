@@ -102,8 +102,9 @@ def render() -> str:
     out += ["", "Every phase span (and sub-bucket span) also carries one "
             f"`{C.FREE_MB_PREFIX}<device>` attribute (MB) per device of the engines that ran it: "
             "`cuda0`, `cuda1`, ... by physical GPU id, or `cpu` (host MemAvailable) in CPU mode. "
-            "Start and end times are the recorded clock stamps; spans are built after each burst "
-            "(on a background thread), never inside the round loop. Level 0 makes no spans at all.", "",
+            "Start and end times are the recorded clock stamps; a burst's spans are built from its "
+            "record after the burst, a round's worth at a time while later verify forwards run on the "
+            "device (tracing/deferred.py), never inside a timed phase. Level 0 makes no spans at all.", "",
             "## Attributes", "", "| attribute | unit | on | meaning |", "|---|---|---|---|"]
     out += [f"| `{C.ATTR[k]}` | {u or '-'} | {on} | {what} |" for k, (u, on, what) in ATTR_DOC.items()]
     out += [f"| `{C.FREE_MB_PREFIX}<device>` | MB | phase, sub-bucket, stage and ttft spans | free memory of that device at the boundary |",
