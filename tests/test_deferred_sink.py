@@ -92,3 +92,25 @@ def test_session_pumps_spans_during_the_run():
     assert inner.built == list(range(8))  # the first burst's rounds, pumped during the second's verifies
     d.close()
     assert inner.built == list(range(16))
+
+
+def test_tracing_processes_bound_the_gil_handoff(tmp_path, monkeypatch):
+    """make_provider lowers the switch interval (the exporter thread cannot hold the GIL for
+    5 ms against the round loop) and never raises a lower one."""
+    import sys  # noqa: PLC0415
+
+    from memra_dist.tracing.otel import GIL_SWITCH_S, make_provider  # noqa: PLC0415
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    old = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        provider, _, _ = make_provider("driver", tmp_path)
+        assert sys.getswitchinterval() <= GIL_SWITCH_S
+        provider.shutdown()
+        sys.setswitchinterval(1e-4)
+        make_provider("driver", tmp_path)[0].shutdown()
+        assert abs(sys.getswitchinterval() - 1e-4) < 1e-9
+    finally:
+        sys.setswitchinterval(old)

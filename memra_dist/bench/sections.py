@@ -134,6 +134,9 @@ def _trace_sink(level: int):
     from ..tracing.deferred import DeferredSink  # noqa: PLC0415
     from ..tracing.emit import SpanSink  # noqa: PLC0415
 
+    from ..tracing.otel import quick_gil_handoff  # noqa: PLC0415
+
+    quick_gil_handoff()  # as make_provider does for the CLI's provider
     tp = TracerProvider()
     tp.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
     spans = DeferredSink(SpanSink(tp.get_tracer("memra.bench"), None))  # as the CLI builds them
