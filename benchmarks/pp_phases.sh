@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .whl/use-wheels.sh ] && source .whl/use-wheels.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export MEMRA_BENCH_CACHE="${MEMRA_BENCH_CACHE:-/tmp/memra-bench-ckpt}"   # shared with run_gpu.sh
 out="${OUT:-benchmarks/out}/pp_phases"; mkdir -p "$out"
 ckpt=$(python3 - <<'PY'
 import sys
