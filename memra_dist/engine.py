@@ -10,7 +10,7 @@ import torch
 from .cache import StageCache
 from .device import Drainer, device_label, free_mb
 from .errors import UserError
-from .graphs import MAX_GRAPH_ROWS, StepGraphs, compile_blocks, graphs_supported
+from .graphs import StepGraphs, compile_blocks, compile_supported, graph_rows_limit, graphs_supported
 from .model.config import ModelConfig, load_config
 from .model.loader import load_stage
 
@@ -41,8 +41,9 @@ class ModelRunner:
                     if hasattr(m, "fuse"):
                         m.fuse()
             self.graphs = StepGraphs(self)
-            if compile:
+            if compile and compile_supported(self.stage):
                 compile_blocks(self.stage)
+        self.graph_rows = graph_rows_limit(self.stage)
         self.warm_rows = warm_rows  # capture graphs for 1..warm_rows rows at allocation
         self.drain = Drainer(device)
         self.label = device_label(device)
@@ -63,7 +64,8 @@ class ModelRunner:
             if self.graphs is not None and self.warm_rows:
                 # every decode/verify row count up front (vLLM's habit): no capture or compile
                 # ever lands inside a round
-                self.graphs.warm(range(1, min(self.warm_rows, capacity) + 1))
+                self.graphs.warm(range(1, min(self.warm_rows, capacity, self.graph_rows) + 1))
+                self.cache.reset_states()  # the captures' warm-up folded rows into recurrent states
         except torch.OutOfMemoryError:
             raise UserError(
                 f"out of memory allocating the cache for {capacity} rows on {self.label} "
@@ -96,8 +98,10 @@ class ModelRunner:
     def forward(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         rows = x.shape[0]
         self.cache.begin(start, rows)
-        if self.graphs is not None and timer is None and rows <= MAX_GRAPH_ROWS:
-            return self.graphs.run(x, start)
+        if self.graphs is not None and timer is None and rows <= self.graph_rows:
+            out = self.graphs.run(x, start)
+            if out is not None:
+                return out
         pos = torch.arange(start, start + rows, device=self.device)
         h = self.stage(x.to(self.device), pos, self.cache, timer)
         return self.stage.logits(h) if self.stage.has_head else h

@@ -13,14 +13,29 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StepGraphs", "graphs_supported", "compile_blocks", "MAX_GRAPH_ROWS"]
+__all__ = ["StepGraphs", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
+           "MAX_GRAPH_ROWS"]
 
 MAX_GRAPH_ROWS = 64  # decode and verify rows; a prefill runs eager (one graph per prompt length would not pay)
 
 
 def graphs_supported(stage) -> bool:
-    """Every mixer of the stage declares itself capturable (static shapes, no host syncs)."""
-    return all(getattr(b.self_attn, "graph_safe", False) for b in stage.layers.values())
+    """Every mixer and FFN of the stage declares itself capturable (static shapes, no host
+    syncs): attention, MLA and KDA always; an MoE FFN in its grouped form (bf16 CUDA)."""
+    return all(getattr(b.self_attn, "graph_safe", False) and getattr(b.mlp, "graph_safe", True)
+               for b in stage.layers.values())
+
+
+def graph_rows_limit(stage) -> int:
+    """The most rows a step graph may take: KDA's captured step keeps a snapshot per row,
+    so its ring length bounds it (longer forwards are prefills, which run eager)."""
+    return min([MAX_GRAPH_ROWS] + [getattr(b.self_attn, "max_graph_rows", MAX_GRAPH_ROWS)
+                                   for b in stage.layers.values()])
+
+
+def compile_supported(stage) -> bool:
+    """--compile covers the attention families (the hybrid's kernels are Triton already)."""
+    return all(getattr(b.self_attn, "compile_safe", False) for b in stage.layers.values())
 
 
 @dataclass
@@ -50,6 +65,10 @@ class StepGraphs:
         self.runner = runner
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
+        # a capture runs the step eagerly first (warm-up): harmless for caches written by
+        # position, but a recurrent state (KDA) would fold the rows in twice more. Such stages
+        # capture only at allocation (then reset their states); other row counts run eager.
+        self.lazy = not any(getattr(b.self_attn, "stateful", False) for b in runner.stage.layers.values())
 
     def reset(self) -> None:
         self.graphs.clear()
@@ -103,10 +122,13 @@ class StepGraphs:
                 x = torch.zeros(rows, st.cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
             self.graphs[rows] = self._capture(x, 0)
 
-    def run(self, x: torch.Tensor, start: int) -> torch.Tensor:
+    def run(self, x: torch.Tensor, start: int) -> torch.Tensor | None:
+        """The step's output, or None when no graph may be captured now (run it eager)."""
         rows = x.shape[0]
         g = self.graphs.get(rows)
         if g is None:
+            if not self.lazy:
+                return None
             g = self.graphs[rows] = self._capture(x, start)
         else:
             g.load(x)

@@ -41,6 +41,7 @@ class Attention(nn.Module):
         return KVLayer.alloc(capacity, self.nkv, self.hd, device, dtype)
 
     graph_safe = True  # static shapes, no host syncs: CUDA-graph capturable (graphs.py)
+    compile_safe = True  # torch.compile'd blocks inside the graphs (--compile)
 
     def fuse(self) -> None:
         """One QKV GEMM instead of three (the fast path; the reference keeps q/k/v_proj)."""

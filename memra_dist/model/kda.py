@@ -153,8 +153,13 @@ class KDAState:
         return self.snaps.shape[0] - 1
 
     def begin(self, start: int, rows: int) -> None:
+        """Before a forward of `rows` rows from `start`: roll back if it starts earlier, then
+        book the lengths it leaves. Host bookkeeping lives here, not in `step`, because a
+        captured step (CUDA graph) replays without running Python."""
         if start != self.length:
             self.rollback(start)  # a forward from an earlier row: the snapshot rings decide
+        self.lo = max(self.lo, start + rows - self.snap_rows)  # a chunked head (T > R): lo = its end
+        self.length = start + rows
 
     def rollback(self, new_len: int) -> None:
         if new_len == self.length:
@@ -186,33 +191,43 @@ class KDAState:
         return sum(t.numel() * t.element_size() for t in (self.S, self.conv, self.snaps, self.hist))
 
     def advance(self, q, k, v, g, beta, xc: torch.Tensor) -> torch.Tensor:
-        """Fold T rows in from `length`. xc (K-1+T, 3Q): the conv inputs of positions
-        [length-K+1, length+T). Returns o (T, H, Dv)."""
-        T, L, R = q.shape[0], self.length, self.snap_rows
-        tail = min(T, R)
-        head = T - tail
+        """Fold T rows in from `length` (a state driven directly: tests, benchmarks).
+        xc (K-1+T, 3Q): the conv inputs of positions [length-K+1, length+T)."""
+        start, T = self.length, q.shape[0]
+        self.begin(start, T)
+        return self.step(q, k, v, g, beta, xc, torch.arange(start, start + T, device=q.device))
+
+    def step(self, q, k, v, g, beta, xc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The forward's fold, after `begin`: rows at positions `pos` (T,) (a device tensor),
+        xc as in `advance`. Returns o (T, H, Dv).
+
+        Every ring index comes from `pos` on the device, never from a Python length, so the
+        same step captured once in a CUDA graph is right at every position: the state after
+        the row at position p goes to ring slot (p + 1) % n, the state the rows start from to
+        slot pos[0] % n, and the conv inputs of position p to history row p % w. Only a
+        prefill longer than R (a chunked head, never captured) splits on the row count."""
+        T, R, n = q.shape[0], self.snap_rows, self.snaps.shape[0]
+        head = max(T - R, 0)
         S, parts = self.S, []
         fla = kda_kernels.fla_for(q, v)  # None: the reference forms below (CPU, or forced)
-        if head:
+        if head:  # the rows before the last R: no snapshots (rollback never goes back past them)
             chunked = kda_chunked if fla is None else fla.chunked
             o_head, S = chunked(q[:head], k[:head], v[:head], g[:head], beta[:head], S)
             parts.append(o_head)
-        base, n = L + head, self.snaps.shape[0]
-        rows = (q[head:], k[head:], v[head:], g[head:], beta[head:])
+        rows, tail_pos = (q[head:], k[head:], v[head:], g[head:], beta[head:]), pos[head:]
         if fla is None:
-            slots = [self.snaps[(base + t) % n] for t in range(tail + 1)]  # S at lengths base..L+T
-            o_tail, S = kda_recurrent(*rows, S, slots)
+            buf = S.new_empty(T - head + 1, *S.shape)  # S in, then S after each row
+            o_tail, S = kda_recurrent(*rows, S, buf)
+            self.snaps.index_copy_(0, tail_pos[:1] % n, buf[:1])
+            self.snaps.index_copy_(0, (tail_pos + 1) % n, buf[1:])
         else:  # one kernel writes the same ring slots (kda_kernels explains the indexing)
-            o_tail, S = fla.recurrent_ring(*rows, S, self.snaps, base)
+            o_tail, S = fla.recurrent_ring(*rows, S, self.snaps, tail_pos)
         parts.append(o_tail)
         kc, w = self.conv.shape[0], self.hist.shape[0]
-        first = max(base - kc, 0)  # xc[head:] holds positions [base-K+1, L+T); those < 0 are zeros
-        keep = xc[xc.shape[0] - (L + T - first):]  # (<= K-1+tail, 3Q)
-        self.hist.index_copy_(0, torch.arange(first, L + T, device=xc.device) % w, keep)
+        m = min(T, w)  # the window rows before pos[0] are in the history from earlier forwards
+        self.hist.index_copy_(0, pos[T - m:] % w, xc[xc.shape[0] - m:])
         self.conv.copy_(xc[xc.shape[0] - kc:])
         self.S.copy_(S)
-        self.lo = max(self.lo, L + T - R)  # a chunked head (T > R): lo = base
-        self.length = L + T
         return torch.cat(parts) if head else o_tail
 
 
@@ -250,6 +265,9 @@ class GatedRMSNorm(nn.Module):
 
 class KDA(nn.Module):
     mixer_class = "kda"
+    graph_safe = True  # KDAState.step indexes its rings from the positions tensor
+    stateful = True  # a recurrent state: graphs are captured only at allocation (graphs.py)
+    max_graph_rows = RECURRENT_MAX_ROWS  # a captured step snapshots every row
 
     def __init__(self, cfg: ModelConfig, spec: KimiSpec):
         super().__init__()
@@ -293,18 +311,18 @@ class KDA(nn.Module):
         beta = torch.sigmoid(self.b_proj(x)).float()  # (T, H)
         tm = ctx.timer
         if tm is None:
-            o = self._scan(q, k, v, g, beta, state, xc)
+            o = self._scan(q, k, v, g, beta, state, xc, ctx.pos)
         else:
             tm.scan_begin()
-            o = self._scan(q, k, v, g, beta, state, xc)
+            o = self._scan(q, k, v, g, beta, state, xc, ctx.pos)
             tm.scan_end()
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.H, self.D)  # (T, H, D)
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, self.Q)  # (T, Q)
         return self.o_proj(o)
 
-    def _scan(self, q, k, v, g, beta, state: KDAState | None, xc) -> torch.Tensor:
+    def _scan(self, q, k, v, g, beta, state: KDAState | None, xc, pos) -> torch.Tensor:
         if state is not None:
-            return state.advance(q, k, v, g, beta, xc)
+            return state.step(q, k, v, g, beta, xc, pos)
         S = q.new_zeros(self.H, self.D, self.D)
         fla, long = kda_kernels.fla_for(q, v), q.shape[0] > RECURRENT_MAX_ROWS
         if fla is None:

@@ -156,7 +156,7 @@ class FlaKDA:
         if missing:
             raise ImportError(f"fused_recurrent_kda_fwd lacks {sorted(missing)} (fla too old)")
         self._chunk, self._rec, self._rec_fwd = chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd
-        self._idx: dict = {}  # (device, rows, base % n, n) -> (idx (1, rows+1), num_accepted (1,))
+        self._acc: dict = {}  # (device, rows) -> num_accepted (1,) int32
 
     def chunked(self, q, k, v, g, beta, S):
         """Same contract as kda.kda_chunked: returns o (T, H, Dv) fp32 and the final S."""
@@ -170,31 +170,33 @@ class FlaKDA:
             o, S = self._rec(**fla_args(q, k, v, g, beta, S), **_FLAGS)
         return from_fla(o, S)
 
-    def _indices(self, device, rows: int, base: int, n: int):
-        key = (device, rows, base % n, n)
-        hit = self._idx.get(key)
-        if hit is None:  # built once per key (<= n * n small tensors); no host->device copy per call
-            # padded to n columns: the kernel's index stride is a compile-time constant, so one
-            # width means one compiled kernel for every row count (entries past `rows` are unused)
-            row = ring_indices(base, rows, n)
-            idx = torch.tensor([row + [row[-1]] * (n - len(row))], dtype=torch.int32, device=device)
-            acc = torch.tensor([rows + 1], dtype=torch.int32, device=device)
-            hit = self._idx[key] = (idx, acc)
+    def _accepted(self, device, rows: int):
+        key = (device, rows)
+        hit = self._acc.get(key)
+        if hit is None:  # a constant per row count (no host->device copy per call)
+            hit = self._acc[key] = torch.tensor([rows + 1], dtype=torch.int32, device=device)
         return hit
 
-    def recurrent_ring(self, q, k, v, g, beta, S, snaps: torch.Tensor, base: int):
-        """kda.kda_recurrent with snapshots in the ring: snaps (n, H, Dk, Dv) fp32 contiguous,
-        snaps[(base + t) % n] = S after t of these rows, t = 0..T (T + 1 <= n). Returns o
-        (T, H, Dv) and the final S (a view of its ring slot)."""
+    def recurrent_ring(self, q, k, v, g, beta, S, snaps: torch.Tensor, pos: torch.Tensor):
+        """kda.kda_recurrent with snapshots in the ring: snaps (n, H, Dk, Dv) fp32 contiguous;
+        for rows at positions `pos` (T,), snaps[pos[0] % n] = S in and snaps[(pos[t] + 1) % n]
+        = S after row t (T + 1 <= n). The pool indices are computed on the device from `pos`
+        (ring_indices is their host form), so a captured graph replays right at any position.
+        Returns o (T, H, Dv) and the final S (a view of its ring slot)."""
         T, n = q.shape[0], snaps.shape[0]
         if T + 1 > n or not snaps.is_contiguous() or snaps.dtype != torch.float32:
             raise ValueError(f"ring kernel: {T} rows need {T + 1} <= {n} contiguous fp32 slots")
-        snaps[base % n].copy_(S)  # the slot of length `base` holds S in (not so after a reset)
-        idx, acc = self._indices(q.device, T, base, n)
+        slot_in = pos[:1] % n
+        snaps.index_copy_(0, slot_in, S[None])  # the slot of length pos[0] holds S in (not so after a reset)
+        # padded to n columns: the kernel's index stride is a compile-time constant, so one
+        # width means one compiled kernel for every row count (entries past T are unused)
+        idx = torch.empty(1, n, dtype=torch.int32, device=q.device)
+        idx[0, :T] = (pos + 1) % n
+        idx[0, T:] = slot_in
         a = fla_args(q, k, v, g, beta, S)
         with _on(q.device):
             o, _ = self._rec_fwd(
                 q=a["q"], k=a["k"], v=a["v"], g=a["g"], beta=a["beta"], scale=1.0,
                 initial_state=snaps, inplace_final_state=True, output_final_state=False,
-                ssm_state_indices=idx, num_accepted_tokens=acc, **_FLAGS)
-        return o[0], snaps[(base + T) % n]
+                ssm_state_indices=idx, num_accepted_tokens=self._accepted(q.device, T), **_FLAGS)
+        return o[0], snaps.index_select(0, (pos[-1:] + 1) % n)[0]

@@ -53,6 +53,7 @@ class MLALayer:
 
 class MLA(nn.Module):
     mixer_class = "mla"
+    graph_safe = True  # latents written at the positions tensor, the mask spans the capacity
 
     def __init__(self, cfg: ModelConfig, spec: KimiSpec):
         super().__init__()

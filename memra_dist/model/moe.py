@@ -118,6 +118,10 @@ class MoE(nn.Module):
             self.shared_experts = SwiGLU(cfg.hidden_size, spec.moe_inter * spec.n_shared)
         self.has_shared = spec.n_shared > 0
 
+    @property
+    def graph_safe(self) -> bool:  # the per-expert loop syncs on the experts hit
+        return self.experts.grouped
+
     def use_grouped(self, on: bool) -> None:
         self.experts.grouped = on
 
