@@ -45,6 +45,7 @@ def toggled(r, fn):
     return a, b
 
 
+ORIG = MoE.use_grouped
 try:
     MoE.use_grouped = lambda self, on: setattr(self.experts, "grouped", True)  # fp32 too, for this check
     tiny = ensure_checkpoint("kimi-tiny", bench_cache_dir(), dev, print)
@@ -60,15 +61,8 @@ try:
 except Exception as e:
     res["tiny_error"] = repr(e)[:500]
 print(res, flush=True)
+MoE.use_grouped = ORIG  # back to the class's own (bf16 CUDA: grouped)
 try:
-    del MoE.use_grouped  # back to the class's own
-except AttributeError:
-    pass
-try:
-    from memra_dist.model import moe as moe_mod  # noqa: PLC0415
-    import importlib  # noqa: PLC0415
-
-    importlib.reload(moe_mod)
     big = ensure_checkpoint("kimi", bench_cache_dir(), dev, print)
     r = ModelRunner(str(big), dev, torch.bfloat16, max_pos=256, graphs=True, warm_rows=9)
     r.alloc(256)
