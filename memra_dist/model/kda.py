@@ -174,12 +174,12 @@ class KDAState:
             )
         self.S.copy_(self.snaps[new_len % self.snaps.shape[0]])
         kc, w = self.conv.shape[0], self.hist.shape[0]
-        first = new_len - kc  # the window holds the inputs of positions [new_len-K+1, new_len)
-        idx = [p % w for p in range(max(first, 0), new_len)]
-        pad = kc - len(idx)  # positions before 0: the zero window of a fresh sequence
+        first = max(new_len - kc, 0)  # the window holds the inputs of positions [new_len-K+1, new_len)
+        pad = kc - (new_len - first)  # positions before 0: the zero window of a fresh sequence
         if pad:
             self.conv[:pad].zero_()
-        self.conv[pad:].copy_(self.hist[idx])
+        idx = torch.arange(first, new_len, device=self.hist.device) % w  # made on the device: no host copy
+        self.conv[pad:].copy_(self.hist.index_select(0, idx))
         self.length = new_len
 
     def reset(self) -> None:
