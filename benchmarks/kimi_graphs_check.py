@@ -1,11 +1,17 @@
-"""Kimi hybrid on CUDA graphs (bf16, the bench's hybrid shape). ONE runner (fused weights),
-run with its graphs and with them switched off, so the ids compare the capture itself (two
-runners differ in bf16 rounding: the graphed one fuses gate-up): greedy ids with graphs equal
-the eager ids, plain and with the replay drafter at K=4 (partial accepts, so captured KDA
-steps run after rollbacks at every position); then step and rollback costs both ways.
-The prompt stays under the snapshot ring (33 rows), so no chunked prefill (and its
-first-call Triton autotune) is timed.
-usage: python benchmarks/kimi_graphs_check.py OUT_DIR"""
+"""Kimi hybrid on CUDA graphs: is the capture exact, and what does it buy?
+
+Every comparison uses ONE runner with its step graphs on and then off (two runners would
+differ by the fused gate-up GEMM's rounding alone):
+ 1. exact: the tiny kimi_linear in fp32 (reference KDA scan, MLA, MoE forced onto the grouped
+    form so the stage is capturable): greedy ids with graphs == without, plain and with the
+    replay drafter at K=4 (partial accepts: captured steps after rollbacks);
+ 2. the bench's hybrid shape in bf16 (fla KDA kernels, grouped MoE): max |logit difference| of
+    graphed vs eager forwards over the same rows, greedy ids both ways (a random bf16 model's
+    argmax is decided by rounding noise, so ids are informative only), then step and
+    rollback costs both ways. Prompts stay under the snapshot ring (33 rows): no chunked
+    prefill, whose first-call Triton autotune would dominate.
+usage: python benchmarks/kimi_graphs_check.py OUT_DIR   (KIMI_CHECK_DRY=1: the tiny shape on CPU,
+graphs inactive, to check the script itself)"""
 
 from __future__ import annotations
 
@@ -18,19 +24,18 @@ from pathlib import Path
 import torch
 
 from memra_dist.bench.checkpoints import bench_cache_dir, ensure_checkpoint
+from memra_dist.bench.timing import time_call
 from memra_dist.engine import ModelRunner
+from memra_dist.model.moe import MoE
 from memra_dist.spec.drafters.none import NoDrafter
+from memra_dist.spec.drafters.replay import ReplayDrafter
 from memra_dist.spec.sampling import SamplingParams
 from memra_dist.spec.session import SpecSession
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
 out.mkdir(parents=True, exist_ok=True)
-# KIMI_CHECK_DRY=1: the tiny shape on CPU (graphs inactive), to check the script itself
 DRY = os.environ.get("KIMI_CHECK_DRY") == "1"
-dev, T0 = torch.device("cpu" if DRY else "cuda"), time.perf_counter()
-path = ensure_checkpoint("kimi-tiny" if DRY else "kimi", bench_cache_dir(), dev, print)
-DT = torch.float32 if DRY else torch.bfloat16
-sync = (lambda: None) if DRY else torch.cuda.synchronize
+dev, T0, CAP = torch.device("cpu" if DRY else "cuda"), time.perf_counter(), 256
 res: dict = {}
 
 
@@ -38,86 +43,101 @@ def log(*a):
     print(f"[kimi_graphs {time.perf_counter() - T0:6.1f}s]", *a, flush=True)
 
 
-def generate(r, drafter, prompt, n=48, k=4):
+def generate(r, drafter, prompt, k=1, n=40):
     s = SpecSession(r, drafter, SamplingParams(), torch.Generator().manual_seed(0), k)
-    ids = [s.start(prompt, n, 1024)]
+    ids = [s.start(prompt, n, CAP)]
     while not s.done:
-        ids.extend(s.burst(16))
+        ids.extend(s.burst(8))
     return ids, s.stats.as_dict()
 
 
-def step_ms(r, rows, ctx, n=30):
-    ids = torch.full((rows,), 7)
-    xs = []
-    for i in range(n + 10):
-        sync()
-        t = time.perf_counter()
-        r.forward(ids, ctx)
-        sync()
-        xs.append(time.perf_counter() - t)
-        r.rollback(ctx)
-    return sorted(xs[10:])[n // 2] * 1e3
-
-
-def rollback_ms(r, rows, ctx, keep, n=15):
-    ids, xs = torch.full((rows,), 7), []
-    for _ in range(n):
-        r.forward(ids, ctx)
-        sync()
-        t = time.perf_counter()
-        r.rollback(ctx + keep)
-        sync()
-        xs.append(time.perf_counter() - t)
-        r.rollback(ctx)
-    return sorted(xs)[n // 2] * 1e3
-
-
-from memra_dist.spec.drafters.replay import ReplayDrafter  # noqa: E402
-
-r = ModelRunner(str(path), dev, DT, max_pos=1024, graphs=True, warm_rows=9)
-r.alloc(1024)
-graphs = r.graphs
-log("loaded; graphs active:", graphs is not None, "captured rows:", sorted(graphs.graphs) if graphs else None)
-
-
-def both(fn):
+def toggled(r, fn):
     """fn() with the runner's graphs, then with them off (same weights)."""
-    g = fn()
+    g = r.graphs
+    a = fn()
     r.graphs = None
     try:
-        e = fn()
+        b = fn()
     finally:
-        r.graphs = graphs
-    return g, e
+        r.graphs = g
+    return a, b
 
 
-prompt = [(7 * i) % 90 + 3 for i in range(30)]
-(gp, gs), (ep, es) = both(lambda: generate(r, NoDrafter(), prompt))
-res["plain_graphs_eq_eager"] = gp == ep
-res["first_diff"] = next((i for i, (a, b) in enumerate(zip(gp, ep)) if a != b), None)
-log("plain", res["plain_graphs_eq_eager"], gs)
-V = r.cfg.vocab_size
-(gr, grs), (er, ers) = both(lambda: generate(r, ReplayDrafter(gp, len(prompt), V, 0.3, seed=3), prompt, k=4))
-res["replay_graphs_eq_plain"] = gr == gp
-res["replay_eager_eq_plain"] = er == ep
-res["replay_stats"] = grs
-log("replay K=4", res["replay_graphs_eq_plain"], res["replay_eager_eq_plain"], grs)
-ctx = len(prompt)
-for mode in ("graphs", "eager"):
-    r.graphs = graphs if mode == "graphs" else None
-    try:
-        r.alloc(1024)
-        r.forward(torch.tensor(prompt), 0)
-        d = {f"rows_{n}_ms": round(step_ms(r, n, ctx), 3) for n in (1, 3, 5, 9)}
-        for rows in (3, 5, 9):
-            d[f"verify_{rows}_over_decode"] = round(d[f"rows_{rows}_ms"] / d["rows_1_ms"], 3)
-        d["rollback_ms_k4_keep2"] = round(rollback_ms(r, 5, ctx, 2), 4)
+def ids_both_ways(r, tag):
+    prompt = [(7 * i) % 90 + 3 for i in range(20)]
+    (gp, _), (ep, _) = toggled(r, lambda: generate(r, NoDrafter(), prompt))
+    res[f"{tag}_plain_graphs_eq_eager"] = gp == ep
+    res[f"{tag}_plain_first_diff"] = next((i for i, (a, b) in enumerate(zip(gp, ep)) if a != b), None)
+    drafter = lambda: ReplayDrafter(gp, len(prompt), r.cfg.vocab_size, 0.3, seed=3)  # noqa: E731
+    (gr, st), (er, _) = toggled(r, lambda: generate(r, drafter(), prompt, k=4))
+    res[f"{tag}_replay_graphs_eq_plain"], res[f"{tag}_replay_eager_eq_plain"] = gr == gp, er == ep
+    res[f"{tag}_replay_stats"] = st
+    log(tag, {k: v for k, v in res.items() if k.startswith(tag)})
+
+
+def runner(shape, dtype):
+    r = ModelRunner(str(ensure_checkpoint(shape, bench_cache_dir(), dev, print)), dev, dtype, max_pos=CAP,
+                    graphs=True, warm_rows=9)
+    r.alloc(CAP)
+    log(shape, "graphs active:", r.graphs is not None, "rows:", sorted(r.graphs.graphs) if r.graphs else None)
+    return r
+
+
+# 1. exact, fp32
+orig = MoE.use_grouped
+try:
+    MoE.use_grouped = lambda self, on: setattr(self.experts, "grouped", True)  # fp32 too, for this check
+    ids_both_ways(runner("kimi-tiny", torch.float32), "tiny_fp32")
+except Exception as e:  # report and go on
+    res["tiny_error"] = repr(e)[:600]
+    log("tiny failed:", res["tiny_error"])
+finally:
+    MoE.use_grouped = orig
+
+# 2. the bench's hybrid, bf16
+try:
+    r = runner("kimi-tiny" if DRY else "kimi", torch.float32 if DRY else torch.bfloat16)
+    prompt = torch.tensor([(7 * i) % 90 + 3 for i in range(30)])
+    steps = [torch.tensor([11]), torch.tensor([12]), torch.tensor([13, 14, 15, 16, 17]), torch.tensor([18])]
+
+    def logits():
+        r.alloc(CAP)
+        outs, pos = [r.forward(prompt, 0)[-1:].float()], 30
+        for i, ids in enumerate(steps):
+            outs.append(r.forward(ids, pos).float())
+            pos += ids.shape[0]
+            if i == 2:  # keep 2 of the 5 verify rows
+                pos -= 3
+                r.rollback(pos)
+        return outs
+
+    a, b = toggled(r, logits)
+    res["bf16_logit_maxdiff"] = [round(float((x - y).abs().max()), 6) for x, y in zip(a, b)]
+    res["bf16_logit_absmax"] = [round(float(y.abs().max()), 4) for y in b]
+    log("bf16 logits", res["bf16_logit_maxdiff"], "of", res["bf16_logit_absmax"])
+    ids_both_ways(r, "bf16")
+    graphs, ctx = r.graphs, len(prompt)
+    for mode in ("graphs", "eager"):
+        r.graphs = graphs if mode == "graphs" else None
+        r.alloc(CAP)
+        r.forward(prompt, 0)
+        d = {f"rows_{n}_ms": round(time_call(lambda n=n: r.forward(torch.full((n,), 7), ctx), dev, 30, warmup=10,
+                                             between=lambda: r.rollback(ctx))["median_s"] * 1e3, 3)
+             for n in (1, 3, 5, 9)}
+        for n in (3, 5, 9):
+            d[f"verify_{n}_over_decode"] = round(d[f"rows_{n}_ms"] / d["rows_1_ms"], 3)
+        ids5, xs = torch.full((5,), 7), []
+        for _ in range(15):
+            r.forward(ids5, ctx)
+            xs.append(time_call(lambda: r.rollback(ctx + 2), dev, 1, warmup=0)["median_s"])
+            r.rollback(ctx)
+        d["rollback_ms_k4_keep2"] = round(sorted(xs)[7] * 1e3, 4)
         d["rollback_share_of_verify_k4"] = round(d["rollback_ms_k4_keep2"] / d["rows_5_ms"], 4)
         res[mode] = d
         log(mode, d)
-    except Exception as e:
-        res[f"{mode}_timing_error"] = repr(e)[:600]
-        log(mode, "timing failed:", repr(e)[:600])
-r.graphs = graphs
+    r.graphs = graphs
+except Exception as e:
+    res["bf16_error"] = repr(e)[:600]
+    log("bf16 failed:", res["bf16_error"])
 (out / "kimi_graphs.json").write_text(json.dumps(res, indent=1))
 log("done")

@@ -4,14 +4,15 @@ captures into a CUDA graph and replays to the same output. usage: python benchma
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from memra_dist.bench.checkpoints import shape_config
+from memra_dist.bench.timing import time_call
+from memra_dist.model.kimi_config import KimiSpec, parse_kimi_config
 from memra_dist.model.moe import MoE
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
@@ -19,24 +20,11 @@ out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
 
 
-@dataclasses.dataclass
-class Spec:  # Kimi-Linear widths of the bench's hybrid shape (memra_dist/bench/checkpoints.py)
-    num_experts: int = 32
-    top_k: int = 8
-    moe_inter: int = 1024
-    n_shared: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    renormalize: bool = True
-    routed_scale: float = 2.446
-
-
-class Cfg:
-    hidden_size = 2304
-
-
+# the bench's hybrid widths (memra_dist/bench/checkpoints.py): 32 experts, top-8, 1024 wide
+raw = shape_config("kimi")
+cfg, spec = parse_kimi_config(raw, "kimi"), KimiSpec.from_raw(raw, "kimi")
 torch.manual_seed(0)
-m = MoE(Cfg(), Spec())
+m = MoE(cfg, spec)
 with torch.no_grad():
     for p in m.parameters():
         p.normal_(0, 0.02)
@@ -46,19 +34,12 @@ res: dict = {}
 
 
 def wall_ms(fn, n=50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / n
+    return time_call(fn, dev, n, warmup=5)["median_s"] * 1e3
 
 
 with torch.inference_mode():
     for rows in (1, 5, 9):
-        x = torch.randn(rows, 2304, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(rows, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
         w, idx = m.gate(x)
         try:
             ref = m.experts.forward_loop(x, w, idx)
