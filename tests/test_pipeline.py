@@ -34,6 +34,18 @@ def test_greedy_pp_token_identical(ray_local, llama, draft_llama, drafter):
         assert got == ref, f"pp={pp} drafter={drafter}"
 
 
+def test_long_prompt_ids_travel_as_a_payload(ray_local, llama):
+    """A prefill longer than a command holds (transport.INLINE_IDS) sends its ids after the
+    command; decode and verify steps carry theirs inside it. Both at pp=2, token-identical."""
+    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.dist.transport import INLINE_IDS
+
+    prompt = (PROMPT * 8)[: INLINE_IDS + 7]
+    assert len(prompt) > INLINE_IDS
+    ref = run_local(_cfg(llama, drafter="ngram"), prompt).token_ids
+    assert run_pipeline(_cfg(llama, drafter="ngram", pp=2), prompt).token_ids == ref
+
+
 def test_pp4_on_cpu_token_identical(ray_local, llama, draft_llama):
     """Four stage actors (one layer each) + the head: the CPU share of the pp=4 issue."""
     from memra_dist.dist.engine import run_pipeline
