@@ -87,8 +87,8 @@ def inputs(T, regime="kimi", seed=0, S_scale=0.5):
 def new_state(length=0, S0=None) -> KDAState:
     st = KDAState.alloc(H, D, D, 3 * H * D, KC, R, dev, torch.float32)
     if length:
+        st.length = st.lo = length  # as if `length` rows were in: the ring slot of `length` holds S
         st.S.copy_(S0)
-        st.length = st.lo = length  # as if `length` rows were in (the ring holds S at `length`)
     return st
 
 

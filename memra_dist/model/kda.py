@@ -107,15 +107,16 @@ def kda_chunked(q, k, v, g, beta, S, chunk: int = CHUNK):
 
 @dataclass
 class KDAState:
-    """Recurrent state of one KDA layer + what rollback needs.
+    """Recurrent state of one KDA layer, kept so that rollback is a length change.
 
-    S (H, Dk, Dv) fp32; conv (K-1, 3Q): the last K-1 conv inputs; length: rows folded in.
-    Rollback keeps per-row snapshots in two rings indexed by ABSOLUTE position, across
-    forwards: snaps[p % (R+1)] = S after p rows, hist[p % (R+K-1)] = the conv input of
-    position p (R = snap_rows). Any length in [lo, length] can be restored with one copy of
-    S and a K-1-row gather of the conv window, where lo >= length - R is the lowest length
-    still in the rings. A forward of T <= R rows keeps every row (the recurrent form writes
-    the snapshots); a longer (chunked) forward keeps only its last R rows (lo = its end - R).
+    Two rings indexed by ABSOLUTE position hold everything (R = snap_rows):
+    snaps[L % (R+1)] = the state S (H, Dk, Dv) fp32 after L rows, and hist[p % (K-1+R)] = the
+    conv input of position p. The live state is simply the slot of the current length, and a
+    forward's conv window is the K-1 history rows before its first position (zeros before
+    position 0). So rolling back to any length in [lo, length] moves `length` and nothing
+    else, like an attention cache (lo >= length - R is the lowest length still in the rings).
+    A forward of T <= R rows keeps every row (the recurrent form writes each row's state to
+    its slot); a longer (chunked) forward keeps only its last R rows (lo = its end - R).
 
     Why a ring across forwards and not the last forward's rows only: a target verify is one
     forward of K+1 rows, but a kimi_linear DRAFT model feeds its K-1 proposal rows one
@@ -125,32 +126,50 @@ class KDAState:
     Why snapshots and not a re-scan from a saved pre-forward state: a verify round rolls
     back on almost every partial accept, and a re-scan puts a second sequential pass (plus
     keeping k, v, g, beta of every row) on the critical path between verify and the next
-    draft; the snapshot is one (H, Dk, Dv) copy per row written by the recurrent form the
-    verify rows take anyway (T = K+1 <= R), and rollback is a copy. The price is memory:
-    (R + 1) state matrices per layer (34: Kimi-Linear-48B's 32 x 128 x 128 fp32 state is
-    2 MiB, so 68 MiB per KDA layer), preallocated (static shapes, no allocation per round)."""
+    draft; the snapshot is one (H, Dk, Dv) write per row by the recurrent form the verify
+    rows take anyway (T = K+1 <= R), and rollback is free. The price is memory: (R + 1)
+    state matrices per layer (34: Kimi-Linear-48B's 32 x 128 x 128 fp32 state is 2 MiB, so
+    68 MiB per KDA layer), preallocated (static shapes, no allocation per round).
 
-    S: torch.Tensor
-    conv: torch.Tensor
+    Every index a forward uses comes from the positions tensor (`step`), never from a Python
+    length: a step captured once in a CUDA graph is right at every position. The host
+    bookkeeping (length, lo) lives in `begin`, which runs before every forward and replay."""
+
     snaps: torch.Tensor
     hist: torch.Tensor
+    kernel: int  # the conv kernel K: the window is K-1 rows
     length: int = 0
     lo: int = 0  # the lowest length the rings can restore
 
     @classmethod
     def alloc(cls, heads: int, dk: int, dv: int, conv_dim: int, kernel: int, snap_rows: int,
               device, dtype) -> "KDAState":
-        f32 = torch.float32
         return cls(
-            S=torch.zeros(heads, dk, dv, device=device, dtype=f32),
-            conv=torch.zeros(kernel - 1, conv_dim, device=device, dtype=dtype),
-            snaps=torch.zeros(snap_rows + 1, heads, dk, dv, device=device, dtype=f32),
+            snaps=torch.zeros(snap_rows + 1, heads, dk, dv, device=device, dtype=torch.float32),
             hist=torch.zeros(kernel - 1 + snap_rows, conv_dim, device=device, dtype=dtype),
+            kernel=kernel,
         )
 
     @property
     def snap_rows(self) -> int:
         return self.snaps.shape[0] - 1
+
+    @property
+    def S(self) -> torch.Tensor:
+        """The live state (a view of its ring slot)."""
+        return self.snaps[self.length % self.snaps.shape[0]]
+
+    @property
+    def conv(self) -> torch.Tensor:
+        """The live conv window (K-1, 3Q): the inputs of the K-1 positions before `length`."""
+        return self.window(torch.tensor([self.length], device=self.hist.device))
+
+    def window(self, start: torch.Tensor) -> torch.Tensor:
+        """(K-1, 3Q) conv inputs of positions [start-K+1, start) from the history ring, zeros
+        before position 0; `start` a (1,) device tensor (graph-safe)."""
+        p = start + torch.arange(1 - self.kernel, 0, device=start.device)  # (K-1,)
+        rows = self.hist.index_select(0, p % self.hist.shape[0])
+        return rows * (p >= 0).to(rows.dtype)[:, None]
 
     def begin(self, start: int, rows: int) -> None:
         """Before a forward of `rows` rows from `start`: roll back if it starts earlier, then
@@ -172,23 +191,14 @@ class KDAState:
                 f"KDA state cannot roll back to {new_len}: snapshots cover lengths "
                 f"[{self.lo}, {self.length}]"
             )
-        self.S.copy_(self.snaps[new_len % self.snaps.shape[0]])
-        kc, w = self.conv.shape[0], self.hist.shape[0]
-        first = max(new_len - kc, 0)  # the window holds the inputs of positions [new_len-K+1, new_len)
-        pad = kc - (new_len - first)  # positions before 0: the zero window of a fresh sequence
-        if pad:
-            self.conv[:pad].zero_()
-        idx = torch.arange(first, new_len, device=self.hist.device) % w  # made on the device: no host copy
-        self.conv[pad:].copy_(self.hist.index_select(0, idx))
-        self.length = new_len
+        self.length = new_len  # the state and the window of new_len are in the rings already
 
     def reset(self) -> None:
-        self.S.zero_()
-        self.conv.zero_()
+        self.snaps[0].zero_()  # the state at length 0; the window before position 0 reads as zeros
         self.length = self.lo = 0
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.S, self.conv, self.snaps, self.hist))
+        return sum(t.numel() * t.element_size() for t in (self.snaps, self.hist))
 
     def advance(self, q, k, v, g, beta, xc: torch.Tensor) -> torch.Tensor:
         """Fold T rows in from `length` (a state driven directly: tests, benchmarks).
@@ -199,16 +209,14 @@ class KDAState:
 
     def step(self, q, k, v, g, beta, xc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The forward's fold, after `begin`: rows at positions `pos` (T,) (a device tensor),
-        xc as in `advance`. Returns o (T, H, Dv).
-
-        Every ring index comes from `pos` on the device, never from a Python length, so the
-        same step captured once in a CUDA graph is right at every position: the state after
-        the row at position p goes to ring slot (p + 1) % n, the state the rows start from to
-        slot pos[0] % n, and the conv inputs of position p to history row p % w. Only a
-        prefill longer than R (a chunked head, never captured) splits on the row count."""
+        xc as in `advance`. Returns o (T, H, Dv). The state after the row at position p goes
+        to ring slot (p + 1) % n, the conv inputs of position p to history row p % w; the
+        rows start from the slot of pos[0]. Only a prefill longer than R (a chunked head,
+        never captured) splits on the row count."""
         T, R, n = q.shape[0], self.snap_rows, self.snaps.shape[0]
         head = max(T - R, 0)
-        S, parts = self.S, []
+        S = self.snaps.index_select(0, pos[:1] % n)[0]  # the state the rows start from
+        parts = []
         fla = kda_kernels.fla_for(q, v)  # None: the reference forms below (CPU, or forced)
         if head:  # the rows before the last R: no snapshots (rollback never goes back past them)
             chunked = kda_chunked if fla is None else fla.chunked
@@ -217,17 +225,15 @@ class KDAState:
         rows, tail_pos = (q[head:], k[head:], v[head:], g[head:], beta[head:]), pos[head:]
         if fla is None:
             buf = S.new_empty(T - head + 1, *S.shape)  # S in, then S after each row
-            o_tail, S = kda_recurrent(*rows, S, buf)
+            o_tail, _ = kda_recurrent(*rows, S, buf)
             self.snaps.index_copy_(0, tail_pos[:1] % n, buf[:1])
             self.snaps.index_copy_(0, (tail_pos + 1) % n, buf[1:])
         else:  # one kernel writes the same ring slots (kda_kernels explains the indexing)
-            o_tail, S = fla.recurrent_ring(*rows, S, self.snaps, tail_pos)
+            o_tail, _ = fla.recurrent_ring(*rows, S, self.snaps, tail_pos)
         parts.append(o_tail)
-        kc, w = self.conv.shape[0], self.hist.shape[0]
+        w = self.hist.shape[0]
         m = min(T, w)  # the window rows before pos[0] are in the history from earlier forwards
         self.hist.index_copy_(0, pos[T - m:] % w, xc[xc.shape[0] - m:])
-        self.conv.copy_(xc[xc.shape[0] - kc:])
-        self.S.copy_(S)
         return torch.cat(parts) if head else o_tail
 
 
@@ -293,11 +299,14 @@ class KDA(nn.Module):
         y = F.conv1d(xc.T[None].to(w.dtype), w, groups=w.shape[0])  # (1, 3Q, T)
         return F.silu(y[0].T).to(xc.dtype)
 
-    def _qkv(self, x: torch.Tensor, state: KDAState | None):
+    def _qkv(self, x: torch.Tensor, state: KDAState | None, pos: torch.Tensor):
         """Returns q, k, v (T, H, D) fp32 (q, k normalised, q scaled) and the conv inputs xc."""
         T = x.shape[0]
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (T, 3Q)
-        window = state.conv.to(mixed.dtype) if state is not None else mixed.new_zeros(self.K - 1, 3 * self.Q)
+        if state is not None:
+            window = state.window(pos[:1]).to(mixed.dtype)
+        else:
+            window = mixed.new_zeros(self.K - 1, 3 * self.Q)
         xc = torch.cat([window, mixed])  # (K-1+T, 3Q)
         q, k, v = (t.reshape(T, self.H, self.D).float() for t in self._conv(xc).split(self.Q, dim=-1))
         return l2norm(q) * self.D ** -0.5, l2norm(k), v, xc
@@ -306,7 +315,7 @@ class KDA(nn.Module):
         """x (T, hidden) -> (T, hidden). With a state the rows continue it (from state.length,
         which StageCache.begin set to the forward's start); without, a fresh sequence."""
         T = x.shape[0]
-        q, k, v, xc = self._qkv(x, state)
+        q, k, v, xc = self._qkv(x, state, ctx.pos)
         g = self.forget_gate(x)  # (T, H, D)
         beta = torch.sigmoid(self.b_proj(x)).float()  # (T, H)
         tm = ctx.timer

@@ -31,9 +31,11 @@ Forms:
     with the snapshot ring (R+1, H, Dk, Dv) itself as the kernel's state pool. The kernel
     reads the initial state from pool[idx[num_accepted - 1]] and writes the state after row
     t to pool[idx[t]]; with idx = [(b+1) % n, ..., (b+T) % n, b % n] and num_accepted = T+1
-    (b = rows folded in before these, n = R+1) it reads the ring slot of length b and writes
-    slot (b+t+1) % n after row t: exactly the slots `kda_recurrent` fills, so
-    KDAState.rollback (one copy from the ring) is unchanged and exact.
+    (b = the rows' first position, n = R+1) it reads the ring slot of length b and writes
+    slot (b+t+1) % n after row t: exactly the slots the reference path fills, so
+    KDAState.rollback (a length change: the live state is the ring slot of the length) is
+    exact either way. idx is computed on the device from the positions tensor, so the call
+    is CUDA-graph capturable.
   Why this and not the alternatives: the reference recurrence for verify rows costs ~6
   launches per row per layer (host-bound at K+1 = 5..9 rows); fla's public fused_recurrent
   per row adds a launch and a state copy per row; re-scanning the accepted rows from a
