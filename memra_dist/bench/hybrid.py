@@ -2,8 +2,8 @@
 and the KDA state rollback as a share of a verify round.
 
 Rollback cost = wall of `ModelRunner.rollback(ctx + keep)` right after a K+1-row verify at
-ctx (KDA layers copy the state snapshot of the last accepted row and its conv window; MLA
-layers only move the length), device-synced, median over repeats and over keep in
+ctx (a length change: KDA's live state and conv window are read from rings indexed by
+position, so nothing is copied; MLA layers only move the length too), device-synced, median over repeats and over keep in
 {0, K // 2}. The per-row snapshot writes themselves happen inside the verify forward, so
 they are part of the verify cost this is divided by."""
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..engine import ModelRunner
+from ..model import kda_kernels
 from .checkpoints import HYBRID_OF, ensure_checkpoint
 from .fastpath import runner_kwargs
 from .roofline import median
@@ -31,6 +32,7 @@ def hybrid(s) -> dict:
     spec = r.cfg.raw.get("linear_attn_config", {})
     out = {"shape": name, "ctx": ctx, "layers": r.cfg.num_layers, "hidden": r.cfg.hidden_size,
            "kda_layers": len(spec.get("kda_layers", [])), "mla_layers": len(spec.get("full_attn_layers", [])),
+           "graphs": r.graphs is not None, "kda_kernels": kda_kernels.fla_status() if s.device.type == "cuda" else "torch",
            "decode_ms": round(dec * 1e3, 4), "k": {}}
     for k in s.p.ks:
         ver = b.step_time(r, k + 1, ctx, n)["median_s"]
