@@ -197,3 +197,17 @@ def test_tiny_cpu_run_writes_every_key(tmp_path):
     assert 0 < res["hybrid"]["k"]["4"]["rollback_share_of_verify"] < 1
     assert {t["name"] for t in res["targets"]} >= set(TARGETS)
     assert p.stdout.startswith("### memra-dist bench")
+
+
+def test_pp_section_on_cpu_checks_greedy_ids(tmp_path):
+    """--sections pp forces the pipeline section on the CPU (gloo, a local Ray): the hop, and
+    pp=2 against this run's plain decode, tok/s and greedy ids."""
+    out = tmp_path / "bench.json"
+    p = _cli("bench", "--shape", "tiny", "--quick", "--device", "cpu", "--sections", "pp", "--out", str(out),
+             "--cache-dir", str(tmp_path / "cache"), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pp = json.loads(out.read_text())["pp"]
+    assert pp["hop"]["backend"] == "gloo" and pp["hop"]["one_way_us"] > 0
+    assert pp["pp2"]["tok_s"] > 0 and pp["pp2"]["greedy_ids_equal_pp1"] is True
+    assert pp["pp2_over_pp1_step"] > 0 and "pp4" not in pp  # pp=4 only with 4 GPUs
+    assert "pp=2 decode" in p.stdout

@@ -3,8 +3,9 @@
 Hop: two bench-only Ray actors (one GPU each, or CPU) join a 2-rank torch.distributed group
 through the engine's own `Link` (NCCL on GPU, gloo on CPU) and ping-pong a (rows, hidden)
 activation; one hop = median round trip / 2, host sync included (the DESIGN §3 convention).
-pp: the real `run_pipeline` with drafter none; decode tok/s from the driver's token stream
-(first token -> last), against the in-process plain decode of this same run."""
+pp: the real `run_pipeline` with drafter none at pp=2 (and pp=4 with >= 4 GPUs); decode tok/s
+from the driver's token stream (first token -> last), against the in-process plain decode of
+this same run, and whether its greedy ids equal that decode's."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def _hop(s, ray, hidden: int, gpu: bool) -> dict:
             ray.kill(a)
 
 
-def _pp2_decode(s, ray) -> dict:
+def _pp_decode(s, ray, pp: int) -> dict:
     from ..config import RunConfig  # noqa: PLC0415
     from ..dist.engine import run_pipeline  # noqa: PLC0415
     from .fastpath import config_kwargs  # noqa: PLC0415
@@ -85,17 +86,18 @@ def _pp2_decode(s, ray) -> dict:
     dev = "cuda" if s.device.type == "cuda" else "cpu"
     cfg = RunConfig(model=s.bench.target_dir, drafter="none", k=1, max_new_tokens=s.p.max_new, device=dev,
                     dtype={torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[s.dtype],
-                    pp=2, **config_kwargs(s.bench.graphs))
+                    pp=pp, **config_kwargs(s.bench.graphs))
     stamps = []
 
     def stream(toks):
         stamps.append((time.perf_counter(), len(toks)))
 
-    run_pipeline(cfg, s.prompt, stream)  # warm (actor start, load, first compile) and measured: one run
+    res = run_pipeline(cfg, s.prompt, stream)  # warm (actor start, load, first compile) and measured: one run
     t_first, t_last = stamps[0][0], stamps[-1][0]
     ntok = sum(n for _, n in stamps[1:])
     return {"tokens": ntok + 1, "decode_s": round(t_last - t_first, 4),
-            "tok_s": round(ntok / (t_last - t_first), 3) if t_last > t_first else None}
+            "tok_s": round(ntok / (t_last - t_first), 3) if t_last > t_first else None,
+            "token_ids": list(res.token_ids)}
 
 
 def pipeline(s) -> dict:
@@ -109,20 +111,26 @@ def pipeline(s) -> dict:
         s.say("  hop: 2 actors ping-pong the activation over torch.distributed")
         out = {"hop": _hop(s, ray, s.bench.target.cfg.hidden_size, gpus >= 2)}
         s.say(f"  hop one-way: {out['hop']['one_way_us']} us")
-        if s.left() <= 0:
-            out["pp2"] = {"skipped": "budget"}
-            return out
-        s.say("  pp=2: run_pipeline (2 actors load their halves)")
-        out["pp2"] = _pp2_decode(s, ray)
         from .sections import plain_decode  # noqa: PLC0415
 
-        plain = plain_decode(s)  # this run's pp=1 figure (memoized: the decode section's own)
-        if out["pp2"]["tok_s"]:
-            p1 = plain["result"].decode_tok_s
-            out["pp1_tok_s"] = round(p1, 3)
-            out["pp2_over_pp1_step"] = round(p1 / out["pp2"]["tok_s"], 4)
-            out["note"] = ("pp=1 is the in-process decode of this run; pp=2 includes the per-burst Ray call "
-                           "that streams tokens to the driver")
+        plain = plain_decode(s)  # this run's pp=1 figure and greedy ids (memoized: the decode section's own)
+        p1, ids1 = plain["result"].decode_tok_s, plain["result"].tokens
+        out["pp1_tok_s"] = round(p1, 3)
+        for pp in (2, 4) if gpus >= 4 else (2,):  # pp=4 on a 4-GPU machine (issue 9)
+            if s.left() <= 0:
+                out[f"pp{pp}"] = {"skipped": "budget"}
+                continue
+            s.say(f"  pp={pp}: run_pipeline ({pp} actors load their parts)")
+            r = _pp_decode(s, ray, pp)
+            ids = r.pop("token_ids")
+            n = min(len(ids), len(ids1))
+            r["greedy_ids_equal_pp1"] = n > 0 and ids[:n] == ids1[:n]
+            out[f"pp{pp}"] = r
+            if r["tok_s"]:
+                out[f"pp{pp}_over_pp1_step"] = round(p1 / r["tok_s"], 4)
+            s.say(f"  pp={pp}: {r['tok_s']} tok/s, ids equal pp=1: {r['greedy_ids_equal_pp1']}")
+        out["note"] = ("pp=1 is the in-process decode of this run; pp>1 includes the per-burst Ray call "
+                       "that streams tokens to the driver")
         return out
     finally:
         if started:

@@ -91,6 +91,12 @@ def _info_rows(res: dict) -> list[tuple[str, str]]:
     if lv:
         rows.append(("trace level 2 overhead", f"{lv['2']:.2f} % (level-0 noise "
                                                f"{_get(res, 'trace', 'level0_noise_pct')} %)"))
+    for pp in (2, 4):
+        r = _get(res, "pp", f"pp{pp}")
+        if isinstance(r, dict) and r.get("tok_s"):
+            ratio = _get(res, "pp", f"pp{pp}_over_pp1_step")
+            rows.append((f"pp={pp} decode", f"{r['tok_s']:.1f} tok/s, step x{ratio} of pp=1, greedy ids equal pp=1: "
+                                             f"{r.get('greedy_ids_equal_pp1')}"))
     for k, h in (_get(res, "hybrid", "k") or {}).items():
         rows.append((f"hybrid {res['hybrid']['shape']} K={k}", f"verify/decode {h['ratio_vs_decode']:.2f}, "
                                                              f"KDA rollback {h['rollback_share_of_verify'] * 100:.2f} % of verify (issue 5)"))
