@@ -65,7 +65,7 @@ class ModelRunner:
                 # every decode/verify row count up front (vLLM's habit): no capture or compile
                 # ever lands inside a round
                 self.graphs.warm(range(1, min(self.warm_rows, capacity, self.graph_rows) + 1))
-                self.cache.reset_states()  # the captures' warm-up folded rows into recurrent states
+                self.cache.reset_states()  # the captures' warm-ups wrote rows at 0..rows-1: empty again
         except torch.OutOfMemoryError:
             raise UserError(
                 f"out of memory allocating the cache for {capacity} rows on {self.label} "
@@ -99,9 +99,7 @@ class ModelRunner:
         rows = x.shape[0]
         self.cache.begin(start, rows)
         if self.graphs is not None and timer is None and rows <= self.graph_rows:
-            out = self.graphs.run(x, start)
-            if out is not None:
-                return out
+            return self.graphs.run(x, start)
         pos = torch.arange(start, start + rows, device=self.device)
         h = self.stage(x.to(self.device), pos, self.cache, timer)
         return self.stage.logits(h) if self.stage.has_head else h

@@ -65,10 +65,9 @@ class StepGraphs:
         self.runner = runner
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
-        # a capture runs the step eagerly first (warm-up): harmless for caches written by
-        # position, but a recurrent state (KDA) would fold the rows in twice more. Such stages
-        # capture only at allocation (then reset their states); other row counts run eager.
-        self.lazy = not any(getattr(b.self_attn, "stateful", False) for b in runner.stage.layers.values())
+        # a capture runs the step eagerly first (warm-up), at the step's own positions: every
+        # mixer's step must be idempotent there. Caches written by position are; so is KDA's
+        # (it reads the state of slot pos[0] and writes only the slots after it).
 
     def reset(self) -> None:
         self.graphs.clear()
@@ -122,13 +121,10 @@ class StepGraphs:
                 x = torch.zeros(rows, st.cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
             self.graphs[rows] = self._capture(x, 0)
 
-    def run(self, x: torch.Tensor, start: int) -> torch.Tensor | None:
-        """The step's output, or None when no graph may be captured now (run it eager)."""
+    def run(self, x: torch.Tensor, start: int) -> torch.Tensor:
         rows = x.shape[0]
         g = self.graphs.get(rows)
         if g is None:
-            if not self.lazy:
-                return None
             g = self.graphs[rows] = self._capture(x, start)
         else:
             g.load(x)

@@ -22,24 +22,29 @@ CPU, CAP = torch.device("cpu"), 128
 
 
 class EmulatedSteps:
-    """StepGraphs' capture and replay, with EmulatedGraph in place of torch.cuda.CUDAGraph."""
+    """StepGraphs' capture and replay, with EmulatedGraph in place of torch.cuda.CUDAGraph:
+    the row counts in `warm` captured at position 0 at allocation (then the cache reset, as
+    ModelRunner.alloc does), any other row count captured on first use mid-session, after two
+    eager warm-up runs at that step's own positions (which must leave the cache as they found
+    it), then replayed."""
 
     @torch.inference_mode()
-    def __init__(self, runner: ModelRunner, rows_list):
-        self.r, self.g = runner, {}
-        st = runner.stage
-        for rows in rows_list:
-            x = torch.zeros(rows, dtype=torch.long)
-            base = torch.arange(rows)
-            pos = base.clone()
-            step = lambda x=x, pos=pos: self._eager(x, pos)  # noqa: E731
-            for _ in range(2):  # the warm-up runs StepGraphs makes before a capture
-                step()
-            graph = EmulatedGraph()
-            out = graph.capture(step)
-            self.g[rows] = (graph, x, base, pos, out)
-            assert st is runner.stage
-        runner.cache.reset_states()  # as ModelRunner.alloc after its warm captures
+    def __init__(self, runner: ModelRunner, warm, limit: int):
+        self.r, self.g, self.limit = runner, {}, limit
+        for rows in warm:
+            self._capture(torch.zeros(rows, dtype=torch.long), 0)
+        runner.cache.reset_states()
+
+    def _capture(self, x, start):
+        rows = x.shape[0]
+        sx, base = x.clone(), torch.arange(rows)
+        pos = base + start
+        step = lambda: self._eager(sx, pos)  # noqa: E731
+        for _ in range(2):
+            step()
+        graph = EmulatedGraph()
+        out = graph.capture(step)
+        self.g[rows] = (graph, sx, base, pos, out)
 
     @torch.inference_mode()
     def _eager(self, x, pos):
@@ -51,10 +56,12 @@ class EmulatedSteps:
     def forward(self, x, start, timer=None):
         rows = x.shape[0]
         self.r.cache.begin(start, rows)
-        hit = self.g.get(rows)
-        if hit is None:  # a prefill: eager
+        if rows > self.limit:  # a prefill: eager
             return self._eager(x, torch.arange(start, start + rows))
-        graph, sx, base, pos, out = hit
+        if rows not in self.g:
+            self._capture(x, start)
+            self.captured_mid_session = getattr(self, "captured_mid_session", 0) + 1
+        graph, sx, base, pos, out = self.g[rows]
         sx.copy_(x)
         torch.add(base, start, out=pos)
         graph.replay()
@@ -99,7 +106,7 @@ def _check(model_dir, monkeypatch, grouped: bool):
     r = ModelRunner(model_dir, CPU, torch.float32)
     assert graphs_supported(r.stage)
     r.alloc(CAP)
-    steps = EmulatedSteps(r, range(1, min(9, graph_rows_limit(r.stage)) + 1))
+    steps = EmulatedSteps(r, (1, 2), graph_rows_limit(r.stage))  # verify row counts: captured mid-session
     t = _Target(r, steps)
     prompt = [5, 9, 17, 5, 9, 23, 40, 5, 9, 17, 5, 9]
     want, _ = _session_ids(eager, NoDrafter(), prompt, 1)
@@ -108,6 +115,7 @@ def _check(model_dir, monkeypatch, grouped: bool):
     spec, st = _session_ids(t, ReplayDrafter(want, len(prompt), r.cfg.vocab_size, 0.3, seed=3), prompt, 4)
     assert spec == want
     assert 0 < st.accepted < st.drafted  # partial accepts: captured steps after rollbacks
+    assert steps.captured_mid_session >= 1
 
 
 def test_kimi_hybrid_replays_exactly(monkeypatch):

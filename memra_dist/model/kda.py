@@ -272,7 +272,6 @@ class GatedRMSNorm(nn.Module):
 class KDA(nn.Module):
     mixer_class = "kda"
     graph_safe = True  # KDAState.step indexes its rings from the positions tensor
-    stateful = True  # a recurrent state: graphs are captured only at allocation (graphs.py)
     max_graph_rows = RECURRENT_MAX_ROWS  # a captured step snapshots every row
 
     def __init__(self, cfg: ModelConfig, spec: KimiSpec):
