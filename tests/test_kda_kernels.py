@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from memra_dist.errors import UserError
 from memra_dist.model import kda_kernels as kk
 from memra_dist.model.kda import KDAState, kda_chunked, kda_recurrent, l2norm
 
@@ -88,7 +89,7 @@ def test_cuda_without_fla_falls_back_or_errors(monkeypatch):
     assert not st["fla_importable"] and "No module named 'fla'" in st["error"]
     monkeypatch.setenv(kk.ENV, "fla")
     kk.reset()
-    with pytest.raises(RuntimeError, match="MEMRA_KDA_KERNELS=fla"):
+    with pytest.raises(UserError, match="MEMRA_KDA_KERNELS=fla"):  # one line, exit 2 at the CLI
         kk.fla_for(_Dev((1, 4, 64)), _Dev((1, 4, 64)))
 
 

@@ -51,6 +51,8 @@ import os
 
 import torch
 
+from ..errors import UserError
+
 __all__ = ["ENV", "FlaKDA", "fla_args", "fla_for", "fla_status", "from_fla", "reset", "ring_indices", "shapes_ok"]
 
 ENV = "MEMRA_KDA_KERNELS"  # auto (default) | torch | fla
@@ -107,7 +109,7 @@ def fla_for(q: torch.Tensor, v: torch.Tensor) -> "FlaKDA | None":
     fla = _load()
     if fla is None:
         if mode == "fla":
-            raise RuntimeError(f"{ENV}=fla but flash-linear-attention is not usable: {_fla_error}")
+            raise UserError(f"{ENV}=fla but flash-linear-attention is not usable here ({_fla_error})")
         return None
     if not shapes_ok(q.shape[-1], v.shape[-1]):
         return None
