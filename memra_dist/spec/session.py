@@ -95,7 +95,8 @@ class SpecSession:
         # deferred sink work (span building, tracing/deferred.py) runs while a verify is on the
         # device: right after the forward is launched, before the clock drains it. At level 2
         # the forward drains per layer (nothing to overlap), so it runs between rounds instead.
-        pump = getattr(sink, "pump", None) if sink is not None else None
+        # Level 0 without the profile makes no records, hence no such work: nothing is wired.
+        pump = getattr(sink, "pump", None) if sink is not None and trace.clock_on else None
         self._pump_in_verify = pump if trace.level < 2 else None
         self._pump_between = pump if trace.level >= 2 else None
         self.tokens: list[int] = []
