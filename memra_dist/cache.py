@@ -66,14 +66,6 @@ class StageCache:
             st.begin(start, rows)
         self.length = start + rows
 
-    def reset_states(self) -> None:
-        """Back to an empty sequence: recurrent states zeroed (caches written by position
-        need nothing), length 0."""
-        for st in self.layers.values():
-            if hasattr(st, "reset"):
-                st.reset()
-        self.length = 0
-
     def rollback(self, new_len: int) -> None:
         """Keep the first `new_len` rows; rows past it are as if never written."""
         if not 0 <= new_len <= self.length:

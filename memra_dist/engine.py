@@ -64,8 +64,9 @@ class ModelRunner:
             if self.graphs is not None and self.warm_rows:
                 # every decode/verify row count up front (vLLM's habit): no capture or compile
                 # ever lands inside a round
+                # (the captures' warm-ups leave the cache empty: length 0, and every step is
+                # idempotent at its positions, graphs.py)
                 self.graphs.warm(range(1, min(self.warm_rows, capacity, self.graph_rows) + 1))
-                self.cache.reset_states()  # the captures' warm-ups wrote rows at 0..rows-1: empty again
         except torch.OutOfMemoryError:
             raise UserError(
                 f"out of memory allocating the cache for {capacity} rows on {self.label} "

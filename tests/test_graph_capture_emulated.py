@@ -23,8 +23,8 @@ CPU, CAP = torch.device("cpu"), 128
 
 class EmulatedSteps:
     """StepGraphs' capture and replay, with EmulatedGraph in place of torch.cuda.CUDAGraph:
-    the row counts in `warm` captured at position 0 at allocation (then the cache reset, as
-    ModelRunner.alloc does), any other row count captured on first use mid-session, after two
+    the row counts in `warm` captured at position 0 at allocation (nothing reset afterwards, as
+    in ModelRunner.alloc), any other row count captured on first use mid-session, after two
     eager warm-up runs at that step's own positions (which must leave the cache as they found
     it), then replayed."""
 
@@ -33,7 +33,6 @@ class EmulatedSteps:
         self.r, self.g, self.limit = runner, {}, limit
         for rows in warm:
             self._capture(torch.zeros(rows, dtype=torch.long), 0)
-        runner.cache.reset_states()
 
     def _capture(self, x, start):
         rows = x.shape[0]
@@ -160,6 +159,7 @@ def _ring_kernel_standin(q, k, v, g, beta, scale, initial_state, inplace_final_s
     indexing only: S <- pool[idx[acc - 1]]; after row t, pool[idx[t]] <- S."""
     from memra_dist.model.kda import kda_recurrent  # noqa: PLC0415
 
+    _ring_kernel_standin.seen.append((q.shape[1], ssm_state_indices.clone(), num_accepted_tokens.clone()))
     pool, idx = initial_state, ssm_state_indices[0].long()
     S = pool.index_select(0, idx.gather(0, num_accepted_tokens.long() - 1))[0]
     T = q.shape[1]
@@ -167,6 +167,9 @@ def _ring_kernel_standin(q, k, v, g, beta, scale, initial_state, inplace_final_s
     o, _ = kda_recurrent(q[0], k[0], v[0], g[0], beta[0], S, buf)
     pool.index_copy_(0, idx[:T], buf[1:])
     return o[None], None
+
+
+_ring_kernel_standin.seen = []
 
 
 def test_kimi_hybrid_with_the_ring_kernel_glue_replays_exactly(monkeypatch):
@@ -184,5 +187,16 @@ def test_kimi_hybrid_with_the_ring_kernel_glue_replays_exactly(monkeypatch):
     fla.chunked = lambda q, k, v, g, beta, S: kda_chunked(q, k, v, g, beta, S)
     calls = []
     monkeypatch.setattr(kk, "fla_for", lambda q, v: calls.append(q.shape[0]) or fla)
+    _ring_kernel_standin.seen.clear()
     _check(hybrid()[1], monkeypatch, grouped=True)
     assert calls  # the glue ran
+    # the device-made pool indices are the documented host form (kda_kernels.ring_indices),
+    # padded to the pool width with the start slot: checked on the eager calls (a replay
+    # re-runs recorded ops, so the stand-in sees only eager and capture-time calls)
+    n = 34
+    assert _ring_kernel_standin.seen
+    for T, idx, acc in _ring_kernel_standin.seen:
+        row = idx[0].tolist()
+        base = row[T]  # the start slot: pos[0] % n
+        assert row[:T + 1] == kk.ring_indices(base, T, n) and row[T:] == [base] * (n - T)
+        assert acc.tolist() == [T + 1]

@@ -32,7 +32,7 @@ def hybrid(s) -> dict:
     spec = r.cfg.raw.get("linear_attn_config", {})
     out = {"shape": name, "ctx": ctx, "layers": r.cfg.num_layers, "hidden": r.cfg.hidden_size,
            "kda_layers": len(spec.get("kda_layers", [])), "mla_layers": len(spec.get("full_attn_layers", [])),
-           "graphs": r.graphs is not None, "kda_kernels": kda_kernels.fla_status() if s.device.type == "cuda" else "torch",
+           "graphs": r.graphs is not None, "kda_kernels": kda_kernels.fla_status() if s.device.type == "cuda" else {"mode": "torch (not CUDA)"},
            "decode_ms": round(dec * 1e3, 4), "k": {}}
     for k in s.p.ks:
         ver = b.step_time(r, k + 1, ctx, n)["median_s"]
