@@ -93,7 +93,7 @@ class Experts(nn.Module):
         y = (y.view(T, k, -1) * w[:, :, None]).to(x.dtype)  # (T, k, H)
         out = torch.zeros_like(x)
         for j in range(k):  # sequential, ascending expert: the reference's accumulation order
-            out = out + y[:, j]
+            out.add_(y[:, j])
         return out
 
     def forward_loop(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
