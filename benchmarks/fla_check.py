@@ -177,7 +177,7 @@ def tiny_kimi() -> str:
 @step("model_greedy_fp32")
 def _():
     from memra_dist.config import RunConfig  # noqa: PLC0415
-    from memra_dist.engine import ModelRunner  # noqa: PLC0415
+    from memra_dist.runner import ModelRunner  # noqa: PLC0415
     from memra_dist.request import run_local  # noqa: PLC0415
 
     model = tiny_kimi()

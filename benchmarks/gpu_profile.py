@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from memra_dist.bench.checkpoints import ensure_checkpoint
-from memra_dist.engine import ModelRunner
+from memra_dist.runner import ModelRunner
 
 big = ensure_checkpoint("8b", Path("/tmp/memra-ckpt"), torch.device("cuda"), print)
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")

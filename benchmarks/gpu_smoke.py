@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from memra_dist.config import RunConfig
-from memra_dist.engine import ModelRunner
+from memra_dist.runner import ModelRunner
 from memra_dist.model.tiny import build_checkpoint, llama_config, train_tokenizer
 from memra_dist.request import run_local
 

@@ -24,10 +24,10 @@ from torch.profiler import ProfilerActivity, profile
 from memra_dist.bench.checkpoints import ensure_checkpoint, shape_config, weight_bytes
 from memra_dist.bench.timing import copy_bandwidth
 from memra_dist.device import free_mb
-from memra_dist.engine import ModelRunner
-from memra_dist.spec.drafters.none import NoDrafter
-from memra_dist.spec.sampling import SamplingParams
-from memra_dist.spec.session import SpecSession
+from memra_dist.runner import ModelRunner
+from memra_dist.specdec.drafters.none import NoDrafter
+from memra_dist.specdec.sampling import SamplingParams
+from memra_dist.specdec.session import SpecSession
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
 out.mkdir(parents=True, exist_ok=True)

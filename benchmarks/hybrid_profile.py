@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from memra_dist.bench.checkpoints import bench_cache_dir, ensure_checkpoint
-from memra_dist.engine import ModelRunner
+from memra_dist.runner import ModelRunner
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
 out.mkdir(parents=True, exist_ok=True)

@@ -25,12 +25,12 @@ import torch
 
 from memra_dist.bench.checkpoints import bench_cache_dir, ensure_checkpoint
 from memra_dist.bench.timing import time_call
-from memra_dist.engine import ModelRunner
+from memra_dist.runner import ModelRunner
 from memra_dist.model.moe import MoE
-from memra_dist.spec.drafters.none import NoDrafter
-from memra_dist.spec.drafters.replay import ReplayDrafter
-from memra_dist.spec.sampling import SamplingParams
-from memra_dist.spec.session import SpecSession
+from memra_dist.specdec.drafters.none import NoDrafter
+from memra_dist.specdec.drafters.replay import ReplayDrafter
+from memra_dist.specdec.sampling import SamplingParams
+from memra_dist.specdec.session import SpecSession
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
 out.mkdir(parents=True, exist_ok=True)

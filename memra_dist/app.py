@@ -13,7 +13,7 @@ from .model.tokenizer import StreamDecoder, load_tokenizer
 from .phase.levels import resolve
 from .phase.report import FanOut, LineSink
 from .phase.share import ShareTable
-from .spec.sampling import SamplingParams
+from .specdec.sampling import SamplingParams
 from .tracing.metrics import MetricsSession
 from .tracing.otel import TracingSession
 
@@ -93,7 +93,7 @@ def run_command(args) -> int:
 
 def _run(cfg: RunConfig, ids, stream, local: FanOut, tracing, req):
     if cfg.pp > 1:
-        from .dist.engine import run_pipeline  # noqa: PLC0415 (Ray only when asked for)
+        from .pipeline.driver import run_pipeline  # noqa: PLC0415 (Ray only when asked for)
 
         return run_pipeline(cfg, ids, stream, req.carrier(), tracing.run_dir, local)
     from .request import run_local  # noqa: PLC0415

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, replace
 
 from .errors import UserError
 from .phase.levels import TraceSettings
-from .spec.drafters import DRAFTERS
-from .spec.sampling import SamplingParams
+from .specdec.drafters import DRAFTERS
+from .specdec.sampling import SamplingParams
 
 __all__ = ["RunConfig", "MAX_K"]
 

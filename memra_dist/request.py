@@ -1,5 +1,5 @@
 """One request on the in-process engine (pp=1): load, build the drafter, run the session.
-The Ray pipeline (dist/) runs the same session inside its head actor."""
+The Ray pipeline (pipeline/) runs the same session inside its head actor."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import torch
 
 from .config import RunConfig
 from .device import resolve_device, resolve_dtype
-from .engine import ModelRunner
+from .runner import ModelRunner
 from .errors import UserError
 from .model.config import ModelConfig, load_config
 from .phase.levels import TraceSettings
-from .spec.drafters import ModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter
-from .spec.drafters.base import Drafter
-from .spec.sampling import SamplingParams
-from .spec.session import SessionSink, SpecSession
+from .specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter
+from .specdec.drafters.base import Drafter
+from .specdec.sampling import SamplingParams
+from .specdec.session import SessionSink, SpecSession
 
 __all__ = ["Result", "plan_capacity", "check_vocab", "make_drafter", "run_session", "run_local"]
 

@@ -67,7 +67,7 @@ def draft_llama(ckpt_factory):
 def ray_local():
     """A local Ray for one test module (CPU actors), with the engine's runtime env."""
     ray = pytest.importorskip("ray")
-    from memra_dist.dist.engine import _runtime_env
+    from memra_dist.pipeline.driver import _runtime_env
 
     ray.init(num_cpus=4, include_dashboard=False, runtime_env=_runtime_env(), configure_logging=False,
              log_to_driver=False)

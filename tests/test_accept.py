@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memra_dist.spec.accept import BONUS, RECOVERED, accept_greedy, accept_sampled
+from memra_dist.specdec.accept import BONUS, RECOVERED, accept_greedy, accept_sampled
 
 
 def onehot_logits(rows: list[int], vocab: int = 8) -> torch.Tensor:

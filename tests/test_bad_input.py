@@ -121,7 +121,7 @@ def test_cli_bad_stage_bounds(llama, capsys, bounds, needles):
 def ray_no_gpu():
     """A local Ray with zero GPUs (this machine's truth; also forced with num_gpus=0)."""
     ray = pytest.importorskip("ray")
-    from memra_dist.dist.engine import _runtime_env
+    from memra_dist.pipeline.driver import _runtime_env
 
     started = not ray.is_initialized()
     if started:
@@ -136,7 +136,7 @@ def test_pp_needs_gpus_the_cluster_lacks(ray_no_gpu, llama, monkeypatch):
     """--device cuda on a cluster with 0 GPUs, and --pp 2 on a cluster that reports 1 GPU:
     both refused by name before any actor is placed."""
     from memra_dist.config import RunConfig
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
     from memra_dist.errors import UserError
 
     import ray._private.state as gcs

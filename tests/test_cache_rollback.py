@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memra_dist.engine import ModelRunner
+from memra_dist.runner import ModelRunner
 
 CPU, F32 = torch.device("cpu"), torch.float32
 CAP = 40

@@ -46,7 +46,7 @@ def test_cluster_yaml_validates_against_rays_schema():
 def test_runtime_env_installs_the_package_and_sets_the_hook():
     from ray.runtime_env import RuntimeEnv
 
-    from memra_dist.dist.setup_hook import HOOK
+    from memra_dist.pipeline.setup_hook import HOOK
 
     env = _yaml(CLUSTER / "runtime_env.yaml")
     RuntimeEnv(**env)  # Ray's own validation of the fields
@@ -114,7 +114,7 @@ def test_rayjob_structure():
         gpus += int(c["resources"]["limits"]["nvidia.com/gpu"]) * g["replicas"]
     assert gpus >= 2, "--pp 2 needs two GPUs"
     renv = yaml.safe_load(spec["runtimeEnvYAML"])
-    from memra_dist.dist.setup_hook import HOOK
+    from memra_dist.pipeline.setup_hook import HOOK
 
     assert renv["worker_process_setup_hook"] == HOOK
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" in renv["env_vars"]

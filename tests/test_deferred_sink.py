@@ -51,9 +51,9 @@ def test_session_pumps_spans_during_the_run():
     import torch  # noqa: PLC0415
 
     from memra_dist.phase.levels import TraceSettings  # noqa: PLC0415
-    from memra_dist.spec.drafters.none import NoDrafter  # noqa: PLC0415
-    from memra_dist.spec.sampling import SamplingParams  # noqa: PLC0415
-    from memra_dist.spec.session import SpecSession  # noqa: PLC0415
+    from memra_dist.specdec.drafters.none import NoDrafter  # noqa: PLC0415
+    from memra_dist.specdec.sampling import SamplingParams  # noqa: PLC0415
+    from memra_dist.specdec.session import SpecSession  # noqa: PLC0415
 
     class Target:
         label, device = "cpu", torch.device("cpu")

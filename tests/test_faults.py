@@ -234,7 +234,7 @@ TOKS = [5, 9, 17, 5, 9, 23, 40, 5, 9]
 def test_stage_actor_killed_mid_request(ray_local, llama, monkeypatch):
     import ray._private.state as gcs
 
-    from memra_dist.dist import engine
+    from memra_dist.pipeline import driver as engine
 
     monkeypatch.setattr(engine, "PG_TIMEOUT_S", 15.0)  # the worst case is bounded by this
     before = set(gcs.actors())
@@ -365,7 +365,7 @@ def wide(ckpt_factory):
 def test_planned_bytes_is_what_alloc_takes(llama):
     import torch
 
-    from memra_dist.engine import ModelRunner
+    from memra_dist.runner import ModelRunner
 
     r = ModelRunner(str(llama), torch.device("cpu"), torch.float32, max_pos=64)
     planned = r.planned_bytes(64)
@@ -398,7 +398,7 @@ def test_cache_beyond_free_memory_refused_before_allocating(wide, tmp_path):
 
 def test_cache_beyond_free_memory_on_a_stage_actor(ray_local, wide):
     """pp=2: the error surfaces from the actors as one line with the size and free MB."""
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     per_row = 16 * 2 * 64 * 4 * 4
     ctx = 2 * _mem_available() // per_row + 1

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from graph_emulator import EmulatedGraph
-from memra_dist.engine import ModelRunner
+from memra_dist.runner import ModelRunner
 from memra_dist.graphs import graph_rows_limit, graphs_supported
 from memra_dist.model.moe import MoE
-from memra_dist.spec.drafters.none import NoDrafter
-from memra_dist.spec.drafters.replay import ReplayDrafter
-from memra_dist.spec.sampling import SamplingParams
-from memra_dist.spec.session import SpecSession
+from memra_dist.specdec.drafters.none import NoDrafter
+from memra_dist.specdec.drafters.replay import ReplayDrafter
+from memra_dist.specdec.sampling import SamplingParams
+from memra_dist.specdec.session import SpecSession
 
 CPU, CAP = torch.device("cpu"), 128
 

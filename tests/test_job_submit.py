@@ -143,21 +143,21 @@ def test_driver_runtime_env_merges_with_the_jobs(monkeypatch):
     of the job's (cluster/runtime_env.yaml): the driver adds only what the job's lacks."""
     from ray.runtime_env.runtime_env import _merge_runtime_env
 
-    from memra_dist.dist.engine import _runtime_env
+    from memra_dist.pipeline.driver import _runtime_env
 
-    job_rt = {"worker_process_setup_hook": "memra_dist.dist.setup_hook.setup",
+    job_rt = {"worker_process_setup_hook": "memra_dist.pipeline.setup_hook.setup",
               "env_vars": {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "MEMRA_CACHE_DIR": "/c"}}
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317")
     monkeypatch.setenv("MEMRA_CACHE_DIR", "/c")
     monkeypatch.setenv("MEMRA_SPEC_TRACE", "2")
     alone = _runtime_env()
-    assert alone["worker_process_setup_hook"] == "memra_dist.dist.setup_hook.setup"
+    assert alone["worker_process_setup_hook"] == "memra_dist.pipeline.setup_hook.setup"
     assert alone["env_vars"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://c:4317"
     assert _merge_runtime_env(job_rt, alone) is None  # what failed before
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": job_rt}))
     merged = _merge_runtime_env(job_rt, _runtime_env())
     assert merged is not None
-    assert merged["worker_process_setup_hook"] == "memra_dist.dist.setup_hook.setup"
+    assert merged["worker_process_setup_hook"] == "memra_dist.pipeline.setup_hook.setup"
     assert merged["env_vars"]["MEMRA_SPEC_TRACE"] == "2"
     assert merged["env_vars"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://c:4317"
 
@@ -308,7 +308,7 @@ def test_ray_job_submit_demo_pp2_spans_in_one_trace(ray_head, tmp_path):
     # what submit.sh built from cluster/runtime_env.yaml (before the shim's override)
     submitted = json.loads(head.record.read_text())
     assert Path(submitted["working_dir"]).resolve() == ROOT
-    assert submitted["worker_process_setup_hook"] == "memra_dist.dist.setup_hook.setup"
+    assert submitted["worker_process_setup_hook"] == "memra_dist.pipeline.setup_hook.setup"
     assert submitted["pip"]["packages"] == ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}"]
     assert submitted["env_vars"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == rx.endpoint
     # the token never travels in the runtime env

@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
-from memra_dist.engine import ModelRunner  # noqa: E402
+from memra_dist.runner import ModelRunner  # noqa: E402
 from memra_dist.errors import UserError  # noqa: E402
 from memra_dist.model import kda as kda_mod  # noqa: E402
 from memra_dist.model import mla as mla_mod  # noqa: E402

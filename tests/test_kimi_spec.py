@@ -15,12 +15,12 @@ pytest.importorskip("transformers")
 from kimi_ckpt import PROMPT, hybrid, kimi_config, reference_greedy  # noqa: E402
 
 from memra_dist.config import RunConfig  # noqa: E402
-from memra_dist.engine import ModelRunner  # noqa: E402
+from memra_dist.runner import ModelRunner  # noqa: E402
 from memra_dist.model.kda import KDAState  # noqa: E402
 from memra_dist.request import run_local  # noqa: E402
-from memra_dist.spec.drafters import ModelDrafter, ReplayDrafter  # noqa: E402
-from memra_dist.spec.sampling import SamplingParams  # noqa: E402
-from memra_dist.spec.session import SpecSession  # noqa: E402
+from memra_dist.specdec.drafters import ModelDrafter, ReplayDrafter  # noqa: E402
+from memra_dist.specdec.sampling import SamplingParams  # noqa: E402
+from memra_dist.specdec.session import SpecSession  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -75,7 +75,7 @@ def test_llama_draft_for_kimi_target(plain, draft_llama):
 @pytest.mark.parametrize("name,k", [("ngram", 4), ("replay0.3", 8), ("model", 1), ("replay1.0", 4)])
 def test_spec_greedy_pp2_equals_plain(ray_local, plain, name, k):
     """[KDA, MLA | KDA, KDA]: KDA state rolls back on the stage actor and on the head."""
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     res = run_pipeline(_cfg(hybrid()[1], name, k=k, pp=2), PROMPT)
     assert res.token_ids == plain

@@ -115,7 +115,7 @@ def test_level2_hybrid_sub_spans_and_line():
 
 
 def test_level2_pp2_sub_split_reaches_the_driver(ray_local, tmp_path):
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     cfg = _cfg(pp=2)
     lines, recs = io.StringIO(), Records()

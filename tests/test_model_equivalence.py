@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from memra_dist.engine import ModelRunner
+from memra_dist.runner import ModelRunner
 from memra_dist.model import loader as loader_mod
 from memra_dist.model.tiny import train_tokenizer
 

@@ -13,7 +13,7 @@ import pytest
 from memra_dist.config import RunConfig
 from memra_dist.errors import UserError
 from memra_dist.request import run_local
-from memra_dist.spec.sampling import SamplingParams
+from memra_dist.specdec.sampling import SamplingParams
 
 PROMPT = [5, 9, 17, 5, 9, 23, 40, 5, 9]
 
@@ -25,7 +25,7 @@ def _cfg(model, **kw):
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
 def test_greedy_pp_token_identical(ray_local, llama, draft_llama, drafter):
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     extra = {"draft_model": str(draft_llama)} if drafter == "model" else {}
     ref = run_local(_cfg(llama, drafter=drafter, **extra), PROMPT).token_ids
@@ -37,8 +37,8 @@ def test_greedy_pp_token_identical(ray_local, llama, draft_llama, drafter):
 def test_long_prompt_ids_travel_as_a_payload(ray_local, llama):
     """A prefill longer than a command holds (transport.INLINE_IDS) sends its ids after the
     command; decode and verify steps carry theirs inside it. Both at pp=2, token-identical."""
-    from memra_dist.dist.engine import run_pipeline
-    from memra_dist.dist.transport import INLINE_IDS
+    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.pipeline.transport import INLINE_IDS
 
     prompt = (PROMPT * 8)[: INLINE_IDS + 7]
     assert len(prompt) > INLINE_IDS
@@ -48,7 +48,7 @@ def test_long_prompt_ids_travel_as_a_payload(ray_local, llama):
 
 def test_pp4_on_cpu_token_identical(ray_local, llama, draft_llama):
     """Four stage actors (one layer each) + the head: the CPU share of the pp=4 issue."""
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     for drafter, extra in (("ngram", {}), ("model", {"draft_model": str(draft_llama)})):
         ref = run_local(_cfg(llama, drafter=drafter, **extra), PROMPT).token_ids
@@ -58,7 +58,7 @@ def test_pp4_on_cpu_token_identical(ray_local, llama, draft_llama):
 def test_greedy_pp_matches_transformers(ray_local, ckpt_factory):
     import torch
 
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     path, model = ckpt_factory("qwen3")
     got = run_pipeline(_cfg(path, drafter="ngram", pp=2, max_new_tokens=12), PROMPT).token_ids
@@ -68,7 +68,7 @@ def test_greedy_pp_matches_transformers(ray_local, ckpt_factory):
 
 
 def test_sampled_identical_across_pp(ray_local, llama, draft_llama):
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     cfg = _cfg(llama, draft_model=str(draft_llama), sampling=sp, seed=7, max_new_tokens=20)
@@ -79,7 +79,7 @@ def test_sampled_identical_across_pp(ray_local, llama, draft_llama):
 
 
 def test_stage_bounds_explicit(ray_local, llama):
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     ref = run_local(_cfg(llama, drafter="ngram"), PROMPT).token_ids
     assert run_pipeline(_cfg(llama, drafter="ngram", pp=2, stage_bounds=(1,)), PROMPT).token_ids == ref
@@ -91,7 +91,7 @@ def test_nothing_left_after_a_run(ray_local, llama):
     import ray._private.state as gcs  # the GCS actor table (the state API needs the dashboard)
     import torch.distributed as dist
 
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     before = set(gcs.actors())
     run_pipeline(_cfg(llama, drafter="ngram", pp=3), PROMPT)
@@ -105,7 +105,7 @@ def test_nothing_left_after_a_run(ray_local, llama):
 
 
 def test_pp_larger_than_layers_refused_before_ray(llama):
-    from memra_dist.dist.engine import run_pipeline
+    from memra_dist.pipeline.driver import run_pipeline
 
     with pytest.raises(UserError, match="larger than the model's 4 layers"):
         run_pipeline(_cfg(llama, pp=5), PROMPT)

@@ -12,11 +12,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memra_dist.dist.partition import partition
+from memra_dist.pipeline.partition import partition
 from memra_dist.errors import UserError
 from memra_dist.model.config import parse_config
 from memra_dist.phase.rounds_log import SPEC_PROF_ROUNDS, RoundProf, RoundsLog
-from memra_dist.spec.accept import BONUS, RECOVERED, accept_greedy, accept_sampled
+from memra_dist.specdec.accept import BONUS, RECOVERED, accept_greedy, accept_sampled
 
 FAST = settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=12, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-from memra_dist.engine import ModelRunner
-from memra_dist.spec import session as session_mod
-from memra_dist.spec.accept import BONUS, accept_sampled
-from memra_dist.spec.drafters import ModelDrafter, ReplayDrafter
-from memra_dist.spec.sampling import SamplingParams, probs
-from memra_dist.spec.session import SpecSession
+from memra_dist.runner import ModelRunner
+from memra_dist.specdec import session as session_mod
+from memra_dist.specdec.accept import BONUS, accept_sampled
+from memra_dist.specdec.drafters import ModelDrafter, ReplayDrafter
+from memra_dist.specdec.sampling import SamplingParams, probs
+from memra_dist.specdec.session import SpecSession
 
 ALPHA_Z = 3.090  # standard normal quantile for alpha = 1e-3 (one-sided)
 CPU, F32 = torch.device("cpu"), torch.float32

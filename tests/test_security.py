@@ -203,7 +203,7 @@ def test_prompt_and_output_only_with_trace_content(llama, tmp_path, capsys, metr
 
 
 def test_runtime_env_passes_otel_and_memra_only(monkeypatch):
-    from memra_dist.dist.engine import _runtime_env
+    from memra_dist.pipeline.driver import _runtime_env
 
     secrets = {"AWS_SECRET_ACCESS_KEY": "aws", "AWS_ACCESS_KEY_ID": "AKIA", "HF_TOKEN": "hf", "GITHUB_TOKEN": "gh",
                "RAY_AUTH_TOKEN": "ray", "RAY_AUTH_TOKEN_PATH": "/root/.ray/auth_token",

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from memra_dist.config import RunConfig
-from memra_dist.engine import ModelRunner
+from memra_dist.runner import ModelRunner
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.phase.report import LineSink
 from memra_dist.request import run_local
-from memra_dist.spec.drafters import ReplayDrafter
-from memra_dist.spec.session import SpecSession
-from memra_dist.spec.sampling import SamplingParams
+from memra_dist.specdec.drafters import ReplayDrafter
+from memra_dist.specdec.session import SpecSession
+from memra_dist.specdec.sampling import SamplingParams
 
 N_NEW = 40
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # repetitive: the n-gram drafter finds matches

@@ -24,7 +24,7 @@ from memra_dist.phase import clock as clock_mod
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.phase.report import FanOut, LineSink
 from memra_dist.request import run_local
-from memra_dist.spec import session as session_mod
+from memra_dist.specdec import session as session_mod
 from memra_dist.tracing.conventions import PHASE_SPANS, PHASES
 from memra_dist.tracing.emit import SpanSink
 from memra_dist.tracing.otel import CountingExporter, TracingSession

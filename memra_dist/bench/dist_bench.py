@@ -18,14 +18,14 @@ __all__ = ["pipeline", "HopActor"]
 
 class HopActor:
     def __init__(self, rank: int):
-        from ..dist.actors import _device_and_label  # noqa: PLC0415
-        from ..dist.transport import Link  # noqa: PLC0415
+        from ..pipeline.actors import _device_and_label  # noqa: PLC0415
+        from ..pipeline.transport import Link  # noqa: PLC0415
 
         self.device, _ = _device_and_label()
         self.link = Link(rank, 2, self.device)
 
     def address(self):
-        from ..dist.transport import free_port  # noqa: PLC0415
+        from ..pipeline.transport import free_port  # noqa: PLC0415
 
         return free_port()
 
@@ -80,7 +80,7 @@ def _hop(s, ray, hidden: int, gpu: bool) -> dict:
 
 def _pp_decode(s, ray, pp: int) -> dict:
     from ..config import RunConfig  # noqa: PLC0415
-    from ..dist.engine import run_pipeline  # noqa: PLC0415
+    from ..pipeline.driver import run_pipeline  # noqa: PLC0415
     from .fastpath import config_kwargs  # noqa: PLC0415
 
     dev = "cuda" if s.device.type == "cuda" else "cpu"
@@ -104,7 +104,7 @@ def pipeline(s) -> dict:
     gpus = torch.cuda.device_count() if s.device.type == "cuda" else 0
     if s.device.type == "cuda" and gpus < 2:
         return {"skipped": f"needs >= 2 GPUs (this machine has {gpus})"}
-    from ..dist.engine import _ray_up  # noqa: PLC0415
+    from ..pipeline.driver import _ray_up  # noqa: PLC0415
 
     ray, started = _ray_up()
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import ModelRunner
+from ..runner import ModelRunner
 from ..model import kda_kernels
 from .checkpoints import HYBRID_OF, ensure_checkpoint
 from .fastpath import runner_kwargs

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from ..config import RunConfig
-from ..engine import ModelRunner
+from ..runner import ModelRunner
 from ..phase.levels import TraceSettings
-from ..spec.drafters import ModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter
-from ..spec.session import SpecSession
+from ..specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter
+from ..specdec.session import SpecSession
 from .fastpath import config_kwargs, runner_kwargs
 from .roofline import median
 from .timing import sync, time_call
@@ -113,7 +113,7 @@ class Bench:
 
     def propose_time(self, drafter, context: list[int], k: int, repeats: int) -> float:
         """Median wall of one propose(k) of a host-side drafter (replay / ngram), per drafted token."""
-        from ..spec.sampling import SamplingParams  # noqa: PLC0415
+        from ..specdec.sampling import SamplingParams  # noqa: PLC0415
 
         sp, gen, xs = SamplingParams(), torch.Generator(), []
         for _ in range(repeats):

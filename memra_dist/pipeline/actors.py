@@ -1,4 +1,4 @@
-"""The Ray actors of the ppN split. Plain classes here; dist/engine.py wraps them with
+"""The Ray actors of the ppN split. Plain classes here; pipeline/driver.py wraps them with
 `ray.remote` and places them (one GPU each). Models know nothing of parallelism: an actor
 is a ModelRunner over its layer range plus a Link into the ring.
 
@@ -24,7 +24,7 @@ import torch
 
 from ..config import RunConfig
 from ..device import free_mb
-from ..engine import ModelRunner
+from ..runner import ModelRunner
 from ..phase.subsplit import SUB_BUCKETS, SubsplitTimer
 from .actor_tracing import ActorTracing
 from .pipeline_target import PipelineTarget
@@ -159,10 +159,10 @@ class HeadWorker(_Worker):
 
     def start(self, carrier: dict, prompt: list[int], capacity: int) -> int:
         from ..request import make_drafter  # noqa: PLC0415
-        from ..spec.drafters import NoDrafter  # noqa: PLC0415
-        from ..spec.sampling import SamplingParams  # noqa: PLC0415
+        from ..specdec.drafters import NoDrafter  # noqa: PLC0415
+        from ..specdec.sampling import SamplingParams  # noqa: PLC0415
         from ..phase.levels import TraceSettings  # noqa: PLC0415
-        from ..spec.session import SpecSession  # noqa: PLC0415
+        from ..specdec.session import SpecSession  # noqa: PLC0415
         from ..tracing.deferred import DeferredSink  # noqa: PLC0415
         from ..tracing.emit import SpanSink  # noqa: PLC0415
 

@@ -1,4 +1,4 @@
-"""The head's view of the pipeline: a `Target` (spec/session.py) whose forward walks the ring.
+"""The head's view of the pipeline: a `Target` (specdec/session.py) whose forward walks the ring.
 
 The head holds the LAST stage's layers plus the final norm and lm_head, so a forward sends
 the command with the token ids inside it to rank 1 (stage 0), receives the hidden rows of the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import ModelRunner
+from ..runner import ModelRunner
 from ..phase.subsplit import SUB_BUCKETS
 from .transport import Flag, Link, Op
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...engine import ModelRunner
+from ...runner import ModelRunner
 from ..sampling import SamplingParams, probs
 from .base import EMPTY, Drafter, Proposal
 

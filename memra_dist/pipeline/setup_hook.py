@@ -1,13 +1,13 @@
 """Ray `worker_process_setup_hook` (runtime_env): runs once in every worker process before
 any actor of ours, on every node, whether Ray was started here or joined. It prepares the
 process for tracing; each actor then builds its own TracerProvider for its role from the
-same OTEL_* settings (the runtime env's env_vars), see dist/actor_tracing.py."""
+same OTEL_* settings (the runtime env's env_vars), see pipeline/actor_tracing.py."""
 
 from __future__ import annotations
 
 import os
 
-HOOK = "memra_dist.dist.setup_hook.setup"
+HOOK = "memra_dist.pipeline.setup_hook.setup"
 
 
 def setup() -> None:
