@@ -178,7 +178,7 @@ def tiny_kimi() -> str:
 def _():
     from memra_dist.config import RunConfig  # noqa: PLC0415
     from memra_dist.runner import ModelRunner  # noqa: PLC0415
-    from memra_dist.request import run_local  # noqa: PLC0415
+    from memra_dist.app import generate  # noqa: PLC0415
 
     model = tiny_kimi()
     out = res["model_greedy_fp32"] = {}
@@ -199,7 +199,7 @@ def _():
                 cfg = RunConfig(model=model, drafter=drafter, k=4, max_new_tokens=48, device="cuda",
                                 dtype="fp32", graphs="off")
                 t = time.perf_counter()
-                rr = run_local(cfg, prompt)
+                rr = generate(cfg, prompt)
                 ids[(be, drafter)] = rr.token_ids
                 out[f"{pname}_{be}_{drafter}"] = {"s": round(time.perf_counter() - t, 3),
                                                   "accepted": rr.stats.get("accepted"),

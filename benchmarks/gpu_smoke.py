@@ -14,7 +14,7 @@ import torch
 from memra_dist.config import RunConfig
 from memra_dist.runner import ModelRunner
 from memra_dist.model.tiny import build_checkpoint, llama_config, train_tokenizer
-from memra_dist.request import run_local
+from memra_dist.app import generate
 
 from memra_dist.bench.checkpoints import ensure_checkpoint  # noqa: E402
 
@@ -38,7 +38,7 @@ prompt = list(range(3, 40)) * 2
 ids = {}
 for g in ("off", "on"):
     cfg = RunConfig(model=str(root / "tiny"), drafter="ngram", max_new_tokens=48, device="cuda", dtype="fp32", graphs=g)
-    r = run_local(cfg, prompt)
+    r = generate(cfg, prompt)
     ids[g] = r.token_ids
     res[f"tiny_fp32_graphs_{g}"] = r.stats
 res["graphs_equal_eager_fp32"] = ids["on"] == ids["off"]
@@ -46,7 +46,7 @@ log("graphs==eager", res["graphs_equal_eager_fp32"])
 
 
 # (trace-level cost: `memra-dist bench --sections trace` keeps the model loaded across runs;
-# timing whole run_local calls here reloaded it inside every timed run)
+# timing whole generate calls here reloaded it inside every timed run)
 
 # 3. copy bandwidth and an 8B-shape decode step (random bf16 weights, made here)
 n = 1 << 30

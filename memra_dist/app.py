@@ -1,10 +1,16 @@
-"""What `memra-dist generate` and `demo` do, between argument parsing and exit codes."""
+"""One request from config to tokens and spans: what `memra-dist generate` and `demo` do
+between argument parsing and exit codes, and the Python API (`generate`).
+
+This is the only place that chooses between the in-process engine (pp=1: a local
+ModelRunner) and the pipeline (pp>1: the head actor's target). Both run the same
+`specdec.request.Request`; `generate` drives either through one loop.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
+from contextlib import contextmanager
 
 from .config import RunConfig
 from .errors import UserError
@@ -13,11 +19,11 @@ from .model.tokenizer import StreamDecoder, load_tokenizer
 from .phase.levels import resolve
 from .phase.report import FanOut, LineSink
 from .phase.share import ShareTable
+from .plan import RequestPlan, plan_request
+from .specdec.request import BurstOut, Request, Result
 from .specdec.sampling import SamplingParams
-from .tracing.metrics import MetricsSession
-from .tracing.otel import TracingSession
 
-__all__ = ["run_command", "config_from_args"]
+__all__ = ["run_command", "config_from_args", "generate", "Result"]
 
 DEMO_PROMPT = "A speculative round has five phases. The drafter"
 
@@ -44,17 +50,80 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
         graphs=getattr(args, "graphs", "auto"), compile=bool(getattr(args, "compile", False)))
 
 
+# ---- the one request path -------------------------------------------------------------
+
+
+@contextmanager
+def _local_request(plan: RequestPlan, prompt: list[int], span_sink):
+    """pp=1: the target is a ModelRunner in this process, on the device resolved here."""
+    from .device import resolve_device, resolve_dtype  # noqa: PLC0415
+    from .runner import ModelRunner  # noqa: PLC0415
+
+    cfg = plan.cfg
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    target = ModelRunner(cfg.model, device, dtype, cfg=plan.model, max_pos=plan.capacity,
+                         **cfg.runner_kwargs(device))
+    yield Request(target, plan, prompt, span_sink)
+
+
+@contextmanager
+def _open(plan: RequestPlan, prompt: list[int], span_sink, carrier, run_dir):
+    if plan.cfg.pp > 1:
+        from .pipeline.driver import pipeline_request  # noqa: PLC0415 (Ray only when asked for)
+
+        with pipeline_request(plan, prompt, carrier, run_dir) as req:
+            yield req
+    else:
+        with _local_request(plan, prompt, span_sink) as req:
+            yield req
+
+
+def _feed(sink, out: BurstOut) -> None:
+    if sink is None:
+        return
+    if out.prof is not None:
+        sink.first_token(out.prof)
+    if out.record is not None:
+        sink.burst(out.record)
+    if out.rounds is not None:
+        sink.rounds(*out.rounds)
+
+
+def generate(cfg: RunConfig, prompt: list[int], stream=None, sink=None, span_sink=None,
+             carrier: dict | None = None, run_dir: str | None = None, plan: RequestPlan | None = None) -> Result:
+    """Generate from token ids; the same loop at every pp.
+
+    stream(tokens): called with tokens as they are committed (each round at pp=1, each burst
+    at pp>1). sink: gets each burst's records after the burst (lines, share table, metrics).
+    span_sink: builds spans where the session runs (pp=1; pipeline actors make their own).
+    carrier / run_dir: the request's W3C context and the run directory for the actors' spans."""
+    plan = plan or plan_request(cfg, len(prompt))
+    with _open(plan, prompt, span_sink, carrier, run_dir) as req:
+        out = [req.start()]
+        if stream is not None:
+            stream(out[:])
+        while not req.done:
+            b = req.burst(stream)
+            out.extend(b.tokens)
+            _feed(sink, b)
+        return Result(out, req.finish())
+
+
+# ---- the CLI command -----------------------------------------------------------------
+
+
 def _demo_args(args):
+    from .env import environment  # noqa: PLC0415
     from .model.tiny import demo_checkpoints  # noqa: PLC0415
 
     say = (lambda s: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr, flush=True))
     target, draft = demo_checkpoints(say)
-    if args.trace_level is None and not os.environ.get("MEMRA_SPEC_TRACE") and not os.environ.get("MEMRA_GLM5_SPEC_TRACE"):
+    if args.trace_level is None and not environment().trace_level_set:
         args.trace_level = 1  # the demo shows the phase shares unless told otherwise
     draft_model = args.draft_model or (str(draft) if args.drafter in (None, "model") else None)
-    prompt = args.prompt or DEMO_PROMPT
-    say(f"tiny target + draft llamas trained on the embedded text ({target.parent}); prompt: {prompt!r}")
-    return str(target), draft_model, prompt
+    say(f"tiny target + draft llamas trained on the embedded text, cached in {target.parent}")
+    return str(target), draft_model, args.prompt or DEMO_PROMPT
 
 
 def run_command(args) -> int:
@@ -72,46 +141,59 @@ def run_command(args) -> int:
     ids = tok.encode(prompt)
     if not ids:
         raise UserError("the prompt is empty after tokenizing")
+    plan = plan_request(cfg, len(ids), mcfg)
+    from .tracing.metrics import MetricsSession  # noqa: PLC0415 (OTel only once the input is good)
+    from .tracing.otel import TracingSession  # noqa: PLC0415
+
     tracing = TracingSession.open(cfg, run_dir=args.run_dir, traceparent=args.traceparent)
     share = ShareTable() if cfg.trace.level >= 1 else None
     metrics = MetricsSession.open(cfg, tracing, getattr(args, "metrics_port", None), getattr(args, "metrics_hold", 0.0))
-    # driver-side sinks; at pp > 1 the head actor emits the round spans itself
-    local = FanOut(LineSink(cfg.trace), share, metrics.sink)
-    dec = StreamDecoder(tok)
-    stream = None if args.json else (lambda new: print(dec.push(new), end="", flush=True))
+    local = FanOut(LineSink(cfg.trace), share, metrics.sink)  # driver-side sinks, every pp
+    stream = None if args.json else _echo(prompt, StreamDecoder(tok, ids))
     try:
         with tracing.request(cfg, prompt, len(ids)) as req:
-            result = _run(cfg, ids, stream, local, tracing, req)
+            result = generate(cfg, ids, stream, local, tracing.sink(), req.carrier(),
+                              str(tracing.run_dir) if tracing.run_dir else None, plan)
             text = tok.decode(result.token_ids)
             req.finish(result, text)
     finally:  # normal exit, error or Ctrl-C: spans flushed within the bound
         tracing.close()
         metrics.close()
-    _report(args, cfg, result, text, share, tracing)
+    _report(args, cfg, plan, result, text, share, tracing)
     return 0
 
 
-def _run(cfg: RunConfig, ids, stream, local: FanOut, tracing, req):
-    if cfg.pp > 1:
-        from .pipeline.driver import run_pipeline  # noqa: PLC0415 (Ray only when asked for)
+def _echo(prompt: str, dec: StreamDecoder):
+    """Prints the prompt with the first token, then the continuation as it streams (nothing
+    reaches stdout before the model has produced a token: a failed load prints nothing)."""
+    started = []
 
-        return run_pipeline(cfg, ids, stream, req.carrier(), tracing.run_dir, local)
-    from .request import run_local  # noqa: PLC0415
+    def stream(new: list[int]) -> None:
+        if not started:
+            started.append(True)
+            print(prompt, end="")
+        print(dec.push(new), end="", flush=True)
 
-    return run_local(cfg, ids, stream, FanOut(local, tracing.sink()))
+    return stream
 
 
-def _report(args, cfg, result, text, share, tracing) -> None:
+def _report(args, cfg, plan, result, text, share, tracing) -> None:
     st = result.stats
+    run_dir = str(tracing.run_dir) if tracing.run_dir is not None else None
     if args.json:
-        print(json.dumps({"token_ids": result.token_ids, "text": text, "stats": st}))
+        print(json.dumps({"token_ids": result.token_ids, "text": text, "stats": st, "run_dir": run_dir,
+                          "capped": plan.capped}))
+        if run_dir is not None:
+            print(f"[memra] spans written to {run_dir}", file=sys.stderr)
         return
-    print()
+    ended = "end of text" if result.token_ids and result.token_ids[-1] in plan.model.eos_token_ids else \
+        f"stopped at {st['tokens']} new tokens"
+    print(f" [{ended}]")
     print(f"[memra] tokens={st['tokens']} tok/s={st['tok_per_s']} rounds={st['rounds']} drafted={st['drafted']} "
           f"accepted={st['accepted']} acceptance={st['acceptance']:.3f} tokens/round={st['tokens_per_round']:.2f} "
           f"drafter={cfg.drafter} k={cfg.k} pp={cfg.pp}")
     if share is not None and share.n_rounds:
         print(share.table(), file=sys.stderr)
-    if tracing.run_dir is not None:
-        print(f"[memra] trace written to {tracing.run_dir} (spans.otlp.json; open trace.perfetto.json in ui.perfetto.dev)",
-              file=sys.stderr)
+    if run_dir is not None:
+        print(f"[memra] spans written to {run_dir}/: spans.otlp.json (OTLP JSON) and trace.perfetto.json "
+              "(open it in ui.perfetto.dev)", file=sys.stderr)

@@ -9,7 +9,7 @@ import sys
 from . import __version__
 from .errors import UserError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "run", "build_parser"]
 
 EPILOG = """\
 environment:
@@ -88,8 +88,9 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI as a function: an exit code, no process-wide changes (signal handlers are the
+    program's business: see `run`)."""
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
     if args.cmd == "bench":
         from .bench import run_bench as run_command  # noqa: PLC0415
     else:
@@ -105,5 +106,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The `memra-dist` program: SIGTERM (`kill`, `ray job stop`) unwinds through the same
+    flush-and-teardown path as Ctrl-C; the previous handler is put back before exiting."""
+    prev = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        code = main()
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

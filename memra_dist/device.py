@@ -8,7 +8,7 @@ import torch
 
 from .errors import UserError
 
-__all__ = ["DTYPES", "resolve_device", "resolve_dtype", "Drainer", "device_label", "free_mb"]
+__all__ = ["DTYPES", "resolve_device", "actor_device", "resolve_dtype", "Drainer", "device_label", "free_mb"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,6 +22,20 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu",) and not name.startswith("cuda"):
         raise UserError(f"--device {name}: expected cpu, cuda, cuda:N or auto")
     return torch.device(name)
+
+
+def actor_device(name: str) -> tuple[torch.device, str]:
+    """(device, label) inside a pipeline actor. Ray gives a GPU actor one device and sets
+    CUDA_VISIBLE_DEVICES to it, so the device is cuda:0 and the label names the physical id;
+    an actor without a GPU (or `--device cpu`) runs on the CPU with one intra-op thread,
+    since the stage actors share the host's cores."""
+    if name != "cpu" and torch.cuda.is_available():
+        import ray  # noqa: PLC0415
+
+        ids = ray.get_gpu_ids()
+        return torch.device("cuda:0"), f"cuda{int(ids[0]) if ids else 0}"
+    torch.set_num_threads(1)
+    return torch.device("cpu"), "cpu"
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

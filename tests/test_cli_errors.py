@@ -154,7 +154,7 @@ def test_malformed_traceparent_is_only_a_warning(bad_dirs, tmp_path):
                      "--traceparent", "00-nothex-zz-01"))
     assert res.returncode == 0, res.stderr
     assert len(json.loads(res.stdout)["token_ids"]) == 4
-    warn = [ln for ln in res.stderr.splitlines() if "traceparent" in ln]
+    warn = [ln for ln in res.stderr.splitlines() if "traceparent" in ln and not ln.startswith("[memra]")]
     assert len(warn) == 1 and "warning" in warn[0] and "00-nothex-zz-01" in warn[0]
     assert "Traceback" not in res.stderr
     # the run still traced: a root memra.request in a fresh trace
@@ -164,7 +164,8 @@ def test_malformed_traceparent_is_only_a_warning(bad_dirs, tmp_path):
 
 
 def test_plain_output_streams_text_then_one_summary_line(bad_dirs, capsys, tmp_path):
-    """Without --json: the streamed text equals --json's text, then one [memra] summary line;
+    """Without --json: the prompt, then the streamed continuation (--json's text, joined to the
+    prompt as the tokenizer joins them), then why it stopped, then one [memra] summary line;
     at trace level 1 the phase-share table and the run directory go to stderr."""
     rc, out_json, _ = run_main(_gen(bad_dirs["good"], "--json", "--max-new-tokens", "12"), capsys)
     assert rc == 0
@@ -173,7 +174,9 @@ def test_plain_output_streams_text_then_one_summary_line(bad_dirs, capsys, tmp_p
                                  "--run-dir", str(tmp_path / "run")), capsys)
     assert rc == 0, err
     text, summary = out.rstrip("\n").rsplit("\n", 1)
-    assert text == want["text"]
+    assert text.startswith(PROMPT) and text.endswith(" [stopped at 12 new tokens]"), text
+    cont = text[len(PROMPT):-len(" [stopped at 12 new tokens]")]
+    assert cont.strip() == want["text"].strip()
     st = want["stats"]
     assert summary.startswith(f"[memra] tokens={st['tokens']} tok/s=")
     for key in ("rounds", "drafted", "accepted"):

@@ -94,23 +94,30 @@ def test_session_pumps_spans_during_the_run():
     assert inner.built == list(range(16))
 
 
-def test_tracing_processes_bound_the_gil_handoff(tmp_path, monkeypatch):
-    """make_provider lowers the switch interval (the exporter thread cannot hold the GIL for
-    5 ms against the round loop) and never raises a lower one."""
+def test_tracing_bounds_the_gil_handoff_and_restores_it(tmp_path, monkeypatch):
+    """A tracing session lowers the switch interval while it is open (the exporter thread
+    cannot hold the GIL for 5 ms against the round loop), never raises a lower one, and puts
+    the caller's value back when it closes."""
     import sys  # noqa: PLC0415
 
-    from memra_dist.tracing.otel import GIL_SWITCH_S, make_provider  # noqa: PLC0415
+    from memra_dist.config import RunConfig  # noqa: PLC0415
+    from memra_dist.phase.levels import TraceSettings  # noqa: PLC0415
+    from memra_dist.tracing.otel import GIL_SWITCH_S, TracingSession  # noqa: PLC0415
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    cfg = RunConfig(model="m", trace=TraceSettings(level=1))
     old = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        provider, _, _ = make_provider("driver", tmp_path)
+        ts = TracingSession.open(cfg, run_dir=str(tmp_path / "a"))
         assert sys.getswitchinterval() <= GIL_SWITCH_S
-        provider.shutdown()
+        ts.close()
+        assert abs(sys.getswitchinterval() - 0.005) < 5e-6
         sys.setswitchinterval(1e-4)
-        make_provider("driver", tmp_path)[0].shutdown()
-        assert abs(sys.getswitchinterval() - 1e-4) < 1e-9
+        ts = TracingSession.open(cfg, run_dir=str(tmp_path / "b"))
+        assert abs(sys.getswitchinterval() - 1e-4) < 5e-6
+        ts.close()
+        assert abs(sys.getswitchinterval() - 1e-4) < 5e-6
     finally:
         sys.setswitchinterval(old)

@@ -17,7 +17,7 @@ from kimi_ckpt import PROMPT, hybrid, kimi_config, reference_greedy  # noqa: E40
 from memra_dist.config import RunConfig  # noqa: E402
 from memra_dist.runner import ModelRunner  # noqa: E402
 from memra_dist.model.kda import KDAState  # noqa: E402
-from memra_dist.request import run_local  # noqa: E402
+from memra_dist.app import generate  # noqa: E402
 from memra_dist.specdec.drafters import ModelDrafter, ReplayDrafter  # noqa: E402
 from memra_dist.specdec.sampling import SamplingParams  # noqa: E402
 from memra_dist.specdec.session import SpecSession  # noqa: E402
@@ -44,7 +44,7 @@ def _cfg(target: str, name: str = "none", draft: str | None = None, **kw) -> Run
 
 @pytest.fixture(scope="module")
 def plain() -> list[int]:
-    return run_local(_cfg(hybrid()[1]), PROMPT).token_ids
+    return generate(_cfg(hybrid()[1]), PROMPT).token_ids
 
 
 def test_plain_greedy_equals_transformers(plain):
@@ -54,7 +54,7 @@ def test_plain_greedy_equals_transformers(plain):
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_spec_greedy_equals_plain(plain, name, k):
-    res = run_local(_cfg(hybrid()[1], name, k=k), PROMPT)
+    res = generate(_cfg(hybrid()[1], name, k=k), PROMPT)
     assert res.token_ids == plain
     s = res.stats
     if name == "replay1.0":
@@ -66,7 +66,7 @@ def test_spec_greedy_equals_plain(plain, name, k):
 def test_llama_draft_for_kimi_target(plain, draft_llama):
     """Any family drafts for any family of the same vocabulary."""
     for k in (1, 4):
-        assert run_local(_cfg(hybrid()[1], "model", draft=str(draft_llama), k=k), PROMPT).token_ids == plain
+        assert generate(_cfg(hybrid()[1], "model", draft=str(draft_llama), k=k), PROMPT).token_ids == plain
 
 
 # ---------------------------------------------------------------- pp=2 (a module-scoped local Ray)
@@ -75,11 +75,11 @@ def test_llama_draft_for_kimi_target(plain, draft_llama):
 @pytest.mark.parametrize("name,k", [("ngram", 4), ("replay0.3", 8), ("model", 1), ("replay1.0", 4)])
 def test_spec_greedy_pp2_equals_plain(ray_local, plain, name, k):
     """[KDA, MLA | KDA, KDA]: KDA state rolls back on the stage actor and on the head."""
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
 
-    res = run_pipeline(_cfg(hybrid()[1], name, k=k, pp=2), PROMPT)
+    res = generate(_cfg(hybrid()[1], name, k=k, pp=2), PROMPT)
     assert res.token_ids == plain
-    ref = run_local(_cfg(hybrid()[1], name, k=k), PROMPT)
+    ref = generate(_cfg(hybrid()[1], name, k=k), PROMPT)
     assert (res.stats["accepted"], res.stats["drafted"]) == (ref.stats["accepted"], ref.stats["drafted"])
 
 
@@ -193,9 +193,9 @@ def test_spec_greedy_equals_plain_at_max_k():
     """K = MAX_K: the first rounds verify MAX_K + 1 rows and roll back inside them."""
     from memra_dist.config import MAX_K
 
-    ref = run_local(_cfg(hybrid()[1]).with_(max_new_tokens=40), PROMPT).token_ids
+    ref = generate(_cfg(hybrid()[1]).with_(max_new_tokens=40), PROMPT).token_ids
     for name in ("replay0.3", "model"):
-        res = run_local(_cfg(hybrid()[1], name, k=MAX_K).with_(max_new_tokens=40), PROMPT)
+        res = generate(_cfg(hybrid()[1], name, k=MAX_K).with_(max_new_tokens=40), PROMPT)
         assert res.token_ids == ref and res.stats["accepted"] < res.stats["drafted"]
 
 

@@ -20,7 +20,7 @@ from test_tracing_spans import in_memory_session  # noqa: E402
 from memra_dist.config import RunConfig  # noqa: E402
 from memra_dist.phase.levels import TraceSettings  # noqa: E402
 from memra_dist.phase.report import FanOut, LineSink  # noqa: E402
-from memra_dist.request import run_local  # noqa: E402
+from memra_dist.app import generate  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -84,7 +84,7 @@ def test_level2_hybrid_sub_spans_and_line():
     ts, exp = in_memory_session()
     lines, recs = io.StringIO(), Records()
     with ts.request(cfg, "prompt", len(PROMPT)) as req:
-        res = run_local(cfg, PROMPT, None, FanOut(LineSink(cfg.trace, out=lines), ts.sink(), recs))
+        res = generate(cfg, PROMPT, None, FanOut(LineSink(cfg.trace, out=lines), ts.sink(), recs))
         req.finish(res, "")
     ts.close()
     spans = exp.get_finished_spans()
@@ -115,14 +115,14 @@ def test_level2_hybrid_sub_spans_and_line():
 
 
 def test_level2_pp2_sub_split_reaches_the_driver(ray_local, tmp_path):
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
 
     cfg = _cfg(pp=2)
     lines, recs = io.StringIO(), Records()
     # run_dir: at trace level >= 1 the actors' exporters need one when no OTLP endpoint is set
-    # (run_pipeline(..., run_dir=None) crashes the actors there; reported to the lead)
-    res = run_pipeline(cfg, PROMPT, run_dir=str(tmp_path / "run"), sink=FanOut(LineSink(cfg.trace, out=lines), recs))
-    assert res.token_ids == run_local(_cfg(trace=TraceSettings()), PROMPT).token_ids
+    # (generate(..., run_dir=None) crashes the actors there; reported to the lead)
+    res = generate(cfg, PROMPT, run_dir=str(tmp_path / "run"), sink=FanOut(LineSink(cfg.trace, out=lines), recs))
+    assert res.token_ids == generate(_cfg(trace=TraceSettings()), PROMPT).token_ids
     _check_records(recs, res.stats["rounds"])  # vmla > 0 every round: stage 0's ns travelled
     vs = _v_lines(lines.getvalue())
     assert len(vs) == -(-res.stats["rounds"] // BURST)

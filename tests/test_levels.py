@@ -32,9 +32,12 @@ def test_seed_level_resolution(general, alias, level):
     warned = []
     assert trace_level_from(general, alias, warn=warned.append) == level
     loud = general in ("1", "2") and alias in ("1", "2") and general != alias
-    assert len(warned) == (1 if loud else 0)
+    junk = [v for v in (general, alias) if v not in (None, "", "0", "1", "2")]
+    assert len(warned) == (1 if loud else 0) + len(junk)
+    for v in junk:  # a junk value is ignored (= off) and said once
+        assert any(w.startswith("[spec-trace] ignoring") and repr(v) in w for w in warned), warned
     if loud:
-        line = warned[0]
+        line = warned[-1]
         assert line.startswith("[spec-trace] ")
         assert f"{ENV_TRACE}={general}" in line and f"{ENV_TRACE_ALIAS}={alias}" in line
 
@@ -63,11 +66,12 @@ def test_settings_clock_on():
 
 SNIPPET = r"""
 import os, sys
+from memra_dist import env
 from memra_dist.phase import levels
-a = levels.env_settings()
+a = env.environment()
 os.environ["MEMRA_SPEC_TRACE"] = "2"; os.environ["MEMRA_GLM5_SPEC_TRACE"] = "1"; os.environ["MEMRA_SPEC_PROF"] = "0"
-b = levels.env_settings()
-print(a.level, int(a.prof), b.level, int(b.prof))
+b = env.environment()
+print(a.trace_level, int(a.prof), b.trace_level, int(b.prof))
 for flag_level, flag_prof in ((None, None), (0, None), (2, False), (1, True)):
     s = levels.resolve(flag_level, flag_prof)
     print(s.level, int(s.prof))
@@ -82,15 +86,16 @@ def _run(env_over: dict):
     return res.stdout.split("\n"), res.stderr
 
 
-@pytest.mark.parametrize("env, level, prof, loud", [
-    ({}, 0, 0, False),
-    ({ENV_TRACE: "1"}, 1, 0, False),
-    ({ENV_TRACE_ALIAS: "2"}, 2, 0, False),
-    ({ENV_TRACE: "1", ENV_TRACE_ALIAS: "2", ENV_PROF: "1"}, 1, 1, True),
-    ({ENV_TRACE: "junk", ENV_TRACE_ALIAS: "1"}, 1, 0, False),
-    ({ENV_PROF: "yes"}, 0, 0, False),
+@pytest.mark.parametrize("env, level, prof, loud, ignored", [
+    ({}, 0, 0, False, []),
+    ({ENV_TRACE: "1"}, 1, 0, False, []),
+    ({ENV_TRACE_ALIAS: "2"}, 2, 0, False, []),
+    ({ENV_TRACE: "1", ENV_TRACE_ALIAS: "2", ENV_PROF: "1"}, 1, 1, True, []),
+    ({ENV_TRACE: "junk", ENV_TRACE_ALIAS: "1"}, 1, 0, False, [ENV_TRACE]),
+    ({ENV_PROF: "yes"}, 0, 0, False, [ENV_PROF]),
+    ({ENV_TRACE: "7", ENV_PROF: "0"}, 0, 0, False, [ENV_TRACE]),
 ])
-def test_env_read_once_and_flags_beat_it(env, level, prof, loud):
+def test_env_read_once_and_flags_beat_it(env, level, prof, loud, ignored):
     out, err = _run(env)
     # the first read decides; changing the environment afterwards is not seen (and the
     # second call does not print the loud line again)
@@ -101,6 +106,9 @@ def test_env_read_once_and_flags_beat_it(env, level, prof, loud):
     assert out[3] == "2 0"
     assert out[4] == "1 1"
     lines = [ln for ln in err.splitlines() if ln.strip()]
+    said = [ln for ln in lines if " ignoring " in ln]  # junk flags: said once each, though read twice
+    assert len(said) == len(ignored) and all(any(f"{n}=" in ln for ln in said) for n in ignored), lines
+    lines = [ln for ln in lines if ln not in said]
     if loud:
         assert len(lines) == 1 and lines[0].startswith("[spec-trace] ")
         assert f"{ENV_TRACE}=1" in lines[0] and f"{ENV_TRACE_ALIAS}=2" in lines[0]

@@ -89,7 +89,7 @@ def test_hybrid_greedy_with_grouped_experts_equals_transformers(monkeypatch, dra
     from kimi_ckpt import PROMPT, hybrid, reference_greedy  # noqa: PLC0415
 
     from memra_dist.config import RunConfig  # noqa: PLC0415
-    from memra_dist.request import run_local  # noqa: PLC0415
+    from memra_dist.app import generate  # noqa: PLC0415
 
     calls = []
 
@@ -100,5 +100,5 @@ def test_hybrid_greedy_with_grouped_experts_equals_transformers(monkeypatch, dra
     monkeypatch.setattr(MoE, "use_grouped", force)
     extra = {"replay_corrupt": 0.3} if drafter == "replay" else {}
     cfg = RunConfig(model=hybrid()[1], max_new_tokens=24, device="cpu", drafter=drafter, k=k, **extra)
-    assert run_local(cfg, PROMPT).token_ids == reference_greedy(24)
+    assert generate(cfg, PROMPT).token_ids == reference_greedy(24)
     assert calls  # the MoE layers were switched

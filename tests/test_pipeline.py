@@ -12,10 +12,12 @@ import pytest
 
 from memra_dist.config import RunConfig
 from memra_dist.errors import UserError
-from memra_dist.request import run_local
+from memra_dist.app import generate
 from memra_dist.specdec.sampling import SamplingParams
 
 PROMPT = [5, 9, 17, 5, 9, 23, 40, 5, 9]
+
+pytestmark = pytest.mark.slow  # every test here runs a local Ray (pp > 1)
 
 
 def _cfg(model, **kw):
@@ -25,64 +27,64 @@ def _cfg(model, **kw):
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
 def test_greedy_pp_token_identical(ray_local, llama, draft_llama, drafter):
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
 
     extra = {"draft_model": str(draft_llama)} if drafter == "model" else {}
-    ref = run_local(_cfg(llama, drafter=drafter, **extra), PROMPT).token_ids
+    ref = generate(_cfg(llama, drafter=drafter, **extra), PROMPT).token_ids
     for pp in (2, 3):
-        got = run_pipeline(_cfg(llama, drafter=drafter, pp=pp, **extra), PROMPT).token_ids
+        got = generate(_cfg(llama, drafter=drafter, pp=pp, **extra), PROMPT).token_ids
         assert got == ref, f"pp={pp} drafter={drafter}"
 
 
 def test_long_prompt_ids_travel_as_a_payload(ray_local, llama):
     """A prefill longer than a command holds (transport.INLINE_IDS) sends its ids after the
     command; decode and verify steps carry theirs inside it. Both at pp=2, token-identical."""
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
     from memra_dist.pipeline.transport import INLINE_IDS
 
     prompt = (PROMPT * 8)[: INLINE_IDS + 7]
     assert len(prompt) > INLINE_IDS
-    ref = run_local(_cfg(llama, drafter="ngram"), prompt).token_ids
-    assert run_pipeline(_cfg(llama, drafter="ngram", pp=2), prompt).token_ids == ref
+    ref = generate(_cfg(llama, drafter="ngram"), prompt).token_ids
+    assert generate(_cfg(llama, drafter="ngram", pp=2), prompt).token_ids == ref
 
 
 def test_pp4_on_cpu_token_identical(ray_local, llama, draft_llama):
     """Four stage actors (one layer each) + the head: the CPU share of the pp=4 issue."""
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
 
     for drafter, extra in (("ngram", {}), ("model", {"draft_model": str(draft_llama)})):
-        ref = run_local(_cfg(llama, drafter=drafter, **extra), PROMPT).token_ids
-        assert run_pipeline(_cfg(llama, drafter=drafter, pp=4, **extra), PROMPT).token_ids == ref
+        ref = generate(_cfg(llama, drafter=drafter, **extra), PROMPT).token_ids
+        assert generate(_cfg(llama, drafter=drafter, pp=4, **extra), PROMPT).token_ids == ref
 
 
 def test_greedy_pp_matches_transformers(ray_local, ckpt_factory):
     import torch
 
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
 
     path, model = ckpt_factory("qwen3")
-    got = run_pipeline(_cfg(path, drafter="ngram", pp=2, max_new_tokens=12), PROMPT).token_ids
+    got = generate(_cfg(path, drafter="ngram", pp=2, max_new_tokens=12), PROMPT).token_ids
     with torch.no_grad():
         ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):].tolist()
     assert got == ref
 
 
 def test_sampled_identical_across_pp(ray_local, llama, draft_llama):
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
 
     sp = SamplingParams(temperature=0.9, top_p=0.95)
     cfg = _cfg(llama, draft_model=str(draft_llama), sampling=sp, seed=7, max_new_tokens=20)
-    ref = run_local(cfg, PROMPT)
-    got = run_pipeline(cfg.with_(pp=2), PROMPT)
+    ref = generate(cfg, PROMPT)
+    got = generate(cfg.with_(pp=2), PROMPT)
     assert got.token_ids == ref.token_ids
     assert got.stats["accepted"] == ref.stats["accepted"]
 
 
 def test_stage_bounds_explicit(ray_local, llama):
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
 
-    ref = run_local(_cfg(llama, drafter="ngram"), PROMPT).token_ids
-    assert run_pipeline(_cfg(llama, drafter="ngram", pp=2, stage_bounds=(1,)), PROMPT).token_ids == ref
+    ref = generate(_cfg(llama, drafter="ngram"), PROMPT).token_ids
+    assert generate(_cfg(llama, drafter="ngram", pp=2, stage_bounds=(1,)), PROMPT).token_ids == ref
 
 
 def test_nothing_left_after_a_run(ray_local, llama):
@@ -91,10 +93,10 @@ def test_nothing_left_after_a_run(ray_local, llama):
     import ray._private.state as gcs  # the GCS actor table (the state API needs the dashboard)
     import torch.distributed as dist
 
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
 
     before = set(gcs.actors())
-    run_pipeline(_cfg(llama, drafter="ngram", pp=3), PROMPT)
+    generate(_cfg(llama, drafter="ngram", pp=3), PROMPT)
     ours = {k: v for k, v in gcs.actors().items() if k not in before}
     assert len(ours) == 3  # the head + two stage actors of this run
     deadline = time.time() + 10
@@ -105,10 +107,10 @@ def test_nothing_left_after_a_run(ray_local, llama):
 
 
 def test_pp_larger_than_layers_refused_before_ray(llama):
-    from memra_dist.pipeline.driver import run_pipeline
+    from memra_dist.app import generate
 
     with pytest.raises(UserError, match="larger than the model's 4 layers"):
-        run_pipeline(_cfg(llama, pp=5), PROMPT)
+        generate(_cfg(llama, pp=5), PROMPT)
 
 
 def test_cli_pp2_one_trace_across_actors(llama, tmp_path):
@@ -134,6 +136,9 @@ def test_cli_pp2_one_trace_across_actors(llama, tmp_path):
     assert len({s["traceId"] for ss in spans.values() for s in ss}) == 1
     (req,) = [s for s in spans["driver"] if s["name"] == "memra.request"]
     by_id = {s["spanId"]: s for ss in spans.values() for s in ss}
+    head_names = [s["name"] for s in spans["head"]]
+    assert head_names.count("spec.burst") >= 1 and head_names.count("spec.round") >= 1, sorted(set(head_names))
+    assert head_names.count("spec.draft") == head_names.count("spec.verify") == head_names.count("spec.round")
     for s in spans["head"]:
         if s["name"] == "spec.burst":
             assert s["parentSpanId"] == req["spanId"]

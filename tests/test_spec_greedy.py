@@ -10,7 +10,7 @@ from memra_dist.config import RunConfig
 from memra_dist.runner import ModelRunner
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.phase.report import LineSink
-from memra_dist.request import run_local
+from memra_dist.app import generate
 from memra_dist.specdec.drafters import ReplayDrafter
 from memra_dist.specdec.session import SpecSession
 from memra_dist.specdec.sampling import SamplingParams
@@ -21,7 +21,7 @@ PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # repetitive: the n-gram draft
 
 @pytest.fixture(scope="module")
 def plain(llama):
-    res = run_local(RunConfig(model=str(llama), drafter="none", max_new_tokens=N_NEW, device="cpu"), PROMPT)
+    res = generate(RunConfig(model=str(llama), drafter="none", max_new_tokens=N_NEW, device="cpu"), PROMPT)
     assert len(res.token_ids) == N_NEW and res.stats["drafted"] == 0
     assert res.stats["rounds"] == N_NEW - 1  # one verify row per round
     return res.token_ids
@@ -49,7 +49,7 @@ def test_greedy_speculative_equals_plain(llama, draft_llama, plain, drafter, k):
     cfg = RunConfig(model=str(llama), drafter=drafter, k=k, max_new_tokens=N_NEW, device="cpu",
                     draft_model=str(draft_llama) if drafter == "model" else None, replay_corrupt=0.3,
                     burst_rounds=3)
-    res = run_local(cfg, PROMPT)
+    res = generate(cfg, PROMPT)
     assert res.token_ids == plain
     st = res.stats
     assert st["tokens"] == N_NEW
@@ -63,7 +63,7 @@ def test_greedy_speculative_equals_plain(llama, draft_llama, plain, drafter, k):
 def test_nothing_accepted_still_exact(llama, plain, k):
     """corrupt=1.0: every drafted token is wrong, every round rejects at position 0."""
     cfg = RunConfig(model=str(llama), drafter="replay", k=k, max_new_tokens=N_NEW, device="cpu", replay_corrupt=1.0)
-    res = run_local(cfg, PROMPT)
+    res = generate(cfg, PROMPT)
     assert res.token_ids == plain
     assert res.stats["drafted"] > 0 and res.stats["accepted"] == 0
     assert res.stats["rounds"] == N_NEW - 1
@@ -74,7 +74,7 @@ def test_everything_accepted_still_exact(llama, plain, k):
     """corrupt=0.0: the recording is the target's own greedy continuation: acceptance 1.0,
     every round commits k + 1 tokens (bar the last, capped by max-new-tokens)."""
     cfg = RunConfig(model=str(llama), drafter="replay", k=k, max_new_tokens=N_NEW, device="cpu", replay_corrupt=0.0)
-    res = run_local(cfg, PROMPT)
+    res = generate(cfg, PROMPT)
     assert res.token_ids == plain
     assert res.stats["acceptance"] == 1.0 and res.stats["drafted"] == res.stats["accepted"] > 0
     assert res.stats["rounds"] == -(-(N_NEW - 1) // (k + 1))  # ceil
@@ -84,7 +84,7 @@ def test_everything_accepted_still_exact(llama, plain, k):
 def test_model_drafter_identical_to_target_accepts_everything(llama, plain, k):
     """The target as its own drafter: the draft cache and its rollback agree with the target."""
     cfg = RunConfig(model=str(llama), draft_model=str(llama), k=k, max_new_tokens=N_NEW, device="cpu")
-    res = run_local(cfg, PROMPT)
+    res = generate(cfg, PROMPT)
     assert res.token_ids == plain
     assert res.stats["acceptance"] == 1.0
 

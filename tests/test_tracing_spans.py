@@ -23,7 +23,7 @@ from memra_dist.config import RunConfig
 from memra_dist.phase import clock as clock_mod
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.phase.report import FanOut, LineSink
-from memra_dist.request import run_local
+from memra_dist.app import generate
 from memra_dist.specdec import session as session_mod
 from memra_dist.tracing.conventions import PHASE_SPANS, PHASES
 from memra_dist.tracing.emit import SpanSink
@@ -68,7 +68,7 @@ def traced_run(llama, draft_llama, level: int, prof: bool = False):
     ts, exp = in_memory_session()
     lines = io.StringIO()
     with ts.request(cfg, "prompt", len(PROMPT)) as req:
-        res = run_local(cfg, PROMPT, None, FanOut(LineSink(settings, out=lines), ts.sink()))
+        res = generate(cfg, PROMPT, None, FanOut(LineSink(settings, out=lines), ts.sink()))
         req.finish(res, "")
     ts.close()
     return res, exp.get_finished_spans(), lines.getvalue().splitlines()
@@ -204,7 +204,7 @@ def test_level0_no_drains_no_spans_no_clock_reads(llama, draft_llama, drains, mo
     lines = io.StringIO()
     streamed = []
     with ts.request(cfg, "prompt", len(PROMPT)) as req:
-        res = run_local(cfg, PROMPT, streamed.append, FanOut(LineSink(cfg.trace, out=lines), ts.sink(), span_sink))
+        res = generate(cfg, PROMPT, streamed.append, FanOut(LineSink(cfg.trace, out=lines), ts.sink(), span_sink))
         req.finish(res, "")
     ts.close()
     rounds_n = res.stats["rounds"]

@@ -3,7 +3,7 @@
 Hop: two bench-only Ray actors (one GPU each, or CPU) join a 2-rank torch.distributed group
 through the engine's own `Link` (NCCL on GPU, gloo on CPU) and ping-pong a (rows, hidden)
 activation; one hop = median round trip / 2, host sync included (the DESIGN §3 convention).
-pp: the real `run_pipeline` with drafter none at pp=2 (and pp=4 with >= 4 GPUs); decode tok/s
+pp: the real `app.generate` at pp=N with drafter none at pp=2 (and pp=4 with >= 4 GPUs); decode tok/s
 from the driver's token stream (first token -> last), against the in-process plain decode of
 this same run, and whether its greedy ids equal that decode's."""
 
@@ -18,10 +18,10 @@ __all__ = ["pipeline", "HopActor"]
 
 class HopActor:
     def __init__(self, rank: int):
-        from ..pipeline.actors import _device_and_label  # noqa: PLC0415
+        from ..device import actor_device  # noqa: PLC0415
         from ..pipeline.transport import Link  # noqa: PLC0415
 
-        self.device, _ = _device_and_label()
+        self.device, _ = actor_device("auto")
         self.link = Link(rank, 2, self.device)
 
     def address(self):
@@ -80,7 +80,7 @@ def _hop(s, ray, hidden: int, gpu: bool) -> dict:
 
 def _pp_decode(s, ray, pp: int) -> dict:
     from ..config import RunConfig  # noqa: PLC0415
-    from ..pipeline.driver import run_pipeline  # noqa: PLC0415
+    from ..app import generate  # noqa: PLC0415
     from .fastpath import config_kwargs  # noqa: PLC0415
 
     dev = "cuda" if s.device.type == "cuda" else "cpu"
@@ -92,7 +92,7 @@ def _pp_decode(s, ray, pp: int) -> dict:
     def stream(toks):
         stamps.append((time.perf_counter(), len(toks)))
 
-    res = run_pipeline(cfg, s.prompt, stream)  # warm (actor start, load, first compile) and measured: one run
+    res = generate(cfg, s.prompt, stream)  # warm (actor start, load, first compile) and measured: one run
     t_first, t_last = stamps[0][0], stamps[-1][0]
     ntok = sum(n for _, n in stamps[1:])
     return {"tokens": ntok + 1, "decode_s": round(t_last - t_first, 4),
@@ -116,11 +116,11 @@ def pipeline(s) -> dict:
         plain = plain_decode(s)  # this run's pp=1 figure and greedy ids (memoized: the decode section's own)
         p1, ids1 = plain["result"].decode_tok_s, plain["result"].tokens
         out["pp1_tok_s"] = round(p1, 3)
-        for pp in (2, 4) if gpus >= 4 else (2,):  # pp=4 on a 4-GPU machine (issue 9)
+        for pp in (2, 4) if gpus >= 4 else (2,):  # pp=4 on a 4-GPU machine
             if s.left() <= 0:
                 out[f"pp{pp}"] = {"skipped": "budget"}
                 continue
-            s.say(f"  pp={pp}: run_pipeline ({pp} actors load their parts)")
+            s.say(f"  pp={pp}: {pp} actors load their parts")
             r = _pp_decode(s, ray, pp)
             ids = r.pop("token_ids")
             n = min(len(ids), len(ids1))

@@ -27,10 +27,13 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing id list into text deltas (decode-all-and-diff: exact for any merges)."""
+    """Turns a growing id list into text deltas (decode-all-and-diff: exact for any merges).
+    Seeded with the prompt's ids, the first delta carries the space between the prompt and
+    the continuation that decoding the continuation alone would drop."""
 
-    def __init__(self, tok: Tokenizer):
-        self.tok, self.ids, self.text = tok, [], ""
+    def __init__(self, tok: Tokenizer, prefix: list[int] | None = None):
+        self.tok, self.ids = tok, list(prefix or [])
+        self.text = tok.decode(self.ids) if self.ids else ""
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)

@@ -1,18 +1,17 @@
-"""Trace level and profile flag, resolved from the environment ONCE per process (the seed's
-`spec_trace_level` / `spec_prof_on`), with CLI flags that beat the environment."""
+"""Trace level and profile flag: the pure rules (names, parsing, which one wins) and the
+resolution of CLI flags over the environment. The environment itself is read once per
+process in memra_dist/env.py."""
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 
 __all__ = ["ENV_TRACE", "ENV_TRACE_ALIAS", "ENV_PROF", "TraceSettings", "parse_level",
-           "trace_level_from", "env_settings", "resolve"]
+           "trace_level_from", "prof_from", "resolve"]
 
 ENV_TRACE = "MEMRA_SPEC_TRACE"  # 1 = per-burst phase lines, 2 = + the verify sub-split
-ENV_TRACE_ALIAS = "MEMRA_GLM5_SPEC_TRACE"  # the glm5 loop's name, still honoured
+ENV_TRACE_ALIAS = "MEMRA_GLM5_SPEC_TRACE"  # the originating engine's name for it (docs/seed-names.md)
 ENV_PROF = "MEMRA_SPEC_PROF"  # 1 = first-token profile + per-round depth log
 
 
@@ -32,35 +31,46 @@ def parse_level(v: str | None) -> int | None:
     return {"1": 1, "2": 2}.get(v) if v is not None else None
 
 
-def trace_level_from(general: str | None, alias: str | None, warn=None) -> int:
-    """Either name alone is honoured; both set and different = the general name wins LOUDLY
-    (one stderr line naming both values); a junk general value never masks a valid alias."""
-    g, a = parse_level(general), parse_level(alias)
-    if g is not None and a is not None and g != a:
-        (warn or _stderr)(
-            f"[spec-trace] {ENV_TRACE}={g} overrides {ENV_TRACE_ALIAS}={a} "
-            "(the general flag wins; unset one to silence this)"
-        )
-    if g is not None:
-        return g
-    return a if a is not None else 0
+def _junk(v: str | None) -> bool:
+    return v not in (None, "", "0") and parse_level(v) is None
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-@lru_cache(maxsize=1)
-def env_settings() -> TraceSettings:
-    """Read once per process; later changes to the environment are not seen (the seed's law)."""
-    level = trace_level_from(os.environ.get(ENV_TRACE), os.environ.get(ENV_TRACE_ALIAS))
-    return TraceSettings(level=level, prof=os.environ.get(ENV_PROF) == "1")
+def trace_level_from(general: str | None, alias: str | None, warn=None) -> int:
+    """Either name alone is honoured; both set and different = the general name wins LOUDLY
+    (one stderr line naming both values); a junk general value never masks a valid alias.
+    A junk value means off and is said once (one line per junk variable)."""
+    say = warn or _stderr
+    g, a = parse_level(general), parse_level(alias)
+    for name, raw in ((ENV_TRACE, general), (ENV_TRACE_ALIAS, alias)):
+        if _junk(raw):
+            say(f"[spec-trace] ignoring {name}={raw!r} (expected 1 or 2; junk means off)")
+    if g is not None and a is not None and g != a:
+        say(f"[spec-trace] {ENV_TRACE}={g} overrides {ENV_TRACE_ALIAS}={a} "
+            "(the general flag wins; unset one to silence this)")
+    if g is not None:
+        return g
+    return a if a is not None else 0
+
+
+def prof_from(raw: str | None, warn=None) -> bool:
+    """'1' = on; unset, '' or '0' = off; junk = off, said once."""
+    if raw == "1":
+        return True
+    if raw not in (None, "", "0"):
+        (warn or _stderr)(f"[spec-prof] ignoring {ENV_PROF}={raw!r} (expected 1; junk means off)")
+    return False
 
 
 def resolve(flag_level: int | None = None, flag_prof: bool | None = None) -> TraceSettings:
     """CLI flags beat the environment; an unset flag falls back to it."""
-    env = env_settings()
+    from ..env import environment  # noqa: PLC0415 (env.py imports this module's rules)
+
+    env = environment()
     return TraceSettings(
-        level=env.level if flag_level is None else flag_level,
+        level=env.trace_level if flag_level is None else flag_level,
         prof=env.prof if flag_prof is None else flag_prof,
     )

@@ -21,6 +21,8 @@ class LineSink:
     def __init__(self, settings: TraceSettings, out=None):
         self.s = settings
         self.out = out
+        self._printed = 0  # rows of the depth log printed so far: the sink's own count, so a
+        self._summarized = False  # log that arrives as a fresh copy each burst prints each row once
 
     def _print(self, line: str | None) -> None:
         if line:
@@ -36,11 +38,11 @@ class LineSink:
         self._print(f"[{TAGS['prof']}] {prof.line()}")
 
     def rounds(self, log: RoundsLog, final: bool) -> None:
-        base = log.printed
-        for i, row in enumerate(log.fresh()):
-            self._print(f"[{TAGS['prof_rounds']}] {row.line(base + i)}")
-        if final and not log.summarized:
-            log.summarized = True
+        for i in range(self._printed, len(log.rounds)):
+            self._print(f"[{TAGS['prof_rounds']}] {log.rounds[i].line(i)}")
+        self._printed = len(log.rounds)
+        if final and not self._summarized:
+            self._summarized = True
             self._print(f"[{TAGS['prof_summary']}] {log.summary()}")
 
 

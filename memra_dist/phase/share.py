@@ -30,13 +30,32 @@ class ShareTable:
         pass
 
     def table(self) -> str:
+        """Phase rows are shares of the traced rounds' time (they add up to 100 %). At level 2
+        the verify rows below them are shares of verify (they add up to 100 % of verify):
+        one row per mixer class the model has, then `rest` (everything else in verify), with
+        the FFN's time shown inside rest and the KDA scan inside kda."""
+        n = max(self.n_rounds, 1)
         total = sum(self.ns) or 1
-        lines = [f"phase shares over {self.n_rounds} traced rounds (drained: shares, not untraced walls)",
-                 f"  {'phase':<10}{'total ms':>12}{'per round':>12}{'share':>9}"]
-        rows = list(zip(PHASES, self.ns))
+        head = f"  {'':<16}{'total ms':>10}{'ms/round':>10}{'share':>8}"
+        lines = [f"phase shares over {self.n_rounds} speculative rounds: where their time went "
+                 "(each phase timed from one stream drain to the next)", head]
+
+        def row(name: str, ns: int, of: int, bar: bool = True) -> str:
+            pct = 100 * ns / (of or 1)
+            tail = " " + "#" * int(round(30 * ns / (of or 1))) if bar else ""
+            return f"  {name:<16}{ns / 1e6:>10.2f}{ns / 1e6 / n:>10.3f}{pct:>7.1f}%{tail}"
+
+        for name, ns in zip(PHASES, self.ns):
+            lines.append(row(name, ns, total))
         if self.sub:
-            rows += [(f"  verify.{k}", self.sub[k]) for k in ("kda", "scan", "mla", "attn", "ffn", "rest")]
-        for name, ns in rows:
-            bar = "#" * int(round(30 * ns / total))
-            lines.append(f"  {name:<10}{ns / 1e6:>12.2f}{ns / 1e6 / max(self.n_rounds, 1):>12.3f}{100 * ns / total:>8.1f}% {bar}")
+            verify = self.ns[PHASES.index("verify")] or 1
+            lines.append("  verify by mixer class (shares of verify):")
+            for key in ("kda", "mla", "attn"):
+                if self.sub.get(key, 0) > 0:
+                    lines.append(row(f"  {key}", self.sub[key], verify))
+                    if key == "kda" and self.sub.get("scan", 0) > 0:
+                        lines.append(row("    of it scan", self.sub["scan"], verify, bar=False))
+            lines.append(row("  rest", self.sub.get("rest", 0), verify))
+            if self.sub.get("ffn", 0) > 0:
+                lines.append(row("    of it ffn", self.sub["ffn"], verify, bar=False))
         return "\n".join(lines)

@@ -10,7 +10,7 @@ from pathlib import Path
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ..tracing.conventions import ATTR, SPAN_STAGE_FORWARD, free_mb_attr
-from ..tracing.otel import FLUSH_TIMEOUT_S, make_provider, shutdown_bounded
+from ..tracing.otel import flush_timeout_s, make_provider, quick_gil_handoff, shutdown_bounded
 
 __all__ = ["ActorTracing"]
 
@@ -20,6 +20,7 @@ class ActorTracing:
         self.enabled = enabled
         self.stage = stage
         if enabled:
+            quick_gil_handoff()  # the actor's process is ours: left lowered until it exits
             stem = f"{role}{stage}-"
             self.provider, self.counting, self.files = make_provider(role, Path(run_dir) if run_dir else None, stem)
             self.tracer = self.provider.get_tracer("memra_dist")
@@ -46,4 +47,4 @@ class ActorTracing:
         """Flush within the bound; returns spans not delivered."""
         if not self.enabled:
             return 0
-        return shutdown_bounded(self.provider, self.counting, self.made + extra_made, FLUSH_TIMEOUT_S)
+        return shutdown_bounded(self.provider, self.counting, self.made + extra_made, flush_timeout_s())

@@ -7,8 +7,9 @@ is a ModelRunner over its layer range plus a Link into the ring.
 - HeadWorker (rank 0): the last stage's layers + final norm, lm_head, sampling, acceptance,
   the drafter and the session. Co-locating the head with the last stage saves one hop per
   forward and keeps one rank per GPU (NCCL refuses two ranks of a group on one device).
-  The driver calls `start` once, `burst` per burst (tokens come back at burst cadence),
-  `finish` once.
+  It runs the same `specdec.request.Request` an in-process run does, over the head target
+  (pipeline/head_target.py); the driver calls `start` once, `burst` per burst (tokens and
+  records come back at burst cadence), `finish` once.
 
 The stage loop is written around one command queue per actor, so several sessions could
 later be in flight across the stages (a full pipeline) by tagging commands with a session
@@ -22,43 +23,31 @@ import time
 
 import torch
 
-from ..config import RunConfig
-from ..device import free_mb
-from ..runner import ModelRunner
+from ..device import actor_device, free_mb, resolve_dtype
 from ..phase.subsplit import SUB_BUCKETS, SubsplitTimer
+from ..runner import ModelRunner
 from .actor_tracing import ActorTracing
-from .pipeline_target import PipelineTarget
+from .head_target import PipelineTarget
 from .transport import Flag, Link, Op, free_port
 
 __all__ = ["StageWorker", "HeadWorker"]
 
 
-def _device_and_label() -> tuple[torch.device, str]:
-    if torch.cuda.is_available():
-        import ray  # noqa: PLC0415
-
-        ids = ray.get_gpu_ids()
-        return torch.device("cuda:0"), f"cuda{int(ids[0]) if ids else 0}"  # the physical id
-    torch.set_num_threads(1)  # CPU actors share the host's cores
-    return torch.device("cpu"), "cpu"
-
-
 class _Worker:
     role = "stage"
 
-    def __init__(self, cfg: RunConfig, rank: int, world: int, stage: int, first: int, last: int,
-                 capacity: int, run_dir: str | None):
-        from ..device import resolve_dtype  # noqa: PLC0415
-
-        self.cfg, self.rank, self.stage = cfg, rank, stage
-        self.device, label = _device_and_label()
+    def __init__(self, plan, rank: int, world: int, stage: int, run_dir: str | None):
+        cfg = plan.cfg
+        self.plan, self.cfg, self.rank, self.stage = plan, cfg, rank, stage
+        self.device, label = actor_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, self.device)
+        first, last = plan.stages[stage]
         self.runner = ModelRunner(cfg.model, self.device, dtype, first, last, has_embed=first == 0,
-                                  has_head=self.role == "head", max_pos=capacity,
+                                  has_head=self.role == "head", cfg=plan.model, max_pos=plan.capacity,
                                   **cfg.runner_kwargs(self.device))
         self.runner.label = label
         self.link = Link(rank, world, self.device)
-        self.tracing = ActorTracing(self.role, stage, run_dir, cfg.trace.level >= 1 or cfg.trace.prof)
+        self.tracing = ActorTracing(self.role, stage, run_dir, cfg.trace.clock_on)
 
     def address(self) -> tuple[str, int]:
         return free_port()
@@ -124,81 +113,36 @@ class StageWorker(_Worker):
         return 1
 
 
-class _Collect:
-    """The head's session sink: spans emitted here (head process), records handed back to
-    the driver with each burst for lines, the share table and metrics."""
-
-    def __init__(self, spans):
-        self.spans, self.rec, self.prof, self.log = spans, None, None, None
-
-    def burst(self, rec):
-        if self.spans is not None:
-            self.spans.burst(rec)
-        self.rec = rec  # the session gives each burst a fresh record
-
-    def first_token(self, prof):
-        if self.spans is not None:
-            self.spans.first_token(prof)
-        self.prof = prof
-
-    def rounds(self, log, final):
-        self.log = (log, final)
-
-    def pump(self):
-        if self.spans is not None:
-            self.spans.pump()
-
-    def take(self):
-        out = (self.rec, self.prof, self.log)
-        self.rec = self.prof = self.log = None
-        return out
-
-
 class HeadWorker(_Worker):
     role = "head"
 
-    def start(self, carrier: dict, prompt: list[int], capacity: int) -> int:
-        from ..request import make_drafter  # noqa: PLC0415
-        from ..specdec.drafters import NoDrafter  # noqa: PLC0415
-        from ..specdec.sampling import SamplingParams  # noqa: PLC0415
-        from ..phase.levels import TraceSettings  # noqa: PLC0415
-        from ..specdec.session import SpecSession  # noqa: PLC0415
+    def start(self, carrier: dict, prompt: list[int]) -> tuple[int, bool]:
+        """Build the request's session over the head target; (first token, done)."""
+        from ..specdec.request import Request  # noqa: PLC0415
         from ..tracing.deferred import DeferredSink  # noqa: PLC0415
         from ..tracing.emit import SpanSink  # noqa: PLC0415
 
-        cfg, mcfg = self.cfg, self.runner.cfg
-        self.target = PipelineTarget(self.link, self.runner, traced=cfg.trace.level >= 1)
-        spans = None
+        self.target = PipelineTarget(self.link, self.runner, traced=self.cfg.trace.level >= 1)
+        self._spans = None
         if self.tracing.enabled:
-            spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
-        self._spans = spans
-        self.collect = _Collect(spans)
+            self._spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
+        self.request = Request(self.target, self.plan, prompt, self._spans)
+        first = self.request.start()
+        return first, self.request.done
 
-        def record() -> list[int]:  # the replay drafter's recording: plain greedy, untraced
-            self.target.traced = False
-            plain = SpecSession(self.target, NoDrafter(), SamplingParams(), torch.Generator(), 1, TraceSettings())
-            out = [plain.start(prompt, cfg.max_new_tokens, capacity)]
-            while not plain.done:
-                out.extend(plain.burst(64))
-            self.target.traced = cfg.trace.level >= 1
-            return out
+    def burst(self):
+        """The next burst's BurstOut; after the request ended, an empty one."""
+        from ..specdec.request import BurstOut  # noqa: PLC0415
 
-        drafter = make_drafter(cfg, mcfg, self.device, self.runner.dtype, capacity, len(prompt), record)
-        gen = torch.Generator().manual_seed(cfg.seed)
-        self.session = SpecSession(self.target, drafter, cfg.sampling, gen, cfg.k, cfg.trace, self.collect,
-                                   mcfg.eos_token_ids)
-        return self.session.start(prompt, cfg.max_new_tokens, capacity)
-
-    def burst(self) -> tuple[list[int], bool, object, object, object]:
-        toks = self.session.burst(self.cfg.burst_rounds)
-        rec, prof, log = self.collect.take()
-        return toks, self.session.done, rec, prof, log
+        if self.request.done:
+            return BurstOut([], True)
+        return self.request.burst()
 
     def finish(self) -> dict:
         self.target.end()
         if self._spans is not None:
             self._spans.close()  # every burst's spans built before the flush in close()
-        return self.session.stats.as_dict()
+        return self.request.finish()
 
     def _extra_spans(self) -> int:
         return self._spans.count if getattr(self, "_spans", None) is not None else 0

@@ -1,6 +1,8 @@
 """The driver of the ppN split: start or join Ray, place the actors (one GPU per stage,
-placement-group based), bootstrap the process group from inside the actors, run the request
-a burst per Ray call, stream tokens, and tear everything down (also on errors and Ctrl-C)."""
+placement-group based), bootstrap the process group from inside the actors, and hand the app
+a `PipelineRequest`: the same start / burst / finish face as an in-process
+`specdec.request.Request`, whose calls go to the head actor (which runs that very class).
+Everything is torn down on a normal end, on errors and on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -11,16 +13,15 @@ import signal
 import sys
 import threading
 
-from ..config import RunConfig
-from ..errors import UserError
-from ..model.config import load_config
-from ..request import Result, plan_capacity
-from ..tracing.otel import default_run_dir, otlp_endpoint
-from .partition import partition
-from .setup_hook import HOOK
-from .transport import PG_TIMEOUT_S
+from contextlib import contextmanager
 
-__all__ = ["run_pipeline", "Pipeline"]
+from ..errors import UserError
+from ..specdec.request import BurstOut
+from ..tracing.otel import default_run_dir, otlp_endpoint
+from .setup_hook import HOOK
+from .transport import pg_timeout_s
+
+__all__ = ["pipeline_request", "Pipeline", "PipelineRequest"]
 
 _OTEL_PASS = ("OTEL_", "MEMRA_")
 
@@ -65,16 +66,15 @@ def _ray_up():
 class Pipeline:
     """The actors of one ppN split, placed and connected."""
 
-    def __init__(self, cfg: RunConfig, capacity: int, run_dir: str | None):
+    def __init__(self, plan, run_dir: str | None):
         import ray  # noqa: PLC0415
         from ray.util.placement_group import placement_group  # noqa: PLC0415
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
         from .actors import HeadWorker, StageWorker  # noqa: PLC0415
 
+        cfg = plan.cfg
         self.ray = ray
-        mcfg = load_config(cfg.model)
-        stages = partition(mcfg.num_layers, cfg.pp, cfg.stage_bounds)
         gpus = int(ray.cluster_resources().get("GPU", 0))
         use_gpu = gpus > 0 and cfg.device != "cpu"
         if cfg.device.startswith("cuda") and gpus == 0:
@@ -82,7 +82,6 @@ class Pipeline:
         if use_gpu and gpus < cfg.pp:
             raise UserError(f"--pp {cfg.pp} needs {cfg.pp} GPUs (one per stage); the Ray cluster has {gpus}")
         self.pg = None
-        opts = []
         if use_gpu:
             self.pg = placement_group([{"GPU": 1, "CPU": 1}] * cfg.pp, strategy="PACK")
             ray.get(self.pg.ready(), timeout=120)
@@ -91,13 +90,12 @@ class Pipeline:
         else:
             opts = [dict(num_cpus=1)] * cfg.pp
         world = cfg.pp
-        first, last = stages[-1]
-        self.head = ray.remote(HeadWorker).options(**opts[0]).remote(
-            cfg, 0, world, cfg.pp - 1, first, last, capacity, run_dir)
-        self.stages = [ray.remote(StageWorker).options(**opts[r]).remote(
-            cfg, r, world, r - 1, stages[r - 1][0], stages[r - 1][1], capacity, run_dir) for r in range(1, world)]
+        # rank 0: the head, holding the last stage; ranks 1..N-1: stages 0..N-2
+        self.head = ray.remote(HeadWorker).options(**opts[0]).remote(plan, 0, world, cfg.pp - 1, run_dir)
+        self.stages = [ray.remote(StageWorker).options(**opts[r]).remote(plan, r, world, r - 1, run_dir)
+                       for r in range(1, world)]
         addr, port = ray.get(self.head.address.remote())
-        ray.get([a.connect.remote(addr, port, PG_TIMEOUT_S) for a in [self.head, *self.stages]])
+        ray.get([a.connect.remote(addr, port, pg_timeout_s()) for a in [self.head, *self.stages]])
 
     def all(self):
         return [self.head, *self.stages]
@@ -133,7 +131,7 @@ def _why(e: BaseException) -> str:
     return msg if isinstance(e, UserError) else f"{type(e).__name__}: {msg}"
 
 
-def _stage_failure(ray, pipe: Pipeline, serving) -> str | None:
+def _stage_failure(ray, serving) -> str | None:
     """Names the first stage whose serve loop died (None if all are alive). A killed stage
     usually breaks the head's receive before Ray marks the actor dead: wait a moment."""
     ray.wait(serving, num_returns=1, timeout=STAGE_DEATH_WAIT_S)
@@ -147,44 +145,60 @@ def _stage_failure(ray, pipe: Pipeline, serving) -> str | None:
     return None
 
 
-def run_pipeline(cfg: RunConfig, prompt: list[int], stream=None, carrier: dict | None = None,
-                 run_dir: str | None = None, sink=None) -> Result:
-    """One request through a ppN split. `sink` (driver-side) gets each burst's records for
-    lines / the share table / metrics; the head and the stages emit their own spans."""
-    mcfg = load_config(cfg.model)
-    partition(mcfg.num_layers, cfg.pp, cfg.stage_bounds)  # bad --pp / bounds: refuse before Ray starts
-    capacity = plan_capacity(cfg, mcfg, len(prompt))
+class PipelineRequest:
+    """The driver's handle on the head actor's Request. Two bursts are kept in flight: the
+    head starts the next burst while the previous one's tokens travel back, so the Ray round
+    trip (~1 ms) never idles the pipeline; a burst asked for after the request ended returns
+    no tokens. Tokens reach the caller at burst cadence."""
+
+    def __init__(self, pipe: Pipeline, prompt: list[int], carrier: dict):
+        self.pipe, self.ray, self.prompt, self.carrier = pipe, pipe.ray, prompt, carrier
+        self.serving: list = []
+        self.inflight: list = []
+        self.done = False
+
+    def _get(self, ref, timeout=None):
+        try:
+            return self.ray.get(ref, timeout=timeout)
+        except self.ray.exceptions.RayError as e:
+            why = _stage_failure(self.ray, self.serving) or f"pipeline head failed: {_why(e)}"
+            raise UserError(why) from None
+
+    def start(self) -> int:
+        head = self.pipe.head
+        self.serving = [s.serve.remote(self.carrier) for s in self.pipe.stages]
+        first, self.done = self._get(head.start.remote(self.carrier, self.prompt))
+        if not self.done:
+            self.inflight = [head.burst.remote(), head.burst.remote()]
+        return first
+
+    def burst(self, hook=None) -> BurstOut:
+        out: BurstOut = self._get(self.inflight.pop(0))
+        self.done = out.done
+        if not out.done:
+            self.inflight.append(self.pipe.head.burst.remote())
+        if hook is not None and out.tokens:
+            hook(out.tokens)
+        return out
+
+    def finish(self) -> dict:
+        self._get(self.inflight)  # the spare burst: empty
+        self.inflight = []
+        stats = self._get(self.pipe.head.finish.remote())
+        self._get(self.serving, timeout=pg_timeout_s())
+        return stats
+
+
+@contextmanager
+def pipeline_request(plan, prompt: list[int], carrier: dict | None = None, run_dir: str | None = None):
+    """Ray up, the actors placed, a PipelineRequest; everything torn down on the way out."""
     ray, started = _ray_up()
     pipe = None
     try:
-        if run_dir is None and (cfg.trace.level >= 1 or cfg.trace.prof) and not otlp_endpoint():
+        if run_dir is None and plan.cfg.trace.clock_on and not otlp_endpoint():
             run_dir = default_run_dir()  # the actors' spans need somewhere to go (as the CLI's do)
-        pipe = Pipeline(cfg, capacity, str(run_dir) if run_dir else None)
-        serving = [s.serve.remote(carrier or {}) for s in pipe.stages]
-        try:
-            out = [ray.get(pipe.head.start.remote(carrier or {}, prompt, capacity))]
-            if stream:
-                stream(out)
-            # two bursts in flight: the head starts the next burst while the previous one's
-            # tokens travel back, so the Ray round trip (~1 ms) never idles the pipeline;
-            # a burst asked for after the request ended returns no tokens
-            inflight = [pipe.head.burst.remote(), pipe.head.burst.remote()]
-            done = False
-            while not done:
-                toks, done, rec, prof, log = ray.get(inflight.pop(0))
-                if not done:
-                    inflight.append(pipe.head.burst.remote())
-                _feed(sink, rec, prof, log)
-                out.extend(toks)
-                if stream and toks:
-                    stream(toks)
-            ray.get(inflight)  # the spare burst: empty
-            stats = ray.get(pipe.head.finish.remote())
-            ray.get(serving, timeout=PG_TIMEOUT_S)
-        except ray.exceptions.RayError as e:
-            why = _stage_failure(ray, pipe, serving) or f"pipeline head failed: {_why(e)}"
-            raise UserError(why) from None
-        return Result(out, stats)
+        pipe = Pipeline(plan, str(run_dir) if run_dir else None)
+        yield PipelineRequest(pipe, prompt, carrier or {})
     finally:
         if pipe is not None:
             dropped = pipe.close()
@@ -192,14 +206,3 @@ def run_pipeline(cfg: RunConfig, prompt: list[int], stream=None, carrier: dict |
                 print(f"memra-dist: warning: {dropped} actor spans were not delivered", file=sys.stderr)
         if started:
             ray.shutdown()
-
-
-def _feed(sink, rec, prof, log) -> None:
-    if sink is None:
-        return
-    if prof is not None:
-        sink.first_token(prof)
-    if rec is not None:
-        sink.burst(rec)
-    if log is not None:
-        sink.rounds(*log)

@@ -16,7 +16,6 @@ command row is staged in pinned host memory and copied without blocking the host
 
 from __future__ import annotations
 
-import os
 import socket
 from datetime import timedelta
 
@@ -24,13 +23,18 @@ import torch
 import torch.distributed as dist
 
 from ..config import MAX_K
+from ..env import environment
 
-__all__ = ["Link", "Op", "Flag", "CMD_LEN", "INLINE_IDS", "free_port", "PG_TIMEOUT_S"]
+__all__ = ["Link", "Op", "Flag", "CMD_LEN", "INLINE_IDS", "free_port", "pg_timeout_s"]
 
 CMD_HEAD = 5  # op, start, rows, flags, arg
 INLINE_IDS = MAX_K + 1  # a verify of K+1 rows fits the command
 CMD_LEN = CMD_HEAD + INLINE_IDS
-PG_TIMEOUT_S = float(os.environ.get("MEMRA_PG_TIMEOUT_S", "60"))
+
+
+def pg_timeout_s() -> float:
+    """Bound on the process group's bootstrap and on a receive from a dead peer (MEMRA_PG_TIMEOUT_S)."""
+    return environment().pg_timeout_s
 
 
 class Op:
@@ -80,7 +84,7 @@ class Link:
         self._host_np = self._host.numpy()
         self._copied = torch.cuda.Event() if cuda else None  # the last copy out of _host
 
-    def connect(self, addr: str, port: int, timeout_s: float = PG_TIMEOUT_S) -> None:
+    def connect(self, addr: str, port: int, timeout_s: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dist.init_process_group(self.backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,

@@ -32,7 +32,7 @@ from ..phase.first_token import FirstTokenProf
 from ..phase.records import BurstRecord
 from .conventions import METRIC_ATTR, METRIC_META, METRICS, PHASES, RESOURCE, SERVICE_NAME_DEFAULT
 from .emit import verify_sub_layout
-from .otel import FLUSH_TIMEOUT_S, otlp_endpoint
+from .otel import flush_timeout_s, otlp_endpoint
 
 __all__ = ["MetricsSink", "MetricsSession", "make_meter_provider", "prometheus_name",
            "SLOW_FACTOR", "MS_BUCKETS", "TOKEN_BUCKETS", "RATIO_BUCKETS"]
@@ -216,10 +216,10 @@ class MetricsSession:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Hold the scrape endpoint open `hold_s` seconds (so a scraper sees the final values),
-        then flush OTLP and stop, bounded by `timeout_s` (default: the traces' FLUSH_TIMEOUT_S)."""
+        then flush OTLP and stop, bounded by `timeout_s` (default: the traces' flush bound)."""
         if self.provider is None:
             return
-        timeout_s = FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
+        timeout_s = flush_timeout_s() if timeout_s is None else timeout_s
         if self.server is not None and self.hold_s > 0:
             time.sleep(self.hold_s)
         t = threading.Thread(target=lambda: self.provider.shutdown(timeout_millis=timeout_s * 1000), daemon=True)

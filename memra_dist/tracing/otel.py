@@ -20,16 +20,21 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from ..env import environment
 from ..errors import UserError
 from .conventions import ATTR, RESOURCE, SERVICE_NAME_DEFAULT, SPAN_REQUEST
 from .deferred import DeferredSink
 from .emit import SpanSink
 from .files import RunDirExporter
 
-__all__ = ["TracingSession", "default_run_dir", "make_provider", "otlp_endpoint", "parse_traceparent", "FLUSH_TIMEOUT_S"]
-
-FLUSH_TIMEOUT_S = float(os.environ.get("MEMRA_FLUSH_TIMEOUT_S", "5"))
+__all__ = ["TracingSession", "default_run_dir", "make_provider", "otlp_endpoint", "parse_traceparent",
+           "flush_timeout_s"]
 _PROP = TraceContextTextMapPropagator()
+
+
+def flush_timeout_s() -> float:
+    """Bound on each process's span flush at exit (MEMRA_FLUSH_TIMEOUT_S)."""
+    return environment().flush_timeout_s
 
 
 def default_run_dir() -> Path:
@@ -106,7 +111,7 @@ def _otlp_exporter() -> SpanExporter:
 GIL_SWITCH_S = 5e-4
 
 
-def quick_gil_handoff() -> None:
+def quick_gil_handoff() -> float:
     """Bound how long the round loop can wait for the GIL behind the exporter thread.
 
     The batch processor encodes and exports spans on its own thread (Python work, under the
@@ -114,14 +119,16 @@ def quick_gil_handoff() -> None:
     interval, 5 ms by default: an 8B verify is ~5 ms, so a loop waking from its device wait
     during an export could lose a whole step. 0.5 ms bounds that loss; the cost is more GIL
     hand-offs while both threads are busy. Process-wide, set once by every process that
-    traces (driver, stage and head actors)."""
-    if sys.getswitchinterval() > GIL_SWITCH_S:
+    traces (driver, stage and head actors); returns the interval before, which the driver's
+    TracingSession puts back when it closes (a caller's process is left as it was)."""
+    before = sys.getswitchinterval()
+    if before > GIL_SWITCH_S:
         sys.setswitchinterval(GIL_SWITCH_S)
+    return before
 
 
 def make_provider(role: str, run_dir: Path | None, stem: str = ""):
     """(provider, counting exporter, run-dir exporter or None) for this process's role."""
-    quick_gil_handoff()
     res = Resource.create({
         RESOURCE["service"]: os.environ.get("OTEL_SERVICE_NAME", SERVICE_NAME_DEFAULT),
         RESOURCE["role"]: role, RESOURCE["host"]: socket.gethostname(), RESOURCE["pid"]: os.getpid()})
@@ -202,6 +209,7 @@ class TracingSession:
             return cls(False, None, parent)
         rd = None if ep else Path(run_dir) if run_dir else default_run_dir()
         self = cls(True, rd, parent)
+        self._switch_before = quick_gil_handoff()
         self.provider, self.counting, self.files = make_provider("driver", rd)
         self.tracer = self.provider.get_tracer("memra_dist")
         return self
@@ -235,10 +243,12 @@ class TracingSession:
         if not self.enabled:
             return
         made = self.ended + (self._sink.count if self._sink else 0)
-        dropped = shutdown_bounded(self.provider, self.counting, made, FLUSH_TIMEOUT_S)
+        bound = flush_timeout_s()
+        dropped = shutdown_bounded(self.provider, self.counting, made, bound)
+        sys.setswitchinterval(self._switch_before)
         if dropped:
             print(f"memra-dist: warning: {dropped} of {made} spans were not delivered "
-                  f"(exporter unreachable or slow; flush bounded at {FLUSH_TIMEOUT_S:.0f}s)", file=sys.stderr)
+                  f"(exporter unreachable or slow; flush bounded at {bound:.0f}s)", file=sys.stderr)
 
 
 class _LazySink:

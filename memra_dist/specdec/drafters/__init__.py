@@ -1,5 +1,11 @@
-"""Drafters, one per file, behind `base.Drafter`: none, ngram, model, replay (benchmarking)."""
+"""Drafters, one per file, behind `base.Drafter`: none, ngram, model, replay (benchmarking).
+`build_drafter` is the registry: the one place a drafter is chosen by name."""
 
+from __future__ import annotations
+
+from typing import Callable
+
+from ...runner import ModelRunner
 from .base import Drafter, Proposal
 from .draft_model import ModelDrafter
 from .ngram import NgramDrafter
@@ -8,4 +14,20 @@ from .replay import ReplayDrafter
 
 DRAFTERS = ("none", "ngram", "model", "replay")
 
-__all__ = ["DRAFTERS", "Drafter", "Proposal", "ModelDrafter", "NgramDrafter", "NoDrafter", "ReplayDrafter"]
+__all__ = ["DRAFTERS", "Drafter", "Proposal", "ModelDrafter", "NgramDrafter", "NoDrafter", "ReplayDrafter",
+           "build_drafter"]
+
+
+def build_drafter(cfg, plan, device, dtype, prompt_len: int, record: Callable[[], list[int]]) -> Drafter:
+    """The drafter `cfg.drafter` names. `plan` (memra_dist.plan.RequestPlan) holds the configs
+    read once; `record` produces the target's greedy continuation (replay only)."""
+    if cfg.drafter == "none":
+        return NoDrafter()
+    if cfg.drafter == "ngram":
+        return NgramDrafter()
+    if cfg.drafter == "model":
+        return ModelDrafter(ModelRunner(cfg.draft_model, device, dtype, cfg=plan.draft, max_pos=plan.capacity,
+                                        **cfg.runner_kwargs(device)))
+    if cfg.drafter == "replay":
+        return ReplayDrafter(record(), prompt_len, plan.model.vocab_size, cfg.replay_corrupt, seed=cfg.seed + 1)
+    raise ValueError(f"unknown drafter {cfg.drafter!r}")

@@ -21,7 +21,7 @@ __all__ = ["PipelineTarget"]
 class PipelineTarget:
     def __init__(self, link: Link, runner: ModelRunner, traced: bool):
         self.link, self.runner, self.traced = link, runner, traced
-        self.device, self.label = runner.device, runner.label
+        self.device, self.dtype, self.label = runner.device, runner.dtype, runner.label
         self.drain = runner.drain
         self.hidden = runner.cfg.hidden_size
         self.round = -1  # one target forward per round: -1 = the prime, then round 0, 1, ...

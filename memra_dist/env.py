@@ -1,0 +1,89 @@
+"""Every MEMRA_* environment variable the package reads, read here and nowhere else.
+
+`environment()` reads them once per process (later changes to `os.environ` are not seen, so a
+run cannot change level half-way); `environment.cache_clear()` forgets the reading (tests).
+OTEL_* variables stay the OpenTelemetry SDK's and are read where the SDK's habits say.
+
+| variable | meaning | default |
+|---|---|---|
+| MEMRA_SPEC_TRACE | trace level: 1 phases, 2 + verify sub-split; anything else = off | off |
+| MEMRA_GLM5_SPEC_TRACE | the same, under the name of the engine whose phase semantics this one follows (see docs/seed-names.md); MEMRA_SPEC_TRACE wins, loudly, when both are set and differ | off |
+| MEMRA_SPEC_PROF | 1 = first-token profile + per-round depth log; anything else = off | off |
+| MEMRA_CACHE_DIR | where the demo's tiny checkpoints are built once | $XDG_CACHE_HOME/memra_dist or ~/.cache/memra_dist |
+| MEMRA_FLUSH_TIMEOUT_S | bound on each process's span flush at exit | 5 |
+| MEMRA_PG_TIMEOUT_S | bound on the pipeline's process-group bootstrap and on a stalled peer | 60 |
+| MEMRA_KDA_KERNELS | CUDA KDA scans: auto, torch (the reference), fla (fla or an error) | auto |
+| MEMRA_BENCH_CACHE | `memra-dist bench` checkpoint cache | ~/.cache/memra_dist/bench |
+| MEMRA_COMMIT | the commit a bench result names when the tree has no .git | from git |
+
+Junk values of the trace and profile flags mean off (a typo never turns tracing on), and are
+said once on stderr so the typo is seen.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .phase.levels import ENV_PROF, ENV_TRACE, ENV_TRACE_ALIAS, parse_level, prof_from, trace_level_from
+
+__all__ = ["Env", "environment", "VARIABLES"]
+
+VARIABLES = (ENV_TRACE, ENV_TRACE_ALIAS, ENV_PROF, "MEMRA_CACHE_DIR", "MEMRA_FLUSH_TIMEOUT_S",
+             "MEMRA_PG_TIMEOUT_S", "MEMRA_KDA_KERNELS", "MEMRA_BENCH_CACHE", "MEMRA_COMMIT")
+KDA_MODES = ("auto", "torch", "fla")
+
+
+@dataclass(frozen=True)
+class Env:
+    trace_level: int = 0
+    prof: bool = False
+    trace_level_set: bool = False  # MEMRA_SPEC_TRACE (or its alias) says 0, 1 or 2: the demo's default defers to it
+    cache_dir: str | None = None
+    flush_timeout_s: float = 5.0
+    pg_timeout_s: float = 60.0
+    kda_kernels: str = "auto"
+    bench_cache: str | None = None
+    commit: str | None = None
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _seconds(name: str, default: float, warn=_say) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not v > 0:
+        warn(f"memra-dist: warning: ignoring {name}={raw!r} (expected seconds > 0); using {default:g}")
+        return default
+    return v
+
+
+def _kda(warn=_say) -> str:
+    raw = os.environ.get("MEMRA_KDA_KERNELS")
+    v = (raw or "").strip().lower()
+    if v and v not in KDA_MODES:
+        warn(f"memra-dist: warning: ignoring MEMRA_KDA_KERNELS={raw!r} (expected {', '.join(KDA_MODES)}); using auto")
+    return v if v in KDA_MODES else "auto"
+
+
+@lru_cache(maxsize=1)
+def environment() -> Env:
+    """Read every MEMRA_* variable once per process."""
+    e = os.environ
+    g, a = e.get(ENV_TRACE), e.get(ENV_TRACE_ALIAS)
+    level = trace_level_from(g, a, _say)
+    said = any(v is not None and (v == "0" or parse_level(v) is not None) for v in (g, a))
+    return Env(trace_level=level, prof=prof_from(e.get(ENV_PROF), _say), trace_level_set=said,
+               cache_dir=e.get("MEMRA_CACHE_DIR") or None,
+               flush_timeout_s=_seconds("MEMRA_FLUSH_TIMEOUT_S", 5.0),
+               pg_timeout_s=_seconds("MEMRA_PG_TIMEOUT_S", 60.0), kda_kernels=_kda(),
+               bench_cache=e.get("MEMRA_BENCH_CACHE") or None, commit=e.get("MEMRA_COMMIT") or None)

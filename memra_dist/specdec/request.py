@@ -1,0 +1,117 @@
+"""One request's speculative session over a target, whatever the split.
+
+`Request` is the only place that builds a session: the drafter (the replay drafter's
+recording included), the sampling generator, the SpecSession, and the per-burst hand-off of
+records. The in-process engine (pp=1) drives it over a local ModelRunner; the pipeline head
+actor drives the very same class over the pipeline's head target (pipeline/head_target.py).
+Nothing else differs between the two.
+
+Per burst it returns a `BurstOut`: the tokens committed, whether the request ended, and the
+records made (burst record, first-token profile, depth log) for the caller's lines, share
+table and metrics. Spans are built where the session runs, by the `span_sink` given here
+(its pump runs while a verify is on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..phase.levels import TraceSettings
+from .drafters import NoDrafter, build_drafter
+from .sampling import SamplingParams
+from .session import SpecSession
+
+__all__ = ["Request", "BurstOut", "Result"]
+
+RECORD_BURST = 64  # rounds per burst of the replay drafter's untraced recording pass
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    stats: dict
+
+
+@dataclass
+class BurstOut:
+    tokens: list[int]
+    done: bool
+    record: object = None  # phase.records.BurstRecord (trace level >= 1)
+    prof: object = None  # phase.first_token.FirstTokenProf (profile, first burst)
+    rounds: tuple | None = None  # (phase.rounds_log.RoundsLog, final) (profile)
+
+
+class _Collect:
+    """The session's sink: forwards to the span sink where the session runs, and keeps the
+    burst's records to hand back with its tokens."""
+
+    def __init__(self, spans):
+        self.spans = spans
+        self.rec = self.prof = self.log = None
+        self.pump = getattr(spans, "pump", None) if spans is not None else None
+
+    def burst(self, rec):
+        if self.spans is not None:
+            self.spans.burst(rec)
+        self.rec = rec  # the session makes a fresh record per burst
+
+    def first_token(self, prof):
+        if self.spans is not None:
+            self.spans.first_token(prof)
+        self.prof = prof
+
+    def rounds(self, log, final):
+        if self.spans is not None:
+            self.spans.rounds(log, final)
+        self.log = (log, final)
+
+    def take(self) -> tuple:
+        out = (self.rec, self.prof, self.log)
+        self.rec = self.prof = self.log = None
+        return out
+
+
+class Request:
+    """start() -> the first token; burst(hook) -> BurstOut until done; finish() -> stats."""
+
+    def __init__(self, target, plan, prompt: list[int], span_sink=None, draft_device=None, draft_dtype=None):
+        self.target, self.plan, self.prompt = target, plan, list(prompt)
+        cfg = plan.cfg
+        self.collect = _Collect(span_sink)
+        drafter = build_drafter(cfg, plan, draft_device or target.device, draft_dtype or target.dtype,
+                                len(prompt), self._record_greedy)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.session = SpecSession(target, drafter, cfg.sampling, gen, cfg.k, cfg.trace, self.collect,
+                                   plan.model.eos_token_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.session.done
+
+    def _record_greedy(self) -> list[int]:
+        """The replay drafter's recording: a plain greedy pass on the same target, untraced."""
+        traced = getattr(self.target, "traced", None)
+        if traced is not None:
+            self.target.traced = False
+        plain = SpecSession(self.target, NoDrafter(), SamplingParams(), torch.Generator(), 1, TraceSettings(),
+                            eos_ids=self.plan.model.eos_token_ids)
+        out = [plain.start(self.prompt, self.plan.cfg.max_new_tokens, self.plan.capacity)]
+        while not plain.done:
+            out.extend(plain.burst(RECORD_BURST))
+        if traced is not None:
+            self.target.traced = traced
+        return out
+
+    def start(self) -> int:
+        return self.session.start(self.prompt, self.plan.cfg.max_new_tokens, self.plan.capacity)
+
+    def burst(self, hook: Callable[[list[int]], None] | None = None) -> BurstOut:
+        toks = self.session.burst(self.plan.cfg.burst_rounds, hook)
+        rec, prof, log = self.collect.take()
+        return BurstOut(toks, self.session.done, rec, prof, log)
+
+    def finish(self) -> dict:
+        return self.session.stats.as_dict()
