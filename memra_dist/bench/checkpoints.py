@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from ..env import environment
+
 __all__ = ["SHAPES", "DRAFT_OF", "chain_perm", "HYBRID_OF", "shape_config", "bench_cache_dir", "ensure_checkpoint",
            "weight_bytes", "CKPT_VERSION"]
 
@@ -89,7 +91,7 @@ def shape_config(name: str) -> dict:
 
 
 def bench_cache_dir(override: str | None = None) -> Path:
-    base = override or os.environ.get("MEMRA_BENCH_CACHE") or os.path.join(
+    base = override or environment().bench_cache or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memra_dist", "bench")
     return Path(base)
 

@@ -4,14 +4,17 @@ RunConfig takes it as `graphs` ("on" | "off") + `compile`; ModelRunner as `graph
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..env import environment
 
 __all__ = ["resolve_graphs", "runner_kwargs", "config_kwargs", "graphs_status"]
 
-# the bench compiles the captured blocks unless told not to (MEMRA_BENCH_COMPILE=0)
-_COMPILE = os.environ.get("MEMRA_BENCH_COMPILE", "1") == "1"
+
+
+def _compile() -> bool:
+    """The bench compiles the captured blocks unless told not to (MEMRA_BENCH_COMPILE=0)."""
+    return environment().bench_compile
 
 
 WARM_ROWS = 9  # K up to 8: every verify row count captured before anything is timed
@@ -26,14 +29,14 @@ def resolve_graphs(flag: str, device: torch.device) -> bool:
 
 def runner_kwargs(on: bool) -> dict:
     """Keyword arguments for every ModelRunner the bench builds."""
-    return {"graphs": on, "compile": on and _COMPILE, "warm_rows": WARM_ROWS if on else 0}
+    return {"graphs": on, "compile": on and _compile(), "warm_rows": WARM_ROWS if on else 0}
 
 
 def config_kwargs(on: bool) -> dict:
     """Keyword arguments for every RunConfig the bench builds."""
-    return {"graphs": "on" if on else "off", "compile": on and _COMPILE}
+    return {"graphs": "on" if on else "off", "compile": on and _compile()}
 
 
 def graphs_status(on: bool) -> dict:
-    return {"requested": on, "active": on, "compile": on and _COMPILE,
-            "why": "CUDA graphs per row count + fused QKV/gate-up" + (" + torch.compile'd blocks" if on and _COMPILE else "")}
+    return {"requested": on, "active": on, "compile": on and _compile(),
+            "why": "CUDA graphs per row count + fused QKV/gate-up" + (" + torch.compile'd blocks" if on and _compile() else "")}

@@ -3,7 +3,6 @@ BENCHMARKS.md (only with --record), and the run's provenance (date, device, comm
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -133,8 +132,10 @@ def append_benchmarks(md: str, path: Path) -> None:
 
 
 def git_commit(root: Path) -> str:
-    if os.environ.get("MEMRA_COMMIT"):  # a copied tree without .git (the GPU machine)
-        return os.environ["MEMRA_COMMIT"]
+    from ..env import environment  # noqa: PLC0415
+
+    if environment().commit:  # a copied tree without .git (the GPU machine)
+        return environment().commit
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10).stdout.strip()

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 
 import torch
 
@@ -66,15 +65,19 @@ _loaded = False
 
 def reset() -> None:
     """Forget the env var and the import outcome (read again on the next call)."""
+    from ..env import environment  # noqa: PLC0415
+
     global _mode, _fla, _fla_error, _loaded
     _mode, _fla, _fla_error, _loaded = None, None, None, False
+    environment.cache_clear()
 
 
 def _env_mode() -> str:
     global _mode
     if _mode is None:
-        v = os.environ.get(ENV, "").strip().lower()
-        _mode = v if v in _MODES else "auto"
+        from ..env import environment  # noqa: PLC0415 (read once per process there)
+
+        _mode = environment().kda_kernels
     return _mode
 
 
