@@ -1,4 +1,4 @@
-"""`memra-dist bench`: one command, one run, every figure of issue 7 against its target.
+"""`memra-dist bench`: one command, one run, every speed figure against its target.
 
 One role per file: checkpoints (made on the machine), timing (sync, medians, copy bandwidth),
 roofline (pure formulas), fastpath (the one place the CUDA-graph switch is wired), runs
@@ -6,7 +6,9 @@ roofline (pure formulas), fastpath (the one place the CUDA-graph switch is wired
 measured), suite (order, budget, progress), report (targets, markdown), cli (argparse glue).
 """
 
-__all__ = ["add_bench_parser", "run_bench"]
+__all__ = ["add_bench_parser", "run_bench", "SECTIONS"]
+
+SECTIONS = ("bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid")  # in run order
 
 
 def add_bench_parser(sub) -> None:

@@ -8,10 +8,11 @@ import os
 import sys
 from pathlib import Path
 
+from . import SECTIONS
+
 __all__ = ["add_bench_parser", "run_bench"]
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (BENCHMARKS.md, git commit)
-SECTIONS = ("bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid")  # in run order
 
 
 def add_bench_parser(sub) -> None:

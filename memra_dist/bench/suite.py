@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import SECTIONS
+from . import SECTIONS
 from .checkpoints import DRAFT_OF, bench_cache_dir, ensure_checkpoint
 from .fastpath import graphs_status, resolve_graphs
 
