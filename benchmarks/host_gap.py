@@ -1,4 +1,4 @@
-"""Where does the time between two decode steps go? (issue 7: plain decode vs graph step rate)
+"""Where does the time between two decode steps go? (plain decode vs graph step rate)
 
 8B shape, bf16, compiled blocks inside CUDA graphs, 512 rows of context. Measures, per step:
   A  the graph replayed back to back (GPU time by events: the step's device cost);

@@ -200,7 +200,7 @@ def metrics_doc() -> str:
               + ", on the first-token histogram one of " + ", ".join(f"`{b}`" for b in TTFT_BUCKETS)
               + "; `memra.device` is `cuda0`, `cuda1`, ... or `cpu`.", "",
               f"Slow rounds: a round counts when its wall time is past {SLOW_FACTOR}x the median round wall time of "
-              "its burst (the sorted middle element, as the seed's summary takes it). The request-wide count "
+              "its burst (the sorted middle element, as the [spec-prof-summary] line takes it). The request-wide count "
               "stays on the `[spec-prof-summary]` line.", "",
               "Exemplars: with tracing on, histogram points carry the request's trace id, so a Grafana panel "
               "with exemplars links to the trace in Tempo.", "",

@@ -12,9 +12,11 @@ from .errors import UserError
 __all__ = ["main", "run", "build_parser"]
 
 EPILOG = """\
-environment:
-  MEMRA_SPEC_TRACE=1|2     trace level (MEMRA_GLM5_SPEC_TRACE is an alias); --trace-level beats it
+environment (read once per process; junk values are ignored, with one line saying so):
+  MEMRA_SPEC_TRACE=1|2     trace level; --trace-level beats it. MEMRA_GLM5_SPEC_TRACE is the same
+                           flag under the originating engine's name (the general name wins)
   MEMRA_SPEC_PROF=1        first-token profile + per-round depth log; --prof beats it
+  MEMRA_CACHE_DIR          where `demo` builds its tiny checkpoints once (default ~/.cache/memra_dist)
   OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL (grpc | http/protobuf),
   OTEL_EXPORTER_OTLP_HEADERS, OTEL_SERVICE_NAME   export spans over OTLP (standard SDK names);
                            with no endpoint, traced runs write a run directory (OTLP JSON + Perfetto)
@@ -32,14 +34,17 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     if not demo:
         p.add_argument("--model", required=True, metavar="DIR", help="HF checkpoint directory (config.json + *.safetensors + tokenizer.json)")
         p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=64 if not demo else 96, metavar="N", help="tokens to generate (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64 if not demo else 96, metavar="N",
+                   help="tokens to generate (default %(default)s); a model with fewer positions caps the "
+                        "request at its max_position_embeddings and says so on stderr")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1] (default 1 = off)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="top-k sampling (default 0 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--drafter", choices=["none", "ngram", "model", "replay"], default=None,
                    help="none = plain decoding; ngram = prompt lookup; model = a draft checkpoint; "
-                        "replay = BENCHMARKING TOOL: a recorded greedy continuation, corrupted at --replay-corrupt")
+                        "replay = BENCHMARKING TOOL: a recorded greedy continuation, corrupted at --replay-corrupt "
+                        "(default: model with --draft-model, else ngram)")
     p.add_argument("--draft-model", metavar="DIR", help="draft checkpoint (same vocabulary); implies --drafter model")
     p.add_argument("-k", type=int, default=4, help="drafted tokens per round (default 4)")
     p.add_argument("--replay-corrupt", type=float, default=0.2, metavar="R", help="replay drafter: per-token corruption rate")
@@ -58,8 +63,10 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--prof", action="store_true", default=None, help="first-token profile + per-round depth log (beats MEMRA_SPEC_PROF)")
     p.add_argument("--traceparent", metavar="TP", help="W3C traceparent to parent memra.request (or TRACEPARENT)")
     p.add_argument("--trace-content", action="store_true", help="put prompt and output text on the request span (off: never exported)")
-    p.add_argument("--run-dir", metavar="DIR", help="where traced runs without an OTLP endpoint write spans (default ./runs/<time>)")
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object: token_ids, text, stats")
+    p.add_argument("--run-dir", metavar="DIR", help="where traced runs without an OTLP endpoint write spans "
+                                                    "(default ./runs/<time>-<pid>; the path is printed)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object: token_ids, text, stats, "
+                                                       "run_dir (null when nothing was written), capped")
     p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus metrics on 127.0.0.1:N (0 = any free port)")
     p.add_argument("--metrics-hold", type=float, default=0.0, metavar="S",
                    help="keep the metrics endpoint up S seconds after the run, for a last scrape (default 0)")

@@ -121,7 +121,7 @@ def test_markdown_format(tmp_path):
     lines = md.splitlines()
     assert lines[0] == "### memra-dist bench · 2026-11-30 12:00 · NVIDIA H200 · commit abc1234 · shape 8b"
     assert "| figure | measured | target | status |" in lines
-    assert "| verify(5) / decode(1) step cost | 1.2 | <= 1.15 (issue 7) | miss |" in lines
+    assert "| verify(5) / decode(1) step cost | 1.2 | <= 1.15 | miss |" in lines
     assert any(ln.startswith("| copy bandwidth | 4.250 TB/s |") for ln in lines)
     assert any("KDA rollback 2.00 % of verify" in ln for ln in lines)
     assert md.rstrip().endswith(SPEC_FORMULA)
@@ -159,6 +159,7 @@ def test_bad_sections_is_one_line_exit_2():
                                              "(choose from bandwidth, steps, decode, trace, peer, pp, hybrid)"]
 
 
+@pytest.mark.slow  # the whole bench on tiny checkpoints
 def test_tiny_cpu_run_writes_every_key(tmp_path):
     md = REPO / "BENCHMARKS.md"
     before = md.read_text() if md.exists() else None
@@ -186,9 +187,9 @@ def test_tiny_cpu_run_writes_every_key(tmp_path):
     assert {r["target_acceptance"] for r in replay} == {0.6, 0.8, 0.9}
     assert {r["drafter"] for r in spec} == {"replay", "ngram", "model"}
     for r in spec:
-        if r["rounds"]:
-            for k in ("acceptance", "ideal_speedup", "achieved_speedup", "fraction_of_ideal"):
-                assert k in r, (r, k)
+        assert r["rounds"] > 0, r  # every speculative run ran rounds, so it has the speedup fields
+        for k in ("acceptance", "ideal_speedup", "achieved_speedup", "fraction_of_ideal"):
+            assert k in r, (r, k)
         assert not r.get("greedy_mismatch"), r
     assert set(res["trace"]["wall_s"]) == {"0", "1", "2"} and set(res["trace"]["overhead_pct"]) == {"1", "2"}
     assert res["peer"]["plain"]["tok_s"] > 0 and "memra_over_transformers" in res["peer"]
@@ -199,6 +200,7 @@ def test_tiny_cpu_run_writes_every_key(tmp_path):
     assert p.stdout.startswith("### memra-dist bench")
 
 
+@pytest.mark.slow  # a local Ray (gloo)
 def test_pp_section_on_cpu_checks_greedy_ids(tmp_path):
     """--sections pp forces the pipeline section on the CPU (gloo, a local Ray): the hop, and
     pp=2 against this run's plain decode, tok/s and greedy ids."""

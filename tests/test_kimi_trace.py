@@ -109,7 +109,7 @@ def test_level2_hybrid_sub_spans_and_line():
     assert tags == ["[spec-phase]", "[spec-phase-v]"] * -(-rounds_n // BURST)
     for vkda, scan, vmla, vattn, vrest, vffn in _v_lines(text):
         assert vkda > 0 and vmla > 0 and scan > 0 and vffn > 0 and vattn == 0
-        assert vffn <= vrest  # the seed's vrest (verify - vkda - vmla) holds the ffn share
+        assert vffn <= vrest  # vrest (verify - vkda - vmla) holds the ffn share
     summary = [ln for ln in text.splitlines() if ln.startswith("[spec-prof-summary]")]
     assert len(summary) == 1 and "seq_rows_total=0 " in summary[0]
 

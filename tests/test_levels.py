@@ -1,4 +1,4 @@
-"""Trace level resolution (the seed's `level_resolution_honors_both_names_general_wins`), the
+"""Trace level resolution (both names honoured, the general name wins), the
 loud override line, env read once per process, flags beat the environment."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from memra_dist.phase.levels import (ENV_PROF, ENV_TRACE, ENV_TRACE_ALIAS, TraceSettings, parse_level,
                                      trace_level_from)
 
-# every assertion of the seed's test, in order: (general, alias) -> level
+# (general, alias) -> level, the resolution table of docs/seed-names.md
 SEED_CASES = [
     (None, None, 0),
     ("x", None, 0),

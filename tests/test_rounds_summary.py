@@ -1,5 +1,5 @@
-"""Pure parts of the phase instruments: the round log's summary (hand-computed, the seed's
-`SpecRoundsLog::summary`), the stderr line shapes, and record -> span conversion."""
+"""Pure parts of the phase instruments: the round log's summary (hand-computed,
+field by field), the stderr line shapes, and record -> span conversion."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ their place (same contract, same snapshot ring; MEMRA_KDA_KERNELS=torch forces t
 Verify rows and the depth log's `seq_rows` (decided here): a verify of K+1 rows is ONE mixer
 call: the projections, the short conv, the gates and the output norm run batched over all
 rows; only the delta-rule recurrence inside `kda_recurrent` walks the rows in order, and that
-is the seed's "scan = the sequential KDA chain inside the batched call", timed as the scan
+is what the level-2 "scan" bucket means (the sequential KDA chain inside the batched call), timed as the scan
 share of vkda (`memra.scan_ms`). It is not a per-row ARM: no layer falls back to running the
 verify rows through the mixer one call per row, so KDA adds nothing to `ctx.timer.seq_rows`
 (nor do MLA, whose absorbed and expanded arms both take all rows at once, or MoE). A future

@@ -1,1 +1,1 @@
-"""The seed's phase semantics: levels + env, the phase clock, records, round log, lines."""
+"""Phase semantics: trace levels, the phase clock, records, the round log, the stderr lines."""

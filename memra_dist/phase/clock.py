@@ -8,8 +8,8 @@ Which streams each boundary drains (and why that bounds the phase):
 - draft: the drafter runs on the head's device, so the head drain bounds it.
 - verify: at pp>1 the head's verify walk ends by receiving the last stage's hidden rows and
   running the lm_head on them; the receive cannot complete before every stage's forward
-  has, so the head's terminal drain covers all stage streams TRANSITIVELY (the seed's
-  argument). No stage is drained directly from here.
+  has, so the head's terminal drain covers all stage streams TRANSITIVELY. No stage is
+  drained directly from here.
 - accept: host + head-device work (argmax / rejection sampling + readback): head drain.
 - rollback: the head's cache rollback (a length change; KDA layers restore a snapshot on
   the head's device): head drain. At pp>1 no message goes to the stages: each stage rolls

@@ -1,5 +1,5 @@
-"""The once-per-request first-token profile (`MEMRA_SPEC_PROF=1`): the seed's
-SpecFirstTokenProf buckets that this engine's route runs, each a wall interval bounded by
+"""The once-per-request first-token profile (`MEMRA_SPEC_PROF=1`): the
+buckets between the session's start and the first streamed token that this engine's route runs, each a wall interval bounded by
 stream drains on both sides (device-inclusive, additive). A bucket the route never runs
 stays 0.0 (e.g. `capture`: there is no prompt-boundary prefix capture here)."""
 

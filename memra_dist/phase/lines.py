@@ -1,4 +1,4 @@
-"""The seed's stderr line shapes, kept exactly so existing grep habits keep working."""
+"""The stderr line shapes, kept stable so scripts that grep them keep working."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def sub_totals(b: BurstRecord) -> dict[str, int]:
 
 
 def phase_v_line(b: BurstRecord, tag: str = TAGS["phase_v"]) -> str | None:
-    """vkda (scan), vmla, vrest (vffn) as in the seed; a model with GQA attention layers gets
+    """vkda (scan), vmla, vrest (vffn); a model with GQA attention layers gets
     its class under its own name (vattn), and the classes it lacks print 0."""
     if b.n == 0:
         return None

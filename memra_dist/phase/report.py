@@ -1,4 +1,4 @@
-"""Session sinks: the seed's stderr lines, and a fan-out to several sinks (lines + spans)."""
+"""Session sinks: the stderr phase lines, and a fan-out to several sinks (lines + spans)."""
 
 from __future__ import annotations
 

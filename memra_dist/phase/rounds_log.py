@@ -1,5 +1,5 @@
 """The per-round depth log (`MEMRA_SPEC_PROF=1`, first 64 rounds) and its one-line summary,
-equal in content to the seed's `SpecRoundsLog::summary`."""
+(docs/seed-names.md gives the originating engine's names for both)."""
 
 from __future__ import annotations
 

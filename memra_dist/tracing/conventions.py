@@ -29,7 +29,7 @@ VERIFY_SUB_SPANS = {
     "rest": "spec.verify.rest",  # verify minus the mixer buckets
 }
 SPAN_FIRST_TOKEN = "memra.first_token"
-# the seed's SpecFirstTokenProf buckets (ms); a bucket the route never runs is 0.0
+# first-token profile buckets (ms; docs/seed-names.md maps them); a bucket the route never runs is 0.0
 TTFT_BUCKETS = (
     "cache_alloc", "prime", "capture", "anchor", "draft_alloc", "draft_prime",
     "first_draft", "first_verify", "first_accept", "first_roll", "first_maint",
@@ -115,7 +115,7 @@ METRIC_META = {
 SPANMETRICS_NAMESPACE = "traces.span.metrics"
 SPANMETRICS = {"duration": SPANMETRICS_NAMESPACE + ".duration", "calls": SPANMETRICS_NAMESPACE + ".calls"}
 
-# ---- stderr line tags (the seed's grep shapes) ----
+# ---- stderr line tags (stable: scripts grep for them) ----
 TAGS = {
     "phase": "spec-phase",
     "phase_v": "spec-phase-v",

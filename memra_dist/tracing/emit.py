@@ -27,7 +27,7 @@ def verify_sub_layout(r: RoundRecord) -> list[tuple[str, int, dict]]:
     """(bucket, ns, extra attrs) for the level-2 sub-spans, laid end to end inside the verify
     span in a fixed order. They are drained SHARES of the verify walk (per-layer laps summed
     by class), not intervals: `rest` = verify - kda - mla - attn - ffn, so the sub-spans never
-    sum past their parent. (The [spec-phase-v] line keeps the seed's vrest, which includes ffn.)"""
+    sum past their parent. (The [spec-phase-v] line's vrest includes ffn: it prints vffn inside it.)"""
     v = r.phase_ns(1)
     s = r.sub_ns
     out = []

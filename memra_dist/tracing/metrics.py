@@ -7,7 +7,7 @@ the traces' settings: an OTLP metric exporter when `OTEL_EXPORTER_OTLP_ENDPOINT`
 on request, a Prometheus scrape endpoint bound to 127.0.0.1.
 
 Slow rounds: a round is slow when its wall time is past 1.5x the median round wall time of ITS
-BURST (the median as the seed's summary takes it: the sorted middle element). The sink sees
+BURST (the median as the [spec-prof-summary] line takes it: the sorted middle element). The sink sees
 one burst at a time, so the burst is the window; the request-wide figure stays on the
 `[spec-prof-summary]` line.
 """
@@ -74,7 +74,7 @@ def _instruments(meter: Meter) -> dict:
 
 
 def slow_count(walls_ns: list[int], factor: float = SLOW_FACTOR) -> int:
-    """Rounds past `factor` x the median (sorted middle element, as the seed's summary)."""
+    """Rounds past `factor` x the median (sorted middle element, as the [spec-prof-summary] line)."""
     if not walls_ns:
         return 0
     med = sorted(walls_ns)[len(walls_ns) // 2]

@@ -112,7 +112,7 @@ def render() -> str:
             f"| `{C.RESOURCE['service']}` | `OTEL_SERVICE_NAME`, default `{C.SERVICE_NAME_DEFAULT}` |",
             f"| `{C.RESOURCE['role']}` | {' / '.join(C.ROLES)} |",
             f"| `{C.RESOURCE['host']}` | the host name |", f"| `{C.RESOURCE['pid']}` | the process id |",
-            "", "## Stderr lines (the seed's shapes)", "",
+            "", "## Stderr lines (stable shapes)", "",
             "`[spec-phase]` per burst at level >= 1; `[spec-phase-v]` per burst at level 2 (vrest = verify",
             "minus the mixer buckets, vffn printed inside it, a class the model lacks prints 0);",
             "`[spec-prof]` once per request, `[spec-prof-rounds]` rows for the first 64 rounds and one",
