@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import math
 import re
+import time
+import tracemalloc
+from datetime import timedelta
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from memra_dist.pipeline.partition import partition
@@ -215,9 +218,24 @@ _JUNK = st.recursive(
     | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=6)
+# sizes near and far past the limits: the values that once built per-layer lists of 10^8+ entries
+_HUGE = st.sampled_from([10**8, 2**31, 2**40, 2**63, 2**70, -(2**40), 0, -1]) | st.integers(1 << 12, 1 << 64)
 _KEYS = ["model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
          "intermediate_size", "num_hidden_layers", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
          "eos_token_id", "max_position_embeddings", "attention_bias", "tie_word_embeddings"]
+_KIMI_BASE = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128,
+              "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 4, "kv_lora_rank": 16,
+              "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "num_experts": 8,
+              "num_experts_per_token": 2, "num_expert_group": 2, "topk_group": 1, "num_shared_experts": 1,
+              "linear_attn_config": {"num_heads": 4, "head_dim": 8, "short_conv_kernel_size": 4,
+                                     "kda_layers": [1, 3, 4], "full_attn_layers": [2]}}
+_KIMI_KEYS = _KEYS + ["moe_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                      "v_head_dim", "num_experts", "num_experts_per_token", "num_expert_group", "topk_group",
+                      "num_shared_experts", "first_k_dense_replace", "linear_attn_config", "layer_types",
+                      "mlp_layer_types", "model_max_length"]
+# parsing one config: time per example (hypothesis deadline) and Python allocations (tracemalloc)
+PARSE_DEADLINE = timedelta(seconds=1)
+PARSE_PEAK_BYTES = 16 << 20
 
 
 @st.composite
@@ -225,25 +243,66 @@ def junk_config(draw):
     kind = draw(st.integers(0, 2))
     if kind == 0:  # not even an object
         return draw(_JUNK)
-    d = dict(_BASE, model_type=draw(st.sampled_from(["llama", "qwen2", "qwen3", "kimi_linear"])))
-    for key in draw(st.lists(st.sampled_from(_KEYS), min_size=1, max_size=4, unique=True)):
-        if draw(st.booleans()):
+    arch = draw(st.sampled_from(["llama", "qwen2", "qwen3", "kimi_linear"]))
+    kimi = arch == "kimi_linear" and draw(st.booleans())  # half the kimi cases start complete
+    d = dict(_KIMI_BASE if kimi else _BASE, model_type=arch)
+    for key in draw(st.lists(st.sampled_from(_KIMI_KEYS if kimi else _KEYS), min_size=1, max_size=4, unique=True)):
+        how = draw(st.integers(0, 2))
+        if how == 0:
             d[key] = draw(_JUNK)
+        elif how == 1:
+            d[key] = draw(_HUGE)
         else:
             d.pop(key, None)
     return d
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None)
-@given(junk_config())
-def test_junk_configs_raise_user_error_only(d):
+def _parse_bounded(d):
+    """parse_config(d) under tracemalloc: (the config or the UserError, peak bytes)."""
+    tracemalloc.start()
     try:
-        c = parse_config(d, where="junk")
-    except UserError as e:
-        assert "\n" not in str(e) and str(e)
+        try:
+            got = parse_config(d, where="junk")
+        except UserError as e:
+            got = e
+        return got, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+_K = dict(_KIMI_BASE, model_type="kimi_linear")
+HUGE_EXAMPLES = [dict(_K, num_hidden_layers=10**8), dict(_K, num_hidden_layers=2**40),
+                 dict(_BASE, model_type="kimi_linear", num_hidden_layers=2**40),
+                 dict(_BASE, model_type="llama", num_hidden_layers=2**40), dict(_K, vocab_size=2**40),
+                 dict(_BASE, model_type="qwen2", vocab_size=10**12), dict(_K, num_experts=2**40),
+                 dict(_K, layer_types=["linear_attention"] * 2**10), dict(_K, first_k_dense_replace=2**40),
+                 dict(_K, linear_attn_config={"num_heads": 2**40, "head_dim": 8})]
+
+
+@settings(max_examples=400, deadline=PARSE_DEADLINE, derandomize=True, database=None)
+@given(junk_config())
+@example(HUGE_EXAMPLES[0])
+@example(HUGE_EXAMPLES[1])
+@example(HUGE_EXAMPLES[4])
+def test_junk_configs_raise_user_error_only(d):
+    got, peak = _parse_bounded(d)
+    assert peak < PARSE_PEAK_BYTES, f"parsing allocated {peak} bytes"
+    if isinstance(got, UserError):
+        assert "\n" not in str(got) and str(got)
         return
     # whatever parses is usable: positive sizes
+    c = got
     assert c.hidden_size > 0 and c.num_heads > 0 and c.num_layers > 0 and c.vocab_size > 0 and c.head_dim > 0
+
+
+@pytest.mark.parametrize("d", HUGE_EXAMPLES, ids=range(len(HUGE_EXAMPLES)))
+def test_huge_sizes_raise_user_error_fast(d):
+    t0 = time.perf_counter()
+    got, peak = _parse_bounded(d)
+    wall = time.perf_counter() - t0
+    assert isinstance(got, UserError), got
+    assert "\n" not in str(got)
+    assert wall < 0.5 and peak < PARSE_PEAK_BYTES, (wall, peak)
 
 
 # ---- round-log summary ----------------------------------------------------------------

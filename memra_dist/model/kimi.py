@@ -1,7 +1,7 @@
 """The kimi_linear family: KDA or MLA mixer per layer, dense SwiGLU or MoE FFN per layer.
 
-Importing this module registers the family with the transformer (`register_family`) and its
-original-layout checkpoint names with the loader (`register_checkpoint_names`). The
+transformer.py maps the family to these two factories; the loader reads its original-layout
+checkpoint names through kimi_names.py. This module imports neither (no import cycle). The
 per-layer choices come from `KimiSpec` (kimi_config.py): `layer_types` (or linear_attn_config
 kda_layers / full_attn_layers) and `mlp_layer_types` (or first_k_dense_replace).
 """
@@ -13,12 +13,9 @@ from torch import nn
 from .config import ModelConfig
 from .kda import KDA
 from .kimi_config import DENSE, FULL, KimiSpec
-from .kimi_names import checkpoint_tensor
 from .layers import SwiGLU
-from .loader import register_checkpoint_names
 from .mla import MLA
 from .moe import MoE
-from .transformer import register_family
 
 __all__ = ["kimi_mixer", "kimi_ffn"]
 
@@ -34,6 +31,3 @@ def kimi_ffn(cfg: ModelConfig, idx: int) -> nn.Module:
         return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
     return MoE(cfg, spec)
 
-
-register_family("kimi_linear", kimi_mixer, kimi_ffn)
-register_checkpoint_names("kimi_linear", checkpoint_tensor)

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from ..errors import UserError
 from .config import ModelConfig, load_config
+from .kimi_names import checkpoint_tensor
 from .transformer import Stage
 
 __all__ = ["CheckpointReader", "load_stage", "hf_name", "FP32_KEYS", "register_checkpoint_names"]
@@ -25,8 +26,10 @@ FP32_KEYS = ("dt_bias", "A_log", "e_score_correction_bias", "mlp.gate.weight")
 
 
 # family -> (reader, hf name) -> tensor | None: the family's other checkpoint layouts, asked
-# only for names missing from the checkpoint (kimi_linear: model/kimi_names.py)
-_NAME_HOOKS: dict[str, Callable[["CheckpointReader", str], torch.Tensor | None]] = {}
+# only for names missing from the checkpoint
+_NAME_HOOKS: dict[str, Callable[["CheckpointReader", str], torch.Tensor | None]] = {
+    "kimi_linear": checkpoint_tensor,  # Moonshot's original layout (model/kimi_names.py)
+}
 
 
 def register_checkpoint_names(arch: str, hook: Callable[["CheckpointReader", str], torch.Tensor | None]) -> None:

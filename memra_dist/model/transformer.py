@@ -16,6 +16,7 @@ from torch import nn
 from ..cache import StageCache
 from .attention import Attention, causal_mask
 from .config import ModelConfig
+from .kimi import kimi_ffn, kimi_mixer
 from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_rows
 
 __all__ = ["Block", "Stage", "StepCtx", "register_family"]
@@ -48,11 +49,10 @@ def _dense_ffn(cfg: ModelConfig, i: int) -> nn.Module:
 
 for _n in ("llama", "qwen2", "qwen3"):
     register_family(_n, lambda cfg, i: Attention(cfg), _dense_ffn)
+register_family("kimi_linear", kimi_mixer, kimi_ffn)
 
 
 def _family(arch: str) -> tuple[Callable, Callable]:
-    if arch not in _FAMILIES and arch == "kimi_linear":
-        from . import kimi  # noqa: F401,PLC0415 (registers the family on import)
     return _FAMILIES[arch]
 
 
