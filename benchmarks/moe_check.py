@@ -12,7 +12,8 @@ import torch
 
 from memra_dist.bench.checkpoints import shape_config
 from memra_dist.bench.timing import time_call
-from memra_dist.model.kimi_config import KimiSpec, parse_kimi_config
+from memra_dist.model.config import parse_kimi_config
+from memra_dist.model.kimi_config import KimiSpec
 from memra_dist.model.moe import MoE
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")

@@ -13,10 +13,10 @@ import sys
 from contextlib import contextmanager
 
 from .config import RunConfig
+from .env import trace_settings
 from .errors import UserError
 from .model.config import load_config
 from .model.tokenizer import StreamDecoder, load_tokenizer
-from .phase.levels import resolve
 from .phase.report import FanOut, LineSink
 from .phase.share import ShareTable
 from .plan import RequestPlan, plan_request
@@ -38,7 +38,7 @@ def _bounds(s: str | None) -> tuple[int, ...] | None:
 
 
 def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
-    trace = resolve(args.trace_level, args.prof)
+    trace = trace_settings(args.trace_level, args.prof)
     drafter = args.drafter or ("model" if draft_model else "ngram")
     return RunConfig(
         model=model, drafter=drafter, draft_model=draft_model, k=args.k,

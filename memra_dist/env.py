@@ -28,9 +28,9 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .phase.levels import ENV_PROF, ENV_TRACE, ENV_TRACE_ALIAS, parse_level, prof_from, trace_level_from
+from .phase.levels import ENV_PROF, ENV_TRACE, ENV_TRACE_ALIAS, TraceSettings, parse_level, prof_from, trace_level_from
 
-__all__ = ["Env", "environment", "VARIABLES"]
+__all__ = ["Env", "environment", "trace_settings", "VARIABLES"]
 
 VARIABLES = (ENV_TRACE, ENV_TRACE_ALIAS, ENV_PROF, "MEMRA_CACHE_DIR", "MEMRA_FLUSH_TIMEOUT_S",
              "MEMRA_PG_TIMEOUT_S", "MEMRA_KDA_KERNELS", "MEMRA_BENCH_CACHE", "MEMRA_BENCH_COMPILE", "MEMRA_COMMIT")
@@ -90,3 +90,10 @@ def environment() -> Env:
                pg_timeout_s=_seconds("MEMRA_PG_TIMEOUT_S", 60.0), kda_kernels=_kda(),
                bench_cache=e.get("MEMRA_BENCH_CACHE") or None, bench_compile=e.get("MEMRA_BENCH_COMPILE", "1") == "1",
                commit=e.get("MEMRA_COMMIT") or None)
+
+
+def trace_settings(flag_level: int | None = None, flag_prof: bool | None = None) -> TraceSettings:
+    """CLI flags beat the environment; an unset flag falls back to it."""
+    env = environment()
+    return TraceSettings(level=env.trace_level if flag_level is None else flag_level,
+                         prof=env.prof if flag_prof is None else flag_prof)

@@ -278,9 +278,7 @@ PKG_ROOT = Path(__file__).resolve().parent.parent / "memra_dist"
 
 # Cycles outside the config / loader modules, through function-local imports, still to be
 # broken by their owners; each entry is the cycle's set of modules.
-KNOWN_ELSEWHERE: list[frozenset[str]] = [
-    frozenset({"memra_dist.env", "memra_dist.phase.levels"}),
-]
+KNOWN_ELSEWHERE: list[frozenset[str]] = []
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

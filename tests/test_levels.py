@@ -73,7 +73,7 @@ os.environ["MEMRA_SPEC_TRACE"] = "2"; os.environ["MEMRA_GLM5_SPEC_TRACE"] = "1";
 b = env.environment()
 print(a.trace_level, int(a.prof), b.trace_level, int(b.prof))
 for flag_level, flag_prof in ((None, None), (0, None), (2, False), (1, True)):
-    s = levels.resolve(flag_level, flag_prof)
+    s = env.trace_settings(flag_level, flag_prof)
     print(s.level, int(s.prof))
 """
 
@@ -100,7 +100,7 @@ def test_env_read_once_and_flags_beat_it(env, level, prof, loud, ignored):
     # the first read decides; changing the environment afterwards is not seen (and the
     # second call does not print the loud line again)
     assert out[0] == f"{level} {prof} {level} {prof}"
-    # resolve(): unset flags fall back to the env, set flags win
+    # trace_settings(): unset flags fall back to the env, set flags win
     assert out[1] == f"{level} {prof}"
     assert out[2] == f"0 {prof}"
     assert out[3] == "2 0"

@@ -1,6 +1,6 @@
-"""Trace level and profile flag: the pure rules (names, parsing, which one wins) and the
-resolution of CLI flags over the environment. The environment itself is read once per
-process in memra_dist/env.py."""
+"""Trace level and profile flag: the pure rules (names, parsing, which one wins). The
+environment itself is read once per process in memra_dist/env.py, which also resolves CLI
+flags over it (`env.trace_settings`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 
 __all__ = ["ENV_TRACE", "ENV_TRACE_ALIAS", "ENV_PROF", "TraceSettings", "parse_level",
-           "trace_level_from", "prof_from", "resolve"]
+           "trace_level_from", "prof_from"]
 
 ENV_TRACE = "MEMRA_SPEC_TRACE"  # 1 = per-burst phase lines, 2 = + the verify sub-split
 ENV_TRACE_ALIAS = "MEMRA_GLM5_SPEC_TRACE"  # the originating engine's name for it (docs/seed-names.md)
@@ -63,14 +63,3 @@ def prof_from(raw: str | None, warn=None) -> bool:
     if raw not in (None, "", "0"):
         (warn or _stderr)(f"[spec-prof] ignoring {ENV_PROF}={raw!r} (expected 1; junk means off)")
     return False
-
-
-def resolve(flag_level: int | None = None, flag_prof: bool | None = None) -> TraceSettings:
-    """CLI flags beat the environment; an unset flag falls back to it."""
-    from ..env import environment  # noqa: PLC0415 (env.py imports this module's rules)
-
-    env = environment()
-    return TraceSettings(
-        level=env.trace_level if flag_level is None else flag_level,
-        prof=env.prof if flag_prof is None else flag_prof,
-    )
