@@ -37,6 +37,23 @@ def save_hf(path, arch: str, seed: int = 0, **kw):
     return path, model
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow: Ray, job-submit, hypothesis and other tests over ~5 s; the quick tier is "
+        "`pytest -m \"not slow\"` (under 3 minutes on 2 cores), CI runs everything")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that start the module's local Ray (the `ray_local` fixture) and hypothesis
+    property tests (hundreds of examples each) are slow wherever they are."""
+    for item in items:
+        ray = "ray_local" in getattr(item, "fixturenames", ())
+        prop = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
+        if ray or prop:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory):
     cache = {}

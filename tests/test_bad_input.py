@@ -212,6 +212,7 @@ def _said_once_ignored(err: str, junk: str) -> None:
     assert "[spec-phase]" not in err
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_junk_spec_trace_is_off_subprocess(llama, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "MEMRA_", "TRACEPARENT"))}
     env["MEMRA_SPEC_TRACE"] = "verbose"

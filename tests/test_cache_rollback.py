@@ -103,3 +103,35 @@ def test_rollback_bounds(llama):
         a.rollback(-1)
     a.rollback(0)
     assert a.length == 0
+
+
+def test_session_leaves_the_committed_length_after_every_round(llama):
+    """In a speculative session with full, partial and zero accepts, the target cache holds
+    exactly the committed rows after every round: every token but the pending last one
+    (len(tokens) - 1), never the verify's rejected rows (which positions alone would mask on
+    an attention cache)."""
+    from memra_dist.phase.levels import TraceSettings
+    from memra_dist.specdec.drafters.replay import ReplayDrafter
+    from memra_dist.specdec.sampling import SamplingParams
+    from memra_dist.specdec.session import SpecSession
+
+    prompt, n_new = [5, 6, 7, 8, 9, 5, 6, 7], 30
+    ref = _runner(llama)
+    seq = list(prompt)
+    for _ in range(n_new):  # plain greedy by full prefills: the recording the drafter replays
+        seq.append(int(ref.forward(torch.tensor(seq), 0)[-1].argmax()))
+    target = ModelRunner(llama, CPU, F32, max_pos=64)
+    drafter = ReplayDrafter(seq[len(prompt):], len(prompt), 128, corrupt=0.3, seed=1)
+    s = SpecSession(target, drafter, SamplingParams(), torch.Generator().manual_seed(0), 4,
+                    TraceSettings(level=0))
+    out = [s.start(prompt, n_new, CAP)]
+    assert target.length == len(prompt)
+    kinds = set()
+    while not s.done:
+        drafted, accepted = s.stats.drafted, s.stats.accepted
+        out += s.burst(1)
+        k, j = s.stats.drafted - drafted, s.stats.accepted - accepted
+        kinds.add("none" if j == 0 else "all" if j == k else "some")
+        assert target.length == target.cache.length == len(s.tokens) - 1, (k, j)
+    assert out == seq[len(prompt):]
+    assert kinds == {"none", "some", "all"}, kinds

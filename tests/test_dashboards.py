@@ -97,8 +97,9 @@ def _check_traceql(q: str) -> None:
 # ---- tests ----
 
 def test_generated_files_are_fresh():
-    mod = _generate_module()
-    for path, text in mod.render().items():
+    files = _generate_module().render()
+    assert files, "the generator renders no file"
+    for path, text in files.items():
         assert path.exists(), f"{path} missing: run python dashboards/generate.py"
         assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: run python dashboards/generate.py"
 

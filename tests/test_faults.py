@@ -120,6 +120,7 @@ def _assert_not_hostage(p, wall, baseline):
     assert wall <= base_wall + 2 * FLUSH_S + 4.0, (wall, base_wall)
 
 
+@pytest.mark.slow  # a CLI subprocess run (+ the baseline run)
 def test_collector_down_run_completes_and_exits_in_bound(llama, baseline, tmp_path):
     env = _env(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
     p, wall = _run(_argv(llama, "--json", "--trace-level", "1"), env, tmp_path)  # OTLP timeout left at 10 s
@@ -127,6 +128,7 @@ def test_collector_down_run_completes_and_exits_in_bound(llama, baseline, tmp_pa
     assert not (tmp_path / "runs").exists()  # an endpoint was configured: no run directory
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_collector_down_over_http_protobuf(llama, baseline, tmp_path):
     env = _env(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{_closed_port()}",
                OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf")
@@ -134,6 +136,7 @@ def test_collector_down_over_http_protobuf(llama, baseline, tmp_path):
     _assert_not_hostage(p, wall, baseline)
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_collector_stalling_run_completes_and_exits_in_bound(llama, baseline, tmp_path):
     with _Stall() as rx:
         env = _env(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rx.port}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
@@ -310,9 +313,9 @@ def test_cli_stage_killed_flushes_driver_spans(llama, tmp_path):
 # ---- 3. interrupts ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sig, pp", [(signal.SIGINT, 1), (signal.SIGTERM, 1),
-                                     pytest.param(signal.SIGINT, 2, marks=pytest.mark.slow),  # its own Ray
-                                     pytest.param(signal.SIGTERM, 2, marks=pytest.mark.slow)],
+@pytest.mark.slow  # CLI subprocess runs (pp=2: its own Ray)
+@pytest.mark.parametrize("sig, pp", [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2),
+                                     (signal.SIGTERM, 2)],
                          ids=["sigint-pp1", "sigterm-pp1", "sigint-pp2", "sigterm-pp2"])
 def test_interrupt_flushes_and_leaves_no_process(llama, tmp_path, sig, pp):
     run_dir = tmp_path / "run"
@@ -376,6 +379,7 @@ def test_planned_bytes_is_what_alloc_takes(llama):
     assert planned == r.cache.nbytes() == 4 * 2 * 64 * 2 * 8 * 4  # layers, K+V, rows, kv heads, head_dim, fp32
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_cache_beyond_free_memory_refused_before_allocating(wide, tmp_path):
     per_row = 16 * 2 * 64 * 4 * 4  # layers * (K, V) * kv heads * head_dim * fp32
     ctx = 2 * _mem_available() // per_row + 1
@@ -465,6 +469,7 @@ def test_kill9_during_write_never_leaves_a_truncated_file(tmp_path):
     assert mid_write >= 1, "no kill landed inside a write: the test exercised nothing"
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_kill9_of_a_traced_run_leaves_complete_files_or_none(llama, tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen(_argv(llama, "--trace-level", "1", "--burst-rounds", "2", "--drafter", "none",

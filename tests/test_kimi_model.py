@@ -205,6 +205,36 @@ def test_kda_rollback_limits(monkeypatch):
     close(r.forward(ids[:4], 0), ref[:4])
 
 
+@pytest.mark.parametrize("splits", [(8, 20), (20,)])  # two forwards; one prefill with a chunked head
+def test_kda_rollback_to_the_lowest_restorable_length(monkeypatch, splits):
+    """With an R-row ring, the rows of the latest forwards leave lengths [end - R, end]
+    restorable: a rollback to exactly end - R is allowed and restores the state a fresh
+    prefill of that many rows ends in; one row lower is refused."""
+    R = 16
+    monkeypatch.setattr(kda_mod, "RECURRENT_MAX_ROWS", R)
+    _, _, ids, ref = checkpoint("kda_only")
+    r = runner("kda_only")
+    start = 0
+    for end in splits:
+        r.forward(ids[start:end], start)
+        start = end
+    lo = start - R
+    states = _kda_states(r)
+    assert states and all(s.lo == lo for s in states.values())
+    with pytest.raises(ValueError, match="cannot roll back"):
+        r.rollback(lo - 1)
+    r.rollback(lo)
+    assert r.length == lo
+    fresh = runner("kda_only")
+    fresh.forward(ids[:lo], 0)
+    want = _kda_states(fresh)
+    for i, s in states.items():
+        assert s.length == want[i].length == lo
+        close(s.S, want[i].S, 1e-5)
+        close(s.conv, want[i].conv, 1e-5)
+    close(r.forward(ids[lo:20], lo), ref[lo:20])
+
+
 def test_timer_brackets_the_scan():
     _, _, ids, ref = checkpoint("kda3_mla1")
     r = runner("kda3_mla1")

@@ -152,6 +152,7 @@ def test_layer_range_reads_only_its_tensors_and_chains(ckpt, monkeypatch):
     torch.testing.assert_close(b.forward(a.forward(ids[:1], 9), 9), whole.forward(ids[:1], 9), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # a CLI subprocess run per architecture
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_cli_greedy_equals_transformers_generate(arch, ckpt_factory):
     d, model = ckpt_factory(arch)

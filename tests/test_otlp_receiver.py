@@ -43,6 +43,7 @@ def _has_request(spans):
     return any(s.name == "memra.request" for s in spans)
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_level2_run_arrives_over_otlp_grpc_in_one_trace(llama, tmp_path):
     with OTLPReceiver() as rx:
         out = generate(llama, tmp_path, {**rx.env(), "OTEL_SERVICE_NAME": "memra-otlp-test"}, "--trace-level", "2")
@@ -68,6 +69,7 @@ def test_level2_run_arrives_over_otlp_grpc_in_one_trace(llama, tmp_path):
     assert not (tmp_path / "runs").exists()  # with an endpoint, no run directory
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_traceparent_parents_the_request_and_headers_are_sent(llama, tmp_path):
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     with OTLPReceiver(required_headers={"x-memra-token": "s3cret"}) as rx:

@@ -22,8 +22,9 @@ from memra_dist.tracing.metrics import prometheus_name
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no `prometheus` binary on PATH "
-                                "(install it with .ci/prometheus.sh, i.e. apt-get install prometheus)")
+pytestmark = [pytest.mark.slow,  # a Prometheus server scraping a traced CLI run
+              pytest.mark.skipif(PROMETHEUS is None, reason="no `prometheus` binary on PATH "
+                                 "(install it with .ci/prometheus.sh, i.e. apt-get install prometheus)")]
 
 
 def _free_port() -> int:

@@ -160,6 +160,7 @@ def _runner(d, cap=64):
     return ModelRunner(d, CPU, F32, max_pos=cap)
 
 
+@pytest.mark.slow  # 1000 sampled sessions per case
 @pytest.mark.parametrize("drafter_name, sp", [
     ("model", SamplingParams(temperature=1.0)),
     ("replay", SamplingParams(temperature=0.8, top_k=10)),
@@ -184,6 +185,7 @@ def test_speculative_samples_follow_target(tiny_pair, drafter_name, sp):
     assert_matches(counts[2], m3, "token 3", tv_tol=0.08)
 
 
+@pytest.mark.slow  # 400 sampled sessions
 def test_session_distribution_test_has_power(tiny_pair, monkeypatch):
     """The same session test with acceptance replaced by 'accept every draft' must fail:
     the outputs then follow the draft model, not the target."""

@@ -102,6 +102,7 @@ def _has_request(spans):
     return any(s.name == "memra.request" for s in spans)
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_otlp_tls_with_required_auth_header(llama, tls_cert, tmp_path):
     cert, key = tls_cert
     with TLSReceiver(cert, key, required_headers={"authorization": f"Bearer {TOKEN}"}) as rx:
@@ -118,6 +119,7 @@ def test_otlp_tls_with_required_auth_header(llama, tls_cert, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_otlp_tls_without_the_header_is_refused_and_counted(llama, tls_cert, tmp_path):
     cert, key = tls_cert
     with TLSReceiver(cert, key, required_headers={"authorization": f"Bearer {TOKEN}"}) as rx:
@@ -130,6 +132,7 @@ def test_otlp_tls_without_the_header_is_refused_and_counted(llama, tls_cert, tmp
     assert len(lost) == 1, p.stderr[-2000:]
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_otlp_tls_with_an_untrusted_certificate_sends_nothing(llama, tls_cert, tmp_path):
     """No OTEL_EXPORTER_OTLP_CERTIFICATE: the system roots do not trust the self-signed cert,
     so the exporter never completes a handshake (no plaintext fallback)."""

@@ -244,12 +244,14 @@ def _span_names(run_dir):
     return [s for rs in d["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_cli_level0_prints_nothing_and_writes_nothing(llama, tmp_path):
     out, tags, err, run_dir = cli(llama, tmp_path)
     assert tags == [] and "[memra]" not in err
     assert not run_dir.exists()
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_cli_env_alias_conflict_loud_once_general_wins(llama, tmp_path):
     out, tags, err, run_dir = cli(llama, tmp_path, env=_env(MEMRA_SPEC_TRACE="1", MEMRA_GLM5_SPEC_TRACE="2"))
     n_b = ceil_div(out["stats"]["rounds"], 4)
@@ -266,6 +268,7 @@ def test_cli_env_alias_conflict_loud_once_general_wins(llama, tmp_path):
     assert json.loads((run_dir / "trace.perfetto.json").read_text())["traceEvents"]
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_cli_level2_prof_flags(llama, tmp_path):
     out, tags, err, run_dir = cli(llama, tmp_path, "--trace-level", "2", "--prof")
     rounds_n = out["stats"]["rounds"]
@@ -280,6 +283,7 @@ def test_cli_level2_prof_flags(llama, tmp_path):
     assert names.count("memra.first_token") == 1 and names.count("spec.verify.attn") == rounds_n
 
 
+@pytest.mark.slow  # a CLI subprocess run
 def test_cli_flag_beats_env(llama, tmp_path):
     """MEMRA_SPEC_TRACE=2 but --trace-level 0: no phase lines; MEMRA_SPEC_PROF=1 (no --prof
     flag) still turns the profile on."""

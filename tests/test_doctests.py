@@ -1,0 +1,17 @@
+"""The examples in the docstrings run as part of the suite (and each module has some)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["memra_dist.pipeline.partition", "memra_dist.specdec.drafters.ngram", "memra_dist.bench.roofline"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name):
+    res = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS, report=True)
+    assert res.attempted > 0, f"{name} has no doctest examples"
+    assert res.failed == 0, f"{res.failed} of {res.attempted} doctest examples of {name} failed (see the output above)"
