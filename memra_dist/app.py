@@ -68,11 +68,11 @@ def _local_request(plan: RequestPlan, prompt: list[int], span_sink):
 
 
 @contextmanager
-def _open(plan: RequestPlan, prompt: list[int], span_sink, carrier, run_dir):
+def _open(plan: RequestPlan, prompt: list[int], span_sink, carrier, run_dir, lost):
     if plan.cfg.pp > 1:
         from .pipeline.driver import pipeline_request  # noqa: PLC0415 (Ray only when asked for)
 
-        with pipeline_request(plan, prompt, carrier, run_dir) as req:
+        with pipeline_request(plan, prompt, carrier, run_dir, lost) as req:
             yield req
     else:
         with _local_request(plan, prompt, span_sink) as req:
@@ -91,15 +91,17 @@ def _feed(sink, out: BurstOut) -> None:
 
 
 def generate(cfg: RunConfig, prompt: list[int], stream=None, sink=None, span_sink=None,
-             carrier: dict | None = None, run_dir: str | None = None, plan: RequestPlan | None = None) -> Result:
+             carrier: dict | None = None, run_dir: str | None = None, plan: RequestPlan | None = None,
+             lost: list | None = None) -> Result:
     """Generate from token ids; the same loop at every pp.
 
     stream(tokens): called with tokens as they are committed (each round at pp=1, each burst
     at pp>1). sink: gets each burst's records after the burst (lines, share table, metrics).
     span_sink: builds spans where the session runs (pp=1; pipeline actors make their own).
-    carrier / run_dir: the request's W3C context and the run directory for the actors' spans."""
+    carrier / run_dir: the request's W3C context and the run directory for the actors' spans.
+    lost: gets one line per pipeline role whose spans did not all arrive."""
     plan = plan or plan_request(cfg, len(prompt))
-    with _open(plan, prompt, span_sink, carrier, run_dir) as req:
+    with _open(plan, prompt, span_sink, carrier, run_dir, lost) as req:
         out = [req.start()]
         if stream is not None:
             stream(out[:])
@@ -150,16 +152,18 @@ def run_command(args) -> int:
     metrics = MetricsSession.open(cfg, tracing, getattr(args, "metrics_port", None), getattr(args, "metrics_hold", 0.0))
     local = FanOut(LineSink(cfg.trace), share, metrics.sink)  # driver-side sinks, every pp
     stream = None if args.json else _echo(prompt, StreamDecoder(tok, ids))
+    lost: list[str] = []
     try:
         with tracing.request(cfg, prompt, len(ids)) as req:
             result = generate(cfg, ids, stream, local, tracing.sink(), req.carrier(),
-                              str(tracing.run_dir) if tracing.run_dir else None, plan)
+                              str(tracing.run_dir) if tracing.run_dir else None, plan, lost)
             text = tok.decode(result.token_ids)
             req.finish(result, text)
     finally:  # normal exit, error or Ctrl-C: spans flushed within the bound
-        tracing.close()
+        if tracing.close():
+            lost.append("driver")
         metrics.close()
-    _report(args, cfg, plan, result, text, share, tracing)
+    _report(args, cfg, plan, result, text, share, tracing, complete=not lost)
     return 0
 
 
@@ -177,14 +181,14 @@ def _echo(prompt: str, dec: StreamDecoder):
     return stream
 
 
-def _report(args, cfg, plan, result, text, share, tracing) -> None:
+def _report(args, cfg, plan, result, text, share, tracing, complete: bool = True) -> None:
     st = result.stats
     run_dir = str(tracing.run_dir) if tracing.run_dir is not None else None
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": text, "stats": st, "run_dir": run_dir,
-                          "capped": plan.capped}))
+                          "trace_complete": complete, "capped": plan.capped}))
         if run_dir is not None:
-            print(f"[memra] spans written to {run_dir}", file=sys.stderr)
+            print(_where(run_dir, complete), file=sys.stderr)
         return
     ended = "end of text" if result.token_ids and result.token_ids[-1] in plan.model.eos_token_ids else \
         f"stopped at {st['tokens']} new tokens"
@@ -195,5 +199,11 @@ def _report(args, cfg, plan, result, text, share, tracing) -> None:
     if share is not None and share.n_rounds:
         print(share.table(), file=sys.stderr)
     if run_dir is not None:
-        print(f"[memra] spans written to {run_dir}/: spans.otlp.json (OTLP JSON) and trace.perfetto.json "
-              "(open it in ui.perfetto.dev)", file=sys.stderr)
+        print(_where(run_dir, complete), file=sys.stderr)
+
+
+def _where(run_dir: str, complete: bool) -> str:
+    if not complete:
+        return f"[memra] INCOMPLETE trace in {run_dir}: spans were lost (see the warnings above)"
+    return (f"[memra] spans written to {run_dir}/: trace.perfetto.json (every process, one file: open it in "
+            "ui.perfetto.dev) and *spans.otlp.json (OTLP JSON per process)")

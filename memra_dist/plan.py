@@ -6,6 +6,7 @@ or a tensor is loaded."""
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -56,6 +57,10 @@ def plan_request(cfg: RunConfig, prompt_len: int, mcfg: ModelConfig | None = Non
         check_vocab(mcfg, draft)
     capacity, capped = plan_capacity(cfg, mcfg, prompt_len)
     stages = tuple(partition(mcfg.num_layers, cfg.pp, cfg.stage_bounds))
+    if cfg.pp > 1 and os.environ.get("RAY_ADDRESS"):
+        from .pipeline.driver import check_ray_address  # noqa: PLC0415 (imports no Ray itself)
+
+        check_ray_address(os.environ["RAY_ADDRESS"])  # a cluster that does not answer: refused now
     if capped:
         room = capacity - prompt_len
         (warn or _stderr)(f"memra-dist: warning: the model holds {mcfg.max_position_embeddings} positions: "

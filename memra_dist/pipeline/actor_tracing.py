@@ -1,9 +1,12 @@
 """Tracing inside an actor: its own provider (resource memra.role), the driver's W3C context
-as parent, stage-forward records turned into spans at the end of a request, and a bounded
-flush before teardown (a BatchSpanProcessor loses buffered spans on ray.kill)."""
+as parent, stage-forward records turned into spans (at the end of a request, or at close
+for the forwards run so far), and a bounded flush before teardown (a BatchSpanProcessor
+loses buffered spans on ray.kill). Emission is guarded by a lock: the serve loop's thread
+and the close call's thread may both get there."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -26,17 +29,23 @@ class ActorTracing:
             self.tracer = self.provider.get_tracer("memra_dist")
         self.made = 0
         self.offset = time.time_ns() - time.perf_counter_ns()
+        self._emitted = 0  # records of the current list already turned into spans
+        self._emit_lock = threading.Lock()
 
     @staticmethod
     def parent(carrier: dict):
         return TraceContextTextMapPropagator().extract(carrier or {})
 
     def stage_spans(self, carrier: dict, records: list[tuple]) -> None:
-        """records: (t0_ns, t1_ns, start, rows, round, free_mb, label) per forward."""
+        """records: (t0_ns, t1_ns, start, rows, round, free_mb, label) per forward; only the
+        records not yet emitted become spans (a later call with the same, longer list adds
+        the rest)."""
         if not self.enabled:
             return
+        with self._emit_lock:
+            todo, self._emitted = records[self._emitted:], len(records)
         ctx = self.parent(carrier)
-        for t0, t1, start, rows, rnd, mb, label in records:
+        for t0, t1, start, rows, rnd, mb, label in todo:
             s = self.tracer.start_span(SPAN_STAGE_FORWARD, context=ctx, start_time=t0 + self.offset, attributes={
                 ATTR["stage"]: self.stage, ATTR["rows"]: rows, ATTR["ctx"]: start, ATTR["round"]: rnd,
                 ATTR["phase"]: "verify" if rnd >= 0 else "prime", free_mb_attr(label): mb})
@@ -44,7 +53,7 @@ class ActorTracing:
             self.made += 1
 
     def close(self, extra_made: int = 0) -> int:
-        """Flush within the bound; returns spans not delivered."""
+        """Flush within the bound, then write the run-dir file; returns spans not delivered."""
         if not self.enabled:
             return 0
         return shutdown_bounded(self.provider, self.counting, self.made + extra_made, flush_timeout_s())

@@ -19,6 +19,7 @@ id; today one session keeps one stage busy at a time.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -48,6 +49,10 @@ class _Worker:
         self.runner.label = label
         self.link = Link(rank, world, self.device)
         self.tracing = ActorTracing(self.role, stage, run_dir, cfg.trace.clock_on)
+        self.carrier: dict = {}
+        self.records: list[tuple] = []  # this actor's stage.forward records (traced forwards)
+        self.loop_done = threading.Event()  # the serve loop (stage) / the request (head) has ended
+        self.closed = False
 
     def address(self) -> tuple[str, int]:
         return free_port()
@@ -56,10 +61,27 @@ class _Worker:
         self.link.connect(addr, port, timeout_s)
         return os.getpid()
 
-    def close(self) -> int:
-        dropped = self.tracing.close(self._extra_spans())
-        self.link.close()
-        return dropped
+    def close(self, wait_s: float) -> dict:
+        """Flush this actor's spans and write its run-dir file; called by the driver in the
+        `control` concurrency group, so it runs even while a serve loop or a burst is busy.
+        Waits up to `wait_s` for the work in flight to end (a stage: its serve loop, which the
+        head's END stops; the head: the burst in progress, then END to the stages), then
+        turns every record made so far into spans. Returns what it made and lost."""
+        self.closed = True
+        self._stop(wait_s)
+        self.tracing.stage_spans(self.carrier, self.records)
+        made = self.span_count()
+        lost = self.tracing.close(self._extra_spans())
+        if self.loop_done.is_set():
+            self.link.close()  # a loop still blocked in a receive keeps the group; the actor is killed next
+        return {"role": self.role, "stage": self.stage, "rank": self.rank, "made": made, "lost": lost}
+
+    def span_count(self) -> int:
+        """Spans made so far (cheap: the driver asks when a close runs past its bound)."""
+        return self.tracing.made + self._extra_spans()
+
+    def _stop(self, wait_s: float) -> None:
+        self.loop_done.wait(wait_s)
 
     def _extra_spans(self) -> int:
         return 0
@@ -71,7 +93,16 @@ class StageWorker(_Worker):
     def serve(self, carrier: dict) -> int:
         """Run commands until END. Returns the forwards served."""
         link, run = self.link, self.runner
-        records, served = [], 0
+        self.carrier, records, served = carrier, self.records, 0
+        try:
+            served = self._serve_loop(link, run, records)
+        finally:
+            self.loop_done.set()
+        self.tracing.stage_spans(carrier, records)
+        return served
+
+    def _serve_loop(self, link, run, records) -> int:
+        served = 0
         while True:
             op, start, rows, flags, arg = link.recv_cmd()
             if link.next != 0:
@@ -83,9 +114,7 @@ class StageWorker(_Worker):
             elif op == Op.ALLOC:
                 run.alloc(start)
             elif op == Op.END:
-                break
-        self.tracing.stage_spans(carrier, records)
-        return served
+                return served
 
     def _forward(self, start, rows, flags, rnd, records) -> int:
         link, run = self.link, self.runner
@@ -116,33 +145,60 @@ class StageWorker(_Worker):
 class HeadWorker(_Worker):
     role = "head"
 
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.busy = threading.Lock()  # held by start / burst / finish; close waits for it
+        self.request = None
+        self._spans = None
+
     def start(self, carrier: dict, prompt: list[int]) -> tuple[int, bool]:
         """Build the request's session over the head target; (first token, done)."""
         from ..specdec.request import Request  # noqa: PLC0415
         from ..tracing.deferred import DeferredSink  # noqa: PLC0415
         from ..tracing.emit import SpanSink  # noqa: PLC0415
 
-        self.target = PipelineTarget(self.link, self.runner, traced=self.cfg.trace.level >= 1)
-        self._spans = None
-        if self.tracing.enabled:
-            self._spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
-        self.request = Request(self.target, self.plan, prompt, self._spans)
-        first = self.request.start()
-        return first, self.request.done
+        with self.busy:
+            self.carrier = carrier
+            self.target = PipelineTarget(self.link, self.runner, traced=self.cfg.trace.level >= 1,
+                                         records=self.records)
+            if self.tracing.enabled:
+                self._spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
+            self.request = Request(self.target, self.plan, prompt, self._spans)
+            first = self.request.start()
+            return first, self.request.done
 
     def burst(self):
-        """The next burst's BurstOut; after the request ended, an empty one."""
+        """The next burst's BurstOut; after the request ended (or the actor was closed), an empty one."""
         from ..specdec.request import BurstOut  # noqa: PLC0415
 
-        if self.request.done:
-            return BurstOut([], True)
-        return self.request.burst()
+        with self.busy:
+            if self.closed or self.request.done:
+                return BurstOut([], True)
+            return self.request.burst()
 
     def finish(self) -> dict:
-        self.target.end()
+        with self.busy:
+            self._end()
+            return self.request.finish()
+
+    def _end(self) -> None:
+        """END to the stages (their serve loops return), every queued span built."""
+        if self.loop_done.is_set():
+            return
+        self.loop_done.set()
+        if self.request is not None:
+            self.target.end()
         if self._spans is not None:
-            self._spans.close()  # every burst's spans built before the flush in close()
-        return self.request.finish()
+            self._spans.close()
+
+    def _stop(self, wait_s: float) -> None:
+        if self.busy.acquire(timeout=wait_s):  # the burst in progress ends first
+            try:
+                self._end()
+            finally:
+                self.busy.release()
+        elif self._spans is not None:  # a burst stuck on a dead peer: build what is queued anyway
+            self._spans.close()
 
     def _extra_spans(self) -> int:
-        return self._spans.count if getattr(self, "_spans", None) is not None else 0
+        return self._spans.count if self._spans is not None else 0

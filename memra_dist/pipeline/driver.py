@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 
@@ -17,11 +18,11 @@ from contextlib import contextmanager
 
 from ..errors import UserError
 from ..specdec.request import BurstOut
-from ..tracing.otel import default_run_dir, otlp_endpoint
+from ..tracing.otel import default_run_dir, flush_timeout_s, otlp_endpoint
 from .setup_hook import HOOK
 from .transport import pg_timeout_s
 
-__all__ = ["pipeline_request", "Pipeline", "PipelineRequest"]
+__all__ = ["pipeline_request", "Pipeline", "PipelineRequest", "close_bound_s", "loss_lines"]
 
 _OTEL_PASS = ("OTEL_", "MEMRA_")
 
@@ -44,6 +45,26 @@ def _runtime_env() -> dict:
     return rt
 
 
+RAY_CONNECT_S = 5.0  # bound on reaching RAY_ADDRESS before ray.init is asked to join it
+
+
+def check_ray_address(addr: str, timeout_s: float = RAY_CONNECT_S) -> None:
+    """A RAY_ADDRESS that names host:port (optionally ray://host:port) must answer a TCP
+    connect within the bound: ray.init would otherwise retry for minutes. 'auto' and
+    'local' are left to Ray."""
+    if addr in ("auto", "local"):
+        return
+    rest = addr.split("://", 1)[1] if "://" in addr else addr
+    host, _, port = rest.rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"RAY_ADDRESS '{addr}' is malformed (expected host:port, e.g. 10.0.0.1:6379, or auto)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e))
+        raise UserError(f"RAY_ADDRESS {addr}: no Ray cluster answers there ({why} within {timeout_s:.0f} s)") from None
+
+
 def _ray_up():
     """(ray, started_here). Joins RAY_ADDRESS when set; else a local single-node Ray."""
     import ray  # noqa: PLC0415
@@ -52,7 +73,11 @@ def _ray_up():
         return ray, False
     on_term = signal.getsignal(signal.SIGTERM)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=_runtime_env(), log_to_driver=True)
+        check_ray_address(os.environ["RAY_ADDRESS"])
+        try:
+            ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=_runtime_env(), log_to_driver=True)
+        except ConnectionError as e:
+            raise UserError(f"RAY_ADDRESS {os.environ['RAY_ADDRESS']}: {str(e).splitlines()[0][:200]}") from None
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, runtime_env=_runtime_env(),
                  log_to_driver=True, configure_logging=False)
@@ -91,8 +116,11 @@ class Pipeline:
             opts = [dict(num_cpus=1)] * cfg.pp
         world = cfg.pp
         # rank 0: the head, holding the last stage; ranks 1..N-1: stages 0..N-2
-        self.head = ray.remote(HeadWorker).options(**opts[0]).remote(plan, 0, world, cfg.pp - 1, run_dir)
-        self.stages = [ray.remote(StageWorker).options(**opts[r]).remote(plan, r, world, r - 1, run_dir)
+        # "control": close / span_count run beside a busy serve loop or burst (threaded actor)
+        groups = {"concurrency_groups": {CONTROL: 2}}
+        self.run_dir = run_dir
+        self.head = ray.remote(**groups)(HeadWorker).options(**opts[0]).remote(plan, 0, world, cfg.pp - 1, run_dir)
+        self.stages = [ray.remote(**groups)(StageWorker).options(**opts[r]).remote(plan, r, world, r - 1, run_dir)
                        for r in range(1, world)]
         addr, port = ray.get(self.head.address.remote())
         ray.get([a.connect.remote(addr, port, pg_timeout_s()) for a in [self.head, *self.stages]])
@@ -100,20 +128,67 @@ class Pipeline:
     def all(self):
         return [self.head, *self.stages]
 
-    def close(self) -> int:
-        """Flush every actor's spans (bounded), destroy the process group, kill the actors."""
-        ray, dropped = self.ray, 0
-        try:
-            dropped = sum(ray.get([a.close.remote() for a in self.all()], timeout=30))
-        except Exception:  # a dead actor cannot flush; the rest already did
-            pass
-        for a in self.all():
+    def names(self) -> list[str]:
+        """Role names as the run-dir files use them: head<rank>, stage<stage>."""
+        return [f"head{len(self.stages)}"] + [f"stage{i}" for i in range(len(self.stages))]
+
+    def close(self) -> list[dict]:
+        """Every actor flushes its spans and writes its file (in parallel, each in its control
+        group), the driver waiting at most `close_bound_s()`; then the process group's actors
+        are killed. Returns one report per role: {"name", "made", "lost", "why"}; lost None =
+        unknown (an actor that died or did not finish within the bound)."""
+        ray, actors, names = self.ray, self.all(), self.names()
+        bound = close_bound_s()
+        refs = [a.close.options(concurrency_group=CONTROL).remote(STOP_WAIT_S) for a in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=bound)
+        reports = []
+        for name, a, ref in zip(names, actors, refs):
+            if ref in ready:
+                try:
+                    r = ray.get(ref)
+                    reports.append({"name": name, "made": r["made"], "lost": r["lost"], "why": ""})
+                except Exception as e:  # noqa: BLE001 (a dead actor cannot flush)
+                    reports.append({"name": name, "made": None, "lost": None, "why": f"actor died ({_why(e)})"})
+                continue
+            try:  # still writing: how much is at stake
+                made = ray.get(a.span_count.options(concurrency_group=CONTROL).remote(), timeout=2)
+            except Exception:  # noqa: BLE001
+                made = None
+            reports.append({"name": name, "made": made, "lost": made, "why": f"its flush did not finish within {bound:.0f} s"})
+        for a in actors:
             ray.kill(a)
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
 
             remove_placement_group(self.pg)
-        return dropped
+        if self.run_dir:
+            from ..tracing.files import remove_partial  # noqa: PLC0415
+
+            remove_partial(self.run_dir)  # a writer killed at the bound leaves no temp file behind
+        return reports
+
+
+CONTROL = "control"
+STOP_WAIT_S = 5.0  # how long an actor's close waits for the work in flight before flushing
+
+
+def close_bound_s() -> float:
+    """How long the driver waits for the actors' flush: each actor's own flush bound
+    (MEMRA_FLUSH_TIMEOUT_S) plus the wait for its work in flight and writing its file."""
+    return flush_timeout_s() + STOP_WAIT_S + 20.0
+
+
+def loss_lines(reports: list[dict]) -> list[str]:
+    """One line per role whose spans did not all arrive."""
+    out = []
+    for r in reports:
+        if r["lost"] == 0 and not r["why"]:
+            continue
+        what = ("an unknown number of" if r["lost"] is None
+                else f"{r['lost']} of {r['made']}" if r["made"] is not None else str(r["lost"]))
+        why = f": {r['why']}" if r["why"] else ""
+        out.append(f"memra-dist: warning: {r['name']}: {what} spans lost{why}")
+    return out
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -190,8 +265,10 @@ class PipelineRequest:
 
 
 @contextmanager
-def pipeline_request(plan, prompt: list[int], carrier: dict | None = None, run_dir: str | None = None):
-    """Ray up, the actors placed, a PipelineRequest; everything torn down on the way out."""
+def pipeline_request(plan, prompt: list[int], carrier: dict | None = None, run_dir: str | None = None,
+                     lost: list | None = None):
+    """Ray up, the actors placed, a PipelineRequest; everything torn down on the way out.
+    `lost` gets one line per role whose spans did not all arrive (also printed here)."""
     ray, started = _ray_up()
     pipe = None
     try:
@@ -201,8 +278,9 @@ def pipeline_request(plan, prompt: list[int], carrier: dict | None = None, run_d
         yield PipelineRequest(pipe, prompt, carrier or {})
     finally:
         if pipe is not None:
-            dropped = pipe.close()
-            if dropped:
-                print(f"memra-dist: warning: {dropped} actor spans were not delivered", file=sys.stderr)
+            for line in loss_lines(pipe.close()):
+                print(line, file=sys.stderr, flush=True)
+                if lost is not None:
+                    lost.append(line)
         if started:
             ray.shutdown()

@@ -5,12 +5,19 @@ the command with the token ids inside it to rank 1 (stage 0), receives the hidde
 second-to-last stage, and finishes the walk locally. Verify's clock (phase/clock.py) then
 drains only the head's stream: the receive cannot complete before every stage's forward
 has, so that terminal drain covers the stage streams transitively.
+
+When traced, the head's own part of each forward (the last stage's layers + the head) is
+recorded like every stage's, between drains, so the last stage gets its `stage.forward`
+spans too and "which stage is the bottleneck" can be read across all of them.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from ..device import free_mb
 from ..runner import ModelRunner
 from ..phase.subsplit import SUB_BUCKETS
 from .transport import Flag, Link, Op
@@ -19,8 +26,9 @@ __all__ = ["PipelineTarget"]
 
 
 class PipelineTarget:
-    def __init__(self, link: Link, runner: ModelRunner, traced: bool):
+    def __init__(self, link: Link, runner: ModelRunner, traced: bool, records: list | None = None):
         self.link, self.runner, self.traced = link, runner, traced
+        self.records = records if records is not None else []  # (t0, t1, start, rows, round, free_mb, label)
         self.device, self.dtype, self.label = runner.device, runner.dtype, runner.label
         self.drain = runner.drain
         self.hidden = runner.cfg.hidden_size
@@ -38,7 +46,8 @@ class PipelineTarget:
     def forward(self, ids: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         rows = ids.shape[0]
         flags = (Flag.TRACED if self.traced else 0) | (Flag.TIMED if timer is not None else 0)
-        if not self.link.send_cmd(Op.FORWARD, start, rows, flags, self.round, ids=ids):
+        rnd = self.round
+        if not self.link.send_cmd(Op.FORWARD, start, rows, flags, rnd, ids=ids):
             self.link.send(ids.to(self.device))  # a prefill: the ids follow as a payload
         self.round += 1
         h = self.link.recv((rows, self.hidden), self.runner.dtype)  # (rows, H) from the last remote stage
@@ -46,7 +55,14 @@ class PipelineTarget:
             sub = self.link.recv((len(SUB_BUCKETS),), torch.long).tolist()
             for b, ns in zip(SUB_BUCKETS, sub):
                 timer.ns[b] += ns
-        return self.runner.forward(h, start, timer)
+        if not self.traced:
+            return self.runner.forward(h, start, timer)
+        self.drain()
+        t0 = time.perf_counter_ns()
+        out = self.runner.forward(h, start, timer)
+        self.drain()
+        self.records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), self.label))
+        return out
 
     def rollback(self, new_len: int) -> None:
         # no message: the next forward's start is new_len, and each stage rolls back to it

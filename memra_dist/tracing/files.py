@@ -1,7 +1,11 @@
-"""The embedded default exporter: with no OTLP endpoint, spans go to a run directory as
-OTLP JSON (`spans.otlp.json`) and a Chrome/Perfetto trace (`trace.perfetto.json`, opens in
-ui.perfetto.dev). Both are written atomically at shutdown (temp file + rename): a crash
-leaves complete files or none, never a truncated JSON."""
+"""The embedded default exporter: with no OTLP endpoint, spans go to a run directory.
+
+Each process writes its spans as OTLP JSON: the driver `spans.otlp.json`, a pipeline actor
+`<role><rank>-spans.otlp.json`. The driver, which closes last, then writes ONE Chrome /
+Perfetto trace, `trace.perfetto.json` (opens in ui.perfetto.dev), from every OTLP file in the
+directory: driver, head and stages as separate tracks (tracing/perfetto.py). Files are written
+atomically (temp file + rename): a crash leaves complete files or none, never a truncated
+JSON; `remove_partial` clears the temp files of a writer that was killed."""
 
 from __future__ import annotations
 
@@ -12,12 +16,36 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from google.protobuf.json_format import MessageToDict
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-__all__ = ["RunDirExporter", "write_atomic", "perfetto_events"]
+from .otlp_json import otlp_document, read_spans
+from .perfetto import perfetto_trace
+
+__all__ = ["RunDirExporter", "write_atomic", "write_merged_perfetto", "remove_partial", "OTLP_NAME", "PERFETTO_NAME"]
+
+OTLP_NAME = "spans.otlp.json"
+PERFETTO_NAME = "trace.perfetto.json"
+
+
+def write_merged_perfetto(run_dir: Path) -> int:
+    """trace.perfetto.json from every *spans.otlp.json in the directory; returns the spans."""
+    run_dir = Path(run_dir)
+    items = read_spans(sorted(run_dir.glob(f"*{OTLP_NAME}")))
+    write_atomic(run_dir / PERFETTO_NAME, json.dumps(perfetto_trace(items), separators=(",", ":")))
+    return len(items)
+
+
+def remove_partial(run_dir: Path) -> list[str]:
+    """Delete the temp files a killed writer left (`.<name>.<random>`); returns their names."""
+    gone = []
+    for p in Path(run_dir).glob(".*.json.*"):
+        try:
+            p.unlink()
+            gone.append(p.name)
+        except OSError:
+            pass
+    return gone
 
 
 def write_atomic(path: Path, data: str) -> None:
@@ -35,35 +63,6 @@ def write_atomic(path: Path, data: str) -> None:
         raise
 
 
-def _hex_ids(d):
-    """OTLP/JSON wants hex trace and span ids; protobuf's JSON mapping gives base64."""
-    import base64  # noqa: PLC0415
-
-    if isinstance(d, dict):
-        for k, v in list(d.items()):
-            if k in ("traceId", "spanId", "parentSpanId") and isinstance(v, str):
-                d[k] = base64.b64decode(v).hex()
-            else:
-                _hex_ids(v)
-    elif isinstance(d, list):
-        for x in d:
-            _hex_ids(x)
-    return d
-
-
-def perfetto_events(spans: Sequence[ReadableSpan]) -> list[dict]:
-    """Complete ('X') events, one track per process role; nesting follows time containment."""
-    out = []
-    for s in spans:
-        role = str(s.resource.attributes.get("memra.role", "driver"))
-        pid = int(s.resource.attributes.get("process.pid", 0))
-        args = {k: v for k, v in (s.attributes or {}).items() if isinstance(v, (int, float, str, bool))}
-        out.append({"name": s.name, "ph": "X", "ts": s.start_time / 1e3, "dur": (s.end_time - s.start_time) / 1e3,
-                    "pid": pid, "tid": role, "args": args})
-        out.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"memra {role} {pid}"}})
-    return out
-
-
 class RunDirExporter(SpanExporter):
     def __init__(self, run_dir: Path, stem: str = ""):
         self.dir = Path(run_dir)
@@ -71,23 +70,27 @@ class RunDirExporter(SpanExporter):
         self._spans: list[ReadableSpan] = []
         self._lock = threading.Lock()
         self._written = False
+        self.write_on_shutdown = True  # tracing.otel.shutdown_bounded writes itself instead
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         with self._lock:
             self._spans.extend(spans)
         return SpanExportResult.SUCCESS
 
+    @property
+    def n_spans(self) -> int:
+        return len(self._spans)
+
     def write(self) -> None:
         with self._lock:
             spans = list(self._spans)
-        otlp = _hex_ids(MessageToDict(encode_spans(spans)))
-        write_atomic(self.dir / f"{self.stem}spans.otlp.json", json.dumps(otlp))
-        write_atomic(self.dir / f"{self.stem}trace.perfetto.json",
-                     json.dumps({"traceEvents": perfetto_events(spans), "displayTimeUnit": "ms"}))
+        write_atomic(self.dir / f"{self.stem}{OTLP_NAME}", json.dumps(otlp_document(spans), separators=(",", ":")))
+        if not self.stem:  # the driver's: closes after every actor has written its file
+            write_merged_perfetto(self.dir)
         self._written = True
 
     def shutdown(self) -> None:
-        if not self._written:
+        if not self._written and self.write_on_shutdown:
             self.write()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:

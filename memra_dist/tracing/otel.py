@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ..env import environment
@@ -42,18 +42,34 @@ def default_run_dir() -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
+def check_writable(run_dir: Path) -> None:
+    """Refuse a run directory that cannot take files, before any model is loaded: the
+    directory is created (as the run would) and a probe file written and removed."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--run-dir {run_dir}: cannot write there ({e.strerror or e})") from None
+
+
 def otlp_endpoint() -> str | None:
     """The traces endpoint from the standard variables, validated (a one-line error if malformed)."""
     ep = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not ep:
         return None
-    u = urlparse(ep if "://" in ep else f"http://{ep}")
+    scheme_given = "://" in ep
+    u = urlparse(ep if scheme_given else f"http://{ep}")
     try:
         port = u.port
     except ValueError:
         port = -1
-    if u.scheme not in ("http", "https") or not u.hostname or port == -1:
-        raise UserError(f"OTEL_EXPORTER_OTLP_ENDPOINT '{ep}' is malformed (expected e.g. http://127.0.0.1:4317)")
+    host = u.hostname or ""
+    ok_host = bool(host) and all(c.isalnum() or c in ".-_:[]" for c in host)
+    # without a scheme, only host:port reads as an address ("garbage" would fail later, at DNS)
+    if u.scheme not in ("http", "https") or not ok_host or port == -1 or (not scheme_given and port is None):
+        raise UserError(f"OTEL_EXPORTER_OTLP_ENDPOINT '{ep}' is malformed (expected a URL such as http://127.0.0.1:4317)")
     return ep
 
 
@@ -109,6 +125,7 @@ def _otlp_exporter() -> SpanExporter:
 
 
 GIL_SWITCH_S = 5e-4
+OTLP_QUEUE = 1 << 16  # spans the batch processor holds before it drops (a long run's end builds many at once)
 
 
 def quick_gil_handoff() -> float:
@@ -139,19 +156,36 @@ def make_provider(role: str, run_dir: Path | None, stem: str = ""):
     else:
         inner = files = RunDirExporter(run_dir, stem)
     counting = CountingExporter(inner)
-    provider.add_span_processor(BatchSpanProcessor(counting, max_queue_size=8192, schedule_delay_millis=500))
+    if files is not None:  # local memory until the write at shutdown: no queue to overflow, no thread
+        provider.add_span_processor(SimpleSpanProcessor(counting))
+    else:
+        provider.add_span_processor(BatchSpanProcessor(counting, max_queue_size=OTLP_QUEUE, schedule_delay_millis=500))
     return provider, counting, files
 
 
 def shutdown_bounded(provider: TracerProvider, counting: CountingExporter, ended: int, timeout_s: float) -> int:
-    """Flush and shut down within `timeout_s`; returns spans not delivered."""
+    """Flush and shut down within `timeout_s`; returns spans not delivered.
+
+    A network exporter that does not finish within the bound is abandoned. A run directory
+    is local disk: its files are written here, after the flush, and waited for (the time
+    is bounded by the spans' size), so a process never exits with a file half-written."""
+    files = counting.inner if isinstance(counting.inner, RunDirExporter) else None
+    if files is not None:
+        files.write_on_shutdown = False  # written below, on this thread
     t = threading.Thread(target=lambda: (provider.force_flush(int(timeout_s * 1000)), provider.shutdown()), daemon=True)
     t.start()
     t.join(timeout_s)
     if t.is_alive():  # collector down or stalling: stop trying, so the process can exit now
         counting.abandon()
         t.join(min(1.0, timeout_s))
-    return max(0, ended - counting.sent)
+    if files is None:
+        return max(0, ended - counting.sent)
+    try:
+        files.write()
+    except OSError as e:
+        print(f"memra-dist: warning: could not write spans to {files.dir}: {e.strerror or e}", file=sys.stderr)
+        return ended
+    return max(0, ended - files.n_spans)
 
 
 def parse_traceparent(tp: str | None):
@@ -208,6 +242,8 @@ class TracingSession:
         if not enabled:
             return cls(False, None, parent)
         rd = None if ep else Path(run_dir) if run_dir else default_run_dir()
+        if rd is not None:
+            check_writable(rd)
         self = cls(True, rd, parent)
         self._switch_before = quick_gil_handoff()
         self.provider, self.counting, self.files = make_provider("driver", rd)
@@ -239,9 +275,10 @@ class TracingSession:
     def sink(self):
         return _LazySink(self)
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Flush within the bound; returns the driver's spans not delivered (said on stderr)."""
         if not self.enabled:
-            return
+            return 0
         made = self.ended + (self._sink.count if self._sink else 0)
         bound = flush_timeout_s()
         dropped = shutdown_bounded(self.provider, self.counting, made, bound)
@@ -249,6 +286,7 @@ class TracingSession:
         if dropped:
             print(f"memra-dist: warning: {dropped} of {made} spans were not delivered "
                   f"(exporter unreachable or slow; flush bounded at {bound:.0f}s)", file=sys.stderr)
+        return dropped
 
 
 class _LazySink:
