@@ -4,8 +4,8 @@ part of the package; needs matplotlib: `pip install matplotlib`).
     memra-dist demo --pp 2 --trace-level 2 --run-dir /tmp/run
     python docs/render_timeline.py /tmp/run docs/img/timeline-pp2.png
 
-It reads every `*trace.perfetto.json` of the run directory (the driver's `trace.perfetto.json`,
-each actor's `<role><rank>-trace.perfetto.json`) and draws one row group per process (driver,
+It reads the run directory's `trace.perfetto.json` (every process in one file; older run
+directories hold one file per process, which it reads too) and draws one row group per process (driver,
 head, stage), one lane per span level, the phases coloured. Top: the whole request (Ray start-up
 and actor placement included); bottom: the rounds, zoomed. Nothing is drawn that is not a span
 of those files.
@@ -44,12 +44,20 @@ def lane_of(name: str) -> tuple[int, str]:
 
 
 def load(run_dir: str) -> list[dict]:
-    events = []
+    """The run's spans, each with "tid" set to its process's role (driver | head | stage),
+    read from the one trace.perfetto.json (process names in its metadata events)."""
+    events, roles = [], {}
     for path in sorted(glob.glob(os.path.join(run_dir, "*trace.perfetto.json"))):
         with open(path) as f:
-            events += [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+            evs = json.load(f)["traceEvents"]
+        for e in evs:
+            if e.get("ph") == "M" and e.get("name") == "process_name":
+                roles[e["pid"]] = e["args"]["name"].split()[1]  # "memra <role> ..."
+        events += [e for e in evs if e.get("ph") == "X"]
     if not events:
         raise SystemExit(f"no *trace.perfetto.json with spans in {run_dir}")
+    for e in events:
+        e["tid"] = roles.get(e["pid"], str(e["tid"]))
     return events
 
 
