@@ -200,7 +200,7 @@ class MetricsSession:
     def open(cls, cfg, tracing=None, port: int | None = None, hold_s: float = 0.0) -> "MetricsSession":
         if not (cfg.trace.level >= 1 or port is not None or otlp_endpoint()):
             return cls()
-        if cfg.trace.level < 1 and not cfg.trace.prof:
+        if not cfg.trace.clock_on:
             print("memra-dist: note: phase metrics need --trace-level >= 1 (the phase clock is off at level 0)",
                   file=sys.stderr)
         provider, server = make_meter_provider("driver", port)

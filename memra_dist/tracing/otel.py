@@ -237,7 +237,7 @@ class TracingSession:
     @classmethod
     def open(cls, cfg, run_dir: str | None = None, traceparent: str | None = None) -> "TracingSession":
         parent = parse_traceparent(traceparent or os.environ.get("TRACEPARENT"))
-        enabled = cfg.trace.level >= 1 or cfg.trace.prof
+        enabled = cfg.trace.clock_on
         ep = otlp_endpoint()  # validated even when tracing is off: a bad variable is bad input
         if not enabled:
             return cls(False, None, parent)
