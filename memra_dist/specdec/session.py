@@ -55,6 +55,7 @@ class SessionStats:
     accepted: int = 0
     bursts: int = 0
     t_start: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0  # the first token drawn (prefill, cache and graph set-up before it)
     t_end: float = 0.0
 
     @property
@@ -66,9 +67,14 @@ class SessionStats:
         return (self.tokens - 1) / self.rounds if self.rounds else 0.0
 
     def as_dict(self) -> dict:
-        wall = (self.t_end or time.perf_counter()) - self.t_start
-        return {"tokens": self.tokens, "seconds": round(wall, 4),
-                "tok_per_s": round(self.tokens / wall, 2) if wall > 0 else 0.0,
+        """tok_per_s is the decode rate the caller sees after the first token (tokens after
+        it over the time since it); ttft_s is the time to that first token; seconds is all."""
+        end = self.t_end or time.perf_counter()
+        wall = end - self.t_start
+        first = self.t_first or self.t_start
+        decode = end - first
+        return {"tokens": self.tokens, "seconds": round(wall, 4), "ttft_s": round(first - self.t_start, 4),
+                "tok_per_s": round((self.tokens - 1) / decode, 2) if decode > 0 and self.tokens > 1 else 0.0,
                 "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.acceptance, 4), "tokens_per_round": round(self.tokens_per_round, 3)}
 
@@ -141,7 +147,7 @@ class SpecSession:
         if pf is not None:
             t, pf.ms["draft_prime"] = c.lap_ms(t)
         self.tokens = list(prompt) + [first]
-        self.stats = SessionStats(tokens=1, t_start=self.stats.t_start)
+        self.stats = SessionStats(tokens=1, t_start=self.stats.t_start, t_first=time.perf_counter())
         self._check_stop([first])
         return first
 

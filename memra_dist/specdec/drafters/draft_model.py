@@ -38,20 +38,32 @@ class ModelDrafter(Drafter):
         feed = context[len(self.cached):]  # >= 1 token: maintain keeps the last one out
         logits = self.runner.forward(torch.tensor(feed), len(self.cached))[-1:]  # (1, V)
         self.cached.extend(feed)
+        if sp.greedy:
+            return self._greedy_chain(logits, k)
         toks, qs = [], []
         for i in range(k):
-            if sp.greedy:
-                t = int(logits[0].argmax())
-            else:
-                q = probs(logits, sp)  # (1, V)
-                t = int(torch.multinomial(q[0].cpu(), 1, generator=gen))
-                qs.append(q[0])
+            q = probs(logits, sp)  # (1, V)
+            t = int(torch.multinomial(q[0].cpu(), 1, generator=gen))
+            qs.append(q[0])
             toks.append(t)
             if i + 1 < k:
                 logits = self.runner.forward(torch.tensor([t]), len(self.cached))
                 self.cached.append(t)
-        q = torch.stack(qs) if qs else None
-        return Proposal(torch.tensor(toks, dtype=torch.long), q)
+        return Proposal(torch.tensor(toks, dtype=torch.long), torch.stack(qs))
+
+    def _greedy_chain(self, logits: torch.Tensor, k: int) -> Proposal:
+        """K greedy steps with the argmax kept on the drafter's device: each step's token
+        feeds the next forward directly, and the K tokens come back to the host once."""
+        toks = []
+        start = len(self.cached)
+        for i in range(k):
+            t = logits[-1].argmax().view(1)  # (1,) int64 on the device
+            toks.append(t)
+            if i + 1 < k:
+                logits = self.runner.forward(t, start + i)
+        ids = torch.cat(toks).cpu()  # the one readback of the chain
+        self.cached.extend(ids[:k - 1].tolist())
+        return Proposal(ids)
 
     def maintain(self, context) -> None:
         m = self.safe

@@ -1,5 +1,9 @@
 """`ngram`: prompt lookup. Find the latest earlier occurrence of the context's last n tokens
-(n from `max_n` down to `min_n`) and propose the tokens that followed it."""
+(n from `max_n` down to `min_n`) and propose the tokens that followed it.
+
+`lookup` is the plain reference (a scan of the whole context: milliseconds at a 4k context);
+`NgramIndex` gives the same answer from a dict of each n-gram's latest start, updated with
+the tokens a round appends, so a proposal costs microseconds whatever the context length."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import torch
 
 from .base import EMPTY, Drafter, Proposal
 
-__all__ = ["NgramDrafter", "lookup"]
+__all__ = ["NgramDrafter", "NgramIndex", "lookup"]
 
 
 def lookup(context: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -25,12 +29,54 @@ def lookup(context: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[i
     return []
 
 
+class NgramIndex:
+    """lookup() incrementally. For each n, the latest start of every n-gram that ends before
+    the context's last token (the suffix itself is not an earlier occurrence). The context
+    only grows within a session; a shorter or different one starts the index over.
+
+    >>> ix = NgramIndex(3, 1)
+    >>> ix.lookup([1, 2, 3, 9, 1, 2], 2)
+    [3, 9]
+    """
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.ends = 0  # n-grams ending (exclusive) at positions < self.ends are indexed
+        self.head: list[int] = []  # the first tokens seen, to notice a different context
+
+    def _reset(self) -> None:
+        for d in self.latest.values():
+            d.clear()
+        self.ends, self.head = 0, []
+
+    def _extend(self, context: list[int], upto: int) -> None:
+        for e in range(self.ends + 1, upto + 1):  # n-grams ending (exclusive) at e, in order
+            for n, d in self.latest.items():
+                if e - n >= 0:
+                    d[tuple(context[e - n:e])] = e - n  # later starts overwrite: the latest wins
+        self.ends = max(self.ends, upto)
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        L = len(context)
+        if L < self.ends + 1 or context[:len(self.head)] != self.head:
+            self._reset()
+        if not self.head:
+            self.head = list(context[:8])
+        self._extend(context, L - 1)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            s = self.latest[n].get(tuple(context[L - n:]))
+            if s is not None:
+                return context[s + n:s + n + k]
+        return []
+
+
 class NgramDrafter(Drafter):
     name = "ngram"
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
-        self.max_n, self.min_n = max_n, min_n
+        self.index = NgramIndex(max_n, min_n)
 
     def propose(self, context, k, sp, gen) -> Proposal:
-        toks = lookup(context, k, self.max_n, self.min_n)
+        toks = self.index.lookup(context, k)
         return Proposal(torch.tensor(toks, dtype=torch.long)) if toks else EMPTY
