@@ -47,7 +47,7 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
         device=args.device, dtype=None if args.dtype == "auto" else args.dtype, ctx=args.ctx,
         pp=args.pp, stage_bounds=_bounds(args.stage_bounds), burst_rounds=args.burst_rounds,
         replay_corrupt=args.replay_corrupt, trace=trace, trace_content=args.trace_content,
-        graphs=getattr(args, "graphs", "auto"), compile=bool(getattr(args, "compile", False)))
+        graphs=getattr(args, "graphs", "auto"), compile=getattr(args, "compile", "auto"))
 
 
 # ---- the one request path -------------------------------------------------------------

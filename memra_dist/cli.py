@@ -55,8 +55,10 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "auto"], default="auto", help="auto = fp32 on CPU, bf16 on CUDA")
     p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                    help="CUDA graphs + fused projections for decode/verify steps (auto = on with CUDA)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the blocks inside those graphs (CUDA: ~10 s more start-up, ~1.5x faster steps)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile the blocks captured in those graphs, so norms, rotary and gating fuse "
+                        "(auto = on wherever the graphs are, for the attention families; the first run on a "
+                        "machine compiles for ~10-40 s, later runs read the cache in ~/.cache/memra_dist/inductor)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (Ray actors, one device each); 1 = in-process")
     p.add_argument("--stage-bounds", metavar="A,B,..", help="explicit first layer of stages 2..N (default: even split)")
     p.add_argument("--trace-level", type=int, choices=[0, 1, 2], default=None, help="0 off, 1 phases, 2 + verify sub-split (beats MEMRA_SPEC_TRACE)")

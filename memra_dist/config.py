@@ -34,7 +34,7 @@ class RunConfig:
     trace: TraceSettings = field(default_factory=TraceSettings)
     trace_content: bool = False
     graphs: str = "auto"  # CUDA graphs for decode/verify steps: auto (= on with CUDA) | on | off
-    compile: bool = False  # torch.compile the blocks captured in those graphs (CUDA; slower start)
+    compile: str = "auto"  # torch.compile the blocks captured in those graphs: auto (= with the graphs) | on | off
 
     def __post_init__(self):
         if self.draft_model and self.drafter not in ("model",):
@@ -55,6 +55,10 @@ class RunConfig:
             raise UserError(f"--burst-rounds must be >= 1 (got {self.burst_rounds})")
         if not 0.0 <= self.replay_corrupt <= 1.0:
             raise UserError(f"--replay-corrupt must be in [0, 1] (got {self.replay_corrupt})")
+        if isinstance(self.compile, bool):  # the Python API's True / False
+            object.__setattr__(self, "compile", "on" if self.compile else "off")
+        if self.compile not in ("auto", "on", "off"):
+            raise UserError(f"--compile must be auto, on or off (got {self.compile!r})")
         if self.ctx is not None and self.ctx < 2:
             raise UserError(f"--ctx must be >= 2 (got {self.ctx})")
 
@@ -64,7 +68,7 @@ class RunConfig:
     def runner_kwargs(self, device) -> dict:
         """The fast-path switches every ModelRunner of this run gets."""
         on = self.use_graphs(device)
-        return {"graphs": on, "compile": on and self.compile, "warm_rows": self.k + 1 if on else 0}
+        return {"graphs": on, "compile": on and self.compile != "off", "warm_rows": self.k + 1 if on else 0}
 
     def capacity(self, prompt_len: int) -> int:
         return self.ctx if self.ctx is not None else prompt_len + self.max_new_tokens + self.k + 1

@@ -9,6 +9,8 @@ a graph). A new cache (a different capacity) drops the graphs.
 
 from __future__ import annotations
 
+import gc
+
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +102,18 @@ class StepGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = self._eager(sx, pos)
+        # Graphs of a runner dropped earlier sit in reference cycles until the collector runs;
+        # collected mid-capture, their teardown is an illegal call on a capturing stream (and
+        # invalidates the capture). Collect now, and keep the collector off while capturing.
+        gc.collect()
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self._eager(sx, pos)
+        finally:
+            if was_on:
+                gc.enable()
         graph = _Graph(g, sx, base, pos, out)
         if not sx.is_floating_point():
             graph.host = torch.zeros(sx.shape, dtype=sx.dtype, pin_memory=True)
@@ -133,14 +145,31 @@ class StepGraphs:
         return g.out.clone()  # the static buffer is rewritten by the next replay
 
 
+def inductor_cache_dir() -> str:
+    """Where compiled kernels persist between runs: TORCHINDUCTOR_CACHE_DIR when the user set
+    it, else the package's cache directory (so a reboot's /tmp cleanup does not make the next
+    start-up cold)."""
+    import os  # noqa: PLC0415
+
+    from .env import environment  # noqa: PLC0415
+
+    base = environment().cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                   "memra_dist")
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(base, "inductor")
+
+
 def compile_blocks(stage) -> None:
-    """torch.compile each block's forward (CUDA fast path, opt-in `--compile`): fuses the
-    norms, rotary and gating elementwise work that dominates after the GEMMs. One compiled
+    """torch.compile each block's forward (the CUDA default; `--compile off` skips it): fuses
+    the norms, rotary and gating elementwise work that dominates after the GEMMs. One compiled
     function is shared by every block (parameters are graph inputs), specialised per row
-    count; CUDA graphs are then captured over the compiled kernels."""
+    count; CUDA graphs are then captured over the compiled kernels. Compiled kernels persist
+    in `inductor_cache_dir()`."""
+    import os  # noqa: PLC0415
     import types  # noqa: PLC0415
 
     from .model.transformer import Block  # noqa: PLC0415
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # read by inductor when it compiles
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     fn = torch.compile(Block.forward, dynamic=False)
