@@ -1,5 +1,6 @@
 """memra-dist bench: the pure parts (roofline, expected tokens, ideal speedup, acceptance
-inversion, report format) on hand-computed values, and one tiny CPU run end to end."""
+inversion, noise ranges and verdicts, report format) on hand-computed values, and one tiny CPU
+run end to end."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from memra_dist.bench.checkpoints import ensure_checkpoint, shape_config, weight_bytes
-from memra_dist.bench.report import TARGETS, append_benchmarks, evaluate, markdown
+from memra_dist.bench.noise import Fig, trimmed_range, verdict
+from memra_dist.bench.report import TARGETS, append_benchmarks, evaluate, markdown, row_flags, row_label
 from memra_dist.bench.roofline import (SPEC_FORMULA, achieved_fraction, expected_tokens, ideal_speedup, median,
                                        per_token_acceptance, roofline_tok_s)
 
@@ -75,6 +77,14 @@ def test_achieved_fraction_and_median():
     assert "E = (1 - a^(K+1)) / (1 - a)" in SPEC_FORMULA
 
 
+def _spec_row(k, label, a, frac, rng, drafter="replay"):
+    row = {"drafter": drafter, "k": k, "tok_s": 300.0, "acceptance": a, "achieved_speedup": 1.3,
+           "ideal_speedup": 1.4, "fraction_of_ideal": frac, "fraction_of_ideal_range": rng, "repeats": 3}
+    if label is not None:
+        row["target_acceptance"] = label
+    return row
+
+
 def _fake_result(shape="8b") -> dict:
     return {
         "meta": {"date": "2026-11-30 12:00", "device": "cuda", "device_name": "NVIDIA H200", "commit": "abc1234",
@@ -82,16 +92,17 @@ def _fake_result(shape="8b") -> dict:
                  "max_new": 256, "torch": "2.13"},
         "formula": SPEC_FORMULA,
         "bandwidth": {"bandwidth_tb_s": 4.25, "weight_bytes": 16.06e9, "roofline_tok_s": 264.6},
-        "steps": {"verify": {"2": {"ratio_vs_decode": 1.05}, "4": {"ratio_vs_decode": 1.20}}},
-        "decode": {"plain": {"tok_s": 230.0, "roofline_fraction": 0.87}, "spec": [
-            {"drafter": "replay", "k": 2, "target_acceptance": 0.6, "tok_s": 300.0, "acceptance": 0.6,
-             "achieved_speedup": 1.3, "ideal_speedup": 1.4, "fraction_of_ideal": 0.93},
-            {"drafter": "replay", "k": 4, "target_acceptance": 0.6, "tok_s": 290.0, "acceptance": 0.6,
-             "achieved_speedup": 1.26, "ideal_speedup": 1.5, "fraction_of_ideal": 0.84},
-            {"drafter": "replay", "k": 4, "target_acceptance": 0.8, "tok_s": 500.0, "acceptance": 0.8,
-             "achieved_speedup": 2.2, "ideal_speedup": 2.3, "fraction_of_ideal": 0.95}]},
-        "trace": {"overhead_pct": {"1": 2.0, "2": 9.0}, "level0_noise_pct": 0.8},
-        "peer": {"memra_over_transformers": 6.1, "plain": {"tok_s": 37.0}},
+        "steps": {"repeats": 30, "verify": {"2": {"ratio_vs_decode": 1.05, "ratio_range": [1.03, 1.08]},
+                                           "4": {"ratio_vs_decode": 1.20, "ratio_range": [1.18, 1.22]}}},
+        "decode": {"plain": {"tok_s": 230.0, "roofline_fraction": 0.87, "roofline_fraction_range": [0.86, 0.88],
+                             "repeats": 3}, "spec": [
+            _spec_row(2, 0.6, 0.6, 0.93, [0.92, 0.95]),
+            _spec_row(4, 0.6, 0.6, 0.84, [0.82, 0.86]),
+            _spec_row(4, 0.8, 0.8, 0.95, [0.93, 0.97])]},
+        "trace": {"repeats": 3, "overhead_pct": {"1": 2.0, "2": 9.0},
+                  "overhead_pct_range": {"1": [1.0, 3.0], "2": [8.0, 10.0]}, "level0_noise_pct": 0.8},
+        "peer": {"memra_over_transformers": 6.1, "memra_over_transformers_range": [5.8, 6.4],
+                 "plain": {"tok_s": 37.0, "repeats": 3}},
         "pp": {"skipped": "needs >= 2 GPUs"},
         "hybrid": {"shape": "kimi", "k": {"4": {"ratio_vs_decode": 1.3, "rollback_share_of_verify": 0.02}}},
     }
@@ -104,14 +115,99 @@ def test_evaluate_pass_miss_na():
     assert rows["verify_ratio_k2"]["status"] == "pass"
     assert rows["verify_ratio_k4"]["status"] == "miss"
     assert rows["spec_fraction_acc0.6"]["value"] == 0.84  # the worst K at that acceptance
+    assert (rows["spec_fraction_acc0.6"]["lo"], rows["spec_fraction_acc0.6"]["hi"]) == (0.82, 0.86)
     assert rows["spec_fraction_acc0.6"]["status"] == "miss"
     assert rows["spec_fraction_acc0.8"]["status"] == "pass"
     assert rows["spec_fraction_acc0.9"]["status"].startswith("n/a")  # not measured: never claimed
     assert rows["pp2_over_pp1_step"]["status"].startswith("n/a")
     assert rows["over_transformers"]["status"] == "pass"
     assert rows["trace_l1_overhead_pct"]["status"] == "pass"
+    assert rows["trace_l1_overhead_pct"]["spread_pct"] == 50.0  # half-range 1 of value 2
     tiny = {r["name"]: r for r in evaluate(_fake_result("tiny"))}
     assert tiny["plain_roofline_fraction"]["status"].startswith("n/a")
+
+
+def test_ranges_carry_through_ratios():
+    assert trimmed_range([3, 1, 2]) == (1, 3)
+    assert trimmed_range(list(range(20))) == (2, 17)  # 10 % off each end from 10 samples on
+    f = Fig.of([2.0, 1.0, 4.0]) / Fig.of([1.0, 2.0, 0.5])
+    assert (f.value, f.lo, f.hi, f.n) == (2.0, 0.5, 8.0, 3)  # worst case: lo / hi, hi / lo
+    assert (Fig.of([1.0, 2.0, 3.0]) * 2).rng() == [2.0, 6.0]
+    assert Fig(2.0, 1.0, 3.0, 3).spread_pct() == 50.0
+    assert not Fig.from_json(1.0, None, 5).known  # a figure without a recorded range has no spread
+
+
+def _overhead(value, rng, n=3) -> dict:
+    res = _fake_result()
+    res["trace"] = {"repeats": n, "overhead_pct": {"1": value, "2": 9.0},
+                    "overhead_pct_range": {"1": rng, "2": [8.0, 10.0]}, "level0_noise_pct": 3.0}
+    return {r["name"]: r for r in evaluate(res)}["trace_l1_overhead_pct"]
+
+
+def test_negative_overhead_is_never_a_pass():
+    assert _overhead(-2.0, [-6.0, 3.0])["status"].startswith("within noise")  # -2 % inside its noise
+    st = _overhead(-18.78, [-25.0, -10.0])["status"]  # level 1 faster than level 0 beyond the noise
+    assert st.startswith("unreliable") and "pass" not in st
+    assert _overhead(-18.78, None, 1)["status"].startswith("unreliable")  # one run: no spread, no verdict
+
+
+def test_overhead_passes_only_when_it_beats_the_target_by_more_than_the_spread():
+    assert _overhead(1.0, [0.5, 2.0])["status"] == "pass"  # whole range under 5 %
+    assert _overhead(4.0, [2.0, 6.0])["status"] == "within noise"  # under 5 %, but not by more than the spread
+    assert _overhead(8.0, [6.0, 10.0])["status"] == "miss"  # whole range over 5 %
+    assert _overhead(6.0, [4.0, 8.0])["status"] == "within noise"
+    assert verdict(Fig(0.95, 0.91, 0.99, 3), ">=", 0.9) == "pass"
+    assert verdict(Fig(0.95, 0.85, 0.99, 3), ">=", 0.9) == "within noise"
+
+
+def test_physically_implausible_ratios_are_not_passed():
+    res = _fake_result()
+    res["steps"]["verify"]["2"] = {"ratio_vs_decode": 0.49, "ratio_range": [0.04, 0.6]}  # 3 rows < half of 1 row
+    res["pp"] = {"pp2_over_pp1_step": 0.14, "pp2_over_pp1_step_range": [0.05, 0.37],
+                 "pp2": {"tok_s_segments": [1, 2, 3]},
+                 "hop": {"one_way_us": 30.0, "one_way_us_range": [25.0, 40.0], "iters": 200}}
+    rows = {r["name"]: r for r in evaluate(res)}
+    assert rows["verify_ratio_k2"]["status"].startswith("unreliable")
+    assert rows["pp2_over_pp1_step"]["status"].startswith("unreliable")
+    assert rows["hop_one_way_us"]["status"] == "pass" and rows["hop_one_way_us"]["n"] == 200
+
+
+def _spec_status(rows: list[dict], acc="0.9") -> str:
+    res = _fake_result()
+    res["decode"]["spec"] = rows
+    return {r["name"]: r for r in evaluate(res)}[f"spec_fraction_acc{acc}"]["status"]
+
+
+def test_fraction_of_ideal_above_one_is_flagged_never_passed():
+    st = _spec_status([_spec_row(2, 0.9, 0.9, 0.95, [0.93, 0.97]), _spec_row(4, 0.9, 0.9, 8.44, [7.9, 9.1])])
+    assert st.startswith("impossible") and "8.44 of ideal at K=4" in st
+    assert row_flags(_spec_row(4, 0.9, 0.9, 8.44, [7.9, 9.1]))[0].startswith("impossible")
+    # the worst K above 1 only within its noise: not flagged impossible, not passed either
+    assert _spec_status([_spec_row(4, 0.9, 0.9, 1.05, [0.95, 1.10])]).startswith("within noise")
+    # above 1 with no recorded range (an old result): unreliable, not passed
+    assert _spec_status([_spec_row(4, 0.9, 0.9, 8.44, None)]).startswith("unreliable")
+
+
+def test_acceptance_off_label_is_flagged_and_rows_are_labelled_by_the_measured_one():
+    off = _spec_row(2, 0.9, 0.745, 0.95, [0.93, 0.97])
+    st = _spec_status([off, _spec_row(4, 0.9, 0.88, 0.95, [0.93, 0.97])])
+    assert st.startswith("off label") and "a=0.745 at K=2" in st and "K=4" not in st
+    assert any(f.startswith("off label") for f in row_flags(off))
+    assert row_label(off) == "replay K=2 a=0.745 (label 0.9, off label)"
+    assert row_label(_spec_row(4, 0.9, 0.88, 0.95, None)) == "replay K=4 a=0.880 (label 0.9)"
+    assert not row_flags(_spec_row(4, 0.9, 0.86, 0.95, [0.93, 0.97]))  # 0.04 off: within the 0.05 tolerance
+    assert _spec_status([_spec_row(4, 0.9, 0.88, 0.95, [0.93, 0.97])]) == "pass"
+
+
+def test_level0_noise_is_measured_or_says_why_not():
+    res = _fake_result()
+    res["trace"] = {"repeats": 1, "overhead_pct": {"1": 2.0, "2": 9.0}, "level0_noise_pct": None,
+                    "level0_noise_why": "1 level-0 run(s); the spread needs >= 2"}
+    res["targets"] = evaluate(res)
+    row = {r["name"]: r for r in res["targets"]}["trace_l0_noise_pct"]
+    assert row["status"] == "not measured (1 level-0 run(s); the spread needs >= 2)"
+    md = markdown(res)
+    assert "None" not in md and "level-0 noise not measured (1 level-0 run(s)" in md
 
 
 def test_markdown_format(tmp_path):
@@ -120,8 +216,9 @@ def test_markdown_format(tmp_path):
     md = markdown(res)
     lines = md.splitlines()
     assert lines[0] == "### memra-dist bench · 2026-11-30 12:00 · NVIDIA H200 · commit abc1234 · shape 8b"
-    assert "| figure | measured | target | status |" in lines
-    assert "| verify(5) / decode(1) step cost | 1.2 | <= 1.15 | miss |" in lines
+    assert "| figure | measured (median) | range of repeats | target | status |" in lines
+    assert "| verify(5) / decode(1) step cost | 1.2 | 1.18-1.22, ±1.67 % (n=30) | <= 1.15 | miss |" in lines
+    assert "issue" not in md.lower() and "None" not in md  # targets named by what they measure
     assert any(ln.startswith("| copy bandwidth | 4.250 TB/s |") for ln in lines)
     assert any("KDA rollback 2.00 % of verify" in ln for ln in lines)
     assert md.rstrip().endswith(SPEC_FORMULA)
@@ -198,6 +295,39 @@ def test_tiny_cpu_run_writes_every_key(tmp_path):
     assert 0 < res["hybrid"]["k"]["4"]["rollback_share_of_verify"] < 1
     assert {t["name"] for t in res["targets"]} >= set(TARGETS)
     assert p.stdout.startswith("### memra-dist bench")
+    _assert_noise_aware(res, p.stdout)
+
+
+def _assert_noise_aware(res: dict, stdout: str) -> None:
+    """A quick CPU run's verdicts: every measured target has a range of >= 3 repeats, nothing
+    impossible or off label is passed, level-0 noise is measured, no issue numbers shown."""
+    assert res["trace"]["repeats"] >= 3 and res["trace"]["level0_noise_pct"] is not None
+    assert "None" not in stdout and "issue" not in stdout.lower()
+    rows = {t["name"]: t for t in res["targets"]}
+    for t in res["targets"]:
+        if t["value"] is not None and t["name"] != "trace_l0_noise_pct":
+            assert t["lo"] is not None and t["hi"] is not None and t["n"] >= 3, t
+            assert t["lo"] <= t["value"] <= t["hi"], t
+        if t["status"] == "pass":
+            assert t["lo"] is not None, t  # a pass needs a measured spread
+            if t["name"].startswith("spec_fraction") or t["name"] == "plain_roofline_fraction":
+                assert t["value"] <= 1, t
+            if t["name"] == "trace_l1_overhead_pct":
+                assert t["value"] >= 0, t
+            if t["name"].startswith("verify_ratio"):
+                assert t["value"] >= 1, t
+    spec = res["decode"]["spec"]
+    for r in spec:
+        assert r["repeats"] >= 3 and len(r["tok_s_all"]) == r["repeats"], r
+        assert r["label"].startswith(f"{r['drafter']} K={r['k']} a={r['acceptance']:.3f}"), r
+        if r["fraction_of_ideal"] > 1:
+            assert r["flags"], r  # impossible / unreliable / above 1 only within the noise: said
+        off = "target_acceptance" in r and abs(r["acceptance"] - r["target_acceptance"]) > 0.05
+        assert off == any(f.startswith("off label") for f in r["flags"]), r
+    for acc in ("0.6", "0.8", "0.9"):
+        at = [r for r in spec if r["drafter"] == "replay" and f"{r['target_acceptance']}" == acc]
+        if any(r["fraction_of_ideal"] > 1 or any(f.startswith("off label") for f in r["flags"]) for r in at):
+            assert rows[f"spec_fraction_acc{acc}"]["status"] != "pass"
 
 
 @pytest.mark.slow  # a local Ray (gloo)

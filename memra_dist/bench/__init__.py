@@ -1,9 +1,10 @@
 """`memra-dist bench`: one command, one run, every speed figure against its target.
 
 One role per file: checkpoints (made on the machine), timing (sync, medians, copy bandwidth),
-roofline (pure formulas), fastpath (the one place the CUDA-graph switch is wired), runs
-(runners built once, generations, step timing), sections / peer / dist_bench / hybrid (what is
-measured), suite (order, budget, progress), report (targets, markdown), cli (argparse glue).
+roofline (pure formulas), noise (ranges of repeats; the pass / miss / within-noise verdict),
+fastpath (the one place the CUDA-graph switch is wired), runs (runners built once,
+generations, step timing), sections / peer / dist_bench / hybrid (what is measured), suite
+(order, budget, progress), report (targets, flags, markdown), cli (argparse glue).
 """
 
 __all__ = ["add_bench_parser", "run_bench", "SECTIONS"]

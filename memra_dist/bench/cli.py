@@ -74,11 +74,12 @@ def _load_result(path: str) -> dict:
 
 
 def run_bench(args) -> int:
-    from .report import append_benchmarks, markdown  # noqa: PLC0415
+    from .report import append_benchmarks, evaluate, markdown  # noqa: PLC0415
     from .suite import run_suite  # noqa: PLC0415
 
     if args.from_json:
         res = _load_result(args.from_json)
+        res["targets"] = evaluate(res)  # the current rules: an older result without ranges is not passed
     else:
         res = run_suite(_options(args), ROOT)
         out = Path(args.out) if args.out else (Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT")

@@ -5,7 +5,8 @@ through the engine's own `Link` (NCCL on GPU, gloo on CPU) and ping-pong a (rows
 activation; one hop = median round trip / 2, host sync included (the DESIGN §3 convention).
 pp: the real `app.generate` at pp=N with drafter none at pp=2 (and pp=4 with >= 4 GPUs); decode tok/s
 from the driver's token stream (first token -> last), against the in-process plain decode of
-this same run, and whether its greedy ids equal that decode's."""
+this same run, and whether its greedy ids equal that decode's. Ranges (noise.py): the hop's over
+its ping-pongs; pp=N's tok/s over three consecutive thirds of its one decode."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class HopActor:
 
 
 def _hop(s, ray, hidden: int, gpu: bool) -> dict:
-    from .roofline import median  # noqa: PLC0415
+    from .noise import Fig  # noqa: PLC0415
 
     opts = dict(num_gpus=1, num_cpus=1) if gpu else dict(num_cpus=1)
     actors = [ray.remote(HopActor).options(**opts).remote(r) for r in range(2)]
@@ -69,8 +70,11 @@ def _hop(s, ray, hidden: int, gpu: bool) -> dict:
         out = {"hidden": hidden, "dtype": dtype, "backend": "nccl" if gpu else "gloo"}
         for rows in (1, max(s.p.ks) + 1):
             xs = ray.get([a.pingpong.remote(rows, hidden, dtype, s.p.hop_iters) for a in actors], timeout=300)[0]
-            out[f"rows_{rows}_one_way_us"] = round(median(xs) / 2 * 1e6, 2)
+            f = Fig.of(xs).map(lambda x: x / 2 * 1e6)
+            out[f"rows_{rows}_one_way_us"] = round(f.value, 2)
+            out[f"rows_{rows}_one_way_us_range"] = f.rng(2)
         out["one_way_us"] = out["rows_1_one_way_us"]
+        out["one_way_us_range"], out["iters"] = out["rows_1_one_way_us_range"], s.p.hop_iters
         ray.get([a.close.remote() for a in actors], timeout=60)
         return out
     finally:
@@ -97,7 +101,22 @@ def _pp_decode(s, ray, pp: int) -> dict:
     ntok = sum(n for _, n in stamps[1:])
     return {"tokens": ntok + 1, "decode_s": round(t_last - t_first, 4),
             "tok_s": round(ntok / (t_last - t_first), 3) if t_last > t_first else None,
-            "token_ids": list(res.token_ids)}
+            "tok_s_segments": _segment_rates(stamps), "token_ids": list(res.token_ids)}
+
+
+def _segment_rates(stamps: list, parts: int = 3) -> list[float]:
+    """tok/s over `parts` consecutive stretches of the stream (split at burst stamps; the whole
+    run's tok/s lies between them); [] when there are fewer bursts than parts."""
+    m = len(stamps) - 1
+    if m < parts:
+        return []
+    cuts = [round(m * j / parts) for j in range(parts + 1)]
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        dt = stamps[b][0] - stamps[a][0]
+        if dt > 0:
+            out.append(round(sum(n for _, n in stamps[a + 1:b + 1]) / dt, 3))
+    return out if len(out) == parts else []
 
 
 def pipeline(s) -> dict:
@@ -111,6 +130,7 @@ def pipeline(s) -> dict:
         s.say("  hop: 2 actors ping-pong the activation over torch.distributed")
         out = {"hop": _hop(s, ray, s.bench.target.cfg.hidden_size, gpus >= 2)}
         s.say(f"  hop one-way: {out['hop']['one_way_us']} us")
+        from .noise import Fig  # noqa: PLC0415
         from .sections import plain_decode  # noqa: PLC0415
 
         plain = plain_decode(s)  # this run's pp=1 figure and greedy ids (memoized: the decode section's own)
@@ -128,6 +148,9 @@ def pipeline(s) -> dict:
             out[f"pp{pp}"] = r
             if r["tok_s"]:
                 out[f"pp{pp}_over_pp1_step"] = round(p1 / r["tok_s"], 4)
+                seg = r["tok_s_segments"]  # pp=N's range: its thirds; pp=1's: the decode repeats
+                fig = Fig(r["tok_s"], min(seg), max(seg), len(seg)) if seg else Fig(r["tok_s"], None, None, 1)
+                out[f"pp{pp}_over_pp1_step_range"] = (plain["tok_s_fig"] / fig).rng()
             s.say(f"  pp={pp}: {r['tok_s']} tok/s, ids equal pp=1: {r['greedy_ids_equal_pp1']}")
         out["note"] = ("pp=1 is the in-process decode of this run; pp>1 includes the per-burst Ray call "
                        "that streams tokens to the driver")

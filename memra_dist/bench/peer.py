@@ -1,6 +1,7 @@
 """The peer: transformers `generate()` on the SAME checkpoint files, plain and assisted
 (`assistant_model` = the draft checkpoint), greedy, batch 1. Decode tok/s = (n - 1) tokens
-over t(generate n) - t(generate 1), so the prefill cancels as in our own decode timing."""
+over t(generate n) - t(generate 1), so the prefill cancels as in our own decode timing; the
+plain figure is the median of gen_repeats such pairs, with their range (noise.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 import torch
 
+from .noise import Fig
 from .timing import sync
 
 __all__ = ["peer"]
@@ -41,13 +43,20 @@ def _agree(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _decode_tok_s(model, ids, n: int, device, ours: list[int] | None = None, **kw) -> dict:
+def _decode_tok_s(model, ids, n: int, device, ours: list[int] | None = None, repeats: int = 1, **kw) -> dict:
+    """Decode tok/s of `repeats` (t(generate 1), t(generate n)) pairs: the median pair's figures,
+    every pair's tok/s and their range."""
     _gen_s(model, ids, min(4, n), device, **kw)  # warm-up
-    t1 = _gen_s(model, ids, 1, device, **kw)
-    toks: list[int] = []
-    tn = _gen_s(model, ids, n, device, toks, **kw)
-    dec = max(tn - t1, 1e-9)
-    out = {"tok_s": round((n - 1) / dec, 3), "generate_s": round(tn, 4), "prefill_plus_one_s": round(t1, 4)}
+    pairs, toks = [], []
+    for i in range(repeats):
+        t1 = _gen_s(model, ids, 1, device, **kw)
+        tn = _gen_s(model, ids, n, device, toks if i == 0 else None, **kw)
+        pairs.append(((n - 1) / max(tn - t1, 1e-9), tn, t1))
+    tok_s, tn, t1 = sorted(pairs)[len(pairs) // 2]
+    f = Fig.of([p[0] for p in pairs])
+    out = {"tok_s": round(tok_s, 3), "generate_s": round(tn, 4), "prefill_plus_one_s": round(t1, 4),
+           "tok_s_all": [round(p[0], 3) for p in pairs], "tok_s_range": f.rng(3),
+           "repeats": len(pairs)}
     if ours:  # same weights, same greedy rule: the leading tokens should agree (bf16 near-ties may split later)
         out["greedy_agree_prefix"] = _agree(toks, ours)
     return out
@@ -68,7 +77,7 @@ def peer(s) -> dict:
     plain = s.memo.get("plain")
     ours = plain["result"].tokens if plain is not None else None
     out = {"transformers": transformers.__version__, "tokens": n,
-           "plain": _decode_tok_s(model, ids, n, s.device, ours)}
+           "plain": _decode_tok_s(model, ids, n, s.device, ours, repeats=s.p.gen_repeats)}
     s.say(f"  transformers plain: {out['plain']['tok_s']:.1f} tok/s")
     if b.draft_dir and s.left() > 0:
         draft = _load(b.draft_dir, s.device, s.dtype)
@@ -82,6 +91,9 @@ def peer(s) -> dict:
     if s.device.type == "cuda":
         torch.cuda.empty_cache()
     if plain is not None:
+        hf = Fig.from_json(out["plain"]["tok_s"], out["plain"]["tok_s_range"], out["plain"]["repeats"])
+        ratio = plain["tok_s_fig"] / hf  # worst-case range over both tok/s ranges
         out["memra_plain_tok_s"] = round(plain["result"].decode_tok_s, 3)
-        out["memra_over_transformers"] = round(plain["result"].decode_tok_s / out["plain"]["tok_s"], 3)
+        out["memra_over_transformers"] = round(ratio.value, 3)
+        out["memra_over_transformers_range"] = ratio.rng(3)
     return out

@@ -1,26 +1,52 @@
-"""Figures against the issue-7 targets (pass / miss / n/a), the markdown table appended to
-BENCHMARKS.md (only with --record), and the run's provenance (date, device, commit)."""
+"""Figures against their targets with noise-aware statuses (noise.py: pass / miss only when the
+whole range of the repeats is on one side; within noise; impossible / unreliable / off label
+flags), the markdown table appended to BENCHMARKS.md (only with --record), and the run's
+provenance (date, device, commit)."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["evaluate", "markdown", "append_benchmarks", "git_commit", "TARGETS"]
+from .noise import ACC_TOL, Fig, verdict
 
-# name -> (origin tag kept in the JSON, comparison, threshold, what it is)
+__all__ = ["evaluate", "markdown", "append_benchmarks", "git_commit", "TARGETS", "Target", "row_flags",
+           "row_label"]
+
+
+class Target(NamedTuple):
+    op: str  # ">=" or "<="
+    threshold: float
+    what: str  # what the figure measures: the target's name in the markdown
+    bound: tuple | None = None  # (op, limit, flag, why): the physically possible side (noise.verdict)
+    issue: int = 0  # the tracker issue that set it: kept in the JSON rows' "issue" key, never shown
+
+
+_ABOVE_IDEAL = ("<=", 1.0, "impossible", "faster than the ideal speedup")
+_ROWS_FASTER = (">=", 1.0, "unreliable", "K+1 rows timed faster than 1 row")
 TARGETS = {
-    "plain_roofline_fraction": (7, ">=", 0.85, "plain batch-1 decode / roofline (target stated for the 8b shape)"),
-    "verify_ratio_k2": (7, "<=", 1.15, "verify(3) / decode(1) step cost"),
-    "verify_ratio_k4": (7, "<=", 1.15, "verify(5) / decode(1) step cost"),
-    "spec_fraction_acc0.6": (7, ">=", 0.90, "spec tok/s fraction of ideal speedup, replay acc~0.6 (worst K)"),
-    "spec_fraction_acc0.8": (7, ">=", 0.90, "same, acc~0.8 (worst K)"),
-    "spec_fraction_acc0.9": (7, ">=", 0.90, "same, acc~0.9 (worst K)"),
-    "over_transformers": (7, ">=", 5.0, "memra plain decode / transformers generate() tok/s"),
-    "pp2_over_pp1_step": (4, "<=", 1.05, "pp=2 / pp=1 decode step"),
-    "hop_one_way_us": (4, "<=", 50.0, "per-hop activation transfer, one way, us"),
-    "trace_l1_overhead_pct": (3, "<=", 5.0, "trace level 1 wall overhead vs level 0, %"),
+    "plain_roofline_fraction": Target(">=", 0.85, "plain batch-1 decode / roofline (target stated for the 8b shape)",
+                                      ("<=", 1.0, "impossible", "faster than the roofline"), 7),
+    "verify_ratio_k2": Target("<=", 1.15, "verify(3) / decode(1) step cost", _ROWS_FASTER, 7),
+    "verify_ratio_k4": Target("<=", 1.15, "verify(5) / decode(1) step cost", _ROWS_FASTER, 7),
+    "spec_fraction_acc0.6": Target(">=", 0.90, "spec tok/s fraction of ideal speedup, replay drafter at "
+                                               "acceptance 0.6 (worst K)", _ABOVE_IDEAL, 7),
+    "spec_fraction_acc0.8": Target(">=", 0.90, "spec tok/s fraction of ideal speedup, replay drafter at "
+                                               "acceptance 0.8 (worst K)", _ABOVE_IDEAL, 7),
+    "spec_fraction_acc0.9": Target(">=", 0.90, "spec tok/s fraction of ideal speedup, replay drafter at "
+                                               "acceptance 0.9 (worst K)", _ABOVE_IDEAL, 7),
+    "over_transformers": Target(">=", 5.0, "memra plain decode / transformers generate() tok/s", None, 7),
+    "pp2_over_pp1_step": Target("<=", 1.05, "pp=2 / pp=1 decode step",
+                                (">=", 1.0, "unreliable", "a pp=2 step timed faster than a pp=1 step"), 4),
+    "hop_one_way_us": Target("<=", 50.0, "per-hop activation transfer, one way, us", None, 4),
+    "trace_l1_overhead_pct": Target("<=", 5.0, "trace level 1 wall overhead vs level 0, %",
+                                    (">=", 0.0, "unreliable", "level 1 timed faster than level 0"), 3),
 }
+
+RULE = ("pass / miss only when the whole range of the repeats lies on one side of the target, else within "
+        "noise; range = min-max of the repeats (10 % trimmed at each end from 10 repeats on), worst case "
+        "through ratios")
 
 
 def _get(d: dict, *path):
@@ -31,71 +57,175 @@ def _get(d: dict, *path):
     return d
 
 
+def row_label(row: dict) -> str:
+    """A spec row named by its MEASURED acceptance (the replay label in brackets, flagged when off)."""
+    tag = f"{row.get('drafter')} K={row.get('k')}"
+    a, ta = row.get("acceptance"), row.get("target_acceptance")
+    if a is not None:
+        tag += f" a={a:.3f}"
+    if ta is not None:
+        off = a is not None and abs(a - ta) > ACC_TOL
+        tag += f" (label {ta:g}{', off label' if off else ''})"
+    return tag
+
+
+def row_flags(row: dict) -> list[str]:
+    """What is wrong with one spec row: a fraction of ideal above 1 (impossible when its whole
+    range is), an acceptance more than ACC_TOL off its replay label, greedy ids off plain."""
+    out = []
+    v = row.get("fraction_of_ideal")
+    if v is not None and v > 1:
+        f = Fig.from_json(v, row.get("fraction_of_ideal_range"), row.get("repeats"))
+        if not f.known:
+            out.append(f"unreliable: {v:.2f} of ideal (above 1), spread not measured")
+        elif f.lo > 1:
+            out.append(f"impossible: {v:.2f} of ideal, whole range {f.lo:.2f}-{f.hi:.2f} above 1")
+        else:
+            out.append(f"within noise: {v:.2f} of ideal is above 1 only within its range {f.lo:.2f}-{f.hi:.2f}")
+    a, ta = row.get("acceptance"), row.get("target_acceptance")
+    if a is not None and ta is not None and abs(a - ta) > ACC_TOL:
+        out.append(f"off label: measured acceptance {a:.3f} vs label {ta:g} (tolerance {ACC_TOL:g})")
+    if row.get("greedy_mismatch"):
+        out.append("greedy mismatch: spec ids differ from plain")
+    return out
+
+
+def _spec_figure(res: dict, acc: str) -> tuple[Fig | None, str | None]:
+    """(worst-K figure, flag status or None) of the replay rows labelled `acc`: the row flags
+    impossible / unreliable / off label decide the status before any comparison."""
+    rows = [r for r in _get(res, "decode", "spec") or [] if r.get("drafter") == "replay"
+            and f"{r.get('target_acceptance')}" == acc and r.get("fraction_of_ideal") is not None]
+    if not rows:
+        return None, None
+    figs = [Fig.from_json(r["fraction_of_ideal"], r.get("fraction_of_ideal_range"), r.get("repeats")) for r in rows]
+    known = all(f.known for f in figs)  # min over K: [min lo, min hi], fewest repeats
+    fig = Fig(min(f.value for f in figs), min(f.lo for f in figs) if known else None,
+              min(f.hi for f in figs) if known else None, min(f.n for f in figs))
+    bad = {"impossible": [], "unreliable": [], "off label": []}
+    for r in rows:
+        kinds = {fl.partition(": ")[0] for fl in row_flags(r)}
+        if "impossible" in kinds or "unreliable" in kinds:
+            rr = r.get("fraction_of_ideal_range")
+            rs = f" (range {rr[0]:.3g}-{rr[1]:.3g})" if rr else ""
+            bad["impossible" if "impossible" in kinds else "unreliable"].append(
+                f"{r['fraction_of_ideal']:.3g} of ideal at K={r.get('k')}{rs}")
+        if "off label" in kinds:
+            bad["off label"].append(f"a={r['acceptance']:.3f} at K={r.get('k')}")
+    why = {"impossible": "above 1 beyond the noise", "unreliable": "above 1, spread not measured",
+           "off label": f"measured acceptance vs label {acc} ± {ACC_TOL:g}"}
+    status = "; ".join(f"{k} ({', '.join(v)}: {why[k]})" for k, v in bad.items() if v) or None
+    return fig, status
+
+
 def _figures(res: dict) -> dict:
-    f = {"plain_roofline_fraction": _get(res, "decode", "plain", "roofline_fraction"),
-         "verify_ratio_k2": _get(res, "steps", "verify", "2", "ratio_vs_decode"),
-         "verify_ratio_k4": _get(res, "steps", "verify", "4", "ratio_vs_decode"),
-         "over_transformers": _get(res, "peer", "memra_over_transformers"),
-         "pp2_over_pp1_step": _get(res, "pp", "pp2_over_pp1_step"),
-         "hop_one_way_us": _get(res, "pp", "hop", "one_way_us"),
-         "trace_l1_overhead_pct": _get(res, "trace", "overhead_pct", "1")}
-    rows = _get(res, "decode", "spec") or []
+    """name -> (Fig or None, status forced by a flag or None)."""
+    f = {"plain_roofline_fraction": Fig.from_json(_get(res, "decode", "plain", "roofline_fraction"),
+                                                  _get(res, "decode", "plain", "roofline_fraction_range"),
+                                                  _get(res, "decode", "plain", "repeats")),
+         "over_transformers": Fig.from_json(_get(res, "peer", "memra_over_transformers"),
+                                            _get(res, "peer", "memra_over_transformers_range"),
+                                            _get(res, "peer", "plain", "repeats")),
+         "pp2_over_pp1_step": Fig.from_json(_get(res, "pp", "pp2_over_pp1_step"),
+                                            _get(res, "pp", "pp2_over_pp1_step_range"),
+                                            len(_get(res, "pp", "pp2", "tok_s_segments") or []) or None),
+         "hop_one_way_us": Fig.from_json(_get(res, "pp", "hop", "one_way_us"),
+                                         _get(res, "pp", "hop", "one_way_us_range"), _get(res, "pp", "hop", "iters")),
+         "trace_l1_overhead_pct": Fig.from_json(_get(res, "trace", "overhead_pct", "1"),
+                                                _get(res, "trace", "overhead_pct_range", "1"),
+                                                _get(res, "trace", "repeats"))}
+    for k in ("2", "4"):
+        f[f"verify_ratio_k{k}"] = Fig.from_json(_get(res, "steps", "verify", k, "ratio_vs_decode"),
+                                                _get(res, "steps", "verify", k, "ratio_range"),
+                                                _get(res, "steps", "repeats"))
+    out = {name: (fig, None) for name, fig in f.items()}
     for acc in ("0.6", "0.8", "0.9"):
-        fr = [r["fraction_of_ideal"] for r in rows if r.get("drafter") == "replay"
-              and f"{r.get('target_acceptance')}" == acc and "fraction_of_ideal" in r]
-        f[f"spec_fraction_acc{acc}"] = min(fr) if fr else None
-    return f
+        out[f"spec_fraction_acc{acc}"] = _spec_figure(res, acc)
+    return out
+
+
+def _l0_noise_row(res: dict) -> dict:
+    v = _get(res, "trace", "level0_noise_pct")
+    if v is not None:
+        status = "n/a (no hook-free build in the same run; the value is the level-0 noise floor)"
+    elif isinstance(res.get("trace"), dict) and "overhead_pct" in res["trace"]:
+        status = f"not measured ({_get(res, 'trace', 'level0_noise_why') or 'fewer than 2 level-0 runs'})"
+    else:
+        status = "not measured (trace section not run)"
+    return {"name": "trace_l0_noise_pct", "what": "trace level 0 vs a build without the hooks (level-0 run spread, %)",
+            "value": v, "target": "within noise", "issue": 3, "status": status, "lo": None, "hi": None,
+            "n": _get(res, "trace", "repeats"), "spread_pct": None, "range_note": "the value is itself a spread"}
 
 
 def evaluate(res: dict) -> list[dict]:
-    """One row per target: measured value (None = not measured in this run), pass / miss / n/a."""
+    """One row per target: measured value (the median; None = not measured in this run), its
+    range (lo, hi), repeats (n), relative half-range (spread_pct) and the status (noise.py)."""
     out = []
     shape = _get(res, "meta", "shape")
-    for name, v in _figures(res).items():
-        issue, op, thr, what = TARGETS[name]
-        if v is None:
+    for name, (fig, flag) in _figures(res).items():
+        t = TARGETS[name]
+        if fig is None:
             status = "n/a (not measured)"
         elif name == "plain_roofline_fraction" and shape != "8b":
             status = "n/a (target is for the 8b shape)"
         else:
-            ok = v >= thr if op == ">=" else v <= thr
-            status = "pass" if ok else "miss"
-        out.append({"name": name, "what": what, "value": v, "target": f"{op} {thr:g}", "issue": issue,
-                    "status": status})
-    out.append({"name": "trace_l0_noise_pct", "what": "trace level 0 vs a build without the hooks (level-0 run spread, %)",
-                "value": _get(res, "trace", "level0_noise_pct"), "target": "within noise", "issue": 3,
-                "status": "n/a (no hook-free build in the same run; value is the noise floor)"})
+            status = flag or verdict(fig, t.op, t.threshold, t.bound)
+        known = fig is not None and fig.known
+        sp = fig.spread_pct() if known else None
+        out.append({"name": name, "what": t.what, "value": None if fig is None else fig.value,
+                    "target": f"{t.op} {t.threshold:g}", "issue": t.issue, "status": status,
+                    "op": t.op, "threshold": t.threshold, "lo": fig.lo if known else None,
+                    "hi": fig.hi if known else None, "n": fig.n if fig is not None and fig.n < 1 << 30 else None,
+                    "spread_pct": None if sp is None else round(sp, 2)})
+    out.append(_l0_noise_row(res))
     return out
+
+
+def _rng(rng, fmt: str = ".3g", unit: str = "") -> str:
+    """' (range lo-hi)' from a "_range" key, or '' when none was recorded."""
+    if not (isinstance(rng, (list, tuple)) and len(rng) == 2 and None not in rng):
+        return ""
+    return f" (range {rng[0]:{fmt}}-{rng[1]:{fmt}}{unit})"
 
 
 def _info_rows(res: dict) -> list[tuple[str, str]]:
     rows = []
     bw = res.get("bandwidth") or {}
     if "bandwidth_tb_s" in bw:
-        rows.append(("copy bandwidth", f"{bw['bandwidth_tb_s']:.3f} TB/s"))
+        br = bw.get("bandwidth_bytes_s_range")
+        rows.append(("copy bandwidth", f"{bw['bandwidth_tb_s']:.3f} TB/s" + _rng([x / 1e12 for x in br] if br else None,
+                                                                                 ".3f")))
         rows.append(("weights / roofline", f"{bw['weight_bytes'] / 1e9:.2f} GB / {bw['roofline_tok_s']:.1f} tok/s"))
-    pl = _get(res, "decode", "plain", "tok_s")
-    if pl is not None:
-        rows.append(("plain decode", f"{pl:.1f} tok/s"))
+    pl = _get(res, "decode", "plain")
+    if isinstance(pl, dict) and pl.get("tok_s") is not None:
+        rows.append(("plain decode", f"{pl['tok_s']:.1f} tok/s" + _rng(pl.get("tok_s_range"), ".1f")
+                     + (f", {pl['repeats']} runs" if pl.get("repeats") else "")))
     for r in _get(res, "decode", "spec") or []:
-        tag = f"{r['drafter']} K={r['k']}" + (f" acc~{r['target_acceptance']}" if "target_acceptance" in r else "")
         if "ideal_speedup" in r:
-            rows.append((f"spec {tag}", f"{r['tok_s']:.1f} tok/s, a={r['acceptance']:.3f}, x{r['achieved_speedup']:.2f}"
-                                        f" of ideal x{r['ideal_speedup']:.2f} = {r['fraction_of_ideal']:.2f}"))
+            flags = row_flags(r)
+            rows.append((f"spec {row_label(r)}",
+                         f"{r['tok_s']:.1f} tok/s{_rng(r.get('tok_s_range'), '.1f')}, x{r['achieved_speedup']:.2f} of "
+                         f"ideal x{r['ideal_speedup']:.2f} = {r['fraction_of_ideal']:.2f}"
+                         f"{_rng(r.get('fraction_of_ideal_range'), '.2f')}" + "".join(f"; **{f}**" for f in flags)))
     for kind in ("plain", "assisted"):
         v = _get(res, "peer", kind, "tok_s")
         if v is not None:
-            rows.append((f"transformers generate() {kind}", f"{v:.1f} tok/s"))
-    lv = _get(res, "trace", "overhead_pct")
-    if lv:
-        rows.append(("trace level 2 overhead", f"{lv['2']:.2f} % (level-0 noise "
-                                               f"{_get(res, 'trace', 'level0_noise_pct')} %)"))
+            rows.append((f"transformers generate() {kind}",
+                         f"{v:.1f} tok/s" + _rng(_get(res, "peer", kind, "tok_s_range"), ".1f")))
+    tr = res.get("trace") or {}
+    if tr.get("overhead_pct"):
+        noise = tr.get("level0_noise_pct")
+        why = tr.get("level0_noise_why") or "fewer than 2 level-0 runs"
+        rows.append(("trace level 2 overhead", f"{tr['overhead_pct']['2']:.2f} %"
+                     + _rng(_get(tr, "overhead_pct_range", "2"), ".2f", " %")
+                     + (f"; level-0 noise {noise:.2f} % over {tr.get('repeats')} runs" if noise is not None
+                        else f"; level-0 noise not measured ({why})")))
     for pp in (2, 4):
         r = _get(res, "pp", f"pp{pp}")
         if isinstance(r, dict) and r.get("tok_s"):
             ratio = _get(res, "pp", f"pp{pp}_over_pp1_step")
-            rows.append((f"pp={pp} decode", f"{r['tok_s']:.1f} tok/s, step x{ratio} of pp=1, greedy ids equal pp=1: "
-                                             f"{r.get('greedy_ids_equal_pp1')}"))
+            rows.append((f"pp={pp} decode", f"{r['tok_s']:.1f} tok/s, step x{ratio}"
+                                             f"{_rng(_get(res, 'pp', f'pp{pp}_over_pp1_step_range'))} of pp=1, "
+                                             f"greedy ids equal pp=1: {r.get('greedy_ids_equal_pp1')}"))
     for k, h in (_get(res, "hybrid", "k") or {}).items():
         rows.append((f"hybrid {res['hybrid']['shape']} K={k}", f"verify/decode {h['ratio_vs_decode']:.2f}, "
                                                              f"KDA rollback {h['rollback_share_of_verify'] * 100:.2f} % of verify"))
@@ -106,6 +236,15 @@ def _fmt(v) -> str:
     return "—" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
 
 
+def _spread(t: dict) -> str:
+    """The range column: 'lo-hi, ±x % (n repeats)', or why there is none."""
+    if t.get("lo") is None or t.get("hi") is None:
+        return "—" if t.get("value") is None else t.get("range_note", "not measured")
+    sp = f", ±{t['spread_pct']:.3g} %" if t.get("spread_pct") is not None else ""
+    n = f" (n={t['n']})" if t.get("n") else ""
+    return f"{t['lo']:.4g}-{t['hi']:.4g}{sp}{n}"
+
+
 def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [f"### memra-dist bench · {m['date']} · {m['device_name']} · commit {m['commit']} · shape {m['shape']}",
@@ -113,10 +252,12 @@ def markdown(res: dict) -> str:
              f"device {m['device']}, dtype {m['dtype']}, graphs {m['graphs']['active']}, quick {m['quick']}, "
              f"ctx {m['ctx']}, {m['max_new']} new tokens, torch {m['torch']}; one run, so the ratios hold.",
              "",
-             "| figure | measured | target | status |",
-             "|---|---|---|---|"]
+             "| figure | measured (median) | range of repeats | target | status |",
+             "|---|---|---|---|---|"]
     for t in res["targets"]:
-        lines.append(f"| {t['what']} | {_fmt(t['value'])} | {t['target']} | {t['status']} |")
+        lines.append(f"| {t['what']} | {_fmt(t['value'])} | {_spread(t)} | {t['target']} | {t['status']} |")
+    lines += ["", f"Status: {RULE}; a replay row is off label when its measured acceptance is more than "
+                  f"{ACC_TOL:g} from its label."]
     info = _info_rows(res)
     if info:
         lines += ["", "| measured (no target) | value |", "|---|---|"]

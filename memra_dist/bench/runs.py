@@ -15,6 +15,7 @@ from ..phase.levels import TraceSettings
 from ..specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter, ReplayDrafter
 from ..specdec.session import SpecSession
 from .fastpath import config_kwargs, runner_kwargs
+from .noise import trimmed_range
 from .roofline import median
 from .timing import sync, time_call
 
@@ -113,14 +114,19 @@ class Bench:
 
     def propose_time(self, drafter, context: list[int], k: int, repeats: int) -> float:
         """Median wall of one propose(k) of a host-side drafter (replay / ngram), per drafted token."""
+        return self.propose_times(drafter, context, k, repeats)["median_s"]
+
+    def propose_times(self, drafter, context: list[int], k: int, repeats: int) -> dict:
+        """propose_time's median and the range of its repeats (lo_s, hi_s), per drafted token."""
         from ..specdec.sampling import SamplingParams  # noqa: PLC0415
 
         sp, gen, xs = SamplingParams(), torch.Generator(), []
         for _ in range(repeats):
             t0 = time.perf_counter()
             drafter.propose(context, k, sp, gen)
-            xs.append(time.perf_counter() - t0)
-        return median(xs) / max(k, 1)
+            xs.append((time.perf_counter() - t0) / max(k, 1))
+        lo, hi = trimmed_range(xs)
+        return {"median_s": median(xs), "lo_s": lo, "hi_s": hi, "n": len(xs)}
 
 
 class Steps:

@@ -1,6 +1,8 @@
 """The in-process sections: copy bandwidth + roofline, step costs, plain and speculative decode
 (with the ideal speedup and the achieved fraction of it), trace levels. Each takes the Suite
-and returns a JSON-able dict; nothing here is claimed without being measured in this run."""
+and returns a JSON-able dict; nothing here is claimed without being measured in this run.
+Every figure a target reads comes with the range of its repeats ("<figure>_range" keys, see
+noise.py): timed figures are medians over repeats, derived ones carry the worst-case range."""
 
 from __future__ import annotations
 
@@ -8,18 +10,34 @@ import time
 
 from ..phase.levels import TraceSettings
 from .checkpoints import shape_config, weight_bytes
-from .roofline import SPEC_FORMULA, achieved_fraction, ideal_speedup, median, per_token_acceptance, roofline_tok_s
+from .noise import Fig
+from .roofline import (SPEC_FORMULA, achieved_fraction, expected_tokens, ideal_speedup, per_token_acceptance,
+                       roofline_tok_s)
 from .timing import copy_bandwidth
 
 __all__ = ["bandwidth", "steps", "decode", "trace_levels", "plain_decode"]
+
+
+def _fig_t(t: dict) -> Fig:
+    """A time_call / propose_times dict as a Fig of seconds."""
+    return Fig(t["median_s"], t["lo_s"], t["hi_s"], t["n"])
+
+
+def _median_run(runs: list):
+    """(the median run by decode wall, Fig of the runs' decode tok/s valued at that run)."""
+    best = sorted(runs, key=lambda r: r.decode_s)[len(runs) // 2]
+    f = Fig.of([r.decode_tok_s for r in runs])
+    return best, Fig(best.decode_tok_s, f.lo, f.hi, f.n)
 
 
 def bandwidth(s) -> dict:
     bw = copy_bandwidth(s.device, s.p.copy_bytes, repeats=s.p.copy_repeats)
     wb = weight_bytes(shape_config(s.opts.shape), s.dtype)
     s.memo["roofline_tok_s"] = roofline_tok_s(bw["bandwidth_bytes_s"], wb)
+    lo, hi = bw["bandwidth_bytes_s_range"]
+    s.memo["roofline"] = Fig(s.memo["roofline_tok_s"], lo / wb, hi / wb, bw["repeats"])
     return {**bw, "weight_bytes": wb, "roofline_tok_s": round(s.memo["roofline_tok_s"], 2),
-            "formula": "roofline tok/s = bandwidth / weight bytes"}
+            "roofline_tok_s_range": s.memo["roofline"].rng(2), "formula": "roofline tok/s = bandwidth / weight bytes"}
 
 
 def step_costs(s) -> dict:
@@ -41,14 +59,19 @@ def step_costs(s) -> dict:
 
 
 def steps(s) -> dict:
+    """Step medians (ms) with their ranges; verify / decode with the worst-case range of the ratio."""
     c = step_costs(s)
-    t1 = c["decode"]["median_s"]
-    out = {"ctx": c["ctx"], "repeats": c["decode"]["n"], "decode_ms": round(t1 * 1e3, 4),
+    dec = _fig_t(c["decode"])
+    out = {"ctx": c["ctx"], "repeats": c["decode"]["n"], "decode_ms": round(dec.value * 1e3, 4),
+           "decode_ms_range": dec.map(lambda x: x * 1e3).rng(),
            "draft_decode_ms": round(c["draft_decode"]["median_s"] * 1e3, 4) if "draft_decode" in c else None,
            "verify": {}}
     for k in s.p.ks:
-        tv = c[f"verify_{k + 1}"]["median_s"]
-        out["verify"][str(k)] = {"rows": k + 1, "ms": round(tv * 1e3, 4), "ratio_vs_decode": round(tv / t1, 4)}
+        ver = _fig_t(c[f"verify_{k + 1}"])
+        ratio = ver / dec
+        out["verify"][str(k)] = {"rows": k + 1, "ms": round(ver.value * 1e3, 4),
+                                 "ms_range": ver.map(lambda x: x * 1e3).rng(), "ratio_vs_decode": round(ratio.value, 4),
+                                 "ratio_range": ratio.rng(), "repeats": ratio.n}
     return out
 
 
@@ -58,51 +81,74 @@ def plain_decode(s) -> dict:
     b, prompt, n = s.bench, s.prompt, s.p.max_new
     b.generate(b.drafter("none"), prompt, min(8, n))  # warm-up (allocator, graphs capture)
     runs = [b.generate(b.drafter("none"), prompt, n) for _ in range(s.p.gen_repeats)]
-    best = sorted(runs, key=lambda r: r.decode_s)[len(runs) // 2]  # the median run
-    s.memo["plain"] = {"result": best, "tok_s_all": [round(r.decode_tok_s, 3) for r in runs]}
+    best, tok = _median_run(runs)
+    s.memo["plain"] = {"result": best, "tok_s_all": [round(r.decode_tok_s, 3) for r in runs], "tok_s_fig": tok}
     return s.memo["plain"]
 
 
-def _draft_step_s(s, name: str, corrupt: float = 0.0) -> float:
+def _draft_step(s, name: str, corrupt: float = 0.0) -> Fig:
+    """The drafter's step (s per drafted token) with its range: the draft model's forward(1), or
+    the host time of propose() for replay / ngram."""
     b = s.bench
     if name == "model":
-        return step_costs(s)["draft_decode"]["median_s"]
+        return _fig_t(step_costs(s)["draft_decode"])
     rec = s.memo["plain"]["result"].tokens
     d = b.drafter(name, rec, len(s.prompt), corrupt)
     ctxt = s.prompt + rec[: len(rec) // 2]
-    return b.propose_time(d, ctxt, max(s.p.ks), 50)
+    return _fig_t(b.propose_times(d, ctxt, max(s.p.ks), 50))
 
 
-def _spec_run(s, name: str, k: int, corrupt: float | None, plain_tok_s: float) -> dict:
+def _spec_run(s, name: str, k: int, corrupt: float | None) -> dict:
+    """gen_repeats generations of one (drafter, K): the median run's figures, the tok/s range,
+    and the ideal speedup / fraction of it with their worst-case ranges (steps, drafter step,
+    plain tok/s and this row's tok/s all carry theirs); flags from report.row_flags."""
+    from .report import row_flags, row_label  # noqa: PLC0415
+
     b, prompt, n = s.bench, s.prompt, s.p.max_new
     rec = s.memo["plain"]["result"].tokens
+    plain = s.memo["plain"]["tok_s_fig"]
     mk = (lambda: b.drafter(name, rec, len(prompt), corrupt or 0.0))
-    b.generate(mk(), prompt, min(8, n), k)  # warm-up of this K
-    r = b.generate(mk(), prompt, n, k)
-    row = {"drafter": name, "k": k, **r.as_dict()}
+    warm = s.memo.setdefault("warm", set())
+    if (name, k) not in warm:  # warm-up of this drafter at this K (once: the replay labels share it)
+        b.generate(mk(), prompt, min(8, n), k)
+        warm.add((name, k))
+    runs = [b.generate(mk(), prompt, n, k) for _ in range(s.p.gen_repeats)]
+    r, tok = _median_run(runs)
+    row = {"drafter": name, "k": k, **r.as_dict(), "repeats": len(runs),
+           "tok_s_all": [round(x.decode_tok_s, 3) for x in runs], "tok_s_range": tok.rng(3)}
     if corrupt is not None:
         row.update(target_acceptance=round(1 - corrupt, 3), corrupt=corrupt)
     if name in ("none",) or r.rounds == 0:
         return row
     c = step_costs(s)
-    a = per_token_acceptance(r.accepted / r.rounds, k)
-    ideal = ideal_speedup(a, k, c["decode"]["median_s"], _draft_step_s(s, name, corrupt or 0.0),
-                          c[f"verify_{k + 1}"]["median_s"])
-    achieved = r.decode_tok_s / plain_tok_s
-    row.update(acceptance=round(a, 4), ideal_speedup=round(ideal, 4), achieved_speedup=round(achieved, 4),
-               fraction_of_ideal=round(achieved_fraction(r.decode_tok_s, plain_tok_s, ideal), 4))
-    if r.tokens != rec[: len(r.tokens)]:
+    a = per_token_acceptance(r.accepted / r.rounds, k)  # every repeat is the same greedy path
+    dec, ver, draft = _fig_t(c["decode"]), _fig_t(c[f"verify_{k + 1}"]), _draft_step(s, name, corrupt or 0.0)
+    ideal_v = ideal_speedup(a, k, dec.value, draft.value, ver.value)
+    ideal = Fig.exact(expected_tokens(a, k)) * dec / (draft * k + ver)
+    achieved = tok / plain
+    frac = achieved / ideal
+    row.update(acceptance=round(a, 4), ideal_speedup=round(ideal_v, 4), ideal_speedup_range=ideal.rng(),
+               achieved_speedup=round(achieved.value, 4), achieved_speedup_range=achieved.rng(),
+               fraction_of_ideal=round(achieved_fraction(r.decode_tok_s, plain.value, ideal_v), 4),
+               fraction_of_ideal_range=frac.rng())
+    if any(x.tokens != rec[: len(x.tokens)] for x in runs):
         row["greedy_mismatch"] = True  # greedy spec output must equal plain: flag, never hide
+    row["label"] = row_label(row)
+    row["flags"] = row_flags(row)
     return row
 
 
 def decode(s) -> dict:
     pl = plain_decode(s)
     r = pl["result"]
-    out = {"prompt_len": len(s.prompt), "max_new": s.p.max_new, "formula": SPEC_FORMULA,
-           "plain": {**r.as_dict(), "tok_s_all": pl["tok_s_all"]}, "spec": [], "skipped": []}
+    tok = pl["tok_s_fig"]
+    out = {"prompt_len": len(s.prompt), "max_new": s.p.max_new, "formula": SPEC_FORMULA, "repeats": s.p.gen_repeats,
+           "plain": {**r.as_dict(), "tok_s_all": pl["tok_s_all"], "tok_s_range": tok.rng(3), "repeats": tok.n},
+           "spec": [], "skipped": []}
     if "roofline_tok_s" in s.memo:
+        rf = tok / s.memo["roofline"]
         out["plain"]["roofline_fraction"] = round(r.decode_tok_s / s.memo["roofline_tok_s"], 4)
+        out["plain"]["roofline_fraction_range"] = rf.rng()
     step_costs(s)
     plan = [("replay", k, round(1 - a, 3)) for k in s.p.ks for a in s.p.accs]
     plan += [("ngram", k, None) for k in s.p.ks]
@@ -114,10 +160,12 @@ def decode(s) -> dict:
             out["skipped"].append(f"{label}: budget")
             continue
         t0 = time.perf_counter()
-        row = _spec_run(s, name, k, corrupt, r.decode_tok_s)
+        row = _spec_run(s, name, k, corrupt)
         out["spec"].append(row)
-        s.say(f"  {label}: {row['tok_s']:.1f} tok/s, acceptance {row.get('acceptance', 0):.3f}, "
-              f"{row.get('fraction_of_ideal', 0):.2f} of ideal ({time.perf_counter() - t0:.1f}s)")
+        fr = row.get("fraction_of_ideal_range") or [0, 0]
+        s.say(f"  {row.get('label', label)}: {row['tok_s']:.1f} tok/s, {row.get('fraction_of_ideal', 0):.2f} of ideal "
+              f"(range {fr[0]:.2f}-{fr[1]:.2f}, {row['repeats']} runs){''.join(' ' + f for f in row.get('flags', []))} "
+              f"({time.perf_counter() - t0:.1f}s)")
     return out
 
 
@@ -151,7 +199,8 @@ def _trace_sink(level: int):
 def trace_levels(s) -> dict:
     """The same replay generation (K=4, acceptance ~0.8) at levels 0, 1, 2, interleaved
     repeats, median decode wall; spans go to a batched in-memory exporter (the SDK's real
-    cost, no network). Level-0 noise = spread of the level-0 repeats."""
+    cost, no network). Level-0 noise = (max - min) / median of the level-0 walls, %; each
+    overhead's range = worst case over the level-N and level-0 ranges (noise.Fig)."""
     b, prompt, n, k = s.bench, s.prompt, s.p.max_new, 4
     rec = plain_decode(s)["result"].tokens
     walls = {0: [], 1: [], 2: []}
@@ -165,12 +214,18 @@ def trace_levels(s) -> dict:
             r = b.generate(b.drafter("replay", rec, len(prompt), 0.2), prompt, n, k, TraceSettings(level=lv), sink)
             walls[lv].append(r.decode_s)
             close()
-    m = {lv: median(w) for lv, w in walls.items()}
+    f = {lv: Fig.of(w) for lv, w in walls.items()}
+    ov = {lv: (f[lv] / f[0]).map(lambda x: (x - 1) * 100) for lv in (1, 2)}
     w0 = walls[0]
-    noise = (max(w0) - min(w0)) / m[0] * 100 if len(w0) > 1 else None
-    return {"drafter": "replay", "k": k, "corrupt": 0.2, "tokens": n, "repeats": s.p.trace_repeats,
-            "wall_s": {str(lv): round(v, 5) for lv, v in m.items()},
-            "overhead_pct": {str(lv): round((m[lv] / m[0] - 1) * 100, 3) for lv in (1, 2)},
-            "level0_noise_pct": round(noise, 3) if noise is not None else None,
-            "note": "level 0 vs a build with the hooks removed is not measurable here; level0_noise_pct is the "
-                    "spread of repeated level-0 runs"}
+    noise = (max(w0) - min(w0)) / f[0].value * 100 if len(w0) > 1 else None
+    out = {"drafter": "replay", "k": k, "corrupt": 0.2, "tokens": n, "repeats": s.p.trace_repeats,
+           "wall_s": {str(lv): round(v.value, 5) for lv, v in f.items()},
+           "wall_s_all": {str(lv): [round(x, 5) for x in w] for lv, w in walls.items()},
+           "overhead_pct": {str(lv): round(o.value, 3) for lv, o in ov.items()},
+           "overhead_pct_range": {str(lv): o.rng(3) for lv, o in ov.items()},
+           "level0_noise_pct": round(noise, 3) if noise is not None else None,
+           "note": "level 0 vs a build with the hooks removed is not measurable here; level0_noise_pct is the "
+                   "spread of repeated level-0 runs"}
+    if noise is None:
+        out["level0_noise_why"] = f"{len(w0)} level-0 run(s); the spread needs >= 2"
+    return out

@@ -36,6 +36,9 @@ class Options:
 
 @dataclass
 class Params:
+    """Sizes and repeat counts. Every figure a target reads is a median over >= 3 repeats
+    (gen_repeats generations per decode row, trace_repeats per trace level, step_repeats per
+    step), so it comes with a range (noise.py); --quick shrinks the work per repeat instead."""
     ctx: int
     max_new: int
     step_repeats: int
@@ -54,12 +57,12 @@ class Params:
             p = cls(ctx=512, max_new=256, step_repeats=30, gen_repeats=3, trace_repeats=3, copy_bytes=2 << 30,
                     copy_repeats=20, hop_iters=200, hybrid_ctx=512)
             if o.quick:
-                p.max_new, p.step_repeats, p.gen_repeats, p.trace_repeats = 96, 10, 1, 1
+                p.max_new, p.step_repeats, p.gen_repeats, p.trace_repeats = 96, 10, 3, 3
         else:
-            p = cls(ctx=128, max_new=64, step_repeats=10, gen_repeats=2, trace_repeats=2, copy_bytes=256 << 20,
+            p = cls(ctx=128, max_new=64, step_repeats=10, gen_repeats=3, trace_repeats=3, copy_bytes=256 << 20,
                     copy_repeats=5, hop_iters=50, hybrid_ctx=64)
             if o.quick:
-                p.ctx, p.max_new, p.step_repeats, p.gen_repeats, p.trace_repeats = 48, 24, 5, 1, 1
+                p.ctx, p.max_new, p.step_repeats, p.gen_repeats, p.trace_repeats = 48, 24, 5, 3, 3
                 p.copy_bytes, p.copy_repeats, p.hop_iters, p.hybrid_ctx = 32 << 20, 3, 20, 24
         p.ctx = o.ctx or p.ctx
         p.max_new = o.max_new or p.max_new

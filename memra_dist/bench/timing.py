@@ -1,4 +1,5 @@
-"""Timing primitives: device sync, median-of-repeats wall timing, copy bandwidth."""
+"""Timing primitives: device sync, median-of-repeats wall timing (with the range of the repeats,
+noise.trimmed_range), copy bandwidth."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from .noise import trimmed_range
 from .roofline import median
 
 __all__ = ["sync", "time_call", "copy_bandwidth", "device_name"]
@@ -35,7 +37,8 @@ def time_call(fn: Callable[[], object], device: torch.device, repeats: int, warm
         xs.append(time.perf_counter() - t0)
         if between is not None:
             between()
-    return {"median_s": median(xs), "min_s": min(xs), "max_s": max(xs), "n": len(xs)}
+    lo, hi = trimmed_range(xs)
+    return {"median_s": median(xs), "min_s": min(xs), "max_s": max(xs), "lo_s": lo, "hi_s": hi, "n": len(xs)}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> dict:
@@ -46,11 +49,13 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> dict
     dst = torch.empty_like(src)
     t = time_call(lambda: dst.copy_(src), device, repeats, warmup=2)
     bw = 2 * nbytes / t["median_s"]
+    rng = [2 * nbytes / t["hi_s"], 2 * nbytes / t["lo_s"]]  # bandwidth over the range of copy times
     del src, dst
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"bytes": nbytes, "copy_median_s": t["median_s"], "bandwidth_bytes_s": bw,
-            "bandwidth_tb_s": bw / 1e12, "convention": "2 * bytes / copy time (read + write)"}
+            "bandwidth_tb_s": bw / 1e12, "bandwidth_bytes_s_range": rng, "repeats": t["n"],
+            "convention": "2 * bytes / copy time (read + write)"}
 
 
 def device_name(device: torch.device) -> str:
