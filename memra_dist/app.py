@@ -59,12 +59,20 @@ def _local_request(plan: RequestPlan, prompt: list[int], span_sink):
     from .device import resolve_device, resolve_dtype  # noqa: PLC0415
     from .runner import ModelRunner  # noqa: PLC0415
 
+    import torch  # noqa: PLC0415
+
+    from .threads import apply_cpu_threads  # noqa: PLC0415
+
     cfg = plan.cfg
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    target = ModelRunner(cfg.model, device, dtype, cfg=plan.model, max_pos=plan.capacity,
-                         **cfg.runner_kwargs(device))
-    yield Request(target, plan, prompt, span_sink)
+    before = apply_cpu_threads(plan.model, device)  # a tiny model decodes fastest on one thread
+    try:
+        target = ModelRunner(cfg.model, device, dtype, cfg=plan.model, max_pos=plan.capacity,
+                             **cfg.runner_kwargs(device))
+        yield Request(target, plan, prompt, span_sink)
+    finally:
+        torch.set_num_threads(before)  # the caller's process is left as it was
 
 
 @contextmanager
