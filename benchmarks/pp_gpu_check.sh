@@ -11,11 +11,11 @@ mkdir -p "$out"
 model=$(python3 -c "import pathlib, torch; from memra_dist.bench.checkpoints import ensure_checkpoint; \
 print(ensure_checkpoint('$shape', pathlib.Path('${MEMRA_BENCH_CACHE:-/tmp/memra-bench-ckpt}'), torch.device('cuda'), lambda s: None))")
 for pp in 1 2; do
-  t0=$(date +%s.%N)
+  t0=$(python3 -c 'import time; print(time.time())')
   python3 -m memra_dist.cli generate --model "$model" --prompt "the phase clock drains the streams" --pp $pp \
     --max-new-tokens "$n" --drafter ngram --trace-level 1 --run-dir "$work/r$pp" --json > "$work/pp$pp.json" 2> "$work/pp$pp.err" \
     || { echo "pp=$pp failed"; tail -20 "$work/pp$pp.err"; exit 1; }
-  echo "pp=$pp process_s=$(echo "$(date +%s.%N) - $t0" | bc)"
+  echo "pp=$pp process_s=$(python3 -c "import time; print(round(time.time() - $t0, 1))")"
 done
 python3 - "$work" <<'PY' | tee "$out/pp_gpu_check.txt"
 import json, sys

@@ -233,6 +233,7 @@ class TracingSession:
         self._sink: SpanSink | None = None
         self._req: _Request | None = None
         self.ended = 0
+        self._switch_before = sys.getswitchinterval()  # put back at close (open() lowers it)
 
     @classmethod
     def open(cls, cfg, run_dir: str | None = None, traceparent: str | None = None) -> "TracingSession":
