@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from .phase.levels import ENV_PROF, ENV_TRACE, ENV_TRACE_ALIAS, TraceSettings, parse_level, prof_from, trace_level_from
 
-__all__ = ["Env", "environment", "trace_settings", "VARIABLES"]
+__all__ = ["Env", "environment", "trace_settings", "cache_root", "VARIABLES"]
 
 VARIABLES = (ENV_TRACE, ENV_TRACE_ALIAS, ENV_PROF, "MEMRA_CACHE_DIR", "MEMRA_FLUSH_TIMEOUT_S",
              "MEMRA_PG_TIMEOUT_S", "MEMRA_KDA_KERNELS", "MEMRA_BENCH_CACHE", "MEMRA_BENCH_COMPILE", "MEMRA_COMMIT")
@@ -97,3 +97,10 @@ def trace_settings(flag_level: int | None = None, flag_prof: bool | None = None)
     env = environment()
     return TraceSettings(level=env.trace_level if flag_level is None else flag_level,
                          prof=env.prof if flag_prof is None else flag_prof)
+
+
+def cache_root() -> str:
+    """The package's cache directory: MEMRA_CACHE_DIR, else $XDG_CACHE_HOME/memra_dist or
+    ~/.cache/memra_dist (demo checkpoints, compiled kernels)."""
+    return environment().cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                   "memra_dist")

@@ -151,11 +151,9 @@ def inductor_cache_dir() -> str:
     start-up cold)."""
     import os  # noqa: PLC0415
 
-    from .env import environment  # noqa: PLC0415
+    from .env import cache_root  # noqa: PLC0415
 
-    base = environment().cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                                                   "memra_dist")
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(base, "inductor")
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(cache_root(), "inductor")
 
 
 def compile_blocks(stage) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import torch
 
 from memra_dist.app import DEMO_PROMPT
@@ -15,7 +16,16 @@ from memra_dist.model.corpus import CORPUS
 from memra_dist.model.tiny import DEMO_RECIPE, DEMO_VERSION, demo_checkpoints
 
 
-def test_demo_trains_caches_and_agrees(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def _fresh_env():
+    from memra_dist.env import environment
+
+    environment.cache_clear()  # MEMRA_CACHE_DIR is read once per process
+    yield
+    environment.cache_clear()
+
+
+def test_demo_trains_caches_and_agrees(tmp_path, monkeypatch, capsys, _fresh_env):
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # the traced demo run writes ./runs/<time>
     threads_before = torch.get_num_threads()

@@ -129,9 +129,9 @@ def build_checkpoint(out: str | Path, cfg_dict: dict, tok: Tokenizer, seed: int 
 
 
 def demo_cache_dir() -> Path:
-    base = os.environ.get("MEMRA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memra_dist")
-    return Path(base) / f"demo-v{DEMO_VERSION}"
+    from ..env import cache_root  # noqa: PLC0415
+
+    return Path(cache_root()) / f"demo-v{DEMO_VERSION}"
 
 
 def demo_checkpoints(progress: Callable[[str], None] | None = None) -> tuple[Path, Path]:
