@@ -23,7 +23,7 @@ w = sys.argv[1]
 a, b = (json.load(open(f"{w}/pp{p}.json")) for p in (1, 2))
 print("ids equal pp=1/pp=2:", a["token_ids"] == b["token_ids"])
 for p, r in (("1", a), ("2", b)):
-    print(f"pp={p} stats:", {k: r["stats"][k] for k in ("tokens", "tok_per_s", "ttft_s", "rounds", "acceptance")},
+    print(f"pp={p} stats:", {k: r["stats"][k] for k in ("tokens", "tok_per_s", "ttft_ms", "rounds", "acceptance")},
           "trace_complete:", r["trace_complete"])
 PY
 python3 benchmarks/trace_roles.py "$work/r2" --pp 2 | tee -a "$out/pp_gpu_check.txt"

@@ -201,7 +201,7 @@ def _report(args, cfg, plan, result, text, share, tracing, complete: bool = True
     ended = "end of text" if result.token_ids and result.token_ids[-1] in plan.model.eos_token_ids else \
         f"stopped at {st['tokens']} new tokens"
     print(f" [{ended}]")
-    print(f"[memra] tokens={st['tokens']} tok/s={st['tok_per_s']} first_token_s={st['ttft_s']} rounds={st['rounds']} "
+    print(f"[memra] tokens={st['tokens']} tok/s={st['tok_per_s']} ttft_ms={st['ttft_ms']} rounds={st['rounds']} "
           f"drafted={st['drafted']} "
           f"accepted={st['accepted']} acceptance={st['acceptance']:.3f} tokens/round={st['tokens_per_round']:.2f} "
           f"drafter={cfg.drafter} k={cfg.k} pp={cfg.pp}")

@@ -68,12 +68,12 @@ class SessionStats:
 
     def as_dict(self) -> dict:
         """tok_per_s is the decode rate the caller sees after the first token (tokens after
-        it over the time since it); ttft_s is the time to that first token; seconds is all."""
+        it over the time since it); ttft_ms is the time to that first token; seconds is all."""
         end = self.t_end or time.perf_counter()
         wall = end - self.t_start
         first = self.t_first or self.t_start
         decode = end - first
-        return {"tokens": self.tokens, "seconds": round(wall, 4), "ttft_s": round(first - self.t_start, 4),
+        return {"tokens": self.tokens, "seconds": round(wall, 4), "ttft_ms": round((first - self.t_start) * 1e3, 2),
                 "tok_per_s": round((self.tokens - 1) / decode, 2) if decode > 0 and self.tokens > 1 else 0.0,
                 "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.acceptance, 4), "tokens_per_round": round(self.tokens_per_round, 3)}

@@ -1,0 +1,19 @@
+"""The session's rates: decode tok/s from the first token to the last, and the time to that
+first token apart (a slow prefill or start-up must not read as a slow decode)."""
+
+from __future__ import annotations
+
+from memra_dist.specdec.session import SessionStats
+
+
+def test_decode_rate_excludes_the_time_to_the_first_token():
+    st = SessionStats(tokens=101, t_start=100.0, t_first=110.0, t_end=112.0)
+    d = st.as_dict()
+    assert d["ttft_ms"] == 10000.0
+    assert d["tok_per_s"] == 50.0  # 100 tokens after the first in 2 s, not 101 in 12 s
+    assert d["seconds"] == 12.0
+
+
+def test_a_single_token_has_no_decode_rate():
+    d = SessionStats(tokens=1, t_start=1.0, t_first=2.0, t_end=2.0).as_dict()
+    assert d["tok_per_s"] == 0.0 and d["ttft_ms"] == 1000.0
