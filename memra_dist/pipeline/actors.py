@@ -150,6 +150,7 @@ class HeadWorker(_Worker):
         self.busy = threading.Lock()  # held by start / burst / finish; close waits for it
         self.request = None
         self._spans = None
+        self.failed = False  # a forward raised (a dead peer): no END is sent into the ring
 
     def start(self, carrier: dict, prompt: list[int]) -> tuple[int, bool]:
         """Build the request's session over the head target; (first token, done)."""
@@ -164,7 +165,7 @@ class HeadWorker(_Worker):
             if self.tracing.enabled:
                 self._spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
             self.request = Request(self.target, self.plan, prompt, self._spans)
-            first = self.request.start()
+            first = self._guarded(self.request.start)
             return first, self.request.done
 
     def burst(self):
@@ -174,7 +175,14 @@ class HeadWorker(_Worker):
         with self.busy:
             if self.closed or self.request.done:
                 return BurstOut([], True)
-            return self.request.burst()
+            return self._guarded(self.request.burst)
+
+    def _guarded(self, fn):
+        try:
+            return fn()
+        except BaseException:
+            self.failed = True
+            raise
 
     def finish(self) -> dict:
         with self.busy:
@@ -186,7 +194,7 @@ class HeadWorker(_Worker):
         if self.loop_done.is_set():
             return
         self.loop_done.set()
-        if self.request is not None:
+        if self.request is not None and not self.failed:
             self.target.end()
         if self._spans is not None:
             self._spans.close()
