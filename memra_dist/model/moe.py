@@ -20,6 +20,23 @@ from .layers import SwiGLU
 __all__ = ["MoE", "Router", "Experts"]
 
 
+
+
+def _expert_mm(xs: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """xs (N, in) rows grouped by expert, weight (E, out, in) -> (N, out): each row times its
+    expert's weight. bf16 on CUDA (and the CPU) uses torch._grouped_mm; CUDA in other dtypes
+    has no grouped kernel (its fallback reads the offsets back to the host, which a graph
+    capture refuses), so there each row is multiplied by its gathered expert matrix: the same
+    math, static shapes, no host sync."""
+    if xs.is_cuda and xs.dtype != torch.bfloat16:
+        return gathered_mm(xs, weight, experts)
+    return torch._grouped_mm(xs, weight.transpose(1, 2), offs=offs)
+
+
+def gathered_mm(xs: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """xs (N, in), weight (E, out, in), experts (N,) -> (N, out): row n times weight[experts[n]]."""
+    return torch.bmm(xs[:, None, :], weight[experts].transpose(1, 2))[:, 0]  # (N, 1, in) @ (N, in, out)
+
 class Router(nn.Module):
     """Scores in fp32: sigmoid(x W^T); choice = scores + bias, restricted to the best
     `topk_group` groups (a group scores the sum of its two best choices); the chosen experts
@@ -86,8 +103,9 @@ class Experts(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # no bincount: it syncs
         offs = counts.cumsum(0, dtype=torch.int32)  # (E,) end row of each expert's group
         xs = x[order // k]  # (T*k, H) the slot rows, grouped
-        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # (T*k, H)
+        ex = flat[order]  # (T*k,) each grouped slot's expert
+        gate, up = _expert_mm(xs, self.gate_up_proj, offs, ex).chunk(2, dim=-1)
+        ys = _expert_mm(F.silu(gate) * up, self.down_proj, offs, ex)  # (T*k, H)
         y = torch.empty_like(ys)
         y[order] = ys  # back to slot order: (T, k) row-major
         y = (y.view(T, k, -1) * w[:, :, None]).to(x.dtype)  # (T, k, H)
