@@ -6,7 +6,8 @@ RunConfig (the CLI's path), and stamps every token as the stream callback receiv
   decode tok/s: tokens after the first / time from the first to the last.
 Cases: plain (cold compile cache, then warm), plain with `--compile off` (the former default),
 ngram, the model drafter at K=4 (plain and at trace level 1 with the phase-share table that
-explains the figure), and two ModelRunners built one after the other in one process.
+explains the figure), level 2 (the verify sub-split timed inside the graphs), and
+ModelRunners built one after the other in one process.
 
     python benchmarks/default_path.py OUT_DIR [--shape 8b] [--cases plain,off,ngram,model,two]
 Results: OUT_DIR/default_path.json (+ one line per case on stderr)."""
@@ -127,6 +128,8 @@ def main() -> int:
              "model": [{"case": "model-k4", "drafter": "model", "draft": draft}],
              "model-l1": [{"case": "model-k4-level1", "drafter": "model", "draft": draft, "level": 1},
                           {"case": "plain-level1", "level": 1}],
+             "l2": [{"case": "plain-level2", "level": 2},
+                    {"case": "model-k4-level2", "drafter": "model", "draft": draft, "level": 2}],
              "two": [{"case": "two", "draft": draft}]}
     for name in a.cases.split(","):
         for spec in specs[name]:

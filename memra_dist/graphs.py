@@ -3,22 +3,29 @@
 One graph per row count, captured lazily on first use over static buffers (token ids or
 hidden rows, positions) against the runner's cache; replays write the cache rows at the
 positions in the static buffer, exactly as the eager forward does. The eager forward stays
-the reference (CPU, tests, and level-2 tracing, whose per-layer drains cannot live inside
-a graph). A new cache (a different capacity) drops the graphs.
+the reference (CPU, tests). At trace level 2 a twin graph per row count records CUDA events
+at the sub-split's boundaries (phase/subsplit.py EventMarks), so level 2 times the same
+graphed step. A new cache (a different capacity) drops the graphs.
 """
 
 from __future__ import annotations
 
 import gc
-
 from dataclasses import dataclass
 
 import torch
+
+from .phase.subsplit import EventMarks
 
 __all__ = ["StepGraphs", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
            "MAX_GRAPH_ROWS"]
 
 MAX_GRAPH_ROWS = 64  # decode and verify rows; a prefill runs eager (one graph per prompt length would not pay)
+
+
+def _timing_event():
+    """A CUDA timing event that may be recorded inside a graph capture and read after replays."""
+    return torch.cuda.Event(enable_timing=True, external=True)
 
 
 def graphs_supported(stage) -> bool:
@@ -48,6 +55,7 @@ class _Graph:
     pos: torch.Tensor  # (rows,) absolute positions
     out: torch.Tensor  # (rows, V) logits or (rows, H) hidden
     host: torch.Tensor | None = None  # pinned staging row for host ids (token-id graphs)
+    marks: EventMarks | None = None  # level-2 twins: the events recorded at every replay
     copied: torch.cuda.Event | None = None  # the last copy out of `host` (before it is rewritten)
 
     def load(self, x: torch.Tensor) -> None:
@@ -66,6 +74,7 @@ class StepGraphs:
     def __init__(self, runner):
         self.runner = runner
         self.graphs: dict[int, _Graph] = {}
+        self.timed: dict[int, _Graph] = {}  # level-2 twins: the same step with event marks recorded in it
         self.pool = None
         # a capture runs the step eagerly first (warm-up), at the step's own positions: every
         # mixer's step must be idempotent there. Caches written by position are; so is KDA's
@@ -73,22 +82,24 @@ class StepGraphs:
 
     def reset(self) -> None:
         self.graphs.clear()
+        self.timed.clear()
         self.pool = None  # a fresh pool: reusing the handle of destroyed graphs trips the allocator
 
-    def _eager(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _eager(self, x: torch.Tensor, pos: torch.Tensor, timer=None) -> torch.Tensor:
         st = self.runner.stage
         blocks = [b for b in st.layers.values() if hasattr(b, "_compiled")]
         for b in blocks:
             b.forward = b._compiled
         try:
-            h = st(x, pos, self.runner.cache, None)
+            h = st(x, pos, self.runner.cache, timer)
         finally:
             for b in blocks:
                 del b.forward  # back to the class's eager forward
         return st.logits(h) if st.has_head else h
 
-    def _capture(self, x: torch.Tensor, start: int) -> _Graph:
+    def _capture(self, x: torch.Tensor, start: int, timed: bool = False) -> _Graph:
         dev = self.runner.device
+        marks = (lambda: EventMarks(_timing_event)) if timed else (lambda: None)
         rows = x.shape[0]
         sx = x.to(dev).clone()
         base = torch.arange(rows, device=dev)
@@ -97,7 +108,7 @@ class StepGraphs:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up: writes the same rows the real step will
             for _ in range(2):
-                self._eager(sx, pos)
+                self._eager(sx, pos, marks())
         torch.cuda.current_stream(dev).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -108,13 +119,14 @@ class StepGraphs:
         gc.collect()
         was_on = gc.isenabled()
         gc.disable()
+        kept = marks()  # the events this graph records at every replay
         try:
             with torch.cuda.graph(g, pool=self.pool):
-                out = self._eager(sx, pos)
+                out = self._eager(sx, pos, kept)
         finally:
             if was_on:
                 gc.enable()
-        graph = _Graph(g, sx, base, pos, out)
+        graph = _Graph(g, sx, base, pos, out, marks=kept)
         if not sx.is_floating_point():
             graph.host = torch.zeros(sx.shape, dtype=sx.dtype, pin_memory=True)
             graph.copied = torch.cuda.Event()
@@ -133,15 +145,21 @@ class StepGraphs:
                 x = torch.zeros(rows, st.cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
             self.graphs[rows] = self._capture(x, 0)
 
-    def run(self, x: torch.Tensor, start: int) -> torch.Tensor:
+    def run(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
+        """Replay the step graph of x's row count (captured on first use). With a level-2
+        `timer`, the twin graph that records the sub-split's events runs instead, and its
+        laps are added to the timer after the replay."""
         rows = x.shape[0]
-        g = self.graphs.get(rows)
+        table = self.graphs if timer is None else self.timed
+        g = table.get(rows)
         if g is None:
-            g = self.graphs[rows] = self._capture(x, start)
+            g = table[rows] = self._capture(x, start, timed=timer is not None)
         else:
             g.load(x)
         torch.add(g.base, start, out=g.pos)
         g.graph.replay()
+        if timer is not None:
+            g.marks.add_to(timer)
         return g.out.clone()  # the static buffer is rewritten by the next replay
 
 

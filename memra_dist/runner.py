@@ -99,8 +99,8 @@ class ModelRunner:
     def forward(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         rows = x.shape[0]
         self.cache.begin(start, rows)
-        if self.graphs is not None and timer is None and rows <= self.graph_rows:
-            return self.graphs.run(x, start)
+        if self.graphs is not None and rows <= self.graph_rows:
+            return self.graphs.run(x, start, timer)  # level 2 too: the graph records its laps
         pos = torch.arange(start, start + rows, device=self.device)
         h = self.stage(x.to(self.device), pos, self.cache, timer)
         return self.stage.logits(h) if self.stage.has_head else h
