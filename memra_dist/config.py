@@ -68,7 +68,8 @@ class RunConfig:
     def runner_kwargs(self, device) -> dict:
         """The fast-path switches every ModelRunner of this run gets."""
         on = self.use_graphs(device)
-        return {"graphs": on, "compile": on and self.compile != "off", "warm_rows": self.k + 1 if on else 0}
+        return {"graphs": on, "compile": on and self.compile != "off", "warm_rows": self.k + 1 if on else 0,
+                "warm_timed": on and self.trace.level >= 2}
 
     def capacity(self, prompt_len: int) -> int:
         return self.ctx if self.ctx is not None else prompt_len + self.max_new_tokens + self.k + 1

@@ -28,6 +28,16 @@ def _timing_event():
     return torch.cuda.Event(enable_timing=True, external=True)
 
 
+def _event_marks() -> EventMarks:
+    """EventMarks whose calls torch.compile leaves to Python (a graph break at each boundary):
+    the compiled blocks' kernels stay fused between boundaries, and each event is recorded
+    on the capturing stream in walk order."""
+    m = EventMarks(_timing_event)
+    for name in ("begin", "lap", "scan_begin", "scan_end"):
+        setattr(m, name, torch.compiler.disable(getattr(m, name)))
+    return m
+
+
 def graphs_supported(stage) -> bool:
     """Every mixer and FFN of the stage declares itself capturable (static shapes, no host
     syncs): attention, MLA and KDA always; an MoE FFN in its grouped form (bf16 CUDA)."""
@@ -99,7 +109,7 @@ class StepGraphs:
 
     def _capture(self, x: torch.Tensor, start: int, timed: bool = False) -> _Graph:
         dev = self.runner.device
-        marks = (lambda: EventMarks(_timing_event)) if timed else (lambda: None)
+        marks = _event_marks if timed else (lambda: None)
         rows = x.shape[0]
         sx = x.to(dev).clone()
         base = torch.arange(rows, device=dev)
@@ -133,17 +143,19 @@ class StepGraphs:
             graph.copied.record()
         return graph
 
-    def warm(self, rows_list) -> None:
-        """Capture the graphs for these row counts now (at position 0 of a fresh cache)."""
+    def warm(self, rows_list, timed: bool = False) -> None:
+        """Capture the graphs for these row counts now (at position 0 of a fresh cache);
+        `timed`: their level-2 twins too, so no capture lands inside the request's rounds."""
         st = self.runner.stage
         for rows in rows_list:
-            if rows in self.graphs:
-                continue
-            if st.has_embed:
-                x = torch.zeros(rows, dtype=torch.long, device=self.runner.device)
-            else:
-                x = torch.zeros(rows, st.cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
-            self.graphs[rows] = self._capture(x, 0)
+            for table, t in ((self.graphs, False), (self.timed, True)) if timed else ((self.graphs, False),):
+                if rows in table:
+                    continue
+                if st.has_embed:
+                    x = torch.zeros(rows, dtype=torch.long, device=self.runner.device)
+                else:
+                    x = torch.zeros(rows, st.cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
+                table[rows] = self._capture(x, 0, timed=t)
 
     def run(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         """Replay the step graph of x's row count (captured on first use). With a level-2

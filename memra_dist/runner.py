@@ -27,7 +27,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                  first: int = 0, last: int | None = None, has_embed: bool = True,
                  has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096,
-                 graphs: bool = False, compile: bool = False, warm_rows: int = 0):
+                 graphs: bool = False, compile: bool = False, warm_rows: int = 0, warm_timed: bool = False):
         self.cfg = cfg or load_config(model_dir)
         last = self.cfg.num_layers if last is None else last
         self.device, self.dtype = device, dtype
@@ -45,6 +45,7 @@ class ModelRunner:
                 compile_blocks(self.stage)
         self.graph_rows = graph_rows_limit(self.stage)
         self.warm_rows = warm_rows  # capture graphs for 1..warm_rows rows at allocation
+        self.warm_timed = warm_timed  # and their level-2 twins (trace level 2)
         self.drain = Drainer(device)
         self.label = device_label(device)
 
@@ -66,7 +67,7 @@ class ModelRunner:
                 # ever lands inside a round
                 # (the captures' warm-ups leave the cache empty: length 0, and every step is
                 # idempotent at its positions, graphs.py)
-                self.graphs.warm(range(1, min(self.warm_rows, capacity, self.graph_rows) + 1))
+                self.graphs.warm(range(1, min(self.warm_rows, capacity, self.graph_rows) + 1), self.warm_timed)
         except torch.OutOfMemoryError:
             raise UserError(
                 f"out of memory allocating the cache for {capacity} rows on {self.label} "

@@ -12,8 +12,10 @@ from memra_dist.errors import UserError
 def test_compile_is_on_by_default_with_the_graphs_and_off_on_cpu():
     cfg = RunConfig(model="m")
     assert cfg.compile == "auto"
-    assert cfg.runner_kwargs(torch.device("cuda")) == {"graphs": True, "compile": True, "warm_rows": 5}
-    assert cfg.runner_kwargs(torch.device("cpu")) == {"graphs": False, "compile": False, "warm_rows": 0}
+    assert cfg.runner_kwargs(torch.device("cuda")) == {"graphs": True, "compile": True, "warm_rows": 5,
+                                                       "warm_timed": False}
+    assert cfg.runner_kwargs(torch.device("cpu")) == {"graphs": False, "compile": False, "warm_rows": 0,
+                                                      "warm_timed": False}
     assert RunConfig(model="m", compile="off").runner_kwargs(torch.device("cuda"))["compile"] is False
     assert RunConfig(model="m", graphs="off").runner_kwargs(torch.device("cuda"))["compile"] is False
 
@@ -38,3 +40,11 @@ def test_inductor_cache_follows_the_package_cache(monkeypatch, tmp_path):
         assert inductor_cache_dir() == "/x"
     finally:
         environment.cache_clear()
+
+
+def test_level_2_captures_its_timed_graphs_at_allocation():
+    from memra_dist.phase.levels import TraceSettings
+
+    cfg = RunConfig(model="m", trace=TraceSettings(level=2))
+    assert cfg.runner_kwargs(torch.device("cuda"))["warm_timed"] is True
+    assert cfg.runner_kwargs(torch.device("cpu"))["warm_timed"] is False

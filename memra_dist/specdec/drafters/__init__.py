@@ -27,7 +27,7 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int, record: Callable[[]
         return NgramDrafter()
     if cfg.drafter == "model":
         return ModelDrafter(ModelRunner(cfg.draft_model, device, dtype, cfg=plan.draft, max_pos=plan.capacity,
-                                        **cfg.runner_kwargs(device)))
+                                        **{**cfg.runner_kwargs(device), "warm_timed": False}))
     if cfg.drafter == "replay":
         return ReplayDrafter(record(), prompt_len, plan.model.vocab_size, cfg.replay_corrupt, seed=cfg.seed + 1)
     raise ValueError(f"unknown drafter {cfg.drafter!r}")
