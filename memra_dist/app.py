@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 from .config import RunConfig
 from .env import trace_settings
@@ -61,6 +62,7 @@ def _local_request(plan: RequestPlan, prompt: list[int], span_sink):
 
     import torch  # noqa: PLC0415
 
+    from .progress import LoadProgress  # noqa: PLC0415
     from .threads import apply_cpu_threads  # noqa: PLC0415
 
     cfg = plan.cfg
@@ -69,7 +71,7 @@ def _local_request(plan: RequestPlan, prompt: list[int], span_sink):
     before = apply_cpu_threads(plan.model, device)  # a tiny model decodes fastest on one thread
     try:
         target = ModelRunner(cfg.model, device, dtype, cfg=plan.model, max_pos=plan.capacity,
-                             **cfg.runner_kwargs(device))
+                             progress=LoadProgress(Path(cfg.model).name), **cfg.runner_kwargs(device))
         yield Request(target, plan, prompt, span_sink)
     finally:
         torch.set_num_threads(before)  # the caller's process is left as it was

@@ -27,11 +27,12 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                  first: int = 0, last: int | None = None, has_embed: bool = True,
                  has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096,
-                 graphs: bool = False, compile: bool = False, warm_rows: int = 0, warm_timed: bool = False):
+                 graphs: bool = False, compile: bool = False, warm_rows: int = 0, warm_timed: bool = False,
+                 progress=None):
         self.cfg = cfg or load_config(model_dir)
         last = self.cfg.num_layers if last is None else last
         self.device, self.dtype = device, dtype
-        self.stage = load_stage(model_dir, first, last, has_embed, has_head, device, dtype, self.cfg)
+        self.stage = load_stage(model_dir, first, last, has_embed, has_head, device, dtype, self.cfg, progress)
         self.max_pos = max_pos
         self.cache: StageCache | None = None
         self.graphs = None

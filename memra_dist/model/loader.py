@@ -90,8 +90,10 @@ def load_stage(
     device: torch.device,
     dtype: torch.dtype,
     cfg: ModelConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Stage:
-    """Build the Stage for layers [first, last) and load exactly its tensors."""
+    """Build the Stage for layers [first, last) and load exactly its tensors. `progress(done,
+    total)` gets the bytes read so far after each tensor."""
     cfg = cfg or load_config(model_dir)
     if not 0 <= first <= last <= cfg.num_layers:
         raise UserError(f"layer range [{first}, {last}) outside the model's {cfg.num_layers} layers")
@@ -99,7 +101,10 @@ def load_stage(
         stage = Stage(cfg, first, last, has_embed, has_head)
     reader = CheckpointReader(model_dir)
     state = {}
-    for key, meta in stage.state_dict().items():
+    metas = stage.state_dict()
+    total = sum(m.numel() * m.element_size() for m in metas.values())
+    done = 0
+    for key, meta in metas.items():
         name = hf_name(key)
         if key == "lm_head.weight" and not reader.has(name):
             name = "model.embed_tokens.weight"  # tied embeddings
@@ -111,5 +116,8 @@ def load_stage(
                 f"{model_dir}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(meta.shape)}"
             )
         state[key] = t.to(device=device, dtype=torch.float32 if key.endswith(FP32_KEYS) else dtype)
+        done += meta.numel() * meta.element_size()
+        if progress is not None:
+            progress(done, total)
     stage.load_state_dict(state, assign=True, strict=True)
     return stage.to_device(device).eval()

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
+from ...progress import LoadProgress
 from ...runner import ModelRunner
 from .base import Drafter, Proposal
 from .draft_model import ModelDrafter
@@ -27,6 +29,7 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int, record: Callable[[]
         return NgramDrafter()
     if cfg.drafter == "model":
         return ModelDrafter(ModelRunner(cfg.draft_model, device, dtype, cfg=plan.draft, max_pos=plan.capacity,
+                                        progress=LoadProgress(Path(cfg.draft_model).name),
                                         **{**cfg.runner_kwargs(device), "warm_timed": False}))
     if cfg.drafter == "replay":
         return ReplayDrafter(record(), prompt_len, plan.model.vocab_size, cfg.replay_corrupt, seed=cfg.seed + 1)
