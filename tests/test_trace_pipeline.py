@@ -183,6 +183,7 @@ def _one_line_refusal(p, *needles):
     assert p.stdout == "" and "written" not in p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "proc"])
 def test_unwritable_run_dir_is_refused_before_loading(llama, tmp_path, kind):
     if kind == "file":
@@ -196,6 +197,7 @@ def test_unwritable_run_dir_is_refused_before_loading(llama, tmp_path, kind):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_unreachable_ray_address_is_refused_within_a_bound(llama, tmp_path):
     t0 = time.monotonic()
     p = subprocess.run(_cmd(llama, "--pp", "2", "--max-new-tokens", "4"), capture_output=True, text=True,
@@ -204,6 +206,7 @@ def test_unreachable_ray_address_is_refused_within_a_bound(llama, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["garbage", "localhost", "http://", "ftp://x:4317"])
 def test_malformed_otlp_endpoint_is_refused(llama, tmp_path, endpoint):
     p = subprocess.run(_cmd(llama, "--max-new-tokens", "4"), capture_output=True, text=True,
@@ -211,6 +214,7 @@ def test_malformed_otlp_endpoint_is_refused(llama, tmp_path, endpoint):
     _one_line_refusal(p, "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
+@pytest.mark.slow
 def test_a_request_past_the_models_positions_says_it_is_capped(llama, tmp_path):
     """The tiny llama holds 512 positions: 600 new tokens are capped, and the run says so."""
     p = subprocess.run(_cmd(llama, "--max-new-tokens", "600", "--drafter", "none", "--json"), capture_output=True,
