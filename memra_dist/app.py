@@ -24,7 +24,7 @@ from .plan import RequestPlan, plan_request
 from .specdec.request import BurstOut, Request, Result
 from .specdec.sampling import SamplingParams
 
-__all__ = ["run_command", "config_from_args", "generate", "Result"]
+__all__ = ["run_command", "config_from_args", "generate", "open_engine", "Engine", "Result"]
 
 DEMO_PROMPT = "A speculative round has five phases. The drafter"
 
@@ -54,39 +54,103 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
 # ---- the one request path -------------------------------------------------------------
 
 
+class _Local:
+    """pp=1: the target is a ModelRunner in this process, on the device resolved here; a
+    draft model, when the drafter is one, stays loaded between requests too."""
+
+    def __init__(self, plan: RequestPlan):
+        import torch  # noqa: PLC0415
+
+        from .device import resolve_device, resolve_dtype  # noqa: PLC0415
+        from .progress import LoadProgress  # noqa: PLC0415
+        from .runner import ModelRunner  # noqa: PLC0415
+        from .threads import apply_cpu_threads  # noqa: PLC0415
+
+        cfg = plan.cfg
+        self.torch, self.drafter = torch, None
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.threads_before = apply_cpu_threads(plan.model, self.device)  # a tiny model decodes fastest on one thread
+        try:
+            self.runner = ModelRunner(cfg.model, self.device, self.dtype, cfg=plan.model, max_pos=plan.capacity,
+                                      progress=LoadProgress(Path(cfg.model).name), **cfg.runner_kwargs(self.device))
+        except BaseException:
+            self.close()
+            raise
+
+    def request(self, plan: RequestPlan, prompt: list[int], span_sink, carrier) -> Request:
+        if plan.cfg.drafter == "model" and self.drafter is None:
+            from .specdec.drafters import build_drafter  # noqa: PLC0415
+
+            self.drafter = build_drafter(plan.cfg, plan, self.device, self.dtype, len(prompt), list)
+        return Request(self.runner, plan, prompt, span_sink, drafter=self.drafter)
+
+    def close(self) -> None:
+        self.torch.set_num_threads(self.threads_before)  # the caller's process is left as it was
+
+
+class _Pipeline:
+    """pp>1: the pipeline's actors, placed once; each request goes to the head actor."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    def request(self, plan: RequestPlan, prompt: list[int], span_sink, carrier):
+        return self.pipe.request(plan, prompt, carrier)
+
+
+class Engine:
+    """A loaded target, in this process (pp=1) or as a placed pipeline (pp>1), serving
+    requests one after another with nothing reloaded between them. Every request shares the
+    engine's context capacity (so caches and captured graphs are reused)."""
+
+    def __init__(self, base: RequestPlan, backend):
+        self.cfg, self.model, self.capacity, self._base = base.cfg, base.model, base.capacity, base
+        self._backend = backend
+
+    def plan(self, prompt_len: int, cfg: RunConfig | None = None) -> RequestPlan:
+        cfg = cfg or self.cfg
+        same = ("model", "pp", "stage_bounds", "drafter", "draft_model", "device", "dtype", "graphs", "compile")
+        if any(getattr(cfg, f) != getattr(self.cfg, f) for f in same):
+            raise UserError("a request must use the engine's model, split, device and drafter")
+        return plan_request(cfg.with_(ctx=self.capacity), prompt_len, self.model, draft=self._base.draft,
+                            check_cluster=False)
+
+    def generate(self, prompt: list[int], cfg: RunConfig | None = None, stream=None, sink=None, span_sink=None,
+                 carrier: dict | None = None) -> Result:
+        """One request, the same loop at every pp (see `generate`)."""
+        req = self._backend.request(self.plan(len(prompt), cfg), prompt, span_sink, carrier)
+        out = [req.start()]
+        if stream is not None:
+            stream(out[:])
+        while not req.done:
+            b = req.burst(stream)
+            out.extend(b.tokens)
+            _feed(sink, b)
+        return Result(out, req.finish())
+
+
 @contextmanager
-def _local_request(plan: RequestPlan, prompt: list[int], span_sink):
-    """pp=1: the target is a ModelRunner in this process, on the device resolved here."""
-    from .device import resolve_device, resolve_dtype  # noqa: PLC0415
-    from .runner import ModelRunner  # noqa: PLC0415
+def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir: str | None = None,
+                lost: list | None = None):
+    """Load the model (pp=1) or place the pipeline (pp>1) once, for any number of requests.
+    capacity: the context rows every request shares (default: --ctx, else the model's
+    positions). run_dir / lost: the pipeline actors' span files, and the lines naming any
+    role whose spans did not all arrive."""
+    mcfg = mcfg or load_config(cfg.model)
+    cap = capacity or cfg.ctx or mcfg.max_position_embeddings
+    base = plan_request(cfg.with_(ctx=cap), 1, mcfg)
+    if cfg.pp > 1:
+        from .pipeline.driver import open_pipeline  # noqa: PLC0415 (Ray only when asked for)
 
-    import torch  # noqa: PLC0415
-
-    from .progress import LoadProgress  # noqa: PLC0415
-    from .threads import apply_cpu_threads  # noqa: PLC0415
-
-    cfg = plan.cfg
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    before = apply_cpu_threads(plan.model, device)  # a tiny model decodes fastest on one thread
+        with open_pipeline(base, run_dir, lost) as pipe:
+            yield Engine(base, _Pipeline(pipe))
+        return
+    local = _Local(base)
     try:
-        target = ModelRunner(cfg.model, device, dtype, cfg=plan.model, max_pos=plan.capacity,
-                             progress=LoadProgress(Path(cfg.model).name), **cfg.runner_kwargs(device))
-        yield Request(target, plan, prompt, span_sink)
+        yield Engine(base, local)
     finally:
-        torch.set_num_threads(before)  # the caller's process is left as it was
-
-
-@contextmanager
-def _open(plan: RequestPlan, prompt: list[int], span_sink, carrier, run_dir, lost):
-    if plan.cfg.pp > 1:
-        from .pipeline.driver import pipeline_request  # noqa: PLC0415 (Ray only when asked for)
-
-        with pipeline_request(plan, prompt, carrier, run_dir, lost) as req:
-            yield req
-    else:
-        with _local_request(plan, prompt, span_sink) as req:
-            yield req
+        local.close()
 
 
 def _feed(sink, out: BurstOut) -> None:
@@ -103,7 +167,8 @@ def _feed(sink, out: BurstOut) -> None:
 def generate(cfg: RunConfig, prompt: list[int], stream=None, sink=None, span_sink=None,
              carrier: dict | None = None, run_dir: str | None = None, plan: RequestPlan | None = None,
              lost: list | None = None) -> Result:
-    """Generate from token ids; the same loop at every pp.
+    """Generate from token ids: an engine opened for this one request (capacity: prompt +
+    new tokens + K + 1, or --ctx), the same loop at every pp.
 
     stream(tokens): called with tokens as they are committed (each round at pp=1, each burst
     at pp>1). sink: gets each burst's records after the burst (lines, share table, metrics).
@@ -111,15 +176,8 @@ def generate(cfg: RunConfig, prompt: list[int], stream=None, sink=None, span_sin
     carrier / run_dir: the request's W3C context and the run directory for the actors' spans.
     lost: gets one line per pipeline role whose spans did not all arrive."""
     plan = plan or plan_request(cfg, len(prompt))
-    with _open(plan, prompt, span_sink, carrier, run_dir, lost) as req:
-        out = [req.start()]
-        if stream is not None:
-            stream(out[:])
-        while not req.done:
-            b = req.burst(stream)
-            out.extend(b.tokens)
-            _feed(sink, b)
-        return Result(out, req.finish())
+    with open_engine(cfg, plan.capacity, plan.model, run_dir, lost) as engine:
+        return engine.generate(prompt, cfg, stream, sink, span_sink, carrier)
 
 
 # ---- the CLI command -----------------------------------------------------------------

@@ -48,16 +48,18 @@ def check_vocab(target: ModelConfig, draft: ModelConfig) -> None:
                         f"target has {target.vocab_size}")
 
 
-def plan_request(cfg: RunConfig, prompt_len: int, mcfg: ModelConfig | None = None, warn=None) -> RequestPlan:
-    """Read the configs once, check the request against them, split the layers."""
+def plan_request(cfg: RunConfig, prompt_len: int, mcfg: ModelConfig | None = None, warn=None,
+                 draft: ModelConfig | None = None, check_cluster: bool = True) -> RequestPlan:
+    """Read the configs once (or take them), check the request against them, split the layers."""
     mcfg = mcfg or load_config(cfg.model)
-    draft = None
     if cfg.drafter == "model":
-        draft = load_config(cfg.draft_model)
+        draft = draft or load_config(cfg.draft_model)
         check_vocab(mcfg, draft)
+    else:
+        draft = None
     capacity, capped = plan_capacity(cfg, mcfg, prompt_len)
     stages = tuple(partition(mcfg.num_layers, cfg.pp, cfg.stage_bounds))
-    if cfg.pp > 1 and os.environ.get("RAY_ADDRESS"):
+    if check_cluster and cfg.pp > 1 and os.environ.get("RAY_ADDRESS"):
         from .pipeline.driver import check_ray_address  # noqa: PLC0415 (imports no Ray itself)
 
         check_ray_address(os.environ["RAY_ADDRESS"])  # a cluster that does not answer: refused now

@@ -36,19 +36,23 @@ class ActorTracing:
     def parent(carrier: dict):
         return TraceContextTextMapPropagator().extract(carrier or {})
 
-    def stage_spans(self, carrier: dict, records: list[tuple]) -> None:
-        """records: (t0_ns, t1_ns, start, rows, round, free_mb, label) per forward; only the
+    def stage_spans(self, carriers: list[dict], records: list[tuple]) -> None:
+        """records: (t0_ns, t1_ns, start, rows, round, free_mb, label, request) per forward,
+        `request` indexing `carriers` (each request's W3C context: its own trace). Only the
         records not yet emitted become spans (a later call with the same, longer list adds
         the rest)."""
         if not self.enabled:
             return
         with self._emit_lock:
             todo, self._emitted = records[self._emitted:], len(records)
-        ctx = self.parent(carrier)
-        for t0, t1, start, rows, rnd, mb, label in todo:
-            s = self.tracer.start_span(SPAN_STAGE_FORWARD, context=ctx, start_time=t0 + self.offset, attributes={
-                ATTR["stage"]: self.stage, ATTR["rows"]: rows, ATTR["ctx"]: start, ATTR["round"]: rnd,
-                ATTR["phase"]: "verify" if rnd >= 0 else "prime", free_mb_attr(label): mb})
+        parents: dict[int, object] = {}
+        for t0, t1, start, rows, rnd, mb, label, req in todo:
+            if req not in parents:
+                parents[req] = self.parent(carriers[req] if 0 <= req < len(carriers) else {})
+            s = self.tracer.start_span(SPAN_STAGE_FORWARD, context=parents[req], start_time=t0 + self.offset,
+                                       attributes={ATTR["stage"]: self.stage, ATTR["rows"]: rows, ATTR["ctx"]: start,
+                                                   ATTR["round"]: rnd, ATTR["phase"]: "verify" if rnd >= 0 else "prime",
+                                                   free_mb_attr(label): mb})
             s.end(end_time=t1 + self.offset)
             self.made += 1
 

@@ -49,7 +49,8 @@ class _Worker:
         self.runner.label = label
         self.link = Link(rank, world, self.device)
         self.tracing = ActorTracing(self.role, stage, run_dir, cfg.trace.clock_on)
-        self.carrier: dict = {}
+        self.carriers: list[dict] = []  # each request's W3C context, by request index
+        self.req = -1  # the request the forwards now belong to
         self.records: list[tuple] = []  # this actor's stage.forward records (traced forwards)
         self.loop_done = threading.Event()  # the serve loop (stage) / the request (head) has ended
         self.closed = False
@@ -69,12 +70,18 @@ class _Worker:
         turns every record made so far into spans. Returns what it made and lost."""
         self.closed = True
         self._stop(wait_s)
-        self.tracing.stage_spans(self.carrier, self.records)
+        self.tracing.stage_spans(self.carriers, self.records)
         made = self.span_count()
         lost = self.tracing.close(self._extra_spans())
         if self.loop_done.is_set():
             self.link.close()  # a loop still blocked in a receive keeps the group; the actor is killed next
         return {"role": self.role, "stage": self.stage, "rank": self.rank, "made": made, "lost": lost}
+
+    def begin_request(self, carrier: dict) -> int:
+        """The next request's trace context (called by the driver, in the control group,
+        before the head starts that request); returns its index."""
+        self.carriers.append(carrier)
+        return len(self.carriers) - 1
 
     def span_count(self) -> int:
         """Spans made so far (cheap: the driver asks when a close runs past its bound)."""
@@ -90,15 +97,16 @@ class _Worker:
 class StageWorker(_Worker):
     role = "stage"
 
-    def serve(self, carrier: dict) -> int:
-        """Run commands until END. Returns the forwards served."""
+    def serve(self) -> int:
+        """Run commands until END, over any number of requests (each begins with ALLOC, whose
+        argument is the request's index). Returns the forwards served."""
         link, run = self.link, self.runner
-        self.carrier, records, served = carrier, self.records, 0
+        records, served = self.records, 0
         try:
             served = self._serve_loop(link, run, records)
         finally:
             self.loop_done.set()
-        self.tracing.stage_spans(carrier, records)
+        self.tracing.stage_spans(self.carriers, records)
         return served
 
     def _serve_loop(self, link, run, records) -> int:
@@ -113,6 +121,7 @@ class StageWorker(_Worker):
                 served += self._forward(start, rows, flags, arg, records)
             elif op == Op.ALLOC:
                 run.alloc(start)
+                self.req = arg
             elif op == Op.END:
                 return served
 
@@ -131,7 +140,7 @@ class StageWorker(_Worker):
         h = run.forward(x, start, timer)
         if flags & Flag.TRACED:
             run.drain()
-            records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), run.label))
+            records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), run.label, self.req))
         link.send(h)
         if timer is not None:
             sub = link.recv((len(SUB_BUCKETS),), torch.long) if self.rank > 1 else torch.zeros(
@@ -149,22 +158,26 @@ class HeadWorker(_Worker):
         super().__init__(*args, **kw)
         self.busy = threading.Lock()  # held by start / burst / finish; close waits for it
         self.request = None
-        self._spans = None
+        self._spans = None  # the current request's span sink
+        self._spans_done = 0  # spans built for the requests before it
         self.failed = False  # a forward raised (a dead peer): no END is sent into the ring
 
-    def start(self, carrier: dict, prompt: list[int]) -> tuple[int, bool]:
-        """Build the request's session over the head target; (first token, done)."""
+    def start(self, carrier: dict, prompt: list[int], plan=None) -> tuple[int, bool]:
+        """Build a request's session over the head target (the pipeline stays up between
+        requests; `plan` is the request's, default the pipeline's); (first token, done)."""
         from ..specdec.request import Request  # noqa: PLC0415
         from ..tracing.deferred import DeferredSink  # noqa: PLC0415
         from ..tracing.emit import SpanSink  # noqa: PLC0415
 
         with self.busy:
-            self.carrier = carrier
+            self._finish_spans()
+            self.carriers.append(carrier)
+            req = len(self.carriers) - 1
             self.target = PipelineTarget(self.link, self.runner, traced=self.cfg.trace.level >= 1,
-                                         records=self.records)
+                                         records=self.records, request=req)
             if self.tracing.enabled:
                 self._spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
-            self.request = Request(self.target, self.plan, prompt, self._spans)
+            self.request = Request(self.target, plan or self.plan, prompt, self._spans)
             first = self._guarded(self.request.start)
             return first, self.request.done
 
@@ -185,9 +198,16 @@ class HeadWorker(_Worker):
             raise
 
     def finish(self) -> dict:
+        """The request's stats, its spans built; the stages stay up for the next request."""
         with self.busy:
-            self._end()
+            self._finish_spans()
             return self.request.finish()
+
+    def _finish_spans(self) -> None:
+        if self._spans is not None:
+            self._spans.close()  # every queued span of this request built
+            self._spans_done += self._spans.count
+            self._spans = None
 
     def _end(self) -> None:
         """END to the stages (their serve loops return), every queued span built."""
@@ -196,8 +216,7 @@ class HeadWorker(_Worker):
         self.loop_done.set()
         if self.request is not None and not self.failed:
             self.target.end()
-        if self._spans is not None:
-            self._spans.close()
+        self._finish_spans()
 
     def _stop(self, wait_s: float) -> None:
         if self.busy.acquire(timeout=wait_s):  # the burst in progress ends first
@@ -209,4 +228,4 @@ class HeadWorker(_Worker):
             self._spans.close()
 
     def _extra_spans(self) -> int:
-        return self._spans.count if self._spans is not None else 0
+        return self._spans_done + (self._spans.count if self._spans is not None else 0)

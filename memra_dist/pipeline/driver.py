@@ -22,7 +22,7 @@ from ..tracing.otel import default_run_dir, flush_timeout_s, otlp_endpoint
 from .setup_hook import HOOK
 from .transport import pg_timeout_s
 
-__all__ = ["pipeline_request", "Pipeline", "PipelineRequest", "close_bound_s", "loss_lines"]
+__all__ = ["open_pipeline", "Pipeline", "PipelineRequest", "close_bound_s", "loss_lines"]
 
 _OTEL_PASS = ("OTEL_", "MEMRA_")
 
@@ -124,6 +124,21 @@ class Pipeline:
                        for r in range(1, world)]
         addr, port = ray.get(self.head.address.remote())
         ray.get([a.connect.remote(addr, port, pg_timeout_s()) for a in [self.head, *self.stages]])
+        self.serving = [s.serve.remote() for s in self.stages]  # one serve loop per stage, every request
+
+    def failure(self, e: BaseException) -> UserError:
+        """One line for an error from the head: the stage that died, when one did."""
+        return UserError(_stage_failure(self.ray, self.serving) or f"pipeline head failed: {_why(e)}")
+
+    def request(self, plan, prompt: list[int], carrier: dict | None = None) -> "PipelineRequest":
+        """The next request through the loaded pipeline: each stage learns its trace context
+        first (its stage spans join that request's trace)."""
+        carrier = carrier or {}
+        try:
+            self.ray.get([s.begin_request.options(concurrency_group=CONTROL).remote(carrier) for s in self.stages])
+        except self.ray.exceptions.RayError as e:
+            raise self.failure(e) from None
+        return PipelineRequest(self, plan, prompt, carrier)
 
     def all(self):
         return [self.head, *self.stages]
@@ -226,9 +241,8 @@ class PipelineRequest:
     trip (~1 ms) never idles the pipeline; a burst asked for after the request ended returns
     no tokens. Tokens reach the caller at burst cadence."""
 
-    def __init__(self, pipe: Pipeline, prompt: list[int], carrier: dict):
-        self.pipe, self.ray, self.prompt, self.carrier = pipe, pipe.ray, prompt, carrier
-        self.serving: list = []
+    def __init__(self, pipe: Pipeline, plan, prompt: list[int], carrier: dict):
+        self.pipe, self.ray, self.plan, self.prompt, self.carrier = pipe, pipe.ray, plan, prompt, carrier
         self.inflight: list = []
         self.done = False
 
@@ -236,13 +250,11 @@ class PipelineRequest:
         try:
             return self.ray.get(ref, timeout=timeout)
         except self.ray.exceptions.RayError as e:
-            why = _stage_failure(self.ray, self.serving) or f"pipeline head failed: {_why(e)}"
-            raise UserError(why) from None
+            raise self.pipe.failure(e) from None
 
     def start(self) -> int:
         head = self.pipe.head
-        self.serving = [s.serve.remote(self.carrier) for s in self.pipe.stages]
-        first, self.done = self._get(head.start.remote(self.carrier, self.prompt))
+        first, self.done = self._get(head.start.remote(self.carrier, self.prompt, self.plan))
         if not self.done:
             self.inflight = [head.burst.remote(), head.burst.remote()]
         return first
@@ -259,23 +271,20 @@ class PipelineRequest:
     def finish(self) -> dict:
         self._get(self.inflight)  # the spare burst: empty
         self.inflight = []
-        stats = self._get(self.pipe.head.finish.remote())
-        self._get(self.serving, timeout=pg_timeout_s())
-        return stats
+        return self._get(self.pipe.head.finish.remote())
 
 
 @contextmanager
-def pipeline_request(plan, prompt: list[int], carrier: dict | None = None, run_dir: str | None = None,
-                     lost: list | None = None):
-    """Ray up, the actors placed, a PipelineRequest; everything torn down on the way out.
-    `lost` gets one line per role whose spans did not all arrive (also printed here)."""
+def open_pipeline(plan, run_dir: str | None = None, lost: list | None = None):
+    """Ray up and the actors placed, for any number of requests; everything torn down on the
+    way out. `lost` gets one line per role whose spans did not all arrive (also printed)."""
     ray, started = _ray_up()
     pipe = None
     try:
         if run_dir is None and plan.cfg.trace.clock_on and not otlp_endpoint():
             run_dir = default_run_dir()  # the actors' spans need somewhere to go (as the CLI's do)
         pipe = Pipeline(plan, str(run_dir) if run_dir else None)
-        yield PipelineRequest(pipe, prompt, carrier or {})
+        yield pipe
     finally:
         if pipe is not None:
             for line in loss_lines(pipe.close()):

@@ -26,16 +26,18 @@ __all__ = ["PipelineTarget"]
 
 
 class PipelineTarget:
-    def __init__(self, link: Link, runner: ModelRunner, traced: bool, records: list | None = None):
+    def __init__(self, link: Link, runner: ModelRunner, traced: bool, records: list | None = None,
+                 request: int = 0):
         self.link, self.runner, self.traced = link, runner, traced
-        self.records = records if records is not None else []  # (t0, t1, start, rows, round, free_mb, label)
+        self.records = records if records is not None else []  # (t0, t1, start, rows, round, free_mb, label, request)
+        self.request = request  # this request's index among the pipeline's requests
         self.device, self.dtype, self.label = runner.device, runner.dtype, runner.label
         self.drain = runner.drain
         self.hidden = runner.cfg.hidden_size
         self.round = -1  # one target forward per round: -1 = the prime, then round 0, 1, ...
 
     def alloc(self, capacity: int) -> None:
-        self.link.send_cmd(Op.ALLOC, capacity)
+        self.link.send_cmd(Op.ALLOC, capacity, arg=self.request)  # the stages' forwards now belong to it
         self.runner.alloc(capacity)
         self.round = -1
 
@@ -61,7 +63,8 @@ class PipelineTarget:
         t0 = time.perf_counter_ns()
         out = self.runner.forward(h, start, timer)
         self.drain()
-        self.records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), self.label))
+        self.records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), self.label,
+                             self.request))
         return out
 
     def rollback(self, new_len: int) -> None:

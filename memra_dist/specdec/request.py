@@ -77,12 +77,13 @@ class _Collect:
 class Request:
     """start() -> the first token; burst(hook) -> BurstOut until done; finish() -> stats."""
 
-    def __init__(self, target, plan, prompt: list[int], span_sink=None, draft_device=None, draft_dtype=None):
+    def __init__(self, target, plan, prompt: list[int], span_sink=None, drafter=None):
+        """`drafter`: one kept loaded between requests (a draft model); else built here."""
         self.target, self.plan, self.prompt = target, plan, list(prompt)
         cfg = plan.cfg
         self.collect = _Collect(span_sink)
-        drafter = build_drafter(cfg, plan, draft_device or target.device, draft_dtype or target.dtype,
-                                len(prompt), self._record_greedy)
+        if drafter is None:
+            drafter = build_drafter(cfg, plan, target.device, target.dtype, len(prompt), self._record_greedy)
         gen = torch.Generator().manual_seed(cfg.seed)
         self.session = SpecSession(target, drafter, cfg.sampling, gen, cfg.k, cfg.trace, self.collect,
                                    plan.model.eos_token_ids)
