@@ -43,18 +43,19 @@ class ActorTracing:
         the rest)."""
         if not self.enabled:
             return
-        with self._emit_lock:
+        with self._emit_lock:  # held while building: a second caller waits, then finds nothing left
             todo, self._emitted = records[self._emitted:], len(records)
-        parents: dict[int, object] = {}
-        for t0, t1, start, rows, rnd, mb, label, req in todo:
-            if req not in parents:
-                parents[req] = self.parent(carriers[req] if 0 <= req < len(carriers) else {})
-            s = self.tracer.start_span(SPAN_STAGE_FORWARD, context=parents[req], start_time=t0 + self.offset,
-                                       attributes={ATTR["stage"]: self.stage, ATTR["rows"]: rows, ATTR["ctx"]: start,
-                                                   ATTR["round"]: rnd, ATTR["phase"]: "verify" if rnd >= 0 else "prime",
-                                                   free_mb_attr(label): mb})
-            s.end(end_time=t1 + self.offset)
-            self.made += 1
+            parents: dict[int, object] = {}
+            for t0, t1, start, rows, rnd, mb, label, req in todo:
+                if req not in parents:
+                    parents[req] = self.parent(carriers[req] if 0 <= req < len(carriers) else {})
+                s = self.tracer.start_span(SPAN_STAGE_FORWARD, context=parents[req], start_time=t0 + self.offset,
+                                           attributes={ATTR["stage"]: self.stage, ATTR["rows"]: rows,
+                                                       ATTR["ctx"]: start, ATTR["round"]: rnd,
+                                                       ATTR["phase"]: "verify" if rnd >= 0 else "prime",
+                                                       free_mb_attr(label): mb})
+                s.end(end_time=t1 + self.offset)
+                self.made += 1
 
     def close(self, extra_made: int = 0) -> int:
         """Flush within the bound, then write the run-dir file; returns spans not delivered."""
