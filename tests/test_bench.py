@@ -199,6 +199,77 @@ def test_acceptance_off_label_is_flagged_and_rows_are_labelled_by_the_measured_o
     assert _spec_status([_spec_row(4, 0.9, 0.88, 0.95, [0.93, 0.97])]) == "pass"
 
 
+def _draft_row(drafter, k, per_tok, rng=None, ratio=None, ratio_rng=None, propose_us=None, propose_rng=None):
+    """A spec row's draft-cost keys as drafting.phase_fields writes them (crafted values)."""
+    row = {"drafter": drafter, "k": k, "tok_s": 300.0, "rounds": 10, "repeats": 3, "draft_phase_repeats": 3,
+           "draft_ms_per_round": per_tok * k, "draft_ms_per_drafted_token": per_tok,
+           "draft_ms_per_drafted_token_range": rng}
+    if ratio is not None:
+        row.update(draft_weight_read_ms=per_tok / ratio, draft_cost_over_weight_read=ratio,
+                   draft_cost_over_weight_read_range=ratio_rng, draft_cost_over_weight_read_repeats=3)
+    if propose_us is not None:
+        row.update(ngram_propose_us=propose_us, ngram_propose_us_range=propose_rng, ngram_propose_repeats=5,
+                   ngram_propose_ctx=4096)
+    return row
+
+
+def _draft_targets(rows: list[dict]) -> dict:
+    res = _fake_result()
+    res["decode"]["spec"] = res["decode"]["spec"] + rows
+    return {r["name"]: r for r in evaluate(res)}
+
+
+@pytest.mark.parametrize("ratios,status,value", [
+    ([(1.1, [1.0, 1.2]), (1.3, [1.2, 1.4])], "pass", 1.3),  # worst K 1.3, whole range under 1.5
+    ([(1.1, [1.0, 1.2]), (1.45, [1.3, 1.7])], "within noise", 1.45),  # under 1.5 only within its range
+    ([(1.6, [1.55, 1.8]), (1.2, [1.1, 1.3])], "miss", 1.6),  # the worst K's whole range over 1.5
+])
+def test_model_draft_cost_over_weight_read_target(ratios, status, value):
+    rows = [_draft_row("model", k, 0.5, [0.45, 0.55], r, rr) for k, (r, rr) in zip((2, 4), ratios)]
+    t = _draft_targets(rows)["model_draft_over_weight_read"]
+    assert t["status"] == status and t["value"] == value and t["target"] == "<= 1.5" and t["n"] == 3
+    assert t["what"].startswith("model drafter: draft cost per drafted token / its weight-read time")
+    assert t["lo"] == max(r[1][0] for r in ratios) and t["hi"] == max(r[1][1] for r in ratios)
+
+
+@pytest.mark.parametrize("us,rng,status", [(8.0, [7.5, 9.0], "pass"), (48.0, [40.0, 60.0], "within noise"),
+                                           (70.0, [55.0, 90.0], "miss")])
+def test_ngram_propose_target(us, rng, status):
+    rows = [_draft_row("ngram", 2, 0.01, [0.009, 0.011], propose_us=5.0, propose_rng=[4.0, 6.0]),
+            _draft_row("ngram", 8, 0.01, [0.009, 0.011], propose_us=us, propose_rng=rng)]
+    t = _draft_targets(rows)["ngram_propose_us"]
+    assert t["status"] == status and t["value"] == us and t["target"] == "<= 50" and t["n"] == 5
+    assert t["what"].startswith("n-gram propose per round, us")
+
+
+def test_draft_cost_targets_need_a_range_and_a_measurement():
+    rows = _draft_targets([])  # no model / ngram row carries the figures: never claimed
+    assert rows["model_draft_over_weight_read"]["status"] == "n/a (not measured)"
+    assert rows["ngram_propose_us"]["status"] == "n/a (not measured)"
+    one = _draft_targets([_draft_row("model", 4, 0.5, None, 1.1, None), _draft_row("ngram", 4, 0.01, None,
+                                                                                   propose_us=8.0)])
+    assert one["model_draft_over_weight_read"]["status"].startswith("unreliable")  # no spread: no verdict
+    assert one["ngram_propose_us"]["status"].startswith("unreliable")
+
+
+def test_markdown_prints_the_draft_cost_rows():
+    res = _fake_result()
+    res["decode"]["spec"] += [{**_spec_row(4, None, 0.7, 0.9, [0.85, 0.95], "model"),
+                               **_draft_row("model", 4, 0.5, [0.45, 0.55], 1.25, [1.1, 1.4])},
+                              {**_spec_row(4, None, 0.6, 0.9, [0.85, 0.95], "ngram"),
+                               **_draft_row("ngram", 4, 0.01, [0.009, 0.011], propose_us=8.0, propose_rng=[7.5, 9.0])}]
+    res["targets"] = evaluate(res)
+    lines = markdown(res).splitlines()
+    model = next(ln for ln in lines if ln.startswith("| draft phase model K=4"))
+    assert "2 ms/round" in model and "0.5 ms/drafted token (range 0.45-0.55)" in model
+    assert "weight read 0.4 ms" in model and "cost / read x1.25 (range 1.1-1.4)" in model
+    ngram = next(ln for ln in lines if ln.startswith("| draft phase ngram K=4"))
+    assert "propose 8 us (range 7.5-9) at ctx 4096" in ngram
+    assert any(ln.startswith("| model drafter: draft cost per drafted token / its weight-read time") and
+               ln.endswith("| <= 1.5 | pass |") for ln in lines)
+    assert any(ln.startswith("| n-gram propose per round, us") and ln.endswith("| <= 50 | pass |") for ln in lines)
+
+
 def test_level0_noise_is_measured_or_says_why_not():
     res = _fake_result()
     res["trace"] = {"repeats": 1, "overhead_pct": {"1": 2.0, "2": 9.0}, "level0_noise_pct": None,
@@ -258,6 +329,8 @@ def test_bad_sections_is_one_line_exit_2():
 
 @pytest.mark.slow  # the whole bench on tiny checkpoints
 def test_tiny_cpu_run_writes_every_key(tmp_path):
+    import torch
+
     md = REPO / "BENCHMARKS.md"
     before = md.read_text() if md.exists() else None
     out = tmp_path / "bench.json"
@@ -288,6 +361,26 @@ def test_tiny_cpu_run_writes_every_key(tmp_path):
         for k in ("acceptance", "ideal_speedup", "achieved_speedup", "fraction_of_ideal"):
             assert k in r, (r, k)
         assert not r.get("greedy_mismatch"), r
+        assert r["draft_ms_per_round"] > 0 and r["draft_ms_per_drafted_token"] > 0, r  # off the phase clock
+        lo, hi = r["draft_ms_per_round_range"]
+        assert lo <= r["draft_ms_per_round"] <= hi and r["draft_phase_repeats"] >= 3, r
+        # a round drafts at most K tokens, so a drafted token costs at least 1/K of a round
+        assert r["draft_ms_per_drafted_token"] >= r["draft_ms_per_round"] / r["k"] * 0.999, r
+    for r in spec:
+        if r["drafter"] == "model":
+            assert r["draft_weight_read_ms"] > 0 and r["draft_cost_over_weight_read"] > 0, r
+            assert r["draft_cost_over_weight_read"] == pytest.approx(
+                r["draft_ms_per_drafted_token"] / r["draft_weight_read_ms"], rel=1e-3), r
+            assert r["draft_weight_bytes"] == weight_bytes(shape_config("tiny-draft"), getattr(torch, m["dtype"]))
+        else:
+            assert "draft_cost_over_weight_read" not in r, r
+        if r["drafter"] == "ngram":
+            assert 0 < r["ngram_propose_us"] < 1e4 and r["ngram_propose_ctx"] >= 4096, r
+            assert r["ngram_propose_repeats"] >= 3 and len(r["ngram_propose_us_range"]) == 2, r
+    assert dec["draft_weight_read"]["read_ms"] > 0 and dec["draft_weight_read"]["shape"] == "tiny-draft"
+    tg = {t["name"]: t for t in res["targets"]}
+    assert tg["model_draft_over_weight_read"]["value"] > 0 and tg["ngram_propose_us"]["value"] > 0
+    assert "| draft phase model K=4" in p.stdout and "| draft phase ngram K=4" in p.stdout
     assert set(res["trace"]["wall_s"]) == {"0", "1", "2"} and set(res["trace"]["overhead_pct"]) == {"1", "2"}
     assert res["peer"]["plain"]["tok_s"] > 0 and "memra_over_transformers" in res["peer"]
     assert "skipped" in res["pp"]

@@ -3,8 +3,9 @@
 One role per file: checkpoints (made on the machine), timing (sync, medians, copy bandwidth),
 roofline (pure formulas), noise (ranges of repeats; the pass / miss / within-noise verdict),
 fastpath (the one place the CUDA-graph switch is wired), runs (runners built once,
-generations, step timing), sections / peer / dist_bench / hybrid (what is measured), suite
-(order, budget, progress), report (targets, flags, markdown), cli (argparse glue).
+generations, step timing), drafting (draft cost per round off the phase clock, the model
+drafter vs its weight read, n-gram propose), sections / peer / dist_bench / hybrid (what is
+measured), suite (order, budget, progress), report (targets, flags, markdown), cli (argparse glue).
 """
 
 __all__ = ["add_bench_parser", "run_bench", "SECTIONS"]

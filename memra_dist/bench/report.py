@@ -42,6 +42,9 @@ TARGETS = {
     "hop_one_way_us": Target("<=", 50.0, "per-hop activation transfer, one way, us", None, 4),
     "trace_l1_overhead_pct": Target("<=", 5.0, "trace level 1 wall overhead vs level 0, %",
                                     (">=", 0.0, "unreliable", "level 1 timed faster than level 0"), 3),
+    "model_draft_over_weight_read": Target("<=", 1.5, "model drafter: draft cost per drafted token / its "
+                                                      "weight-read time (worst K)"),
+    "ngram_propose_us": Target("<=", 50.0, "n-gram propose per round, us (worst K)"),
 }
 
 RULE = ("pass / miss only when the whole range of the repeats lies on one side of the target, else within "
@@ -117,6 +120,18 @@ def _spec_figure(res: dict, acc: str) -> tuple[Fig | None, str | None]:
     return fig, status
 
 
+def _worst_row(res: dict, drafter: str, key: str, n_key: str) -> Fig | None:
+    """The largest `key` over the spec rows of `drafter` (the worst K of a "<=" target) with
+    [max lo, max hi] and the fewest repeats; None when no row has it."""
+    figs = [Fig.from_json(r[key], r.get(f"{key}_range"), r.get(n_key)) for r in _get(res, "decode", "spec") or []
+            if r.get("drafter") == drafter and r.get(key) is not None]
+    if not figs:
+        return None
+    known = all(f.known for f in figs)
+    return Fig(max(f.value for f in figs), max(f.lo for f in figs) if known else None,
+               max(f.hi for f in figs) if known else None, min(f.n for f in figs))
+
+
 def _figures(res: dict) -> dict:
     """name -> (Fig or None, status forced by a flag or None)."""
     f = {"plain_roofline_fraction": Fig.from_json(_get(res, "decode", "plain", "roofline_fraction"),
@@ -137,6 +152,9 @@ def _figures(res: dict) -> dict:
         f[f"verify_ratio_k{k}"] = Fig.from_json(_get(res, "steps", "verify", k, "ratio_vs_decode"),
                                                 _get(res, "steps", "verify", k, "ratio_range"),
                                                 _get(res, "steps", "repeats"))
+    f["model_draft_over_weight_read"] = _worst_row(res, "model", "draft_cost_over_weight_read",
+                                                   "draft_cost_over_weight_read_repeats")
+    f["ngram_propose_us"] = _worst_row(res, "ngram", "ngram_propose_us", "ngram_propose_repeats")
     out = {name: (fig, None) for name, fig in f.items()}
     for acc in ("0.6", "0.8", "0.9"):
         out[f"spec_fraction_acc{acc}"] = _spec_figure(res, acc)
@@ -206,6 +224,8 @@ def _info_rows(res: dict) -> list[tuple[str, str]]:
                          f"{r['tok_s']:.1f} tok/s{_rng(r.get('tok_s_range'), '.1f')}, x{r['achieved_speedup']:.2f} of "
                          f"ideal x{r['ideal_speedup']:.2f} = {r['fraction_of_ideal']:.2f}"
                          f"{_rng(r.get('fraction_of_ideal_range'), '.2f')}" + "".join(f"; **{f}**" for f in flags)))
+        if r.get("draft_ms_per_round") is not None:
+            rows.append((f"draft phase {row_label(r)}", _draft_cost(r)))
     for kind in ("plain", "assisted"):
         v = _get(res, "peer", kind, "tok_s")
         if v is not None:
@@ -230,6 +250,23 @@ def _info_rows(res: dict) -> list[tuple[str, str]]:
         rows.append((f"hybrid {res['hybrid']['shape']} K={k}", f"verify/decode {h['ratio_vs_decode']:.2f}, "
                                                              f"KDA rollback {h['rollback_share_of_verify'] * 100:.2f} % of verify"))
     return rows
+
+
+def _draft_cost(r: dict) -> str:
+    """A spec row's draft cost: ms per round and per drafted token (phase clock), the model
+    drafter's weight-read time and ratio, the n-gram propose time."""
+    out = f"{r['draft_ms_per_round']:.4g} ms/round{_rng(r.get('draft_ms_per_round_range'), '.4g')}"
+    if r.get("draft_ms_per_drafted_token") is not None:
+        out += (f", {r['draft_ms_per_drafted_token']:.4g} ms/drafted token"
+                f"{_rng(r.get('draft_ms_per_drafted_token_range'), '.4g')}")
+    if r.get("draft_cost_over_weight_read") is not None:
+        out += (f"; weight read {r['draft_weight_read_ms']:.4g} ms"
+                f"{_rng(r.get('draft_weight_read_ms_range'), '.4g')}, cost / read "
+                f"x{r['draft_cost_over_weight_read']:.3g}{_rng(r.get('draft_cost_over_weight_read_range'))}")
+    if r.get("ngram_propose_us") is not None:
+        out += (f"; propose {r['ngram_propose_us']:.3g} us{_rng(r.get('ngram_propose_us_range'))} "
+                f"at ctx {r.get('ngram_propose_ctx')}")
+    return out
 
 
 def _fmt(v) -> str:

@@ -10,10 +10,10 @@ import time
 
 from ..phase.levels import TraceSettings
 from .checkpoints import shape_config, weight_bytes
+from .drafting import bandwidth_run, phase_fields
 from .noise import Fig
 from .roofline import (SPEC_FORMULA, achieved_fraction, expected_tokens, ideal_speedup, per_token_acceptance,
                        roofline_tok_s)
-from .timing import copy_bandwidth
 
 __all__ = ["bandwidth", "steps", "decode", "trace_levels", "plain_decode"]
 
@@ -31,7 +31,7 @@ def _median_run(runs: list):
 
 
 def bandwidth(s) -> dict:
-    bw = copy_bandwidth(s.device, s.p.copy_bytes, repeats=s.p.copy_repeats)
+    bw = dict(bandwidth_run(s))
     wb = weight_bytes(shape_config(s.opts.shape), s.dtype)
     s.memo["roofline_tok_s"] = roofline_tok_s(bw["bandwidth_bytes_s"], wb)
     lo, hi = bw["bandwidth_bytes_s_range"]
@@ -131,6 +131,7 @@ def _spec_run(s, name: str, k: int, corrupt: float | None) -> dict:
                achieved_speedup=round(achieved.value, 4), achieved_speedup_range=achieved.rng(),
                fraction_of_ideal=round(achieved_fraction(r.decode_tok_s, plain.value, ideal_v), 4),
                fraction_of_ideal_range=frac.rng())
+    row.update(phase_fields(s, name, k, corrupt))  # draft cost per round, off the phase clock (drafting.py)
     if any(x.tokens != rec[: len(x.tokens)] for x in runs):
         row["greedy_mismatch"] = True  # greedy spec output must equal plain: flag, never hide
     row["label"] = row_label(row)
@@ -166,6 +167,8 @@ def decode(s) -> dict:
         s.say(f"  {row.get('label', label)}: {row['tok_s']:.1f} tok/s, {row.get('fraction_of_ideal', 0):.2f} of ideal "
               f"(range {fr[0]:.2f}-{fr[1]:.2f}, {row['repeats']} runs){''.join(' ' + f for f in row.get('flags', []))} "
               f"({time.perf_counter() - t0:.1f}s)")
+    if "draft_read" in s.memo:  # the model drafter's weight-read time the model rows were set against
+        out["draft_weight_read"] = {k: v for k, v in s.memo["draft_read"].items() if k != "fig"}
     return out
 
 

@@ -48,6 +48,10 @@ class Params:
     copy_repeats: int
     hop_iters: int
     hybrid_ctx: int
+    phase_new: int | None = None  # tokens of each level-1 (draft phase) run; None = max_new
+    ngram_ctx: int = 4096  # n-gram propose timing: context length, calls per repeat, repeats
+    ngram_calls: int = 1000
+    ngram_repeats: int = 5
     ks: tuple[int, ...] = (2, 4, 8)
     accs: tuple[float, ...] = (0.6, 0.8, 0.9)
 
@@ -55,7 +59,7 @@ class Params:
     def make(cls, o: Options, cuda: bool) -> "Params":
         if cuda:
             p = cls(ctx=512, max_new=256, step_repeats=30, gen_repeats=3, trace_repeats=3, copy_bytes=2 << 30,
-                    copy_repeats=20, hop_iters=200, hybrid_ctx=512)
+                    copy_repeats=20, hop_iters=200, hybrid_ctx=512, phase_new=128)
             if o.quick:
                 p.max_new, p.step_repeats, p.gen_repeats, p.trace_repeats = 96, 10, 3, 3
         else:
@@ -64,8 +68,10 @@ class Params:
             if o.quick:
                 p.ctx, p.max_new, p.step_repeats, p.gen_repeats, p.trace_repeats = 48, 24, 5, 3, 3
                 p.copy_bytes, p.copy_repeats, p.hop_iters, p.hybrid_ctx = 32 << 20, 3, 20, 24
+                p.ngram_calls = 300
         p.ctx = o.ctx or p.ctx
         p.max_new = o.max_new or p.max_new
+        p.phase_new = min(p.phase_new or p.max_new, p.max_new)
         return p
 
 
