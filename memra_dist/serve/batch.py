@@ -1,0 +1,549 @@
+"""A resumable batch job on one engine: JSONL requests in, JSONL results out.
+
+Input, one JSON object a line: `id` (string or integer, unique), `prompt` (string), and
+optionally `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed` (null or absent: the
+job's flag). Blank lines are skipped; line numbers count every line from 1.
+
+Output, one line per input line, appended as each request ends (write, flush, fsync):
+  {"id", "token_ids", "text", "stats"}   a finished request
+  {"id", "error"}                        a request refused: a bad field, an unknown field, a
+                                         prompt too long for the context, an engine refusal
+  {"line", "error"}                      a line with no usable id: not UTF-8, malformed JSON,
+                                         not an object, no id, a bad id, a duplicate id (the
+                                         id belongs to the line that used it first)
+
+Resume: the same command skips every id (and numbered line) already in the output. A last
+line without its newline (a crash mid-write) is cut off first and its request runs again.
+Each line is written with SIGINT / SIGTERM held and cut back if the write fails, so a job
+stopped any way leaves complete lines only; one job at a time holds the output (flock).
+
+Progress goes to stderr, at most one line a second, then one summary line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, TextIO
+
+from ..errors import UserError
+
+__all__ = ["Request", "Refused", "Output", "Progress", "parse_input", "read_input", "record_key", "run_job",
+           "choose_capacity", "FIELDS"]
+
+OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
+FIELDS = ("id", "prompt", *OPTIONAL)
+_HELD = {signal.SIGINT, signal.SIGTERM}
+
+
+# ---- input ---------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    line: int
+    id: str | int
+    prompt: str
+    fields: dict = field(default_factory=dict)  # the optional fields given (validated), by name
+
+    @property
+    def key(self) -> str:
+        return _id_key(self.id)
+
+
+@dataclass
+class Refused:
+    line: int
+    error: str
+    id: str | int | None = None  # None: the line has no usable id (the record names the line)
+    has_id: bool = False
+
+    @property
+    def key(self) -> str:
+        return _id_key(self.id) if self.has_id else _line_key(self.line)
+
+    def record(self) -> dict:
+        return {"id": self.id, "error": self.error} if self.has_id else {"line": self.line, "error": self.error}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _valid_id(v) -> bool:
+    return isinstance(v, str) or _is_int(v)
+
+
+def _id_key(v) -> str:
+    return "id " + json.dumps(v)  # the id 7 and the id "7" are two ids
+
+
+def _line_key(n: int) -> str:
+    return f"line {n}"
+
+
+def _show(v, n: int = 40) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _one_line(msg) -> str:
+    s = " ".join(str(msg).split())
+    return s if len(s) <= 500 else s[:497] + "..."
+
+
+def record_key(rec) -> str | None:
+    """The id or line an output record stands for (None: not a record of ours)."""
+    if not isinstance(rec, dict):
+        return None
+    if "id" in rec and _valid_id(rec["id"]):
+        return _id_key(rec["id"])
+    if "line" in rec and _is_int(rec["line"]):
+        return _line_key(rec["line"])
+    return None
+
+
+_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true/false",
+          type(None): "null"}
+
+
+def _check_field(name: str, v) -> str | None:
+    """None when `v` is a good value of the optional field `name`, else the error."""
+    if name == "max_new_tokens":
+        ok, want = _is_int(v) and v >= 1, "an integer >= 1"
+    elif name == "top_k":
+        ok, want = _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"
+    elif name == "seed":
+        ok, want = _is_int(v) and 0 <= v < 2 ** 64, "an integer in [0, 2^64)"
+    elif name == "temperature":
+        ok, want = _is_num(v) and v >= 0, "a number >= 0 (0 = greedy)"
+    else:  # top_p
+        ok, want = _is_num(v) and 0 < v <= 1, "a number in (0, 1]"
+    return None if ok else f"'{name}' must be {want} (got {_show(v)})"
+
+
+def _parse_line(n: int, raw: bytes, seen: dict) -> Request | Refused:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return Refused(n, "the line is not UTF-8 text")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Refused(n, f"malformed JSON: {e.msg} (column {e.colno})")
+    except (ValueError, RecursionError):
+        return Refused(n, "malformed JSON")
+    if not isinstance(obj, dict):
+        return Refused(n, f"expected a JSON object, got {_KINDS.get(type(obj), 'something else')}")
+    if "id" not in obj:
+        return Refused(n, "missing 'id'")
+    rid = obj["id"]
+    if not _valid_id(rid):
+        return Refused(n, f"'id' must be a string or an integer (got {_show(rid)})")
+    key = _id_key(rid)
+    if key in seen:
+        return Refused(n, f"duplicate id {_show(rid)} (first on line {seen[key]})")
+    seen[key] = n
+
+    def refuse(msg: str) -> Refused:
+        return Refused(n, msg, rid, True)
+
+    unknown = [k for k in obj if k not in FIELDS]
+    if unknown:
+        return refuse(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(repr(k) for k in unknown)} "
+                      f"(a request has {', '.join(FIELDS)})")
+    if "prompt" not in obj:
+        return refuse("missing 'prompt'")
+    prompt = obj["prompt"]
+    if not isinstance(prompt, str):
+        return refuse(f"'prompt' must be a string (got {_KINDS.get(type(prompt), 'something else')})")
+    if not prompt:
+        return refuse("the prompt is empty")
+    fields = {}
+    for name in OPTIONAL:
+        v = obj.get(name)
+        if v is None:
+            continue  # absent or null: the job's value
+        bad = _check_field(name, v)
+        if bad:
+            return refuse(bad)
+        fields[name] = v
+    return Request(n, rid, prompt, fields)
+
+
+def parse_input(data: bytes) -> list[Request | Refused]:
+    """Every non-blank line, in order, as a request or a refusal."""
+    seen: dict[str, int] = {}
+    out: list[Request | Refused] = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if raw.strip():
+            out.append(_parse_line(n, raw.rstrip(b"\r"), seen))
+    return out
+
+
+def read_input(path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError(f"--input {path}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"--input {path}: is a directory") from None
+    except OSError as e:
+        raise UserError(f"--input {path}: cannot read ({e.strerror or e})") from None
+
+
+# ---- output --------------------------------------------------------------------------
+
+
+@contextmanager
+def _signals_held():
+    """SIGINT / SIGTERM wait until the block is done, then go to the handlers they would have
+    met (Ctrl-C's KeyboardInterrupt comes right after): a line is never left half-written,
+    nor a written one cut back. Python-level handlers, not a thread's signal mask: a signal
+    sent to the process reaches whichever thread does not block it (torch has many)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can only be set from the main thread
+        return
+    got: list[int] = []
+    prev: dict[int, object] = {}
+    try:
+        for s in _HELD:
+            prev[s] = signal.signal(s, lambda signum, frame: got.append(signum))
+        yield
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(got):
+            h = prev.get(s)
+            if callable(h):
+                h(s, None)  # Python's own SIGINT handler raises KeyboardInterrupt here
+            elif h == signal.SIG_DFL:
+                signal.raise_signal(s)
+
+
+class Output:
+    """The results file: opened (created) once, locked, its partial last line cut off, the
+    keys of its records read; `append` writes one whole line and fsyncs it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        except IsADirectoryError:
+            raise UserError(f"--output {path}: is a directory") from None
+        except OSError as e:
+            raise UserError(f"--output {path}: cannot write ({e.strerror or e})") from None
+        try:
+            self._lock()
+            self.done, self.cut, self.unreadable = self._load()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _lock(self) -> None:
+        try:
+            import fcntl  # noqa: PLC0415 (POSIX)
+        except ImportError:
+            return
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"--output {self.path}: another batch job is writing it") from None
+        except OSError:
+            pass  # a file system without locks: go on unlocked
+
+    def _load(self) -> tuple[dict[str, bool], int, int]:
+        """({key of each complete record: is it an error}, bytes cut off the end, complete
+        lines not ours)."""
+        chunks = []
+        pos = 0
+        while True:
+            b = os.pread(self.fd, 1 << 20, pos)
+            if not b:
+                break
+            chunks.append(b)
+            pos += len(b)
+        data = b"".join(chunks)
+        keep = data.rfind(b"\n") + 1
+        cut = len(data) - keep
+        if cut:
+            with _signals_held():
+                os.ftruncate(self.fd, keep)
+                os.fsync(self.fd)
+        done: dict[str, bool] = {}
+        unreadable = 0
+        for raw in data[:keep].split(b"\n")[:-1]:
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (ValueError, RecursionError):
+                rec = None
+            key = record_key(rec)
+            if key is None:
+                unreadable += 1
+            else:
+                done[key] = "error" in rec
+        return done, cut, unreadable
+
+    def append(self, rec: dict) -> None:
+        try:
+            line = (json.dumps(rec, ensure_ascii=False, default=_jsonable) + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from the input: escaped instead
+            line = (json.dumps(rec, default=_jsonable) + "\n").encode("ascii")
+        with _signals_held():
+            start = os.fstat(self.fd).st_size
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(self.fd, view):]
+                os.fsync(self.fd)
+            except BaseException:
+                os.ftruncate(self.fd, start)  # a full disk: no partial line left behind
+                raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _jsonable(v):
+    if hasattr(v, "item"):  # a numpy / torch scalar
+        return v.item()
+    if isinstance(v, (set, tuple)):
+        return list(v)
+    return str(v)
+
+
+# ---- progress ------------------------------------------------------------------------
+
+
+def _say(line: str, out: TextIO | None = None) -> None:
+    """One stderr line; a closed stderr (`... 2>&1 | head`) never stops the job."""
+    try:
+        print(line, file=out or sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _clock_text(s: float) -> str:
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
+
+
+class Progress:
+    """'[batch] 7/12 done, 1 error | 412.3 tok/s | ETA 0:09' on `out`, at most one line every
+    `every_s` seconds; rates count this run only (not the requests done before it)."""
+
+    def __init__(self, total: int, done: int, errors: int, out: TextIO | None = None, every_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.total, self.done, self.errors = total, done, errors
+        self.before = done
+        self.out, self.every_s, self.clock = out, every_s, clock
+        self.tokens = 0
+        self.ran = 0  # requests the engine ran in this run (what the ETA is made of)
+        self.t0 = clock()
+        self.t_run: float | None = None  # when the first request started (the engine is up)
+        self.last: float | None = None
+
+    def _say(self, line: str) -> None:
+        _say(line, self.out)
+
+    def start(self) -> None:
+        if self.t_run is None:
+            self.t_run = self.clock()
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+        self.tick()
+
+    def finished(self, error: bool = False, ran: bool = True) -> None:
+        self.done += 1
+        self.errors += error
+        self.ran += ran
+        self.tick()
+
+    def rate(self) -> float:
+        el = self.clock() - self.t_run if self.t_run is not None else 0.0
+        return self.tokens / el if el > 0 else 0.0
+
+    def line(self) -> str:
+        errs = f", {self.errors} error{'s' if self.errors != 1 else ''}" if self.errors else ""
+        s = f"[batch] {self.done}/{self.total} done{errs}"
+        if self.t_run is None:
+            return s
+        el = self.clock() - self.t_run
+        eta = _clock_text(el / self.ran * (self.total - self.done)) if self.ran and el > 0 else "--"
+        return f"{s} | {self.rate():.1f} tok/s | ETA {eta}"
+
+    def tick(self) -> None:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.every_s:
+            return
+        if self.last is None and now - self.t0 < self.every_s:
+            return  # a job that ends within a second prints its summary only
+        self.last = now
+        self._say(self.line())
+
+    def summary(self, output: str, interrupted: bool = False) -> str:
+        errs = f", {self.errors} error{'s' if self.errors != 1 else ''}" if self.errors else ""
+        before = f" ({self.before} before this run)" if self.before else ""
+        el = self.clock() - self.t_run if self.t_run is not None else 0.0
+        rate = f", {self.tokens} tokens in {el:.1f} s ({self.rate():.1f} tok/s)" if self.t_run is not None else ""
+        if interrupted:
+            return (f"[batch] interrupted at {self.done}/{self.total} done{errs}{rate}: every finished request is "
+                    f"in {output}; the same command resumes")
+        return f"[batch] done: {self.done}/{self.total}{before}{errs}{rate} -> {output}"
+
+
+# ---- the job -------------------------------------------------------------------------
+
+
+def choose_capacity(ctx: int | None, max_pos: int, prompt_lens: list[int], max_news: list[int], k: int) -> int:
+    """--ctx when given, else what the longest prompt and the largest max_new_tokens need
+    (+ k + 1 verify rows), cut to the model's positions."""
+    if ctx is not None:
+        return ctx
+    return min(max_pos, max(prompt_lens) + max(max_news) + k + 1)
+
+
+def _request_cfg(cfg, req: Request):
+    from ..specdec.sampling import SamplingParams  # noqa: PLC0415
+
+    f = req.fields
+    sp = cfg.sampling
+    kw = {}
+    if "max_new_tokens" in f:
+        kw["max_new_tokens"] = f["max_new_tokens"]
+    if "seed" in f:
+        kw["seed"] = f["seed"]
+    if any(x in f for x in ("temperature", "top_k", "top_p")):
+        kw["sampling"] = SamplingParams(float(f.get("temperature", sp.temperature)), int(f.get("top_k", sp.top_k)),
+                                        float(f.get("top_p", sp.top_p)))
+    return cfg.with_(**kw) if kw else cfg
+
+
+def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engine, ctx: int | None = None,
+            err: TextIO | None = None, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> int:
+    """The whole job; 0 when it ran (refused lines included), 130 when interrupted. Bad
+    arguments raise UserError before the engine opens. `open_engine(cfg, capacity)` is
+    a context manager giving an object with `generate(ids, cfg, stream) -> Result`."""
+    def say(line: str) -> None:
+        _say(line, err)
+
+    if ctx is not None and ctx > max_pos:
+        raise UserError(f"--ctx {ctx} exceeds the model's max_position_embeddings ({max_pos})")
+    data = read_input(input_path)
+    try:
+        if os.path.samefile(input_path, output_path):
+            raise UserError(f"--output {output_path} is the input file")
+    except FileNotFoundError:
+        pass
+    out = Output(output_path)
+    try:
+        return _run(cfg, out, parse_input(data), tokenizer, max_pos, open_engine, ctx, say, err, every_s, clock)
+    finally:
+        out.close()
+
+
+def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, every_s, clock) -> int:
+    if out.cut:
+        say(f"[batch] {out.path}: cut off an unfinished last line ({out.cut} bytes); its request runs again")
+    if out.unreadable:
+        say(f"[batch] {out.path}: {out.unreadable} line(s) are not records of this job; left as they are")
+    todo = [e for e in entries if e.key not in out.done]
+    before = len(entries) - len(todo)
+    before_err = sum(1 for e in entries if out.done.get(e.key))
+    prog = Progress(len(entries), before, before_err, err, every_s, clock)
+    interrupted = False
+    try:
+        runnable, refused = _prepare(cfg, todo, tok, max_pos, ctx)
+        say(f"[batch] {len(entries)} requests in the input: {before} done before, {len(runnable)} to run"
+            + (f", {len(refused)} refused" if refused else ""))
+        for r in refused:  # refused at once: no model needed
+            out.append(r.record())
+            prog.finished(error=True, ran=False)
+        if runnable:
+            lens, news = [len(ids) for _, ids, _ in runnable], [c.max_new_tokens for _, _, c in runnable]
+            cap = choose_capacity(ctx, max_pos, lens, news, cfg.k)
+            most = max(n + m for n, m in zip(lens, news)) + cfg.k + 1
+            if cap < most:
+                say(f"[batch] the context holds {cap} rows ({'--ctx' if ctx is not None else 'the model'}): "
+                    f"a request needing more (up to {most}) ends when it is full")
+            with open_engine(cfg, cap) as engine:
+                prog.start()
+                for req, ids, rcfg in runnable:
+                    _one(engine, out, prog, tok, req, ids, rcfg)
+    except KeyboardInterrupt:
+        interrupted = True
+    say(prog.summary(out.path, interrupted))
+    return 130 if interrupted else 0
+
+
+def _prepare(cfg, todo, tok, max_pos: int, ctx: int | None):
+    """(runnable [(request, prompt ids, its RunConfig)], refused) in input order."""
+    refused: list[Refused] = []
+    runnable: list[tuple[Request, list[int], object]] = []
+    limit = ctx if ctx is not None else max_pos
+    where = f"the context (--ctx {ctx} rows)" if ctx is not None else f"the model's {max_pos} positions"
+    for e in todo:
+        if isinstance(e, Refused):
+            refused.append(e)
+            continue
+        try:
+            rcfg = _request_cfg(cfg, e)
+        except UserError as x:
+            refused.append(Refused(e.line, _one_line(x), e.id, True))
+            continue
+        try:
+            ids = tok.encode(e.prompt)
+        except Exception as x:  # noqa: BLE001 (tokenizers raises bare exceptions)
+            refused.append(Refused(e.line, f"cannot tokenize the prompt ({_one_line(x)[:200]})", e.id, True))
+            continue
+        if not ids:
+            refused.append(Refused(e.line, "the prompt is empty after tokenizing", e.id, True))
+        elif len(ids) >= limit:
+            refused.append(Refused(e.line, f"the prompt ({len(ids)} tokens) is too long for {where}", e.id, True))
+        else:
+            runnable.append((e, ids, rcfg))
+    return runnable, refused
+
+
+def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int], rcfg) -> None:
+    streamed = [0]
+
+    def stream(new) -> None:
+        streamed[0] += len(new)
+        prog.add_tokens(len(new))
+
+    try:
+        res = engine.generate(ids, rcfg, stream=stream)
+    except UserError as x:  # the engine refused this request: the job goes on
+        out.append({"id": req.id, "error": _one_line(x)})
+        prog.finished(error=True)
+        return
+    except KeyboardInterrupt:
+        raise
+    except Exception as x:
+        _say(f"[batch] request {_show(req.id)} (line {req.line}) failed: {_one_line(x)[:300]}; finished requests "
+             f"are in {out.path}, the same command resumes", prog.out)
+        raise
+    token_ids = [int(t) for t in res.token_ids]
+    if len(token_ids) > streamed[0]:
+        prog.tokens += len(token_ids) - streamed[0]  # an engine that streamed less than it returned
+    out.append({"id": req.id, "token_ids": token_ids, "text": tok.decode(token_ids), "stats": res.stats})
+    prog.finished()

@@ -1,0 +1,91 @@
+"""`memra-dist batch`: the subparser (added by memra_dist/cli.py) and its handler.
+
+memra_dist/cli.py hands in its generate flag set (`add_batch_parser(sub, _add_run_args)`):
+nothing here imports memra_dist.cli, which imports this package (no import cycle)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from ..errors import UserError
+
+__all__ = ["add_batch_parser", "run_batch"]
+
+DESCRIPTION = """\
+A resumable batch job: the model loads once (or the pipeline is placed once, --pp > 1), then
+every request of --input runs on it. --input holds one JSON object a line: "id" (string or
+integer, unique) and "prompt" (string), optionally "max_new_tokens", "temperature", "top_p",
+"top_k", "seed" (else the flags below). --output gets one line per request as it finishes:
+{"id", "token_ids", "text", "stats"}, or {"id", "error"} for a request refused (the job goes
+on), or {"line", "error"} for a line without a usable id. Run the same command again to
+resume: ids already in --output are skipped. Progress on stderr. Exit 0 when the job ran
+(refused lines included), 2 for bad arguments, 130 when interrupted (Ctrl-C, SIGTERM)."""
+
+
+# generate's flags that a batch accepts and does not use (it writes no spans or metrics of its own)
+IGNORED = (("--json", "json", False), ("--metrics-port", "metrics_port", None), ("--metrics-hold", "metrics_hold", 0.0),
+           ("--run-dir", "run_dir", None), ("--traceparent", "traceparent", None),
+           ("--trace-content", "trace_content", False))
+
+
+def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> None:
+    b.add_argument("--model", required=True, metavar="DIR",
+                   help="HF checkpoint directory (config.json + *.safetensors + tokenizer.json)")
+    b.add_argument("--input", required=True, metavar="JSONL", help="requests, one JSON object a line")
+    b.add_argument("--output", required=True, metavar="JSONL",
+                   help="results, one JSON object a line, appended as requests finish (created if absent)")
+    add_run_args(b, demo=True)  # generate's flag set; demo=True leaves out --model / --prompt
+    b.set_defaults(max_new_tokens=64, burst_rounds=8)  # generate's defaults, not the demo's
+    for a in b._actions:  # noqa: SLF001 (two helps that read differently for a batch)
+        if a.dest == "ctx":
+            a.help = ("context rows every request shares (default: the longest prompt + the largest "
+                      "max_new_tokens + k + 1, at most the model's positions)")
+        elif a.dest == "json":
+            a.help = argparse.SUPPRESS  # the output is always JSON lines
+
+
+def add_batch_parser(sub, add_run_args: Callable[..., None]) -> argparse.ArgumentParser:
+    """`sub`: the CLI's subparsers; add_run_args: memra_dist.cli._add_run_args (generate's flags)."""
+    b = sub.add_parser("batch", help="run a JSONL file of prompts on one loaded model, resumable",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(b, add_run_args)
+    return b
+
+
+def run_batch(args) -> int:
+    """The handler: an exit code (bad arguments: one stderr line, 2)."""
+    try:
+        return _run(args)
+    except UserError as e:
+        print(f"memra-dist: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # before the job started (its own Ctrl-C path returns 130 itself)
+        print("memra-dist: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
+    from pathlib import Path  # noqa: PLC0415
+
+    from ..app import config_from_args, open_engine  # noqa: PLC0415 (torch only once the arguments parse)
+    from ..model.config import load_config  # noqa: PLC0415
+    from ..model.tokenizer import load_tokenizer  # noqa: PLC0415
+    from .batch import run_job  # noqa: PLC0415
+
+    src = Path(args.input)
+    if not src.exists():
+        raise UserError(f"--input {src}: no such file")
+    if src.is_dir():
+        raise UserError(f"--input {src}: is a directory")
+    ignored = [flag for flag, dest, off in IGNORED if getattr(args, dest, off) != off]
+    if ignored:
+        print(f"memra-dist: note: batch does not use {', '.join(ignored)}", file=sys.stderr)
+    cfg = config_from_args(args, args.model, args.draft_model)
+    mcfg = load_config(cfg.model)
+    tok = load_tokenizer(cfg.model)
+    if tok.vocab_size > mcfg.vocab_size:
+        raise UserError(f"{cfg.model}: tokenizer has {tok.vocab_size} tokens, the model only {mcfg.vocab_size}")
+    return run_job(cfg, args.input, args.output, tokenizer=tok, max_pos=mcfg.max_position_embeddings,
+                   open_engine=open_engine, ctx=args.ctx)
