@@ -1,4 +1,4 @@
-"""`memra-dist`: generate, demo (and bench). Bad input: one stderr line, exit code 2."""
+"""`memra-dist`: generate, demo, batch (and bench). Bad input: one stderr line, exit code 2."""
 
 from __future__ import annotations
 
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_parser  # noqa: PLC0415 (its handler lives in memra_dist/bench)
 
     add_bench_parser(sub)
+    from .serve import add_batch_parser  # noqa: PLC0415
+
+    add_batch_parser(sub, _add_run_args)
     return p
 
 
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "bench":
         from .bench import run_bench as run_command  # noqa: PLC0415
+    elif args.cmd == "batch":
+        from .serve import run_batch as run_command  # noqa: PLC0415
     else:
         from .app import run_command  # noqa: PLC0415 (keeps --help fast: no torch import)
 

@@ -25,22 +25,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
 from ..errors import UserError
+from .results_file import Output, id_key, is_int, line_key, record_key, valid_id
 
 __all__ = ["Request", "Refused", "Output", "Progress", "parse_input", "read_input", "record_key", "run_job",
            "choose_capacity", "FIELDS"]
 
 OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 FIELDS = ("id", "prompt", *OPTIONAL)
-_HELD = {signal.SIGINT, signal.SIGTERM}
 
 
 # ---- input ---------------------------------------------------------------------------
@@ -55,7 +52,7 @@ class Request:
 
     @property
     def key(self) -> str:
-        return _id_key(self.id)
+        return id_key(self.id)
 
 
 @dataclass
@@ -67,30 +64,22 @@ class Refused:
 
     @property
     def key(self) -> str:
-        return _id_key(self.id) if self.has_id else _line_key(self.line)
+        return id_key(self.id) if self.has_id else line_key(self.line)
 
     def record(self) -> dict:
         return {"id": self.id, "error": self.error} if self.has_id else {"line": self.line, "error": self.error}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_num(v) -> bool:
     return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))
 
 
-def _valid_id(v) -> bool:
-    return isinstance(v, str) or _is_int(v)
 
 
-def _id_key(v) -> str:
-    return "id " + json.dumps(v)  # the id 7 and the id "7" are two ids
 
 
-def _line_key(n: int) -> str:
-    return f"line {n}"
 
 
 def _show(v, n: int = 40) -> str:
@@ -103,15 +92,6 @@ def _one_line(msg) -> str:
     return s if len(s) <= 500 else s[:497] + "..."
 
 
-def record_key(rec) -> str | None:
-    """The id or line an output record stands for (None: not a record of ours)."""
-    if not isinstance(rec, dict):
-        return None
-    if "id" in rec and _valid_id(rec["id"]):
-        return _id_key(rec["id"])
-    if "line" in rec and _is_int(rec["line"]):
-        return _line_key(rec["line"])
-    return None
 
 
 _KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true/false",
@@ -121,11 +101,11 @@ _KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
 def _check_field(name: str, v) -> str | None:
     """None when `v` is a good value of the optional field `name`, else the error."""
     if name == "max_new_tokens":
-        ok, want = _is_int(v) and v >= 1, "an integer >= 1"
+        ok, want = is_int(v) and v >= 1, "an integer >= 1"
     elif name == "top_k":
-        ok, want = _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"
+        ok, want = is_int(v) and v >= 0, "an integer >= 0 (0 = off)"
     elif name == "seed":
-        ok, want = _is_int(v) and 0 <= v < 2 ** 64, "an integer in [0, 2^64)"
+        ok, want = is_int(v) and 0 <= v < 2 ** 64, "an integer in [0, 2^64)"
     elif name == "temperature":
         ok, want = _is_num(v) and v >= 0, "a number >= 0 (0 = greedy)"
     else:  # top_p
@@ -149,9 +129,9 @@ def _parse_line(n: int, raw: bytes, seen: dict) -> Request | Refused:
     if "id" not in obj:
         return Refused(n, "missing 'id'")
     rid = obj["id"]
-    if not _valid_id(rid):
+    if not valid_id(rid):
         return Refused(n, f"'id' must be a string or an integer (got {_show(rid)})")
-    key = _id_key(rid)
+    key = id_key(rid)
     if key in seen:
         return Refused(n, f"duplicate id {_show(rid)} (first on line {seen[key]})")
     seen[key] = n
@@ -202,133 +182,6 @@ def read_input(path) -> bytes:
         raise UserError(f"--input {path}: is a directory") from None
     except OSError as e:
         raise UserError(f"--input {path}: cannot read ({e.strerror or e})") from None
-
-
-# ---- output --------------------------------------------------------------------------
-
-
-@contextmanager
-def _signals_held():
-    """SIGINT / SIGTERM wait until the block is done, then go to the handlers they would have
-    met (Ctrl-C's KeyboardInterrupt comes right after): a line is never left half-written,
-    nor a written one cut back. Python-level handlers, not a thread's signal mask: a signal
-    sent to the process reaches whichever thread does not block it (torch has many)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # handlers can only be set from the main thread
-        return
-    got: list[int] = []
-    prev: dict[int, object] = {}
-    try:
-        for s in _HELD:
-            prev[s] = signal.signal(s, lambda signum, frame: got.append(signum))
-        yield
-    finally:
-        for s, h in prev.items():
-            signal.signal(s, h)
-        for s in dict.fromkeys(got):
-            h = prev.get(s)
-            if callable(h):
-                h(s, None)  # Python's own SIGINT handler raises KeyboardInterrupt here
-            elif h == signal.SIG_DFL:
-                signal.raise_signal(s)
-
-
-class Output:
-    """The results file: opened (created) once, locked, its partial last line cut off, the
-    keys of its records read; `append` writes one whole line and fsyncs it."""
-
-    def __init__(self, path):
-        self.path = str(path)
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        except IsADirectoryError:
-            raise UserError(f"--output {path}: is a directory") from None
-        except OSError as e:
-            raise UserError(f"--output {path}: cannot write ({e.strerror or e})") from None
-        try:
-            self._lock()
-            self.done, self.cut, self.unreadable = self._load()
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def _lock(self) -> None:
-        try:
-            import fcntl  # noqa: PLC0415 (POSIX)
-        except ImportError:
-            return
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"--output {self.path}: another batch job is writing it") from None
-        except OSError:
-            pass  # a file system without locks: go on unlocked
-
-    def _load(self) -> tuple[dict[str, bool], int, int]:
-        """({key of each complete record: is it an error}, bytes cut off the end, complete
-        lines not ours)."""
-        chunks = []
-        pos = 0
-        while True:
-            b = os.pread(self.fd, 1 << 20, pos)
-            if not b:
-                break
-            chunks.append(b)
-            pos += len(b)
-        data = b"".join(chunks)
-        keep = data.rfind(b"\n") + 1
-        cut = len(data) - keep
-        if cut:
-            with _signals_held():
-                os.ftruncate(self.fd, keep)
-                os.fsync(self.fd)
-        done: dict[str, bool] = {}
-        unreadable = 0
-        for raw in data[:keep].split(b"\n")[:-1]:
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw)
-            except (ValueError, RecursionError):
-                rec = None
-            key = record_key(rec)
-            if key is None:
-                unreadable += 1
-            else:
-                done[key] = "error" in rec
-        return done, cut, unreadable
-
-    def append(self, rec: dict) -> None:
-        try:
-            line = (json.dumps(rec, ensure_ascii=False, default=_jsonable) + "\n").encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate from the input: escaped instead
-            line = (json.dumps(rec, default=_jsonable) + "\n").encode("ascii")
-        with _signals_held():
-            start = os.fstat(self.fd).st_size
-            try:
-                view = memoryview(line)
-                while view:
-                    view = view[os.write(self.fd, view):]
-                os.fsync(self.fd)
-            except BaseException:
-                os.ftruncate(self.fd, start)  # a full disk: no partial line left behind
-                raise
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _jsonable(v):
-    if hasattr(v, "item"):  # a numpy / torch scalar
-        return v.item()
-    if isinstance(v, (set, tuple)):
-        return list(v)
-    return str(v)
-
-
-# ---- progress ------------------------------------------------------------------------
 
 
 def _say(line: str, out: TextIO | None = None) -> None:
