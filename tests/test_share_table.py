@@ -1,0 +1,42 @@
+"""The terminal's share table adds up: phase rows are shares of the rounds (100 %), level-2
+rows shares of verify (100 %), ffn inside rest and scan inside kda, absent classes omitted."""
+
+from __future__ import annotations
+
+import re
+
+from memra_dist.phase.share import ShareTable
+
+
+def _table(sub):
+    t = ShareTable()
+    t.ns = [1_000_000, 6_000_000, 400_000, 100_000, 500_000]  # draft verify accept rollback maint
+    t.n_rounds = 10
+    t.sub = sub
+    return t.table().splitlines()
+
+
+def _pct(line: str) -> float:
+    return float(re.search(r"([\d.]+)%", line).group(1))
+
+
+def test_phase_rows_add_to_100_and_verify_rows_to_100_of_verify():
+    lines = _table({"kda": 2_000_000, "scan": 500_000, "mla": 0, "attn": 1_000_000, "ffn": 1_500_000,
+                    "rest": 3_000_000})
+    phases = [ln for ln in lines if re.match(r"  (draft|verify|accept|rollback|maint)\s+[\d.]", ln)]
+    assert len(phases) == 5 and abs(sum(_pct(ln) for ln in phases) - 100) < 0.3
+    head = lines.index("  verify by mixer class (shares of verify):")
+    sub = lines[head + 1:]
+    top = [ln for ln in sub if re.match(r"    (kda|mla|attn|rest)\s", ln)]
+    assert [ln.split()[0] for ln in top] == ["kda", "attn", "rest"]  # mla absent: no row
+    assert abs(sum(_pct(ln) for ln in top) - 100) < 0.3  # kda + attn + rest = verify
+    inner = {ln.split()[2]: ln for ln in sub if "of it" in ln}
+    assert set(inner) == {"scan", "ffn"}
+    assert sub.index(inner["scan"]) == sub.index(top[0]) + 1  # scan right under kda
+    assert sub.index(inner["ffn"]) == sub.index(top[-1]) + 1  # ffn right under rest
+    widths = {len(ln) - len(ln.split("%")[0]) for ln in phases + top}  # the share column lines up
+    assert len({ln.index("%") for ln in phases + top}) == 1, widths
+
+
+def test_no_level_2_rows_without_level_2_data():
+    assert not any("mixer class" in ln for ln in _table({}))
