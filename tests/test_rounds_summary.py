@@ -62,7 +62,23 @@ def test_summary_empty_and_log_cap():
         log.push(rp(1.0, 0.0, 0.0, 1, 1, i))
     assert len(log.rounds) == SPEC_PROF_ROUNDS == 64 and not log.wants_more()
     assert log.summary().startswith("rounds=64 ")
-    assert len(log.fresh()) == 64 and log.fresh() == []
+    # the line sink prints each row once and one summary, whether the log comes back as the
+    # same object (pp=1) or as a fresh copy each burst (pp>1, unpickled from the head)
+    import copy
+    import io
+
+    from memra_dist.phase.levels import TraceSettings
+    from memra_dist.phase.report import LineSink
+
+    out = io.StringIO()
+    sink = LineSink(TraceSettings(prof=True), out=out)
+    sink.rounds(copy.deepcopy(log), False)
+    sink.rounds(copy.deepcopy(log), False)
+    sink.rounds(log, True)
+    sink.rounds(log, True)
+    lines = out.getvalue().splitlines()
+    assert [ln.split()[1] for ln in lines if ln.startswith("[spec-prof-rounds]")] == [f"r={i}" for i in range(64)]
+    assert sum(ln.startswith("[spec-prof-summary]") for ln in lines) == 1
 
 
 # ---- records ----

@@ -32,9 +32,7 @@ class RoundProf:
 
 @dataclass
 class RoundsLog:
-    rounds: list[RoundProf] = field(default_factory=list)
-    printed: int = 0
-    summarized: bool = False
+    rounds: list[RoundProf] = field(default_factory=list)  # printing is the sink's: phase/report.py LineSink
 
     def wants_more(self) -> bool:
         return len(self.rounds) < SPEC_PROF_ROUNDS
@@ -42,11 +40,6 @@ class RoundsLog:
     def push(self, r: RoundProf) -> None:
         if self.wants_more():
             self.rounds.append(r)
-
-    def fresh(self) -> list[RoundProf]:
-        """Rows not yet printed; marks them printed."""
-        start, self.printed = self.printed, len(self.rounds)
-        return self.rounds[start:]
 
     def summary(self) -> str:
         n = len(self.rounds)
