@@ -27,6 +27,7 @@ from .specdec.sampling import SamplingParams
 __all__ = ["run_command", "config_from_args", "generate", "open_engine", "Engine", "Result"]
 
 DEMO_PROMPT = "A speculative round has five phases. The drafter"
+DEFAULT_ENGINE_CTX = 4096  # open_engine's context rows when neither capacity nor --ctx is given
 
 
 def _bounds(s: str | None) -> tuple[int, ...] | None:
@@ -135,10 +136,10 @@ def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir:
                 lost: list | None = None):
     """Load the model (pp=1) or place the pipeline (pp>1) once, for any number of requests.
     capacity: the context rows every request shares (default: --ctx, else the model's
-    positions). run_dir / lost: the pipeline actors' span files, and the lines naming any
+    positions up to DEFAULT_ENGINE_CTX: a cache for a model's whole window can be tens of GB). run_dir / lost: the pipeline actors' span files, and the lines naming any
     role whose spans did not all arrive."""
     mcfg = mcfg or load_config(cfg.model)
-    cap = capacity or cfg.ctx or mcfg.max_position_embeddings
+    cap = capacity or cfg.ctx or min(mcfg.max_position_embeddings, DEFAULT_ENGINE_CTX)
     base = plan_request(cfg.with_(ctx=cap), 1, mcfg)
     if cfg.pp > 1:
         from .pipeline.driver import open_pipeline  # noqa: PLC0415 (Ray only when asked for)
