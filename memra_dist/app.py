@@ -1,9 +1,10 @@
-"""One request from config to tokens and spans: what `memra-dist generate` and `demo` do
-between argument parsing and exit codes, and the Python API (`generate`).
+"""Requests from config to tokens and spans: what `memra-dist generate` and `demo` do
+between argument parsing and exit codes, and the Python API (`open_engine`, `generate`).
 
 This is the only place that chooses between the in-process engine (pp=1: a local
 ModelRunner) and the pipeline (pp>1: the head actor's target). Both run the same
-`specdec.request.Request`; `generate` drives either through one loop.
+`specdec.request.Request`; `Engine.generate` drives either through one loop, request after
+request on one loaded engine; `generate` is an engine opened for one request.
 """
 
 from __future__ import annotations
