@@ -84,7 +84,7 @@ class _Local:
         if plan.cfg.drafter == "model" and self.drafter is None:
             from .specdec.drafters import build_drafter  # noqa: PLC0415
 
-            self.drafter = build_drafter(plan.cfg, plan, self.device, self.dtype, len(prompt), list)
+            self.drafter = build_drafter(plan.cfg, plan, self.device, self.dtype, len(prompt))
         return Request(self.runner, plan, prompt, span_sink, drafter=self.drafter)
 
     def close(self) -> None:
@@ -137,8 +137,9 @@ def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir:
                 lost: list | None = None):
     """Load the model (pp=1) or place the pipeline (pp>1) once, for any number of requests.
     capacity: the context rows every request shares (default: --ctx, else the model's
-    positions up to DEFAULT_ENGINE_CTX: a cache for a model's whole window can be tens of GB). run_dir / lost: the pipeline actors' span files, and the lines naming any
-    role whose spans did not all arrive."""
+    positions up to DEFAULT_ENGINE_CTX: a cache for a model's whole window can be tens of GB).
+    run_dir / lost: the pipeline actors' span files, and the lines naming any role whose
+    spans did not all arrive."""
     mcfg = mcfg or load_config(cfg.model)
     cap = capacity or cfg.ctx or min(mcfg.max_position_embeddings, DEFAULT_ENGINE_CTX)
     base = plan_request(cfg.with_(ctx=cap), 1, mcfg)

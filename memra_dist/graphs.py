@@ -147,15 +147,15 @@ class StepGraphs:
         """Capture the graphs for these row counts now (at position 0 of a fresh cache);
         `timed`: their level-2 twins too, so no capture lands inside the request's rounds."""
         st = self.runner.stage
+        tables = [(self.graphs, False)] + ([(self.timed, True)] if timed else [])
         for rows in rows_list:
-            for table, t in ((self.graphs, False), (self.timed, True)) if timed else ((self.graphs, False),):
-                if rows in table:
-                    continue
-                if st.has_embed:
-                    x = torch.zeros(rows, dtype=torch.long, device=self.runner.device)
-                else:
-                    x = torch.zeros(rows, st.cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
-                table[rows] = self._capture(x, 0, timed=t)
+            if st.has_embed:
+                x = torch.zeros(rows, dtype=torch.long, device=self.runner.device)
+            else:
+                x = torch.zeros(rows, st.cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
+            for table, t in tables:
+                if rows not in table:
+                    table[rows] = self._capture(x, 0, timed=t)
 
     def run(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         """Replay the step graph of x's row count (captured on first use). With a level-2

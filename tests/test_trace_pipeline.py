@@ -224,3 +224,39 @@ def test_a_request_past_the_models_positions_says_it_is_capped(llama, tmp_path):
     assert out["capped"] is True and len(out["token_ids"]) < 600
     warn = [ln for ln in p.stderr.splitlines() if "512 positions" in ln]
     assert len(warn) == 1 and "warning" in warn[0]
+
+
+# ---- the bound hit: losses are counted per role, never called written --------------------
+
+
+def test_loss_lines_name_each_role_and_count():
+    from memra_dist.pipeline.driver import loss_lines
+
+    lines = loss_lines([{"name": "head1", "made": 120, "lost": 0, "why": ""},
+                        {"name": "stage0", "made": 40, "lost": 40, "why": "its flush did not finish within 30 s"},
+                        {"name": "stage1", "made": None, "lost": None, "why": "actor died (ActorDiedError: x)"}])
+    assert lines == ["memra-dist: warning: stage0: 40 of 40 spans lost: its flush did not finish within 30 s",
+                     "memra-dist: warning: stage1: an unknown number of spans lost: actor died (ActorDiedError: x)"]
+
+
+def test_flush_bound_hit_names_the_roles_and_leaves_no_temp_file(ray_local, llama, tmp_path, monkeypatch):
+    """With a zero bound the driver cannot wait for any actor's flush: every role is named
+    with the spans at stake, and the run directory holds no half-written file."""
+    from memra_dist.app import generate
+    from memra_dist.config import RunConfig
+    from memra_dist.phase.levels import TraceSettings
+    from memra_dist.pipeline import driver
+
+    monkeypatch.setattr(driver, "close_bound_s", lambda: 0.0)
+    cfg = RunConfig(model=str(llama), drafter="ngram", pp=2, max_new_tokens=24, device="cpu",
+                    trace=TraceSettings(level=1))
+    lost: list[str] = []
+    res = generate(cfg, [5, 9, 17, 5, 9, 23], run_dir=str(tmp_path), lost=lost)
+    assert len(res.token_ids) == 24
+    names = {ln.split(": ")[2] for ln in lost}
+    assert names == {"head1", "stage0"}, lost
+    for ln in lost:
+        assert "did not finish within 0 s" in ln
+        counted = ln.split(": ")[3]
+        assert counted.endswith("spans lost") and counted.split()[0].isdigit() and int(counted.split()[0]) > 0, ln
+    _assert_no_temp_files(tmp_path)

@@ -20,8 +20,6 @@ from .layers import SwiGLU
 __all__ = ["MoE", "Router", "Experts"]
 
 
-
-
 def _expert_mm(xs: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """xs (N, in) rows grouped by expert, weight (E, out, in) -> (N, out): each row times its
     expert's weight. bf16 on CUDA (and the CPU) uses torch._grouped_mm; CUDA in other dtypes
@@ -36,6 +34,7 @@ def _expert_mm(xs: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, exper
 def gathered_mm(xs: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """xs (N, in), weight (E, out, in), experts (N,) -> (N, out): row n times weight[experts[n]]."""
     return torch.bmm(xs[:, None, :], weight[experts].transpose(1, 2))[:, 0]  # (N, 1, in) @ (N, in, out)
+
 
 class Router(nn.Module):
     """Scores in fp32: sigmoid(x W^T); choice = scores + bias, restricted to the best

@@ -20,7 +20,8 @@ __all__ = ["DRAFTERS", "Drafter", "Proposal", "ModelDrafter", "NgramDrafter", "N
            "build_drafter"]
 
 
-def build_drafter(cfg, plan, device, dtype, prompt_len: int, record: Callable[[], list[int]]) -> Drafter:
+def build_drafter(cfg, plan, device, dtype, prompt_len: int,
+                  record: Callable[[], list[int]] | None = None) -> Drafter:
     """The drafter `cfg.drafter` names. `plan` (memra_dist.plan.RequestPlan) holds the configs
     read once; `record` produces the target's greedy continuation (replay only)."""
     if cfg.drafter == "none":
@@ -32,5 +33,7 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int, record: Callable[[]
                                         progress=LoadProgress(Path(cfg.draft_model).name),
                                         **{**cfg.runner_kwargs(device), "warm_timed": False}))
     if cfg.drafter == "replay":
+        if record is None:
+            raise ValueError("the replay drafter needs the target's recorded continuation")
         return ReplayDrafter(record(), prompt_len, plan.model.vocab_size, cfg.replay_corrupt, seed=cfg.seed + 1)
     raise ValueError(f"unknown drafter {cfg.drafter!r}")
