@@ -4,13 +4,16 @@ between argument parsing and exit codes, and the Python API (`open_engine`, `gen
 This is the only place that chooses between the in-process engine (pp=1: a local
 ModelRunner) and the pipeline (pp>1: the head actor's target). Both run the same
 `specdec.request.Request`; `Engine.generate` drives either through one loop, request after
-request on one loaded engine; `generate` is an engine opened for one request.
+request on one loaded engine, and from several threads at once: up to `Engine.sessions`
+requests in flight (pp>1 interleaves them across the stages; pp=1 runs them one after
+another). `generate` is an engine opened for one request.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -70,6 +73,7 @@ class _Local:
 
         cfg = plan.cfg
         self.torch, self.drafter = torch, None
+        self.lock = threading.Lock()  # one session at a time: requests run one after another
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.threads_before = apply_cpu_threads(plan.model, self.device)  # a tiny model decodes fastest on one thread
@@ -87,28 +91,48 @@ class _Local:
             self.drafter = build_drafter(plan.cfg, plan, self.device, self.dtype, len(prompt))
         return Request(self.runner, plan, prompt, span_sink, drafter=self.drafter)
 
+    @contextmanager
+    def session(self, plan: RequestPlan, prompt: list[int], span_sink, carrier):
+        """The request holds the runner until it ends or is abandoned (the next request's
+        allocation starts its cache over)."""
+        with self.lock:
+            yield self.request(plan, prompt, span_sink, carrier)
+
     def close(self) -> None:
         self.torch.set_num_threads(self.threads_before)  # the caller's process is left as it was
 
 
 class _Pipeline:
-    """pp>1: the pipeline's actors, placed once; each request goes to the head actor."""
+    """pp>1: the pipeline's actors, placed once; each request goes to a session slot of the
+    head actor (waiting for a free one)."""
 
     def __init__(self, pipe):
         self.pipe = pipe
 
-    def request(self, plan: RequestPlan, prompt: list[int], span_sink, carrier):
-        return self.pipe.request(plan, prompt, carrier)
+    @contextmanager
+    def session(self, plan: RequestPlan, prompt: list[int], span_sink, carrier):
+        req = self.pipe.request(plan, prompt, carrier)
+        try:
+            yield req
+        except BaseException:
+            try:
+                req.release()  # abandoned: the slot is finished and freed; the caller's error wins
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        req.release()
 
 
 class Engine:
     """A loaded target, in this process (pp=1) or as a placed pipeline (pp>1), serving
-    requests one after another with nothing reloaded between them. Every request shares the
-    engine's context capacity (so caches and captured graphs are reused)."""
+    requests with nothing reloaded between them. Every request shares the engine's context
+    capacity (so caches and captured graphs are reused). `generate` may be called from up to
+    `sessions` threads at once; more callers wait for a session to free."""
 
-    def __init__(self, base: RequestPlan, backend):
+    def __init__(self, base: RequestPlan, backend, sessions: int = 1):
         self.cfg, self.model, self.capacity, self._base = base.cfg, base.model, base.capacity, base
         self._backend = backend
+        self.sessions = sessions
 
     def plan(self, prompt_len: int, cfg: RunConfig | None = None) -> RequestPlan:
         cfg = cfg or self.cfg
@@ -120,38 +144,56 @@ class Engine:
 
     def generate(self, prompt: list[int], cfg: RunConfig | None = None, stream=None, sink=None, span_sink=None,
                  carrier: dict | None = None) -> Result:
-        """One request, the same loop at every pp (see `generate`)."""
-        req = self._backend.request(self.plan(len(prompt), cfg), prompt, span_sink, carrier)
-        out = [req.start()]
-        if stream is not None:
-            stream(out[:])
-        while not req.done:
-            b = req.burst(stream)
-            out.extend(b.tokens)
-            _feed(sink, b)
-        return Result(out, req.finish())
+        """One request, the same loop at every pp (see `generate`). If `stream` raises (a
+        client that went away), the request is abandoned, its session freed, and the error
+        re-raised here."""
+        with self._backend.session(self.plan(len(prompt), cfg), prompt, span_sink, carrier) as req:
+            out = [req.start()]
+            if stream is not None:
+                stream(out[:])
+            while not req.done:
+                b = req.burst(stream)
+                out.extend(b.tokens)
+                _feed(sink, b)
+            return Result(out, req.finish())
+
+
+MAX_SESSIONS = 64  # sessions in flight: each is a cache slot (and its graphs) on every stage
+
+
+def check_sessions(sessions: int | None, pp: int) -> int:
+    """The sessions an engine keeps in flight: default one per pipeline stage (what keeps
+    every stage busy); pp=1 runs requests one after another (1)."""
+    if sessions is None:
+        return pp
+    if not 1 <= sessions <= MAX_SESSIONS:
+        raise UserError(f"--sessions must be in [1, {MAX_SESSIONS}] (got {sessions})")
+    return sessions if pp > 1 else 1
 
 
 @contextmanager
 def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir: str | None = None,
-                lost: list | None = None):
+                lost: list | None = None, sessions: int | None = None):
     """Load the model (pp=1) or place the pipeline (pp>1) once, for any number of requests.
     capacity: the context rows every request shares (default: --ctx, else the model's
     positions up to DEFAULT_ENGINE_CTX: a cache for a model's whole window can be tens of GB).
+    sessions: requests in flight at once (pp>1; default one per stage, each a cache slot of
+    `capacity` rows on every stage); pp=1 serves one at a time.
     run_dir / lost: the pipeline actors' span files, and the lines naming any role whose
     spans did not all arrive."""
     mcfg = mcfg or load_config(cfg.model)
     cap = capacity or cfg.ctx or min(mcfg.max_position_embeddings, DEFAULT_ENGINE_CTX)
+    n = check_sessions(sessions, cfg.pp)
     base = plan_request(cfg.with_(ctx=cap), 1, mcfg)
     if cfg.pp > 1:
         from .pipeline.driver import open_pipeline  # noqa: PLC0415 (Ray only when asked for)
 
-        with open_pipeline(base, run_dir, lost) as pipe:
-            yield Engine(base, _Pipeline(pipe))
+        with open_pipeline(base, run_dir, lost, n) as pipe:
+            yield Engine(base, _Pipeline(pipe), n)
         return
     local = _Local(base)
     try:
-        yield Engine(base, local)
+        yield Engine(base, local, 1)
     finally:
         local.close()
 
@@ -179,7 +221,7 @@ def generate(cfg: RunConfig, prompt: list[int], stream=None, sink=None, span_sin
     carrier / run_dir: the request's W3C context and the run directory for the actors' spans.
     lost: gets one line per pipeline role whose spans did not all arrive."""
     plan = plan or plan_request(cfg, len(prompt))
-    with open_engine(cfg, plan.capacity, plan.model, run_dir, lost) as engine:
+    with open_engine(cfg, plan.capacity, plan.model, run_dir, lost, sessions=1) as engine:
         return engine.generate(prompt, cfg, stream, sink, span_sink, carrier)
 
 

@@ -3,6 +3,7 @@ stage actor run their layers through one of these."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -101,14 +102,30 @@ class ModelRunner:
     def forward(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         rows = x.shape[0]
         self.cache.begin(start, rows)
-        if self.graphs is not None and rows <= self.graph_rows:
+        if self.graphs is not None and rows <= self._graphed_rows():
             return self.graphs.run(x, start, timer)  # level 2 too: the graph records its laps
         pos = torch.arange(start, start + rows, device=self.device)
         h = self.stage(x.to(self.device), pos, self.cache, timer)
         return self.stage.logits(h) if self.stage.has_head else h
 
+    def _graphed_rows(self) -> int:
+        """Rows that replay a graph: the warmed row counts when graphs are warmed at
+        allocation (a longer forward, a prefill, runs eager: no capture ever lands inside a
+        request, where another session's work may be on the device), else any up to the limit."""
+        return min(self.warm_rows, self.graph_rows) if self.warm_rows else self.graph_rows
+
     def rollback(self, new_len: int) -> None:
         self.cache.rollback(new_len)
+
+    def slot_view(self) -> "ModelRunner":
+        """Another cache slot over the same weights: a runner sharing this one's stage (no
+        weight is copied) with its own cache, graphs and drain. Sessions in flight at once
+        each run in a slot of their own (pipeline stages keep one per session)."""
+        view = copy.copy(self)
+        view.cache = None
+        view.graphs = StepGraphs(view) if self.graphs is not None else None
+        view.drain = Drainer(self.device)
+        return view
 
     def free_mb(self) -> int:
         return free_mb(self.device)

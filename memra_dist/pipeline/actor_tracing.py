@@ -36,9 +36,10 @@ class ActorTracing:
     def parent(carrier: dict):
         return TraceContextTextMapPropagator().extract(carrier or {})
 
-    def stage_spans(self, carriers: list[dict], records: list[tuple]) -> None:
-        """records: (t0_ns, t1_ns, start, rows, round, free_mb, label, request) per forward,
-        `request` indexing `carriers` (each request's W3C context: its own trace). Only the
+    def stage_spans(self, carriers: dict[int, dict], records: list[tuple]) -> None:
+        """records: (t0_ns, t1_ns, start, rows, round, free_mb, label, request, slot) per
+        forward, `request` keying `carriers` (each request's W3C context: its own trace) and
+        `slot` the session's cache slot (sessions in flight interleave). Only the
         records not yet emitted become spans (a later call with the same, longer list adds
         the rest)."""
         if not self.enabled:
@@ -46,11 +47,12 @@ class ActorTracing:
         with self._emit_lock:  # held while building: a second caller waits, then finds nothing left
             todo, self._emitted = records[self._emitted:], len(records)
             parents: dict[int, object] = {}
-            for t0, t1, start, rows, rnd, mb, label, req in todo:
+            for t0, t1, start, rows, rnd, mb, label, req, slot in todo:
                 if req not in parents:
-                    parents[req] = self.parent(carriers[req] if 0 <= req < len(carriers) else {})
+                    parents[req] = self.parent(carriers.get(req, {}))
                 s = self.tracer.start_span(SPAN_STAGE_FORWARD, context=parents[req], start_time=t0 + self.offset,
-                                           attributes={ATTR["stage"]: self.stage, ATTR["rows"]: rows,
+                                           attributes={ATTR["stage"]: self.stage, ATTR["session"]: slot,
+                                                       ATTR["rows"]: rows,
                                                        ATTR["ctx"]: start, ATTR["round"]: rnd,
                                                        ATTR["phase"]: "verify" if rnd >= 0 else "prime",
                                                        free_mb_attr(label): mb})

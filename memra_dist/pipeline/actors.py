@@ -11,9 +11,13 @@ is a ModelRunner over its layer range plus a Link into the ring.
   (pipeline/head_target.py); the driver calls `start` once, `burst` per burst (tokens and
   records come back at burst cadence), `finish` once.
 
-The stage loop is written around one command queue per actor, so several sessions could
-later be in flight across the stages (a full pipeline) by tagging commands with a session
-id; today one session keeps one stage busy at a time.
+Sessions in flight: the head runs up to S sessions at once (one thread each, `prepare`),
+and every stage keeps one cache slot per session (a runner view over the same weights,
+`ModelRunner.slot_view`); a command names its slot. While stage 0 runs session a's forward,
+the head runs session b's last stage, acceptance and drafting: every stage stays busy. The
+head's `Ring` (pipeline/ring.py) keeps each session's results its own. A driver call for a
+session carries a sequence number, so a threaded actor runs that session's calls in the
+order they were made.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -29,6 +34,7 @@ from ..phase.subsplit import SUB_BUCKETS, SubsplitTimer
 from ..runner import ModelRunner
 from .actor_tracing import ActorTracing
 from .head_target import PipelineTarget
+from .ring import Ring
 from .transport import Flag, Link, Op, free_port
 
 __all__ = ["StageWorker", "HeadWorker"]
@@ -49,8 +55,9 @@ class _Worker:
         self.runner.label = label
         self.link = Link(rank, world, self.device)
         self.tracing = ActorTracing(self.role, stage, run_dir, cfg.trace.clock_on)
-        self.carriers: list[dict] = []  # each request's W3C context, by request index
-        self.req = -1  # the request the forwards now belong to
+        self.carriers: dict[int, dict] = {}  # each request's W3C context, by request index
+        self.views = {0: self.runner}  # a runner per cache slot (slot 0: the runner itself)
+        self.slot_req: dict[int, int] = {}  # the request each slot's forwards now belong to
         self.records: list[tuple] = []  # this actor's stage.forward records (traced forwards)
         self.loop_done = threading.Event()  # the serve loop (stage) / the request (head) has ended
         self.closed = False
@@ -77,11 +84,16 @@ class _Worker:
             self.link.close()  # a loop still blocked in a receive keeps the group; the actor is killed next
         return {"role": self.role, "stage": self.stage, "rank": self.rank, "made": made, "lost": lost}
 
-    def begin_request(self, carrier: dict) -> int:
-        """The next request's trace context (called by the driver, in the control group,
-        before the head starts that request); returns its index."""
-        self.carriers.append(carrier)
-        return len(self.carriers) - 1
+    def begin_request(self, index: int, carrier: dict) -> None:
+        """A request's trace context, by the index the driver gave it (called in the control
+        group before the head starts that request)."""
+        self.carriers[index] = carrier
+
+    def view(self, slot: int) -> ModelRunner:
+        """The runner of a cache slot (made on first use: the same weights, its own cache)."""
+        if slot not in self.views:
+            self.views[slot] = self.runner.slot_view()
+        return self.views[slot]
 
     def span_count(self) -> int:
         """Spans made so far (cheap: the driver asks when a close runs past its bound)."""
@@ -112,21 +124,22 @@ class StageWorker(_Worker):
     def _serve_loop(self, link, run, records) -> int:
         served = 0
         while True:
-            op, start, rows, flags, arg = link.recv_cmd()
+            op, start, rows, flags, arg, slot = link.recv_cmd()
             if link.next != 0:
                 link.forward_cmd()  # ahead of the payload: the next stage posts its receive
             if op == Op.FORWARD:
+                run = self.views[slot]
                 if run.length > start:  # the round's rollback, carried by this forward's start
                     run.rollback(start)
-                served += self._forward(start, rows, flags, arg, records)
+                served += self._forward(run, start, rows, flags, arg, slot, records)
             elif op == Op.ALLOC:
-                run.alloc(start)
-                self.req = arg
+                self.view(slot).alloc(start)
+                self.slot_req[slot] = arg
             elif op == Op.END:
                 return served
 
-    def _forward(self, start, rows, flags, rnd, records) -> int:
-        link, run = self.link, self.runner
+    def _forward(self, run, start, rows, flags, rnd, slot, records) -> int:
+        link = self.link
         if not run.stage.has_embed:
             x = link.recv((rows, run.cfg.hidden_size), run.dtype)
         elif flags & Flag.INLINE:
@@ -140,7 +153,8 @@ class StageWorker(_Worker):
         h = run.forward(x, start, timer)
         if flags & Flag.TRACED:
             run.drain()
-            records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), run.label, self.req))
+            records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), run.label,
+                            self.slot_req.get(slot, -1), slot))
         link.send(h)
         if timer is not None:
             sub = link.recv((len(SUB_BUCKETS),), torch.long) if self.rank > 1 else torch.zeros(
@@ -151,44 +165,93 @@ class StageWorker(_Worker):
         return 1
 
 
+class _Slot:
+    """One session in flight at the head: its runner view, stream, drafter and request, and
+    the turn its driver calls take (by sequence number)."""
+
+    def __init__(self, index: int, view: ModelRunner):
+        self.index, self.view = index, view
+        cuda = view.device.type == "cuda"
+        self.stream = torch.cuda.Stream(view.device) if cuda else None  # its phase clock drains only its own work
+        self.drafter = None  # a draft model's runner view, kept between requests
+        self.target = self.request = self.spans = None
+        self.cv = threading.Condition()
+        self.seq = 0  # the sequence number of the call whose turn it is
+        self.busy = False
+
+    @contextmanager
+    def turn(self, seq: int):
+        with self.cv:
+            self.cv.wait_for(lambda: self.seq == seq)
+            self.busy = True
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+                yield
+        finally:
+            with self.cv:
+                self.seq += 1
+                self.busy = False
+                self.cv.notify_all()
+
+
 class HeadWorker(_Worker):
     role = "head"
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.busy = threading.Lock()  # held by start / burst / finish; close waits for it
-        self.request = None
-        self._spans = None  # the current request's span sink
-        self._spans_done = 0  # spans built for the requests before it
+        self.ring = Ring(self.link)
+        self.slots: dict[int, _Slot] = {}
+        self._spans_done = 0  # spans built for the requests already finished
+        self._spans_lock = threading.Lock()
         self.failed = False  # a forward raised (a dead peer): no END is sent into the ring
 
-    def start(self, carrier: dict, prompt: list[int], plan=None) -> tuple[int, bool]:
-        """Build a request's session over the head target (the pipeline stays up between
-        requests; `plan` is the request's, default the pipeline's); (first token, done)."""
+    def prepare(self, sessions: int, capacity: int) -> int:
+        """S cache slots on every rank, allocated (and their graphs captured) now, before
+        any session runs: no capture ever lands beside another session's work. A draft
+        model is loaded once; each slot drafts on a view of it."""
+        for i in range(sessions):
+            slot = self.slots[i] = _Slot(i, self.view(i))
+            self.ring.command(Op.ALLOC, capacity, arg=-1, slot=i)
+            slot.view.alloc(capacity)
+            if self.cfg.drafter == "model":
+                slot.drafter = self._draft_view(i)
+                slot.drafter.alloc(capacity)
+        return sessions
+
+    def _draft_view(self, i: int):
+        from ..specdec.drafters import ModelDrafter, build_drafter  # noqa: PLC0415
+
+        if i == 0:
+            return build_drafter(self.cfg, self.plan, self.device, self.runner.dtype, 1)
+        return ModelDrafter(self.slots[0].drafter.runner.slot_view())
+
+    def start(self, slot: int, seq: int, index: int, carrier: dict, prompt: list[int], plan=None) -> tuple[int, bool]:
+        """Build request `index`'s session in `slot` over the head target (the pipeline stays
+        up between requests; `plan` is the request's, default the pipeline's); (first token, done)."""
         from ..specdec.request import Request  # noqa: PLC0415
         from ..tracing.deferred import DeferredSink  # noqa: PLC0415
         from ..tracing.emit import SpanSink  # noqa: PLC0415
 
-        with self.busy:
-            self._finish_spans()
-            self.carriers.append(carrier)
-            req = len(self.carriers) - 1
-            self.target = PipelineTarget(self.link, self.runner, traced=self.cfg.trace.level >= 1,
-                                         records=self.records, request=req)
+        s = self.slots[slot]
+        with s.turn(seq):
+            self.carriers[index] = carrier
+            s.target = PipelineTarget(self.ring, s.view, traced=self.cfg.trace.level >= 1, records=self.records,
+                                      request=index, slot=slot)
             if self.tracing.enabled:
-                self._spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
-            self.request = Request(self.target, plan or self.plan, prompt, self._spans)
-            first = self._guarded(self.request.start)
-            return first, self.request.done
+                s.spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
+            s.request = Request(s.target, plan or self.plan, prompt, s.spans, drafter=s.drafter)
+            first = self._guarded(s.request.start)
+            return first, s.request.done
 
-    def burst(self):
-        """The next burst's BurstOut; after the request ended (or the actor was closed), an empty one."""
+    def burst(self, slot: int, seq: int):
+        """The slot's next BurstOut; after its request ended (or the actor was closed), an empty one."""
         from ..specdec.request import BurstOut  # noqa: PLC0415
 
-        with self.busy:
-            if self.closed or self.request.done:
+        s = self.slots[slot]
+        with s.turn(seq):
+            if self.closed or s.request is None or s.request.done:
                 return BurstOut([], True)
-            return self._guarded(self.request.burst)
+            return self._guarded(s.request.burst)
 
     def _guarded(self, fn):
         try:
@@ -197,35 +260,45 @@ class HeadWorker(_Worker):
             self.failed = True
             raise
 
-    def finish(self) -> dict:
-        """The request's stats, its spans built; the stages stay up for the next request."""
-        with self.busy:
-            self._finish_spans()
-            return self.request.finish()
+    def finish(self, slot: int, seq: int) -> dict:
+        """The slot's request stats, its spans built (also for a request the driver gave up
+        on before its end); the slot is free for the next request."""
+        s = self.slots[slot]
+        with s.turn(seq):
+            self._finish_spans(s)
+            stats = s.request.finish() if s.request is not None else {}
+            s.request = None
+            return stats
 
-    def _finish_spans(self) -> None:
-        if self._spans is not None:
-            self._spans.close()  # every queued span of this request built
-            self._spans_done += self._spans.count
-            self._spans = None
+    def _finish_spans(self, s: _Slot) -> None:
+        if s.spans is not None:
+            s.spans.close()  # every queued span of this request built
+            with self._spans_lock:
+                self._spans_done += s.spans.count
+            s.spans = None
 
     def _end(self) -> None:
         """END to the stages (their serve loops return), every queued span built."""
         if self.loop_done.is_set():
             return
         self.loop_done.set()
-        if self.request is not None and not self.failed:
-            self.target.end()
-        self._finish_spans()
+        if not self.failed:
+            self.ring.command(Op.END)
+        for s in self.slots.values():
+            self._finish_spans(s)
 
     def _stop(self, wait_s: float) -> None:
-        if self.busy.acquire(timeout=wait_s):  # the burst in progress ends first
-            try:
-                self._end()
-            finally:
-                self.busy.release()
-        elif self._spans is not None:  # a burst stuck on a dead peer: build what is queued anyway
-            self._spans.close()
+        deadline = time.monotonic() + wait_s
+        stuck = False
+        for s in self.slots.values():  # the bursts in progress end first
+            with s.cv:
+                stuck |= not s.cv.wait_for(lambda: not s.busy, timeout=max(0.0, deadline - time.monotonic()))
+        if not stuck:
+            self._end()
+            return
+        for s in self.slots.values():  # a burst stuck on a dead peer: build what is queued anyway
+            if s.spans is not None:
+                s.spans.close()
 
     def _extra_spans(self) -> int:
-        return self._spans_done + (self._spans.count if self._spans is not None else 0)
+        return self._spans_done + sum(s.spans.count for s in self.slots.values() if s.spans is not None)

@@ -2,12 +2,15 @@
 placement-group based), bootstrap the process group from inside the actors, and hand the app
 a `PipelineRequest`: the same start / burst / finish face as an in-process
 `specdec.request.Request`, whose calls go to the head actor (which runs that very class).
-Everything is torn down on a normal end, on errors and on Ctrl-C."""
+Up to S requests are in flight at once, one per session slot (`Pipeline.request` waits for a
+free one). Everything is torn down on a normal end, on errors and on Ctrl-C."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -91,7 +94,7 @@ def _ray_up():
 class Pipeline:
     """The actors of one ppN split, placed and connected."""
 
-    def __init__(self, plan, run_dir: str | None):
+    def __init__(self, plan, run_dir: str | None, sessions: int = 1):
         import ray  # noqa: PLC0415
         from ray.util.placement_group import placement_group  # noqa: PLC0415
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
@@ -116,29 +119,49 @@ class Pipeline:
             opts = [dict(num_cpus=1)] * cfg.pp
         world = cfg.pp
         # rank 0: the head, holding the last stage; ranks 1..N-1: stages 0..N-2
-        # "control": close / span_count run beside a busy serve loop or burst (threaded actor)
+        # "control": close / span_count run beside a busy serve loop or burst (threaded actor);
+        # the head's default group runs the sessions' calls (a start, two bursts and a finish
+        # may wait for their turn per session)
         groups = {"concurrency_groups": {CONTROL: 2}}
         self.run_dir = run_dir
-        self.head = ray.remote(**groups)(HeadWorker).options(**opts[0]).remote(plan, 0, world, cfg.pp - 1, run_dir)
+        self.sessions = sessions
+        self.head = ray.remote(**groups, max_concurrency=4 * sessions)(HeadWorker).options(**opts[0]).remote(
+            plan, 0, world, cfg.pp - 1, run_dir)
         self.stages = [ray.remote(**groups)(StageWorker).options(**opts[r]).remote(plan, r, world, r - 1, run_dir)
                        for r in range(1, world)]
         addr, port = ray.get(self.head.address.remote())
         ray.get([a.connect.remote(addr, port, pg_timeout_s()) for a in [self.head, *self.stages]])
         self.serving = [s.serve.remote() for s in self.stages]  # one serve loop per stage, every request
+        ray.get(self.head.prepare.remote(sessions, plan.capacity))  # every slot allocated before any request
+        self._free: queue.Queue = queue.Queue()
+        for i in range(sessions):
+            self._free.put(i)
+        self._seq = [0] * sessions  # the next call's sequence number, per slot
+        self._index = itertools.count()  # request indices (the stages' and the head's trace contexts)
 
     def failure(self, e: BaseException) -> UserError:
         """One line for an error from the head: the stage that died, when one did."""
         return UserError(_stage_failure(self.ray, self.serving) or f"pipeline head failed: {_why(e)}")
 
     def request(self, plan, prompt: list[int], carrier: dict | None = None) -> "PipelineRequest":
-        """The next request through the loaded pipeline: each stage learns its trace context
-        first (its stage spans join that request's trace)."""
+        """The next request through the loaded pipeline, in the first free session slot
+        (waits for one). Each stage learns its trace context first (its stage spans join
+        that request's trace). The caller must `release()` it (done or not)."""
         carrier = carrier or {}
+        slot = self._free.get()
+        index = next(self._index)
         try:
-            self.ray.get([s.begin_request.options(concurrency_group=CONTROL).remote(carrier) for s in self.stages])
+            self.ray.get([s.begin_request.options(concurrency_group=CONTROL).remote(index, carrier)
+                          for s in self.stages])
         except self.ray.exceptions.RayError as e:
+            self._free.put(slot)
             raise self.failure(e) from None
-        return PipelineRequest(self, plan, prompt, carrier)
+        return PipelineRequest(self, plan, prompt, carrier, slot, index)
+
+    def _next_seq(self, slot: int) -> int:
+        seq = self._seq[slot]
+        self._seq[slot] += 1
+        return seq
 
     def all(self):
         return [self.head, *self.stages]
@@ -236,15 +259,18 @@ def _stage_failure(ray, serving) -> str | None:
 
 
 class PipelineRequest:
-    """The driver's handle on the head actor's Request. Two bursts are kept in flight: the
-    head starts the next burst while the previous one's tokens travel back, so the Ray round
-    trip (~1 ms) never idles the pipeline; a burst asked for after the request ended returns
-    no tokens. Tokens reach the caller at burst cadence."""
+    """The driver's handle on one session slot of the head actor. Two bursts are kept in
+    flight: the head starts the next burst while the previous one's tokens travel back, so
+    the Ray round trip (~1 ms) never idles the session; a burst asked for after the request
+    ended returns no tokens. Tokens reach the caller at burst cadence. Every call names the
+    slot and its sequence number (the head runs a slot's calls in that order)."""
 
-    def __init__(self, pipe: Pipeline, plan, prompt: list[int], carrier: dict):
+    def __init__(self, pipe: Pipeline, plan, prompt: list[int], carrier: dict, slot: int, index: int):
         self.pipe, self.ray, self.plan, self.prompt, self.carrier = pipe, pipe.ray, plan, prompt, carrier
+        self.slot, self.index = slot, index
         self.inflight: list = []
         self.done = False
+        self.started = self.finished = self.released = False
 
     def _get(self, ref, timeout=None):
         try:
@@ -252,18 +278,21 @@ class PipelineRequest:
         except self.ray.exceptions.RayError as e:
             raise self.pipe.failure(e) from None
 
+    def _call(self, method, *args):
+        return getattr(self.pipe.head, method).remote(self.slot, self.pipe._next_seq(self.slot), *args)
+
     def start(self) -> int:
-        head = self.pipe.head
-        first, self.done = self._get(head.start.remote(self.carrier, self.prompt, self.plan))
+        self.started = True
+        first, self.done = self._get(self._call("start", self.index, self.carrier, self.prompt, self.plan))
         if not self.done:
-            self.inflight = [head.burst.remote(), head.burst.remote()]
+            self.inflight = [self._call("burst"), self._call("burst")]
         return first
 
     def burst(self, hook=None) -> BurstOut:
         out: BurstOut = self._get(self.inflight.pop(0))
         self.done = out.done
         if not out.done:
-            self.inflight.append(self.pipe.head.burst.remote())
+            self.inflight.append(self._call("burst"))
         if hook is not None and out.tokens:
             hook(out.tokens)
         return out
@@ -271,19 +300,34 @@ class PipelineRequest:
     def finish(self) -> dict:
         self._get(self.inflight)  # the spare burst: empty
         self.inflight = []
-        return self._get(self.pipe.head.finish.remote())
+        self.finished = True
+        return self._get(self._call("finish"))
+
+    def release(self) -> None:
+        """Give the slot back for the next request. A request abandoned before its end (its
+        caller raised, e.g. a client that went away) is finished first: the bursts in flight
+        end, its spans are built, and the slot is clean for the next ALLOC."""
+        if self.released:
+            return
+        self.released = True
+        try:
+            if self.started and not self.finished:
+                self.finish()
+        finally:
+            self.pipe._free.put(self.slot)
 
 
 @contextmanager
-def open_pipeline(plan, run_dir: str | None = None, lost: list | None = None):
-    """Ray up and the actors placed, for any number of requests; everything torn down on the
-    way out. `lost` gets one line per role whose spans did not all arrive (also printed)."""
+def open_pipeline(plan, run_dir: str | None = None, lost: list | None = None, sessions: int = 1):
+    """Ray up and the actors placed, for any number of requests, up to `sessions` of them in
+    flight at once; everything torn down on the way out. `lost` gets one line per role whose
+    spans did not all arrive (also printed)."""
     ray, started = _ray_up()
     pipe = None
     try:
         if run_dir is None and plan.cfg.trace.clock_on and not otlp_endpoint():
             run_dir = default_run_dir()  # the actors' spans need somewhere to go (as the CLI's do)
-        pipe = Pipeline(plan, str(run_dir) if run_dir else None)
+        pipe = Pipeline(plan, str(run_dir) if run_dir else None, sessions)
         yield pipe
     finally:
         if pipe is not None:

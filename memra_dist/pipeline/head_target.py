@@ -6,6 +6,10 @@ second-to-last stage, and finishes the walk locally. Verify's clock (phase/clock
 drains only the head's stream: the receive cannot complete before every stage's forward
 has, so that terminal drain covers the stage streams transitively.
 
+Each session in flight has its own target: its slot (a cache slot on every stage, and a
+runner view of the head's own layers over that slot's cache) and its own command row; they
+share the head's `Ring`, which hands each session its own forward's results.
+
 When traced, the head's own part of each forward (the last stage's layers + the head) is
 recorded like every stage's, between drains, so the last stage gets its `stage.forward`
 spans too and "which stage is the bottleneck" can be read across all of them.
@@ -20,24 +24,27 @@ import torch
 from ..device import free_mb
 from ..runner import ModelRunner
 from ..phase.subsplit import SUB_BUCKETS
-from .transport import Flag, Link, Op
+from .ring import Ring
+from .transport import Flag, Op
 
 __all__ = ["PipelineTarget"]
 
 
 class PipelineTarget:
-    def __init__(self, link: Link, runner: ModelRunner, traced: bool, records: list | None = None,
-                 request: int = 0):
-        self.link, self.runner, self.traced = link, runner, traced
-        self.records = records if records is not None else []  # (t0, t1, start, rows, round, free_mb, label, request)
+    def __init__(self, ring: Ring, runner: ModelRunner, traced: bool, records: list | None = None,
+                 request: int = 0, slot: int = 0):
+        self.ring, self.runner, self.traced = ring, runner, traced
+        self.records = records if records is not None else []  # (t0, t1, start, rows, round, free_mb, label, request, slot)
         self.request = request  # this request's index among the pipeline's requests
+        self.slot = slot  # its cache slot on every stage
+        self.buf = ring.buffer()
         self.device, self.dtype, self.label = runner.device, runner.dtype, runner.label
         self.drain = runner.drain
         self.hidden = runner.cfg.hidden_size
         self.round = -1  # one target forward per round: -1 = the prime, then round 0, 1, ...
 
     def alloc(self, capacity: int) -> None:
-        self.link.send_cmd(Op.ALLOC, capacity, arg=self.request)  # the stages' forwards now belong to it
+        self.ring.command(Op.ALLOC, capacity, arg=self.request, slot=self.slot, buf=self.buf)  # the slot's forwards now belong to it
         self.runner.alloc(capacity)
         self.round = -1
 
@@ -49,13 +56,15 @@ class PipelineTarget:
         rows = ids.shape[0]
         flags = (Flag.TRACED if self.traced else 0) | (Flag.TIMED if timer is not None else 0)
         rnd = self.round
-        if not self.link.send_cmd(Op.FORWARD, start, rows, flags, rnd, ids=ids):
-            self.link.send(ids.to(self.device))  # a prefill: the ids follow as a payload
+        ticket = self.ring.forward(ids, start, flags, rnd, self.slot, self.buf)
         self.round += 1
-        h = self.link.recv((rows, self.hidden), self.runner.dtype)  # (rows, H) from the last remote stage
+        want = [((rows, self.hidden), self.runner.dtype)]  # (rows, H) from the last remote stage
         if timer is not None:
-            sub = self.link.recv((len(SUB_BUCKETS),), torch.long).tolist()
-            for b, ns in zip(SUB_BUCKETS, sub):
+            want.append(((len(SUB_BUCKETS),), torch.long))
+        got = self.ring.receive(ticket, want)
+        h = got[0]
+        if timer is not None:
+            for b, ns in zip(SUB_BUCKETS, got[1].tolist()):
                 timer.ns[b] += ns
         if not self.traced:
             return self.runner.forward(h, start, timer)
@@ -64,7 +73,7 @@ class PipelineTarget:
         out = self.runner.forward(h, start, timer)
         self.drain()
         self.records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), self.label,
-                             self.request))
+                             self.request, self.slot))
         return out
 
     def rollback(self, new_len: int) -> None:
@@ -75,5 +84,3 @@ class PipelineTarget:
     def free_mb(self) -> int:
         return self.runner.free_mb()
 
-    def end(self) -> None:
-        self.link.send_cmd(Op.END)

@@ -7,11 +7,14 @@ goes head -> rank 1 -> ... -> rank N-1 -> head. Rank 0 opens the TCP store; the 
 passes its address to every rank. The group has an explicit timeout, so a dead peer turns
 a receive into an error instead of a hang.
 
-A command is one int64 vector [op, start, rows, flags, arg, ids...]: a forward of at most
+A command is one int64 vector [op, start, rows, flags, arg, slot, ids...]: a forward of at most
 INLINE_IDS token rows (every decode and verify step) carries its ids inside the command, so a
 step costs one message into the first stage, not two; a longer forward (a prefill) sends the
 ids as a payload after the command. p2p order per pair is FIFO, so no tags are needed. The
-command row is staged in pinned host memory and copied without blocking the host.
+command row is staged in pinned host memory and copied without blocking the host. `slot` names
+the session's cache slot on every stage (sessions in flight, pipeline/ring.py); each session
+sends from a `CmdBuffer` of its own, so one session's command is never overwritten while
+another's is still being sent.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ import torch.distributed as dist
 from ..config import MAX_K
 from ..env import environment
 
-__all__ = ["Link", "Op", "Flag", "CMD_LEN", "INLINE_IDS", "free_port", "pg_timeout_s"]
+__all__ = ["Link", "CmdBuffer", "Op", "Flag", "CMD_LEN", "INLINE_IDS", "free_port", "pg_timeout_s"]
 
-CMD_HEAD = 5  # op, start, rows, flags, arg
+CMD_HEAD = 6  # op, start, rows, flags, arg, slot
 INLINE_IDS = MAX_K + 1  # a verify of K+1 rows fits the command
 CMD_LEN = CMD_HEAD + INLINE_IDS
 
@@ -70,6 +73,17 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
+class CmdBuffer:
+    """A command row on the device and its pinned host staging row."""
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.cmd = torch.zeros(CMD_LEN, dtype=torch.long, device=device)
+        self.host = torch.zeros(CMD_LEN, dtype=torch.long, pin_memory=cuda)  # the staged command row
+        self.host_np = self.host.numpy()
+        self.copied = torch.cuda.Event() if cuda else None  # the last copy out of `host`
+
+
 class Link:
     """This rank's end of the ring."""
 
@@ -78,11 +92,8 @@ class Link:
         self.prev = (rank - 1) % world
         self.next = (rank + 1) % world
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        self._cmd = torch.zeros(CMD_LEN, dtype=torch.long, device=device)
-        cuda = device.type == "cuda"
-        self._host = torch.zeros(CMD_LEN, dtype=torch.long, pin_memory=cuda)  # the staged command row
-        self._host_np = self._host.numpy()
-        self._copied = torch.cuda.Event() if cuda else None  # the last copy out of _host
+        self.own = CmdBuffer(device)  # received commands (a stage) / a one-session head's sends
+        self._cmd = self.own.cmd
 
     def connect(self, addr: str, port: int, timeout_s: float) -> None:
         if self.device.type == "cuda":
@@ -96,26 +107,28 @@ class Link:
 
     # ---- commands ----
     def send_cmd(self, op: int, start: int = 0, rows: int = 0, flags: int = 0, arg: int = 0,
-                 ids: torch.Tensor | None = None) -> bool:
-        """Send a command; `ids` (rows,) ride inside it when they fit. Returns whether they did
-        (if not, the caller sends them as a payload next)."""
+                 ids: torch.Tensor | None = None, slot: int = 0, buf: CmdBuffer | None = None) -> bool:
+        """Send a command (from `buf`, default this link's own row); `ids` (rows,) ride inside
+        it when they fit. Returns whether they did (if not, the caller sends them as a
+        payload next)."""
+        b = buf or self.own
         inline = ids is not None and ids.shape[0] <= INLINE_IDS
         if inline:
             flags |= Flag.INLINE
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous command's copy out of the pinned row is done
-        h = self._host_np
-        h[:CMD_HEAD] = (op, start, rows, flags, arg)
+        if b.copied is not None:
+            b.copied.synchronize()  # the previous command's copy out of the pinned row is done
+        h = b.host_np
+        h[:CMD_HEAD] = (op, start, rows, flags, arg, slot)
         host_ids = inline and ids.device.type == "cpu"
         if host_ids:
             h[CMD_HEAD:CMD_HEAD + rows] = ids.numpy()
         n = CMD_HEAD + rows if host_ids else CMD_HEAD
-        self._cmd[:n].copy_(self._host[:n], non_blocking=True)
+        b.cmd[:n].copy_(b.host[:n], non_blocking=True)
         if inline and not host_ids:
-            self._cmd[CMD_HEAD:CMD_HEAD + rows].copy_(ids)  # device ids (a model drafter's): no host trip
-        if self._copied is not None:
-            self._copied.record()
-        dist.send(self._cmd, self.next)
+            b.cmd[CMD_HEAD:CMD_HEAD + rows].copy_(ids)  # device ids (a model drafter's): no host trip
+        if b.copied is not None:
+            b.copied.record()
+        dist.send(b.cmd, self.next)
         return inline
 
     def forward_cmd(self) -> None:
@@ -123,7 +136,7 @@ class Link:
         dist.send(self._cmd, self.next)
 
     def recv_cmd(self) -> list[int]:
-        """The next command's head [op, start, rows, flags, arg] (one sync: it decides shapes)."""
+        """The next command's head [op, start, rows, flags, arg, slot] (one sync: it decides shapes)."""
         dist.recv(self._cmd, self.prev)
         return self._cmd[:CMD_HEAD].tolist()
 

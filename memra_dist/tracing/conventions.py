@@ -49,6 +49,7 @@ ATTR = {
     "accepted": "memra.accepted",  # accepted drafts j, 0 <= j <= k (int)
     "ctx": "memra.ctx",  # committed target rows at round entry (int)
     "stage": "memra.stage",  # pipeline stage index (int)
+    "session": "memra.session",  # on stage spans: the cache slot of the session served (int)
     "phase": "memra.phase",  # on stage spans: the phase the forward served
     "rows": "memra.rows",  # rows in a forward (int)
     "scan_ms": "memra.scan_ms",  # KDA recurrent-scan share inside spec.verify.kda (ms)
