@@ -1,4 +1,4 @@
-"""`memra-dist`: generate, demo, batch (and bench). Bad input: one stderr line, exit code 2."""
+"""`memra-dist`: generate, demo, batch, serve (and bench). Bad input: one stderr line, exit code 2."""
 
 from __future__ import annotations
 
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import add_batch_parser  # noqa: PLC0415
 
     add_batch_parser(sub, _add_run_args)
+    from .serve import add_serve_parser  # noqa: PLC0415
+
+    add_serve_parser(sub, _add_run_args)
     return p
 
 
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import run_bench as run_command  # noqa: PLC0415
     elif args.cmd == "batch":
         from .serve import run_batch as run_command  # noqa: PLC0415
+    elif args.cmd == "serve":
+        from .serve import run_serve as run_command  # noqa: PLC0415
     else:
         from .app import run_command  # noqa: PLC0415 (keeps --help fast: no torch import)
 

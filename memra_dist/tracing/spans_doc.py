@@ -29,6 +29,7 @@ ATTR_DOC = {
     "accepted": ("{token}", "round and phase spans", "accepted drafts j, 0 <= j <= k"),
     "ctx": ("{row}", "round, phase, stage spans", "committed target rows at round entry (a stage span: the forward's first row)"),
     "stage": ("", "stage.forward", "pipeline stage index (0 = the first layers)"),
+    "session": ("", "stage.forward", "the session slot the forward served (sessions in flight interleave across the stages)"),
     "phase": ("", "stage.forward", "`prime` or `verify`: what the forward served"),
     "rows": ("{row}", "stage.forward", "rows in the forward"),
     "scan_ms": ("ms", "spec.verify.kda", "the recurrent scan's share inside the KDA mixer bucket"),
