@@ -1,0 +1,240 @@
+"""`memra-dist serve`: the subparser (added by memra_dist/cli.py), the handler, and the same
+flags parsed from a list (the Ray Serve deployment re-reads them in its replica, and a
+RayService's `args` are these flags).
+
+memra_dist/cli.py hands in its generate flag set (`add_serve_parser(sub, _add_run_args)`);
+nothing at module level imports memra_dist.cli (which imports this package)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Callable
+
+from ..errors import UserError
+
+__all__ = ["add_serve_parser", "run_serve", "parse_serve_argv", "spec_argv", "args_argv", "check_serve_deps", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'memra_dist[serve]'"
+
+DESCRIPTION = """\
+An OpenAI-compatible HTTP API on Ray Serve: the model loads once (or the pipeline is placed
+once, --pp > 1) in one Serve replica, which answers
+
+  POST /v1/completions   {"prompt": "...", "max_tokens": 64, "temperature": 0, "top_p": 1,
+                          "seed": 0, "stream": true}  (stream: Server-Sent Events, data: [DONE] last)
+  GET  /v1/models, GET /health, GET /metrics (Prometheus text)
+
+Up to --sessions requests generate at once; up to --max-queue more wait for a session, and a
+request beyond that is answered 429 at once. A bad body is a 400 naming the field; a prompt
+that does not fit the context (--ctx) is a 400. A client that disconnects frees its session
+at the engine's next round. A `traceparent` header makes the request's memra.request span a
+child of the caller's trace (spans need --trace-level >= 1 and OTEL_EXPORTER_OTLP_ENDPOINT).
+The generation flags below are the defaults of requests that leave a field out.
+Listens on 127.0.0.1 unless --host says otherwise. Ctrl-C / SIGTERM stop it cleanly.
+With RAY_ADDRESS set, the application is deployed on that cluster's Serve."""
+
+# generate's flags that a server does not use: a request brings its own prompt and traceparent
+IGNORED = (("--json", "json", False), ("--metrics-port", "metrics_port", None), ("--metrics-hold", "metrics_hold", 0.0),
+           ("--run-dir", "run_dir", None), ("--traceparent", "traceparent", None))
+
+
+def _add_args(p: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> None:
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="HF checkpoint directory (config.json + *.safetensors + tokenizer.json); "
+                        "its directory name is the model id the API answers to")
+    add_run_args(p, demo=True)  # generate's flag set; demo=True leaves out --model / --prompt
+    p.set_defaults(max_new_tokens=64, burst_rounds=8)  # generate's defaults, not the demo's
+    g = p.add_argument_group("serving")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 = every interface)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    g.add_argument("--sessions", type=int, default=1, metavar="S",
+                   help="requests the engine generates at once (default 1; each holds its own context rows)")
+    g.add_argument("--max-queue", type=int, default=16, metavar="Q",
+                   help="requests that may wait for a session; one more is answered 429 (default 16)")
+    for a in p._actions:  # noqa: SLF001 (helps that read differently for a server)
+        if a.dest == "ctx":
+            a.help = ("context rows of each session: prompt + completion (default: the model's positions, at "
+                      "most 4096); a longer prompt is a 400")
+        elif a.dest == "max_new_tokens":
+            a.help = "completion tokens of a request without max_tokens (default %(default)s)"
+        elif a.dest in ("json", "metrics_port", "metrics_hold", "run_dir", "traceparent"):
+            a.help = argparse.SUPPRESS  # per-request (traceparent header) or not a server's
+
+
+def add_serve_parser(sub, add_run_args: Callable[..., None]) -> argparse.ArgumentParser:
+    """`sub`: the CLI's subparsers; add_run_args: memra_dist.cli._add_run_args (generate's flags)."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (Ray Serve) on one loaded model",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p, add_run_args)
+    return p
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UserError(f"serve: {message}")
+
+
+def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
+    """The serve flags from a list, checked as the CLI checks them; UserError when bad."""
+    args = _serve_parser().parse_args(argv)
+    check_args(args)
+    return args
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from ..cli import _add_run_args  # noqa: PLC0415 (at call time: cli imports this package)
+
+    p = _RaisingParser(prog="memra-dist serve", add_help=False)
+    _add_args(p, _add_run_args)
+    return p
+
+
+def args_argv(args: argparse.Namespace) -> list[str]:
+    """The flags that give `args` again (those off their default), for the replica to re-read."""
+    argv: list[str] = []
+    for a in _serve_parser()._actions:  # noqa: SLF001
+        if not a.option_strings or a.dest == "help":
+            continue
+        v = getattr(args, a.dest, a.default)
+        if v is None or v == a.default:
+            continue
+        flag = max(a.option_strings, key=len)
+        if a.nargs == 0:  # store_true
+            argv.append(flag)
+        else:
+            argv += [flag, str(v)]
+    return argv
+
+
+def spec_argv(spec: dict) -> list[str]:
+    """{"model": "/m", "pp": 2, "max-queue": 8, "trace_content": true} -> the serve flags.
+    Keys are flag names (dashes or underscores); true = a bare flag, false / null = left out."""
+    argv: list[str] = []
+    for key, v in spec.items():
+        flag = ("-" if len(key) == 1 else "--") + key.replace("_", "-")
+        if v is None or v is False:
+            continue
+        if v is True:
+            argv.append(flag)
+        elif isinstance(v, (str, int, float)):
+            argv += [flag, str(v)]
+        else:
+            raise UserError(f"serve: '{key}': expected a string, number or true/false (got {type(v).__name__})")
+    return argv
+
+
+def check_args(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: expected 0..65535")
+    if args.sessions < 1:
+        raise UserError(f"--sessions {args.sessions}: expected >= 1")
+    if args.max_queue < 0:
+        raise UserError(f"--max-queue {args.max_queue}: expected >= 0")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
+
+
+def check_serve_deps() -> None:
+    """One line naming the extra when Ray Serve (or its web stack) is missing."""
+    for mod in ("ray.serve", "fastapi", "starlette", "uvicorn"):
+        try:
+            __import__(mod)
+        except ImportError as e:
+            raise UserError(f"memra-dist serve needs Ray Serve and its web stack ({e.name or mod} is missing): "
+                            f"{INSTALL_HINT}") from None
+
+
+def _check_port(host: str, port: int) -> None:
+    """A local server's port, refused now rather than by Serve's proxy after the model loaded."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: cannot resolve ({e.strerror})") from None
+    fam, _, _, _, addr = infos[0]
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+    except OSError as e:
+        raise UserError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+    finally:
+        s.close()
+
+
+def run_serve(args) -> int:
+    """The handler: an exit code (bad arguments or missing deps: one stderr line, 2)."""
+    try:
+        return _run(args)
+    except UserError as e:
+        print(f"memra-dist: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("memra-dist: interrupted", file=sys.stderr)
+        return 130
+
+
+def validate(args):
+    """Everything that can be refused before Ray starts: flags, model files, tracing setup."""
+    from ..app import config_from_args  # noqa: PLC0415
+    from ..model.config import load_config  # noqa: PLC0415
+    from ..model.tokenizer import load_tokenizer  # noqa: PLC0415
+    from ..tracing.otel import otlp_endpoint  # noqa: PLC0415
+
+    check_args(args)
+    cfg = config_from_args(args, args.model, args.draft_model)
+    mcfg = load_config(cfg.model)
+    tok = load_tokenizer(cfg.model)
+    if tok.vocab_size > mcfg.vocab_size:
+        raise UserError(f"{cfg.model}: tokenizer has {tok.vocab_size} tokens, the model only {mcfg.vocab_size}")
+    if args.ctx is not None and not 1 < args.ctx <= mcfg.max_position_embeddings:
+        raise UserError(f"--ctx {args.ctx}: expected 2..{mcfg.max_position_embeddings} (the model's positions)")
+    if cfg.trace.clock_on and not otlp_endpoint():
+        raise UserError("serve with --trace-level >= 1 (or --prof) sends spans over OTLP: set "
+                        "OTEL_EXPORTER_OTLP_ENDPOINT (a server writes no run directory)")
+    return cfg
+
+
+def _run(args) -> int:
+    ignored = [flag for flag, dest, off in IGNORED if getattr(args, dest, off) not in (off, None)]
+    if ignored:
+        print(f"memra-dist: note: serve does not use {', '.join(ignored)}"
+              + (" (send a traceparent header per request)" if "--traceparent" in ignored else ""), file=sys.stderr)
+    check_serve_deps()
+    validate(args)
+    if not os.environ.get("RAY_ADDRESS"):
+        _check_port(args.host, args.port)
+    from .deployment import deploy, undeploy  # noqa: PLC0415 (Ray only once the input is good)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    prev = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        return _serve(args, deploy, undeploy)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, prev)
+
+
+def _on_sigterm(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM (kill, a pod's stop) takes the same clean way down as Ctrl-C
+
+
+def _serve(args, deploy, undeploy) -> int:
+    url = deploy(args)
+    print(f"[serve] {os.path.basename(os.path.normpath(args.model))} at {url}/v1 (POST /v1/completions; "
+          f"{args.sessions} session(s), queue {args.max_queue}); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("[serve] stopping: in-flight requests end, the engine is unloaded", file=sys.stderr, flush=True)
+    finally:
+        undeploy()
+    print("[serve] stopped", file=sys.stderr, flush=True)
+    return 0
