@@ -180,7 +180,7 @@ def test_rayservice_args_are_the_cli_flags():
                     "--trace-content"]
     args = parse_serve_argv(argv)
     assert (args.pp, args.max_queue, args.max_new_tokens, args.k, args.trace_content) == (2, 8, 9, 3, True)
-    assert (args.host, args.port, args.sessions, args.burst_rounds) == ("127.0.0.1", 8000, 1, 8)
+    assert (args.host, args.port, args.sessions, args.burst_rounds) == ("127.0.0.1", 8000, None, 8)
     again = parse_serve_argv(args_argv(args))
     assert vars(again) == vars(args)
     for bad in (["--model", "/m", "--sessions", "0"], ["--model", "/m", "--max-queue", "-1"],

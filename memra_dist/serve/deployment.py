@@ -22,7 +22,7 @@ from ray import serve
 from ..errors import UserError
 from .api import build_app
 from .host import EngineHost
-from .serve_cli import args_argv, parse_serve_argv, spec_argv
+from .serve_cli import args_argv, parse_serve_argv, sessions, spec_argv
 
 __all__ = ["MemraServer", "app_builder", "build", "deploy", "undeploy", "APP_NAME", "deployment_options"]
 
@@ -63,7 +63,7 @@ def deployment_options(args) -> dict:
     return {
         "num_replicas": 1,
         # the replica decides who waits and who gets a 429: Serve must hand every request to it
-        "max_ongoing_requests": args.sessions + args.max_queue + HEADROOM,
+        "max_ongoing_requests": sessions(args) + args.max_queue + HEADROOM,
         "ray_actor_options": {"num_cpus": 1, "num_gpus": _gpus_for_replica(args), "runtime_env": {"env_vars": env}},
         "max_constructor_retry_count": 1,  # a model that does not load fails the deploy, not 20 retries
         "graceful_shutdown_wait_loop_s": 0.5,

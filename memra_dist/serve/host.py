@@ -92,9 +92,9 @@ def _opener_takes_sessions(opener) -> bool:
 
 class EngineHost:
     """Enters `open_engine` once (here) and exits it in `close`; in between, `run` serves
-    requests from up to `sessions` threads at once."""
+    requests from up to `sessions` threads at once (None: the engine's default)."""
 
-    def __init__(self, cfg, sessions: int = 1, *, open_engine=None, tokenizer=None, mcfg=None):
+    def __init__(self, cfg, sessions: int | None = None, *, open_engine=None, tokenizer=None, mcfg=None):
         from ..model.config import load_config  # noqa: PLC0415
         from ..model.tokenizer import load_tokenizer  # noqa: PLC0415
 
@@ -117,7 +117,7 @@ class EngineHost:
         except BaseException:
             self.tracing.close()
             raise
-        self.sessions = int(getattr(self.engine, "sessions", sessions)) if self.concurrent else 1
+        self.sessions = int(getattr(self.engine, "sessions", sessions or 1)) if self.concurrent else 1
         self._lock = contextlib.nullcontext() if self.concurrent else threading.Lock()
         self.capacity = self.engine.capacity
 

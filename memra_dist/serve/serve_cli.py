@@ -54,8 +54,9 @@ def _add_args(p: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 = every interface)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    g.add_argument("--sessions", type=int, default=1, metavar="S",
-                   help="requests the engine generates at once (default 1; each holds its own context rows)")
+    g.add_argument("--sessions", type=int, default=None, metavar="S",
+                   help="requests the engine generates at once, each in its own context rows (default: one per "
+                        "pipeline stage, --pp; at --pp 1 requests run one at a time)")
     g.add_argument("--max-queue", type=int, default=16, metavar="Q",
                    help="requests that may wait for a session; one more is answered 429 (default 16)")
     for a in p._actions:  # noqa: SLF001 (helps that read differently for a server)
@@ -133,12 +134,17 @@ def spec_argv(spec: dict) -> list[str]:
 def check_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port}: expected 0..65535")
-    if args.sessions < 1:
+    if args.sessions is not None and args.sessions < 1:
         raise UserError(f"--sessions {args.sessions}: expected >= 1")
     if args.max_queue < 0:
         raise UserError(f"--max-queue {args.max_queue}: expected >= 0")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
+
+
+def sessions(args) -> int:
+    """The sessions the engine will keep in flight (open_engine's rule: one per stage by default, 1 at pp=1)."""
+    return 1 if args.pp == 1 else (args.sessions or args.pp)
 
 
 def check_serve_deps() -> None:
@@ -188,6 +194,13 @@ def validate(args):
     from ..tracing.otel import otlp_endpoint  # noqa: PLC0415
 
     check_args(args)
+    if args.sessions is not None:
+        from ..app import check_sessions  # noqa: PLC0415
+
+        check_sessions(args.sessions, args.pp)
+        if args.pp == 1 and args.sessions > 1:
+            print(f"memra-dist: note: at --pp 1 the engine runs one request at a time (--sessions {args.sessions} "
+                  "is 1; more wait in the queue)", file=sys.stderr)
     cfg = config_from_args(args, args.model, args.draft_model)
     mcfg = load_config(cfg.model)
     tok = load_tokenizer(cfg.model)
@@ -228,7 +241,7 @@ def _on_sigterm(signum, frame):
 def _serve(args, deploy, undeploy) -> int:
     url = deploy(args)
     print(f"[serve] {os.path.basename(os.path.normpath(args.model))} at {url}/v1 (POST /v1/completions; "
-          f"{args.sessions} session(s), queue {args.max_queue}); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"{sessions(args)} session(s), queue {args.max_queue}); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         while True:
             time.sleep(3600)
