@@ -1,5 +1,6 @@
-"""The cluster files: launcher YAML against Ray's own schema, the KubeRay RayJob's structure,
-the runtime env and submit script, the compose stack's bindings, and Ray token auth never off."""
+"""The cluster files: launcher YAML against Ray's own schema, the KubeRay RayJob's and
+RayService's structure, the runtime env and submit script, the compose stack's bindings, and
+Ray token auth never off."""
 
 from __future__ import annotations
 
@@ -118,6 +119,44 @@ def test_rayjob_structure():
 
     assert renv["worker_process_setup_hook"] == HOOK
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" in renv["env_vars"]
+
+
+def test_rayservice_structure():
+    """The RayService: Ray's own schema for its Serve config, the import path builds the
+    application from its args (memra-dist serve's flags), token auth on, a GPU group, the
+    serve port on the head, spans to the collector, the image installs the serve extra."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from memra_dist.serve.deployment import app_builder
+    from memra_dist.serve.serve_cli import parse_serve_argv, spec_argv
+
+    svc = _yaml(CLUSTER / "kuberay" / "rayservice.yaml")
+    assert svc["apiVersion"] == "ray.io/v1" and svc["kind"] == "RayService"
+    spec = svc["spec"]
+    serve_cfg = ServeDeploySchema(**yaml.safe_load(spec["serveConfigV2"]))  # Ray's validation of the fields
+    (app,) = serve_cfg.applications
+    assert app.import_path == "memra_dist.serve.deployment:app_builder" and app.route_prefix == "/"
+    args = parse_serve_argv(spec_argv(app.args))
+    assert args.model.startswith("/") and args.max_queue >= 1
+    from ray.serve.deployment import Application
+
+    assert isinstance(app_builder(app.args), Application)
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in app.runtime_env["env_vars"]
+    rc = spec["rayClusterConfig"]
+    assert rc["authOptions"]["mode"] == "token"
+    assert rc["rayVersion"] == _yaml(CLUSTER / "kuberay" / "rayjob.yaml")["spec"]["rayClusterSpec"]["rayVersion"]
+    head = rc["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert serve_cfg.http_options.port in [p["containerPort"] for p in head["ports"]]
+    assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
+    gpus = sum(int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) * g["replicas"]
+               for g in rc["workerGroupSpecs"])
+    assert gpus >= args.pp, "a GPU per pipeline stage (pp 1: the replica's)"
+    model_dir = args.model.rsplit("/", 1)[0]
+    for pod in (rc["headGroupSpec"], *rc["workerGroupSpecs"]):
+        c = pod["template"]["spec"]["containers"][0]
+        assert c["image"] == head["image"]
+        assert any(m["mountPath"] == model_dir for m in c.get("volumeMounts", [])), "the checkpoint on every node"
+    assert "memra_dist[serve]" in (CLUSTER / "kuberay" / "Dockerfile").read_text()
 
 
 # ---- compose stack ----
