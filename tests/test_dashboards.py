@@ -16,6 +16,7 @@ import pytest
 from memra_dist.tracing.conventions import (ATTR, METRIC_ATTR, METRICS, PHASE_SPANS, PHASES, SPAN_BURST,
                                             SPAN_FIRST_TOKEN, SPAN_REQUEST, SPAN_ROUND, SPAN_STAGE_FORWARD,
                                             SPANMETRICS, TTFT_BUCKETS, VERIFY_SUB_SPANS, ttft_span)
+from memra_dist.serve.api_metrics import API_METRICS, OUTCOME_LABEL, OUTCOMES, api_prometheus_name
 from memra_dist.tracing.metrics import prometheus_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +51,7 @@ def _allowed_series() -> set[str]:
     for key, name in SPANMETRICS.items():
         base = name.replace(".", "_")
         out |= {base + "_total"} if key == "calls" else {base + "_milliseconds" + s for s in ("_bucket", "_sum", "_count")}
+    out |= {api_prometheus_name(key) for key in API_METRICS}  # memra-dist serve's /metrics
     return out
 
 
@@ -59,8 +61,9 @@ LABEL_VALUES = {  # Prometheus label -> values the engine writes
     METRIC_ATTR["phase"].replace(".", "_"): set(PHASES),
     METRIC_ATTR["bucket"].replace(".", "_"): set(VERIFY_SUB_SPANS) | set(TTFT_BUCKETS),
     "span_name": SPANS,
+    OUTCOME_LABEL: set(OUTCOMES),
 }
-LABELS = {*(a.replace(".", "_") for a in METRIC_ATTR.values()), "le", "span_name"}
+LABELS = {*(a.replace(".", "_") for a in METRIC_ATTR.values()), "le", "span_name", OUTCOME_LABEL}
 PROMQL_WORDS = {"sum", "max", "min", "avg", "count", "rate", "increase", "histogram_quantile", "by", "on",
                 "group_left", "ignoring", "without", "scalar", "clamp_min", "topk", "le"}
 
@@ -115,6 +118,19 @@ def test_every_registry_metric_has_a_panel():
     text = " ".join(t["expr"] for _, t in _targets("prometheus"))
     for key in METRICS:
         assert prometheus_name(key) in text, f"no panel shows {METRICS[key]}"
+
+
+def test_the_api_panels_show_queue_depth_in_flight_and_outcomes():
+    panels = {p["title"]: p for p in _dash()["panels"]}
+    text = " ".join(t["expr"] for _, t in _targets("prometheus"))
+    for key in API_METRICS:
+        assert api_prometheus_name(key) in text, f"no panel shows {API_METRICS[key]}"
+    load = " ".join(t["expr"] for t in panels["API: sessions in flight and queue depth"]["targets"])
+    assert api_prometheus_name("in_flight") in load and api_prometheus_name("queue_depth") in load
+    by = panels["API: requests/s by outcome"]["targets"][0]["expr"]
+    assert f"by ({OUTCOME_LABEL})" in by and api_prometheus_name("requests") in by
+    with pytest.raises(AssertionError):  # an outcome the API never writes
+        _check_promql(f'sum(rate({api_prometheus_name("requests")}{{{OUTCOME_LABEL}="timeout"}}[1m]))')
 
 
 def test_every_tempo_query_names_registry_spans_only():
