@@ -55,6 +55,7 @@ class StageCache:
     capacity: int
     layers: dict[int, LayerState] = field(default_factory=dict)
     length: int = 0
+    taps: object | None = None  # model/taps.py TapSink: tapped layers' outputs by position (None: off)
 
     def begin(self, start: int, rows: int) -> None:
         """Called before a forward writes `rows` rows from `start` (start <= length)."""

@@ -14,6 +14,7 @@ from .errors import UserError
 from .graphs import StepGraphs, compile_blocks, compile_supported, graph_rows_limit, graphs_supported
 from .model.config import ModelConfig, load_config
 from .model.loader import load_stage
+from .model.taps import TapSink
 
 __all__ = ["ModelRunner"]
 
@@ -50,10 +51,11 @@ class ModelRunner:
         self.warm_timed = warm_timed  # and their level-2 twins (trace level 2)
         self.drain = Drainer(device)
         self.label = device_label(device)
+        self.tap_layers: tuple[int, ...] = ()  # layers whose outputs a forward keeps (keep_taps)
 
     def alloc(self, capacity: int) -> None:
         """Allocate the cache for a session of `capacity` rows; a clear error if it cannot fit."""
-        if self.cache is not None and self.cache.capacity == capacity:
+        if self.cache is not None and self.cache.capacity == capacity and self._taps_match():
             self.cache.rollback(0)  # reuse: no reallocation, captured graphs stay valid
             return
         if capacity > self.max_pos:
@@ -64,6 +66,9 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.reset()
             self.cache = self.stage.new_cache(capacity, self.device, self.dtype)
+            if self._local_taps():  # before any capture: the graphs then write the taps too
+                self.cache.taps = TapSink.alloc(self._local_taps(), capacity, self.cfg.hidden_size, self.device,
+                                                self.dtype)
             if self.graphs is not None and self.warm_rows:
                 # every decode/verify row count up front (vLLM's habit): no capture or compile
                 # ever lands inside a round
@@ -93,6 +98,18 @@ class ModelRunner:
                 f"out of memory: the cache for {capacity} rows needs {need / (1 << 20):.0f} MB on {self.label}, "
                 f"free {free} MB (lower --ctx)"
             )
+
+    def keep_taps(self, layers) -> None:
+        """From the next `alloc` on, every forward (prime, decode, verify; eager or graphed)
+        keeps the outputs of these layers (those this stage holds) in `cache.taps`."""
+        self.tap_layers = tuple(int(t) for t in layers)
+
+    def _local_taps(self) -> tuple[int, ...]:
+        """The tapped layers this stage holds, in tap order (a stage-local tap set at pp > 1)."""
+        return tuple(t for t in self.tap_layers if self.stage.first <= t < self.stage.last)
+
+    def _taps_match(self) -> bool:
+        return (self.cache.taps.layers if self.cache.taps is not None else ()) == self._local_taps()
 
     @property
     def length(self) -> int:

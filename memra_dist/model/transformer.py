@@ -121,6 +121,13 @@ class Stage(nn.Module):
         if self.has_embed:
             x = self.embed_tokens(x)  # (T, H)
         ctx = self.step_ctx(pos, cache, timer)
+        taps = cache.taps if cache is not None else None
+        if taps is not None:  # the tapped walk (model/taps.py): layer outputs written by position
+            for i, blk in self.layers.items():
+                x = blk(x, ctx, cache.layers[int(i)])
+                if taps.wants(int(i)):
+                    taps.write(int(i), pos, x)
+            return x
         for i, blk in self.layers.items():
             x = blk(x, ctx, cache.layers[int(i)] if cache is not None else None)
         return x
