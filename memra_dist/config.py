@@ -37,12 +37,17 @@ class RunConfig:
     compile: str = "auto"  # torch.compile the blocks captured in those graphs: auto (= with the graphs) | on | off
 
     def __post_init__(self):
-        if self.draft_model and self.drafter not in ("model",):
+        if self.draft_model and self.drafter not in ("model", "dflash"):
             object.__setattr__(self, "drafter", "model")  # --draft-model implies --drafter model
         if self.drafter not in DRAFTERS:
             raise UserError(f"unknown drafter '{self.drafter}' (choose from {', '.join(DRAFTERS)})")
         if self.drafter == "model" and not self.draft_model:
             raise UserError("--drafter model needs --draft-model DIR")
+        if self.drafter == "dflash" and not self.draft_model:
+            raise UserError("--drafter dflash needs --draft-model DIR (a DFlash checkpoint)")
+        if self.drafter == "dflash" and self.pp > 1:
+            raise UserError("--drafter dflash runs at --pp 1 only: pipeline stages do not yet ship the target's "
+                            "taps to the head")
         if self.k < 1:
             raise UserError(f"-k must be >= 1 (got {self.k})")
         if self.k > MAX_K:

@@ -22,7 +22,7 @@ __all__ = ["RequestPlan", "plan_request", "plan_capacity", "check_vocab"]
 class RequestPlan:
     cfg: RunConfig
     model: ModelConfig  # the target's config, read once
-    draft: ModelConfig | None  # the draft model's config (drafter "model"), read once
+    draft: ModelConfig | None  # the draft model's config (drafter "model"; a DFlashConfig for "dflash"), read once
     capacity: int  # context rows the caches hold
     stages: tuple[tuple[int, int], ...]  # layer ranges [first, last) per pipeline stage (one at pp=1)
     capped: bool = False  # max_new_tokens was cut to fit the model's positions
@@ -55,6 +55,11 @@ def plan_request(cfg: RunConfig, prompt_len: int, mcfg: ModelConfig | None = Non
     if cfg.drafter == "model":
         draft = draft or load_config(cfg.draft_model)
         check_vocab(mcfg, draft)
+    elif cfg.drafter == "dflash":
+        from .model.dflash import check_dflash, load_dflash_config  # noqa: PLC0415
+
+        draft = draft or load_dflash_config(cfg.draft_model)
+        check_dflash(mcfg, draft, cfg.draft_model)
     else:
         draft = None
     capacity, capped = plan_capacity(cfg, mcfg, prompt_len)

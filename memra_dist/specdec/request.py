@@ -83,7 +83,8 @@ class Request:
         cfg = plan.cfg
         self.collect = _Collect(span_sink)
         if drafter is None:
-            drafter = build_drafter(cfg, plan, target.device, target.dtype, len(prompt), self._record_greedy)
+            drafter = build_drafter(cfg, plan, target.device, target.dtype, len(prompt), self._record_greedy,
+                                    target=target)
         gen = torch.Generator().manual_seed(cfg.seed)
         self.session = SpecSession(target, drafter, cfg.sampling, gen, cfg.k, cfg.trace, self.collect,
                                    plan.model.eos_token_ids)

@@ -1,4 +1,4 @@
-"""Drafters, one per file, behind `base.Drafter`: none, ngram, model, replay (benchmarking).
+"""Drafters, one per file, behind `base.Drafter`: none, ngram, model, dflash, replay (benchmarking).
 `build_drafter` is the registry: the one place a drafter is chosen by name."""
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ from .ngram import NgramDrafter
 from .none import NoDrafter
 from .replay import ReplayDrafter
 
-DRAFTERS = ("none", "ngram", "model", "replay")
+DRAFTERS = ("none", "ngram", "model", "dflash", "replay")
 
 __all__ = ["DRAFTERS", "Drafter", "Proposal", "ModelDrafter", "NgramDrafter", "NoDrafter", "ReplayDrafter",
            "build_drafter"]
 
 
 def build_drafter(cfg, plan, device, dtype, prompt_len: int,
-                  record: Callable[[], list[int]] | None = None) -> Drafter:
+                  record: Callable[[], list[int]] | None = None, target=None) -> Drafter:
     """The drafter `cfg.drafter` names. `plan` (memra_dist.plan.RequestPlan) holds the configs
-    read once; `record` produces the target's greedy continuation (replay only)."""
+    read once; `record` produces the target's greedy continuation (replay only); `target` is
+    the pp=1 runner a tap drafter reads (dflash only)."""
     if cfg.drafter == "none":
         return NoDrafter()
     if cfg.drafter == "ngram":
@@ -32,6 +33,12 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int,
         return ModelDrafter(ModelRunner(cfg.draft_model, device, dtype, cfg=plan.draft, max_pos=plan.capacity,
                                         progress=LoadProgress(Path(cfg.draft_model).name),
                                         **{**cfg.runner_kwargs(device), "warm_timed": False}))
+    if cfg.drafter == "dflash":
+        if target is None or not hasattr(target, "keep_taps"):
+            raise ValueError("the dflash drafter needs the in-process target runner (pp=1)")
+        from .dflash import DFlashDrafter  # noqa: PLC0415
+
+        return DFlashDrafter.load(cfg.draft_model, plan.draft, target)
     if cfg.drafter == "replay":
         if record is None:
             raise ValueError("the replay drafter needs the target's recorded continuation")

@@ -1,0 +1,138 @@
+"""`dflash`: a block drafter conditioned on the target's hidden states (model/dflash.py).
+
+One forward of the draft network over the block [last committed token, mask x (B - 1)]
+gives B - 1 drafts at once; a round proposes min(k, B - 1) of them. The drafter reads the
+target's taps (the outputs of chosen target layers, kept by the target's own forwards in
+`runner.cache.taps`, model/taps.py) and keeps, per draft layer, the K/V of the committed
+context rows only:
+
+  prime(prompt)      ingest rows 0 .. P-1 (the prompt's taps from the target's prime)
+  propose(context)   block at start = len(context) - 1; its K/V is written at the block's
+                     positions, read under the mask `slot < start + B` (context rows and the
+                     whole block, no causal mask) and dropped: the next ingest overwrites it
+  maintain(context)  ingest the verified rows up to len(context) - 1: after a verify that
+                     accepted a drafts, rows start .. start + a; never the new bonus token
+                     (it is the next block's first row)
+
+Greedy: argmax on the device, one readback per round. Sampled: each draft is drawn from the
+drafter's own distribution at its row (q), which rejection sampling corrects to the target's.
+The drafts of a block are drawn independently (mask rows do not see earlier draws), so q_i
+given the earlier drafts is q_i itself.
+
+Runs in the target's process at pp = 1 (the taps are local); pipeline taps are not wired yet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...cache import KVLayer
+from ...model.dflash import DFlashNet, load_dflash
+from ..sampling import SamplingParams, probs
+from .base import EMPTY, Drafter, Proposal
+
+__all__ = ["DFlashDrafter"]
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+    forwards_per_draft = 1  # the whole proposal is one forward of the draft network
+
+    def __init__(self, net: DFlashNet, target):
+        """`target`: the pp=1 ModelRunner (its embedding, lm_head and tap sink are read)."""
+        self.net, self.target = net, target
+        self.dc = net.dc
+        self.B = self.dc.block_size
+        self.device = target.device
+        self.states: list[KVLayer] = []
+        self.n = 0  # context rows ingested: positions 0 .. n-1
+        self.prime_ms: dict[str, float] = {}  # the last prime's split: feat, kv (wall, ms)
+        target.keep_taps(self.dc.tap_ids)
+
+    @classmethod
+    def load(cls, model_dir, dc, target) -> "DFlashDrafter":
+        return cls(load_dflash(model_dir, dc, target.device, target.dtype), target)
+
+    # ---- state ----
+    def alloc(self, capacity: int) -> float:
+        rows = capacity + self.B  # a block may start at the last context row
+        c = self.dc.base
+        if not self.states or self.states[0].k.shape[0] != rows:
+            self.states = [KVLayer.alloc(rows, c.num_kv_heads, c.head_dim, self.device, self.target.dtype)
+                           for _ in range(c.num_layers)]
+            self.slots = torch.arange(rows, device=self.device)
+            self.block_ids = torch.full((self.B,), self.dc.mask_token_id, dtype=torch.long, device=self.device)
+            self.block_base = torch.arange(self.B, device=self.device)
+        self.n = 0
+        return sum(s.nbytes() for s in self.states) / 2**20
+
+    def _taps(self):
+        taps = self.target.cache.taps
+        if taps is None or taps.layers != self.dc.tap_ids:
+            raise RuntimeError("the target keeps no taps for this drafter (keep_taps before alloc)")
+        return taps
+
+    @torch.inference_mode()
+    def _ingest(self, upto: int, split: dict | None = None) -> None:
+        """Context rows [n, upto) from the target's taps into every layer's K/V."""
+        if upto <= self.n:
+            return
+        t0 = time.perf_counter()
+        pos = torch.arange(self.n, upto, device=self.device)
+        C = self.net.features(self._taps().rows(self.n, upto))  # (rows, H)
+        if split is not None:
+            self.target.drain()
+            t1 = time.perf_counter()
+            split["feat"] = (t1 - t0) * 1e3
+        for st, (k, v) in zip(self.states, self.net.context_kv(C, pos)):
+            st.k.index_copy_(0, pos, k)
+            st.v.index_copy_(0, pos, v)
+        if split is not None:
+            self.target.drain()
+            split["kv"] = (time.perf_counter() - t1) * 1e3
+        self.n = upto
+
+    def prime(self, prompt: list[int]) -> None:
+        self.n = 0
+        self.prime_ms = {}
+        self._ingest(len(prompt), self.prime_ms)
+
+    def maintain(self, context) -> None:
+        self._ingest(len(context) - 1)
+
+    # ---- drafting ----
+    @torch.inference_mode()
+    def block_logits(self, last: int, start: int, rows: int) -> torch.Tensor:
+        """fp32 logits (rows, V) of the block's rows 1 .. rows (row i: the token AT start + i)."""
+        ids = self.block_ids.clone()
+        ids[0] = last
+        pos = self.block_base + start  # (B,) start .. start + B - 1
+        mask = (self.slots < start + self.B)[None, :]  # (1, slots): every context row and the whole block
+        st = self.states
+
+        def kv_of(i, kb, vb):
+            st[i].k.index_copy_(0, pos, kb)  # the block's K/V, dropped: the next ingest overwrites it
+            st[i].v.index_copy_(0, pos, vb)
+            return st[i].k, st[i].v
+
+        stage = self.target.stage
+        h = self.net.block(stage.embed_tokens(ids), pos, kv_of, mask)  # (B, H)
+        return stage.lm_head(h[1:1 + rows]).float()
+
+    def propose(self, context, k, sp: SamplingParams, gen) -> Proposal:
+        if k == 0:
+            return EMPTY
+        start = len(context) - 1
+        self._ingest(start)  # normally a no-op: maintain has ingested every committed row
+        kk = min(k, self.B - 1)
+        logits = self.block_logits(context[-1], start, kk)  # (kk, V)
+        if sp.greedy:
+            return Proposal(logits.argmax(-1).cpu())  # the round's one readback
+        q = probs(logits, sp)  # (kk, V): the distribution each draft is drawn from
+        toks = torch.multinomial(q.cpu(), 1, generator=gen)[:, 0]
+        return Proposal(toks, q)
+
+    def drain(self) -> None:
+        self.target.drain()
