@@ -85,10 +85,10 @@ class _Local:
             raise
 
     def request(self, plan: RequestPlan, prompt: list[int], span_sink, carrier) -> Request:
-        if plan.cfg.drafter == "model" and self.drafter is None:
+        if plan.cfg.drafter in ("model", "dflash") and self.drafter is None:  # kept loaded between requests
             from .specdec.drafters import build_drafter  # noqa: PLC0415
 
-            self.drafter = build_drafter(plan.cfg, plan, self.device, self.dtype, len(prompt))
+            self.drafter = build_drafter(plan.cfg, plan, self.device, self.dtype, len(prompt), target=self.runner)
         return Request(self.runner, plan, prompt, span_sink, drafter=self.drafter)
 
     @contextmanager
@@ -237,6 +237,10 @@ def _demo_args(args):
     if args.trace_level is None and not environment().trace_level_set:
         args.trace_level = 1  # the demo shows the phase shares unless told otherwise
     draft_model = args.draft_model or (str(draft) if args.drafter in (None, "model") else None)
+    if args.drafter == "dflash" and not args.draft_model:  # the tiny DFlash drafter over the demo target
+        from .model.tiny import demo_dflash  # noqa: PLC0415
+
+        draft_model = str(demo_dflash(say))
     say(f"tiny target + draft llamas trained on the embedded text, cached in {target.parent}")
     return str(target), draft_model, args.prompt or DEMO_PROMPT
 

@@ -22,7 +22,7 @@ from .corpus import CORPUS
 from .loader import hf_name
 from .transformer import Stage
 
-__all__ = ["train_tokenizer", "llama_config", "build_checkpoint", "demo_checkpoints", "DEMO_SHAPES"]
+__all__ = ["train_tokenizer", "llama_config", "build_checkpoint", "demo_checkpoints", "demo_dflash", "DEMO_SHAPES"]
 
 DEMO_SHAPES = {
     "target": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -151,3 +151,11 @@ def demo_checkpoints(progress: Callable[[str], None] | None = None) -> tuple[Pat
                          init_std=DEMO_INIT_STD, lr=lr)
         say(f"built the demo {name} in {time.perf_counter() - t0:.1f}s -> {root / name}")
     return target, draft
+
+
+def demo_dflash(progress: Callable[[str], None] | None = None) -> Path:
+    """The demo's DFlash drafter over the demo target (model/tiny_dflash.py), built once."""
+    from .tiny_dflash import demo_dflash_dir  # noqa: PLC0415
+
+    target, _ = demo_checkpoints(progress)
+    return demo_dflash_dir(target, progress)
