@@ -68,8 +68,8 @@ class FakeTok:
 
 
 class FakeEngine:
-    def __init__(self, log: dict, stop_after: int | None):
-        self.log, self.stop_after = log, stop_after
+    def __init__(self, log: dict, stop_after: int | None, sessions: int = 1):
+        self.log, self.stop_after, self.sessions = log, stop_after, sessions
 
     def generate(self, prompt, cfg=None, stream=None):
         if self.stop_after is not None and len(self.log["prompts"]) >= self.stop_after:
@@ -86,18 +86,18 @@ class FakeEngine:
 
 def _fake_open(log: dict, stop_after: int | None = None):
     @contextmanager
-    def open_engine(cfg, capacity):
+    def open_engine(cfg, capacity, sessions=None):
         log["capacity"].append(capacity)
-        yield FakeEngine(log, stop_after)
+        yield FakeEngine(log, stop_after, sessions or 1)
 
     return open_engine
 
 
-def _fake_job(inp, out, stop_after=None, ctx=None, max_pos=512, cfg=None, err=None):
+def _fake_job(inp, out, stop_after=None, ctx=None, max_pos=512, cfg=None, err=None, sessions=None):
     log = {"prompts": [], "capacity": []}
     cfg = cfg or RunConfig(model="unused", max_new_tokens=5, k=4)
     code = run_job(cfg, inp, out, tokenizer=FakeTok(), max_pos=max_pos, open_engine=_fake_open(log, stop_after),
-                   ctx=ctx, err=err or io.StringIO())
+                   ctx=ctx, err=err or io.StringIO(), sessions=sessions)
     return code, log
 
 
@@ -210,6 +210,26 @@ def test_fake_job_interrupted_then_resumed_equals_one_run(tmp_path):
     assert code == 0 and log["capacity"] == [] and _canon(out) == _canon(ref)
 
 
+def test_fake_job_with_sessions_writes_each_request_once(tmp_path):
+    """Requests run from one thread per session; every one is written once, interrupted or not."""
+    rows = [{"id": i, "prompt": "q" * (i + 2)} for i in range(20)]
+    inp = _write(tmp_path / "in.jsonl", rows)
+    ref = tmp_path / "ref.jsonl"
+    assert _fake_job(inp, ref)[0] == 0
+    out = tmp_path / "out.jsonl"
+    code, log = _fake_job(inp, out, sessions=4)
+    assert code == 0 and len(log["prompts"]) == 20
+    assert _canon(out) == _canon(ref)
+    _assert_unique(out)
+    out2 = tmp_path / "out2.jsonl"
+    code, log = _fake_job(inp, out2, sessions=3, stop_after=7)  # Ctrl-C in a worker's request
+    assert code == 130
+    assert 1 <= len(_records(out2)) <= 7
+    assert _fake_job(inp, out2, sessions=3)[0] == 0
+    assert _canon(out2) == _canon(ref)
+    _assert_unique(out2)
+
+
 def test_capacity_fits_the_remaining_requests(tmp_path):
     inp = _write(tmp_path / "in.jsonl", [
         {"id": "a", "prompt": "x" * 30}, {"id": "b", "prompt": "y" * 5, "max_new_tokens": 40},
@@ -291,6 +311,14 @@ def _batch(*argv) -> int:
 
 
 def test_each_request_equals_the_same_prompt_run_alone(llama, tmp_path, capsys):
+    _each_alone(llama, tmp_path, capsys)
+
+
+def test_pp2_sessions_in_flight_each_request_equals_it_alone(ray_local, llama, tmp_path, capsys):
+    _each_alone(llama, tmp_path, capsys, "--pp", 2, "--sessions", 3)
+
+
+def _each_alone(llama, tmp_path, capsys, *extra):
     from memra_dist.app import generate
     from memra_dist.model.tokenizer import load_tokenizer
 
@@ -300,7 +328,7 @@ def test_each_request_equals_the_same_prompt_run_alone(llama, tmp_path, capsys):
     rows.append({"id": "sampled", "prompt": PROMPTS[0], "temperature": 0.8, "top_k": 20, "seed": 11})
     inp = _write(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    assert _batch("--model", llama, "--input", inp, "--output", out, "--max-new-tokens", 20) == 0
+    assert _batch("--model", llama, "--input", inp, "--output", out, "--max-new-tokens", 20, *extra) == 0
     err = capsys.readouterr().err
     assert "[batch] done: 6/6" in err
     recs = {r["id"]: r for r in _records(out)}
@@ -432,10 +460,10 @@ sys.exit(run_batch(p.parse_args()))
 """
 
 
-def _cmd(model, inp, out):
+def _cmd(model, inp, out, *extra):
     prog = ["-m", "memra_dist.cli"] if _registered() else ["-c", _MAIN]
     return [sys.executable, *prog, "batch", "--model", str(model), "--input", str(inp), "--output", str(out),
-            "--device", "cpu", "--max-new-tokens", "300"]
+            "--device", "cpu", "--max-new-tokens", "300", *extra]
 
 
 def _start_and_wait_lines(cmd, out: Path, n: int) -> subprocess.Popen:
@@ -466,11 +494,13 @@ def test_a_killed_job_resumes_to_the_uninterrupted_output(long_job, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_an_interrupted_job_exits_130_with_complete_lines(long_job, tmp_path, sig):
+@pytest.mark.parametrize("sig,extra", [(signal.SIGINT, ()), (signal.SIGTERM, ()),
+                                       (signal.SIGTERM, ("--pp", "2", "--sessions", "2"))],
+                         ids=["ctrl-c", "sigterm", "sigterm-pp2-sessions2"])
+def test_an_interrupted_job_exits_130_with_complete_lines(long_job, tmp_path, sig, extra):
     model, inp, ref = long_job
     out = tmp_path / "out.jsonl"
-    proc = _start_and_wait_lines(_cmd(model, inp, out), out, 1)
+    proc = _start_and_wait_lines(_cmd(model, inp, out, *extra), out, 1)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]

@@ -17,6 +17,10 @@ line without its newline (a crash mid-write) is cut off first and its request ru
 Each line is written with SIGINT / SIGTERM held and cut back if the write fails, so a job
 stopped any way leaves complete lines only; one job at a time holds the output (flock).
 
+Requests run in as many threads as the engine has sessions (pp>1: one per stage unless
+--sessions says otherwise), so the pipeline's stages work on several requests at once;
+results are appended in the order requests finish.
+
 Progress goes to stderr, at most one line a second, then one summary line.
 """
 
@@ -26,6 +30,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
@@ -291,10 +296,12 @@ def _request_cfg(cfg, req: Request):
 
 
 def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engine, ctx: int | None = None,
-            err: TextIO | None = None, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> int:
+            err: TextIO | None = None, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+            sessions: int | None = None) -> int:
     """The whole job; 0 when it ran (refused lines included), 130 when interrupted. Bad
-    arguments raise UserError before the engine opens. `open_engine(cfg, capacity)` is
-    a context manager giving an object with `generate(ids, cfg, stream) -> Result`."""
+    arguments raise UserError before the engine opens. `open_engine(cfg, capacity,
+    sessions=)` is a context manager giving an object with `sessions` and
+    `generate(ids, cfg, stream) -> Result` (callable from that many threads at once)."""
     def say(line: str) -> None:
         _say(line, err)
 
@@ -308,12 +315,13 @@ def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engin
         pass
     out = Output(output_path)
     try:
-        return _run(cfg, out, parse_input(data), tokenizer, max_pos, open_engine, ctx, say, err, every_s, clock)
+        return _run(cfg, out, parse_input(data), tokenizer, max_pos, open_engine, ctx, say, err, every_s, clock,
+                    sessions)
     finally:
         out.close()
 
 
-def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, every_s, clock) -> int:
+def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, every_s, clock, sessions) -> int:
     if out.cut:
         say(f"[batch] {out.path}: cut off an unfinished last line ({out.cut} bytes); its request runs again")
     if out.unreadable:
@@ -337,10 +345,18 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
             if cap < most:
                 say(f"[batch] the context holds {cap} rows ({'--ctx' if ctx is not None else 'the model'}): "
                     f"a request needing more (up to {most}) ends when it is full")
-            with open_engine(cfg, cap) as engine:
+            stop = threading.Event()
+            workers: list[threading.Thread] = []
+            with open_engine(cfg, cap, sessions=sessions) as engine:
                 prog.start()
-                for req, ids, rcfg in runnable:
-                    _one(engine, out, prog, tok, req, ids, rcfg)
+                try:
+                    _serve_all(engine, runnable, out, prog, tok, stop, workers)
+                finally:
+                    stop.set()  # Ctrl-C or an error: requests in flight end at their next tokens
+                    for w in workers:  # before the engine closes: none is left computing on it
+                        w.join()
+            if any(getattr(w, "error", None) for w in workers):
+                raise next(w.error for w in workers if getattr(w, "error", None))
     except KeyboardInterrupt:
         interrupted = True
     say(prog.summary(out.path, interrupted))
@@ -376,22 +392,77 @@ def _prepare(cfg, todo, tok, max_pos: int, ctx: int | None):
     return runnable, refused
 
 
-def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int], rcfg) -> None:
+class _Stopped(Exception):
+    """Raised from a request's stream when the job stops: the engine abandons the request
+    (it runs again on resume)."""
+
+
+def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threading.Event,
+               workers: list[threading.Thread]) -> None:
+    """Run every request on `engine.sessions` worker threads (appended to `workers`) and
+    wait for them, in short joins so Ctrl-C reaches the main thread at once. A worker's
+    unexpected error stops the others from starting new requests; it is kept on the thread
+    (`error`) and raised by the caller after the engine is closed."""
+    todo = iter(runnable)
+    take = threading.Lock()
+    lock = threading.Lock()  # progress counters and lines
+
+    def work(me: threading.Thread) -> None:
+        while not stop.is_set():
+            with take:
+                item = next(todo, None)
+            if item is None:
+                return
+            try:
+                _one(engine, out, prog, tok, *item, stop=stop, lock=lock)
+            except _Stopped:
+                return
+            except BaseException as e:  # noqa: BLE001 (handed to the main thread)
+                me.error = e
+                stop.set()
+                return
+
+    n = max(1, min(getattr(engine, "sessions", 1), len(runnable)))
+    if n == 1:  # one session: the requests run on this thread (no torch work in another thread)
+        for item in todo:
+            _one(engine, out, prog, tok, *item)
+        return
+    for i in range(n):
+        t = threading.Thread(target=lambda: work(threading.current_thread()), name=f"batch-{i}", daemon=True)
+        t.error = None
+        workers.append(t)
+        t.start()
+    for t in workers:
+        while t.is_alive():
+            t.join(0.2)
+
+
+def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int], rcfg,
+         stop: threading.Event | None = None, lock=None) -> None:
     streamed = [0]
+    lock = lock or threading.Lock()
 
     def stream(new) -> None:
+        if stop is not None and stop.is_set():
+            raise _Stopped
         streamed[0] += len(new)
-        prog.add_tokens(len(new))
+        with lock:
+            prog.add_tokens(len(new))
 
     try:
         res = engine.generate(ids, rcfg, stream=stream)
     except UserError as x:  # the engine refused this request: the job goes on
+        if stop is not None and stop.is_set():
+            return
         out.append({"id": req.id, "error": _one_line(x)})
-        prog.finished(error=True)
+        with lock:
+            prog.finished(error=True)
         return
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stopped):
         raise
     except Exception as x:
+        if stop is not None and stop.is_set():
+            return  # the job is being stopped: the engine went away under this request
         _say(f"[batch] request {_show(req.id)} (line {req.line}) failed: {_one_line(x)[:300]}; finished requests "
              f"are in {out.path}, the same command resumes", prog.out)
         raise
@@ -399,4 +470,5 @@ def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int],
     if len(token_ids) > streamed[0]:
         prog.tokens += len(token_ids) - streamed[0]  # an engine that streamed less than it returned
     out.append({"id": req.id, "token_ids": token_ids, "text": tok.decode(token_ids), "stats": res.stats})
-    prog.finished()
+    with lock:
+        prog.finished()

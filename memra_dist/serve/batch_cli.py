@@ -37,6 +37,9 @@ def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
     b.add_argument("--output", required=True, metavar="JSONL",
                    help="results, one JSON object a line, appended as requests finish (created if absent)")
     add_run_args(b, demo=True)  # generate's flag set; demo=True leaves out --model / --prompt
+    b.add_argument("--sessions", type=int, default=None, metavar="S",
+                   help="requests in flight at once (--pp > 1; default: one per stage, so every stage "
+                        "works; each is a cache slot of --ctx rows on every stage); --pp 1 runs one at a time")
     b.set_defaults(max_new_tokens=64, burst_rounds=8)  # generate's defaults, not the demo's
     for a in b._actions:  # noqa: SLF001 (two helps that read differently for a batch)
         if a.dest == "ctx":
@@ -88,4 +91,4 @@ def _run(args) -> int:
     if tok.vocab_size > mcfg.vocab_size:
         raise UserError(f"{cfg.model}: tokenizer has {tok.vocab_size} tokens, the model only {mcfg.vocab_size}")
     return run_job(cfg, args.input, args.output, tokenizer=tok, max_pos=mcfg.max_position_embeddings,
-                   open_engine=open_engine, ctx=args.ctx)
+                   open_engine=open_engine, ctx=args.ctx, sessions=args.sessions)

@@ -80,6 +80,7 @@ class Output:
 
     def __init__(self, path):
         self.path = str(path)
+        self._writing = threading.Lock()
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         except IsADirectoryError:
@@ -144,7 +145,7 @@ class Output:
             line = (json.dumps(rec, ensure_ascii=False, default=_jsonable) + "\n").encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate from the input: escaped instead
             line = (json.dumps(rec, default=_jsonable) + "\n").encode("ascii")
-        with _signals_held():
+        with self._writing, _signals_held():  # the job's sessions finish from several threads
             start = os.fstat(self.fd).st_size
             try:
                 view = memoryview(line)
