@@ -127,7 +127,8 @@ def test_rayservice_structure():
     serve port on the head, spans to the collector, the image installs the serve extra."""
     from ray.serve.schema import ServeDeploySchema
 
-    from memra_dist.serve.deployment import app_builder
+    from memra_dist.cli import _add_run_args
+    from memra_dist.serve.entry import app_builder
     from memra_dist.serve.serve_cli import parse_serve_argv, spec_argv
 
     svc = _yaml(CLUSTER / "kuberay" / "rayservice.yaml")
@@ -135,8 +136,8 @@ def test_rayservice_structure():
     spec = svc["spec"]
     serve_cfg = ServeDeploySchema(**yaml.safe_load(spec["serveConfigV2"]))  # Ray's validation of the fields
     (app,) = serve_cfg.applications
-    assert app.import_path == "memra_dist.serve.deployment:app_builder" and app.route_prefix == "/"
-    args = parse_serve_argv(spec_argv(app.args))
+    assert app.import_path == "memra_dist.serve.entry:app_builder" and app.route_prefix == "/"
+    args = parse_serve_argv(spec_argv(app.args), _add_run_args)
     assert args.model.startswith("/") and args.max_queue >= 1
     from ray.serve.deployment import Application
 

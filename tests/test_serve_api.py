@@ -19,6 +19,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from memra_dist.cli import _add_run_args  # noqa: E402
 from memra_dist.config import RunConfig  # noqa: E402
 from memra_dist.errors import UserError  # noqa: E402
 from memra_dist.serve.api import build_app  # noqa: E402
@@ -295,7 +296,7 @@ def served(ckpt_factory):
     port = _free_port()
     argv = ["--model", str(model), "--device", "cpu", "--dtype", "fp32", "--max-new-tokens", "24",
             "--trace-level", "1", "--max-queue", "1", "--port", str(port)]
-    args = parse_serve_argv(argv)
+    args = parse_serve_argv(argv, _add_run_args)
     try:
         base = deploy(args)
         with httpx.Client(timeout=60) as client:
@@ -314,7 +315,7 @@ def _reference(model, argv, prompt, **over):
     from memra_dist.serve.serve_cli import parse_serve_argv
 
     i = argv.index("--trace-level")
-    args = parse_serve_argv(argv[:i] + argv[i + 2:])  # the same flags, no spans in this process
+    args = parse_serve_argv(argv[:i] + argv[i + 2:], _add_run_args)  # the same flags, no spans in this process
     cfg = config_from_args(args, args.model, args.draft_model).with_(**over)
     tok = load_tokenizer(model)
     ids = tok.encode(prompt)

@@ -6,15 +6,14 @@ replica's `__del__`).
 Two ways in:
   * `memra-dist serve ...`: `deploy(args)` starts (or joins, RAY_ADDRESS) Ray, starts Serve's
     HTTP proxy on --host / --port and runs the application; `undeploy()` takes it down.
-  * an import path, for `serve run` or a KubeRay RayService:
-        import_path: memra_dist.serve.deployment:app_builder
-        args: {model: /models/llama, pp: 2, sessions: 4, max-queue: 32, trace-level: 1}
-    `args` are `memra-dist serve`'s flags (dashes or underscores); HTTP host and port are the
-    Serve config's (http_options), not these.
+  * the import path `memra_dist.serve.entry:app_builder` (`serve run`, a KubeRay RayService),
+    which parses `memra-dist serve`'s flags and calls `build`.
+The replica gets the parsed flags as a plain dict (vars of the Namespace).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from ray import serve
@@ -22,9 +21,8 @@ from ray import serve
 from ..errors import UserError
 from .api import build_app
 from .host import EngineHost
-from .serve_cli import args_argv, parse_serve_argv, sessions, spec_argv
 
-__all__ = ["MemraServer", "app_builder", "build", "deploy", "undeploy", "APP_NAME", "deployment_options"]
+__all__ = ["MemraServer", "build", "deploy", "undeploy", "APP_NAME", "deployment_options", "engine_sessions"]
 
 APP_NAME = "memra-dist"
 HEADROOM = 32  # requests beyond sessions + queue that reach the replica (health, metrics, the 429s themselves)
@@ -34,18 +32,23 @@ _PASS_ENV = ("OTEL_", "MEMRA_")
 @serve.deployment(name="MemraServer")
 @serve.ingress()
 class MemraServer:
-    """One engine per replica. `argv`: `memra-dist serve`'s flags, re-read here."""
+    """One engine per replica. `options`: `memra-dist serve`'s parsed flags, as a dict."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, options: dict):
         from ..app import config_from_args  # noqa: PLC0415
 
-        args = parse_serve_argv(argv)
+        args = argparse.Namespace(**options)
         cfg = config_from_args(args, args.model, args.draft_model)
         self.host = EngineHost(cfg, args.sessions)  # the model loads (the pipeline is placed) here, once
         self.max_queue = args.max_queue
 
     def __serve_build_asgi_app__(self):
         return build_app(self.host, self.max_queue)  # its shutdown exits the engine
+
+
+def engine_sessions(args) -> int:
+    """The sessions the engine keeps in flight (open_engine's rule: one per stage by default, 1 at pp=1)."""
+    return 1 if args.pp == 1 else (args.sessions or args.pp)
 
 
 def _gpus_for_replica(args) -> float:
@@ -63,7 +66,7 @@ def deployment_options(args) -> dict:
     return {
         "num_replicas": 1,
         # the replica decides who waits and who gets a 429: Serve must hand every request to it
-        "max_ongoing_requests": sessions(args) + args.max_queue + HEADROOM,
+        "max_ongoing_requests": engine_sessions(args) + args.max_queue + HEADROOM,
         "ray_actor_options": {"num_cpus": 1, "num_gpus": _gpus_for_replica(args), "runtime_env": {"env_vars": env}},
         "max_constructor_retry_count": 1,  # a model that does not load fails the deploy, not 20 retries
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -74,16 +77,7 @@ def deployment_options(args) -> dict:
 
 def build(args):
     """The Serve application of parsed serve flags."""
-    return MemraServer.options(**deployment_options(args)).bind(args_argv(args))
-
-
-def app_builder(spec: dict | None = None):
-    """The import-path entry (`serve run`, RayService): `spec` holds serve's flags."""
-    try:
-        args = parse_serve_argv(spec_argv(dict(spec or {})))
-    except UserError as e:
-        raise ValueError(str(e)) from None
-    return build(args)
+    return MemraServer.options(**deployment_options(args)).bind(dict(vars(args)))
 
 
 _STATE: dict = {}

@@ -1,9 +1,8 @@
 """`memra-dist serve`: the subparser (added by memra_dist/cli.py), the handler, and the same
-flags parsed from a list (the Ray Serve deployment re-reads them in its replica, and a
-RayService's `args` are these flags).
+flags parsed from a list (a RayService's `args` are these flags: serve/entry.py).
 
-memra_dist/cli.py hands in its generate flag set (`add_serve_parser(sub, _add_run_args)`);
-nothing at module level imports memra_dist.cli (which imports this package)."""
+memra_dist/cli.py hands in its generate flag set (`add_serve_parser(sub, _add_run_args)`):
+nothing here imports memra_dist.cli, which imports this package (no import cycle)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from typing import Callable
 
 from ..errors import UserError
 
-__all__ = ["add_serve_parser", "run_serve", "parse_serve_argv", "spec_argv", "args_argv", "check_serve_deps", "INSTALL_HINT"]
+__all__ = ["add_serve_parser", "run_serve", "parse_serve_argv", "spec_argv", "check_serve_deps", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'memra_dist[serve]'"
 
@@ -82,36 +81,14 @@ class _RaisingParser(argparse.ArgumentParser):
         raise UserError(f"serve: {message}")
 
 
-def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
-    """The serve flags from a list, checked as the CLI checks them; UserError when bad."""
-    args = _serve_parser().parse_args(argv)
+def parse_serve_argv(argv: list[str], add_run_args: Callable[..., None]) -> argparse.Namespace:
+    """The serve flags from a list, checked as the CLI checks them; UserError when bad.
+    add_run_args: memra_dist.cli._add_run_args (handed in: this package never imports the CLI)."""
+    p = _RaisingParser(prog="memra-dist serve", add_help=False)
+    _add_args(p, add_run_args)
+    args = p.parse_args(argv)
     check_args(args)
     return args
-
-
-def _serve_parser() -> argparse.ArgumentParser:
-    from ..cli import _add_run_args  # noqa: PLC0415 (at call time: cli imports this package)
-
-    p = _RaisingParser(prog="memra-dist serve", add_help=False)
-    _add_args(p, _add_run_args)
-    return p
-
-
-def args_argv(args: argparse.Namespace) -> list[str]:
-    """The flags that give `args` again (those off their default), for the replica to re-read."""
-    argv: list[str] = []
-    for a in _serve_parser()._actions:  # noqa: SLF001
-        if not a.option_strings or a.dest == "help":
-            continue
-        v = getattr(args, a.dest, a.default)
-        if v is None or v == a.default:
-            continue
-        flag = max(a.option_strings, key=len)
-        if a.nargs == 0:  # store_true
-            argv.append(flag)
-        else:
-            argv += [flag, str(v)]
-    return argv
 
 
 def spec_argv(spec: dict) -> list[str]:
@@ -140,11 +117,6 @@ def check_args(args) -> None:
         raise UserError(f"--max-queue {args.max_queue}: expected >= 0")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
-
-
-def sessions(args) -> int:
-    """The sessions the engine will keep in flight (open_engine's rule: one per stage by default, 1 at pp=1)."""
-    return 1 if args.pp == 1 else (args.sessions or args.pp)
 
 
 def check_serve_deps() -> None:
@@ -223,12 +195,12 @@ def _run(args) -> int:
     validate(args)
     if not os.environ.get("RAY_ADDRESS"):
         _check_port(args.host, args.port)
-    from .deployment import deploy, undeploy  # noqa: PLC0415 (Ray only once the input is good)
+    from .deployment import deploy, engine_sessions, undeploy  # noqa: PLC0415 (Ray only once the input is good)
 
     main_thread = threading.current_thread() is threading.main_thread()
     prev = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        return _serve(args, deploy, undeploy)
+        return _serve(args, deploy, undeploy, engine_sessions(args))
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, prev)
@@ -238,10 +210,10 @@ def _on_sigterm(signum, frame):
     raise KeyboardInterrupt  # SIGTERM (kill, a pod's stop) takes the same clean way down as Ctrl-C
 
 
-def _serve(args, deploy, undeploy) -> int:
+def _serve(args, deploy, undeploy, sessions: int) -> int:
     url = deploy(args)
     print(f"[serve] {os.path.basename(os.path.normpath(args.model))} at {url}/v1 (POST /v1/completions; "
-          f"{sessions(args)} session(s), queue {args.max_queue}); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"{sessions} session(s), queue {args.max_queue}); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         while True:
             time.sleep(3600)
