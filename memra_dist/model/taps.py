@@ -1,7 +1,8 @@
 """Taps: the hidden states of chosen target layers, kept for the rows a forward ran.
 
 A tap id t names the OUTPUT of decoder layer t (HF `hidden_states[t + 1]`): the residual
-stream after block t, before the final norm. A `TapSink` holds one preallocated
+stream after block t, before the final norm (for the last layer HF's `hidden_states[L]` is
+after the final norm; a tap is not). A `TapSink` holds one preallocated
 (capacity, H) buffer per tapped layer; the stage's forward writes each tapped layer's
 output rows at the rows' positions (`index_copy_` at the positions tensor), so a tapped
 forward has static shapes, no host readback, and is capturable in a CUDA graph exactly as
