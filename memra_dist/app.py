@@ -301,9 +301,15 @@ def _echo(prompt: str, dec: StreamDecoder):
 def _report(args, cfg, plan, result, text, share, tracing, complete: bool = True) -> None:
     st = result.stats
     run_dir = str(tracing.run_dir) if tracing.run_dir is not None else None
+    busy = None
+    if run_dir is not None and cfg.pp > 1 and cfg.trace.level >= 1:  # which stage waits, from its spans
+        from .tracing.stage_busy import busy_of_run_dir  # noqa: PLC0415
+
+        busy = busy_of_run_dir(run_dir)
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": text, "stats": st, "run_dir": run_dir,
-                          "trace_complete": complete, "capped": plan.capped}))
+                          "trace_complete": complete, "capped": plan.capped,
+                          "stage_busy": busy.share if busy is not None else None}))
         if run_dir is not None:
             print(_where(run_dir, complete), file=sys.stderr)
         return
@@ -316,6 +322,8 @@ def _report(args, cfg, plan, result, text, share, tracing, complete: bool = True
           f"drafter={cfg.drafter} k={cfg.k} pp={cfg.pp}")
     if share is not None and share.n_rounds:
         print(share.table(), file=sys.stderr)
+    if busy is not None:
+        print(f"[memra] {busy.line()}", file=sys.stderr)
     if run_dir is not None:
         print(_where(run_dir, complete), file=sys.stderr)
 

@@ -105,6 +105,8 @@ def test_long_pp2_run_keeps_every_roles_spans_in_one_trace_file(long_llama, tmp_
     out = json.loads(p.stdout)
     assert len(out["token_ids"]) == 3000 and out["trace_complete"] and out["run_dir"] == str(run_dir)
     assert "lost" not in p.stderr and "INCOMPLETE" not in p.stderr
+    busy = out["stage_busy"]  # from the stage spans: one session keeps one stage busy at a time
+    assert set(busy) == {"0", "1"} and 0 < busy["0"] + busy["1"] <= 1.0 + 1e-3, busy
     rounds = out["stats"]["rounds"]
     spans = _spans_by_role(run_dir)
     assert set(spans) == {"driver", "head", "stage"}

@@ -13,11 +13,12 @@ from .otlp_json import attr_value, read_spans
 __all__ = ["busy_of_items", "busy_of_run_dir"]
 
 
-def busy_of_items(items) -> StageBusy:
-    """items: (resource attributes, OTLP JSON span) pairs (otlp_json.read_spans)."""
+def busy_of_items(items, since_ns: int = 0) -> StageBusy:
+    """items: (resource attributes, OTLP JSON span) pairs (otlp_json.read_spans); only the
+    forwards that started at or after `since_ns` (Unix ns) count."""
     by_stage: dict[int, list[tuple[int, int]]] = {}
     for _res, s in items:
-        if s.get("name") != SPAN_STAGE_FORWARD:
+        if s.get("name") != SPAN_STAGE_FORWARD or int(s["startTimeUnixNano"]) < since_ns:
             continue
         attrs = {a["key"]: attr_value(a["value"]) for a in s.get("attributes", [])}
         stage = attrs.get(ATTR["stage"])
@@ -27,5 +28,5 @@ def busy_of_items(items) -> StageBusy:
     return stage_busy(by_stage)
 
 
-def busy_of_run_dir(run_dir) -> StageBusy:
-    return busy_of_items(read_spans(sorted(Path(run_dir).glob(f"*{OTLP_NAME}"))))
+def busy_of_run_dir(run_dir, since_ns: int = 0) -> StageBusy:
+    return busy_of_items(read_spans(sorted(Path(run_dir).glob(f"*{OTLP_NAME}"))), since_ns)
