@@ -243,3 +243,22 @@ def test_trained_tiny_drafter_accepts_and_miswiring_costs_it(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(DFlashDrafter, "block_logits", lambda self, last, start, rows: real(self, last, start + 1, rows))
         assert acceptance(good) < 0.1
+
+
+def test_draft_span_says_one_forward(llama, dflash_dir):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from memra_dist.phase.levels import TraceSettings
+    from memra_dist.tracing.emit import SpanSink
+
+    exp = InMemorySpanExporter()
+    prov = TracerProvider()
+    prov.add_span_processor(SimpleSpanProcessor(exp))
+    cfg = RunConfig(model=str(llama), drafter="dflash", draft_model=str(dflash_dir), k=3, max_new_tokens=12,
+                    device="cpu", trace=TraceSettings(level=1))
+    generate(cfg, PROMPT, span_sink=SpanSink(prov.get_tracer("t"), None))
+    drafts = [s for s in exp.get_finished_spans() if s.name == "spec.draft"]
+    assert drafts and all(s.attributes["memra.draft_forwards"] == (1 if s.attributes["memra.k"] else 0)
+                          for s in drafts)

@@ -23,6 +23,7 @@ class RoundRecord:
     free_mb: list[dict[str, int]] = field(default_factory=lambda: [{} for _ in range(PHASE_COUNT)])
     sub_ns: dict[str, int] = field(default_factory=dict)  # level 2: kda/mla/attn/ffn/scan
     seq_rows: int = 0
+    draft_forwards: int = -1  # draft-network forwards in the draft phase (-1: the drafter does not say)
 
     def phase_ns(self, i: int) -> int:
         return self.t[i + 1] - self.t[i]

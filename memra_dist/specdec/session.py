@@ -97,6 +97,7 @@ class SpecSession:
         self.prof = FirstTokenProf() if trace.prof else None
         self.log = RoundsLog() if trace.prof else None
         self._ids = torch.zeros(k + 1, dtype=torch.long)  # the verify row ids, reused every round
+        self._draft_fw = getattr(drafter, "forwards_per_draft", -1)  # dflash: one forward drafts the block
         self._no_drafts = torch.zeros(0, dtype=torch.long)
         # deferred sink work (span building, tracing/deferred.py) runs while a verify is on the
         # device: right after the forward is launched, before the clock drains it. At level 2
@@ -244,6 +245,7 @@ class SpecSession:
         if rec is not None:
             r.t[5], r.free_mb[4] = c.stamp(), c.free_mb()
             r.k, r.j = kk, j
+            r.draft_forwards = self._draft_fw if kk or self._draft_fw < 0 else 0
             self._profile_round(r)
         if self._pump_between is not None:
             self._pump_between()

@@ -96,7 +96,8 @@ class SpanSink:
         rs = self._span(SPAN_ROUND, burst, r.t[0], r.t[5], {**base, ATTR["seq_rows"]: r.seq_rows})
         for i, ph in enumerate(PHASES):
             mem = self._mem(r.free_mb[i])
-            ps = self._span(PHASE_SPANS[ph], rs, r.t[i], r.t[i + 1], {**base, **mem})
+            extra = {ATTR["draft_forwards"]: r.draft_forwards} if ph == "draft" and r.draft_forwards >= 0 else {}
+            ps = self._span(PHASE_SPANS[ph], rs, r.t[i], r.t[i + 1], {**base, **mem, **extra})
             if ph == "verify" and r.sub_ns:
                 t = r.t[1]
                 for bucket, ns, extra in verify_sub_layout(r):

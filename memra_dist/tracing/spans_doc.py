@@ -34,9 +34,11 @@ ATTR_DOC = {
     "rows": ("{row}", "stage.forward", "rows in the forward"),
     "scan_ms": ("ms", "spec.verify.kda", "the recurrent scan's share inside the KDA mixer bucket"),
     "seq_rows": ("{row}", "spec.round", "verify rows that took a per-row mixer arm instead of the batched one"),
+    "draft_forwards": ("{forward}", "spec.draft", "draft-network forwards in the phase, where the drafter says: dflash "
+                       "drafts its whole block in ONE forward (1; 0 in a round that drafted nothing)"),
     "tokens": ("{token}", "spec.burst, memra.request, memra.first_token", "tokens committed (the first-token span: tokens of the first burst, anchor included)"),
     "rounds": ("{round}", "spec.burst, memra.request, memra.first_token", "rounds run"),
-    "drafter": ("", "memra.request", "none | ngram | model | replay"),
+    "drafter": ("", "memra.request", "none | ngram | model | dflash | replay"),
     "model": ("", "memra.request", "the model directory's name (never a path, never the prompt)"),
     "pp": ("", "memra.request", "pipeline stages"),
     "trace_level": ("", "memra.request", "0, 1 or 2"),

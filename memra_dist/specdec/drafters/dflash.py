@@ -24,8 +24,6 @@ Runs in the target's process at pp = 1 (the taps are local); pipeline taps are n
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ...cache import KVLayer
@@ -48,7 +46,6 @@ class DFlashDrafter(Drafter):
         self.device = target.device
         self.states: list[KVLayer] = []
         self.n = 0  # context rows ingested: positions 0 .. n-1
-        self.prime_ms: dict[str, float] = {}  # the last prime's split: feat, kv (wall, ms)
         target.keep_taps(self.dc.tap_ids)
 
     @classmethod
@@ -75,29 +72,21 @@ class DFlashDrafter(Drafter):
         return taps
 
     @torch.inference_mode()
-    def _ingest(self, upto: int, split: dict | None = None) -> None:
-        """Context rows [n, upto) from the target's taps into every layer's K/V."""
+    def _ingest(self, upto: int) -> None:
+        """Context rows [n, upto) from the target's taps into every layer's K/V: one feature
+        GEMM over the rows, then each layer's k/v projections, all on the device."""
         if upto <= self.n:
             return
-        t0 = time.perf_counter()
         pos = torch.arange(self.n, upto, device=self.device)
         C = self.net.features(self._taps().rows(self.n, upto))  # (rows, H)
-        if split is not None:
-            self.target.drain()
-            t1 = time.perf_counter()
-            split["feat"] = (t1 - t0) * 1e3
         for st, (k, v) in zip(self.states, self.net.context_kv(C, pos)):
             st.k.index_copy_(0, pos, k)
             st.v.index_copy_(0, pos, v)
-        if split is not None:
-            self.target.drain()
-            split["kv"] = (time.perf_counter() - t1) * 1e3
         self.n = upto
 
     def prime(self, prompt: list[int]) -> None:
         self.n = 0
-        self.prime_ms = {}
-        self._ingest(len(prompt), self.prime_ms)
+        self._ingest(len(prompt))
 
     def maintain(self, context) -> None:
         self._ingest(len(context) - 1)
