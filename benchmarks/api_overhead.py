@@ -127,12 +127,13 @@ def main() -> int:
                              "ttft_ms_median": ttft[len(ttft) // 2], "ttft_ms_max": ttft[-1]}
         _say(f"{a.clients} clients at once: time to first token (ms, sorted) {ttft}")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    (out / "server.err").write_text("".join(errs))
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        (out / "server.err").write_text("".join(errs))
 
     from memra_dist.app import open_engine  # noqa: PLC0415
     from memra_dist.config import RunConfig  # noqa: PLC0415
