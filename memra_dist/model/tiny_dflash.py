@@ -131,14 +131,20 @@ def _blocks(net: DFlashNet, feats, ids, pred, embed, anchors: torch.Tensor, mask
     return h[:, 1:], labels
 
 
+def _corpus_stream(tok, corpus: str) -> tuple[torch.Tensor, list[int]]:
+    """The corpus as one token stream, each paragraph encoded on its own (as a prompt is, and
+    as the demo target trained), and where each paragraph starts in it."""
+    paras = [tok.encode(line).ids for line in corpus.splitlines() if line.strip()]
+    starts = [sum(len(p) for p in paras[:i]) for i in range(len(paras))]
+    return torch.tensor([t for p in paras for t in p], dtype=torch.long), starts
+
+
 def train_dflash(target_dir: str | Path, out: str | Path, steps: int = RECIPE["steps"], lr: float = RECIPE["lr"],
                  seq: int = RECIPE["seq"], anchors: int = RECIPE["anchors"], seed: int = RECIPE["seed"],
                  corpus: str = CORPUS, progress: Callable | None = None, **shape) -> Path:
     """Train a DFlash drafter against the (frozen) target in `target_dir` on `corpus` and save
     it to `out`."""
     from tokenizers import Tokenizer  # noqa: PLC0415
-
-    from .tiny import _paragraphs  # noqa: PLC0415
 
     tcfg_d = json.loads((Path(target_dir) / "config.json").read_text())
     cfg = dflash_config_dict(tcfg_d, **{**TINY_DFLASH, **shape})
@@ -149,7 +155,7 @@ def train_dflash(target_dir: str | Path, out: str | Path, steps: int = RECIPE["s
     for p in stage.parameters():
         p.requires_grad_(False)
     tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
-    ids, starts = _paragraphs(tok, corpus)
+    ids, starts = _corpus_stream(tok, corpus)
     prev = apply_cpu_threads(stage, "cpu")
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
