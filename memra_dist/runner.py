@@ -14,7 +14,7 @@ from .errors import UserError
 from .graphs import StepGraphs, compile_blocks, compile_supported, graph_rows_limit, graphs_supported
 from .model.config import ModelConfig, load_config
 from .model.loader import load_stage
-from .model.taps import TapSink
+from .model.taps import FINAL, TapSink
 
 __all__ = ["ModelRunner"]
 
@@ -106,7 +106,8 @@ class ModelRunner:
 
     def _local_taps(self) -> tuple[int, ...]:
         """The tapped layers this stage holds, in tap order (a stage-local tap set at pp > 1)."""
-        return tuple(t for t in self.tap_layers if self.stage.first <= t < self.stage.last)
+        return tuple(t for t in self.tap_layers if self.stage.first <= t < self.stage.last
+                     or (t == FINAL and self.stage.has_head))
 
     def _taps_match(self) -> bool:
         return (self.cache.taps.layers if self.cache.taps is not None else ()) == self._local_taps()

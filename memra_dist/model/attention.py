@@ -67,7 +67,7 @@ class Attention(nn.Module):
         """x (T, hidden) -> (T, hidden). ctx: StepCtx (positions, mask over cache slots, rotary
         rows); without a state (no cache) plain causal attention over x."""
         T, pos, mask = x.shape[0], ctx.pos, ctx.mask
-        rope = ctx.rope_for(self.hd)
+        rope = ctx.rope_for(self.rope_dim)
         q, k, v = self._qkv(x)  # (T, nh, hd), (T, nkv, hd), (T, nkv, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)

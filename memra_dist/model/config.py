@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import UserError
 from .kimi_config import SIZE_LIMITS, as_int, kimi_common, layers_field, size_field
+from .moe_config import MOE_ARCHS, moe_common
 
 __all__ = ["ModelConfig", "SUPPORTED_ARCHS", "SIZE_LIMITS", "CheckpointSizes", "checkpoint_sizes", "load_config",
            "parse_config", "parse_kimi_config", "safetensors_header"]
@@ -48,7 +49,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    family: Any = field(default=None, compare=False, repr=False)  # kimi_linear: its KimiSpec; else None
+    family: Any = field(default=None, compare=False, repr=False)  # kimi_linear: KimiSpec; deepseek_v3 / glm4_moe: MoESpec
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -109,8 +110,15 @@ def _parse_config(d: dict, where: str, sizes: CheckpointSizes | None) -> ModelCo
     max_layers = None if sizes is None else sizes.layers
     if arch == "kimi_linear":
         return parse_kimi_config(d, where, max_layers)
+    if arch in MOE_ARCHS:  # deepseek_v3, glm4_moe: model/moe_config.py
+        spec, common = moe_common(d, where, max_layers)
+        try:
+            theta, rope = _rope_params(d)
+        except (TypeError, ValueError, AttributeError, OverflowError) as e:
+            raise UserError(f"{where}: config.json has a malformed value ({_line(e)})") from None
+        return ModelConfig(arch=arch, raw=d, family=spec, rope_theta=theta, rope_scaling=rope, **common)
     if arch not in SUPPORTED_ARCHS:
-        names = ", ".join(sorted(list(SUPPORTED_ARCHS) + ["kimi_linear"]))
+        names = ", ".join(sorted(list(SUPPORTED_ARCHS) + ["kimi_linear", *MOE_ARCHS]))
         raise UserError(f"{where}: unsupported architecture '{arch}' (supported: {names})")
     traits = SUPPORTED_ARCHS[arch]
     try:

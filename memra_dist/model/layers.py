@@ -81,7 +81,11 @@ def rope_rows(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, nh, hd); cos/sin (T, hd) already gathered at the rows' positions."""
+    """x (T, nh, hd); cos/sin (T, d) already gathered at the rows' positions. d < hd: partial
+    rotary (glm4_moe), the first d dims rotate and the rest pass through."""
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :d], cos, sin), x[..., d:]), dim=-1)
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # (T, 1, hd)

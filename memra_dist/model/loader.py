@@ -17,6 +17,7 @@ from safetensors import safe_open
 from ..errors import UserError
 from .config import ModelConfig, load_config
 from .kimi_names import checkpoint_tensor
+from .moe_names import checkpoint_tensor as moe_checkpoint_tensor
 from .transformer import Stage
 
 __all__ = ["CheckpointReader", "load_stage", "hf_name", "FP32_KEYS", "register_checkpoint_names"]
@@ -29,6 +30,8 @@ FP32_KEYS = ("dt_bias", "A_log", "e_score_correction_bias", "mlp.gate.weight")
 # only for names missing from the checkpoint
 _NAME_HOOKS: dict[str, Callable[["CheckpointReader", str], torch.Tensor | None]] = {
     "kimi_linear": checkpoint_tensor,  # Moonshot's original layout (model/kimi_names.py)
+    "deepseek_v3": moe_checkpoint_tensor,  # per-expert tensors (model/moe_names.py)
+    "glm4_moe": moe_checkpoint_tensor,
 }
 
 

@@ -91,6 +91,7 @@ class MLA(nn.Module):
         T = x.shape[0]
         q = self._query(x)
         latent, k_shared = self._latents(x)
+        q, k_shared = self._rotate(q, k_shared, ctx)
         if state is not None:
             state.latent.index_copy_(0, ctx.pos, latent)
             state.k_shared.index_copy_(0, ctx.pos, k_shared)
@@ -100,6 +101,11 @@ class MLA(nn.Module):
         else:
             o = self._expanded(q, latent, k_shared, ctx.mask)
         return self.o_proj(o.reshape(T, self.nh * self.dv))  # (T, hidden)
+
+    def _rotate(self, q: torch.Tensor, k_shared: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positional rotation of the decoupled query / key part: none here (NoPE);
+        deepseek_v3's RopeMLA (model/moe_families.py) rotates it."""
+        return q, k_shared
 
     def _expanded(self, q, latent, k_shared, mask) -> torch.Tensor:
         """Per-head K/V for every slot, then SDPA. Returns (T, nh, dv)."""

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TapSink"]
+__all__ = ["TapSink", "FINAL"]
+
+# The tap id of the head stage's hidden state AFTER the final norm (what lm_head reads; HF's
+# `hidden_states[-1]`): an MTP drafter's input. Kept by the stage that owns the head.
+FINAL = -1
 
 
 class TapSink:

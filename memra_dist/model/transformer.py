@@ -18,6 +18,8 @@ from .attention import Attention, causal_mask
 from .config import ModelConfig
 from .kimi import kimi_ffn, kimi_mixer
 from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_rows
+from .moe_families import moe_ffn, moe_mixer
+from .taps import FINAL
 
 __all__ = ["Block", "Stage", "StepCtx", "register_family"]
 
@@ -50,6 +52,8 @@ def _dense_ffn(cfg: ModelConfig, i: int) -> nn.Module:
 for _n in ("llama", "qwen2", "qwen3"):
     register_family(_n, lambda cfg, i: Attention(cfg), _dense_ffn)
 register_family("kimi_linear", kimi_mixer, kimi_ffn)
+for _n in ("deepseek_v3", "glm4_moe"):
+    register_family(_n, moe_mixer, moe_ffn)
 
 
 def _family(arch: str) -> tuple[Callable, Callable]:
@@ -127,6 +131,8 @@ class Stage(nn.Module):
                 x = blk(x, ctx, cache.layers[int(i)])
                 if taps.wants(int(i)):
                     taps.write(int(i), pos, x)
+            if self.has_head and taps.wants(FINAL):  # the hidden lm_head reads (an MTP drafter's input)
+                taps.write(FINAL, pos, self.norm(x))
             return x
         for i, blk in self.layers.items():
             x = blk(x, ctx, cache.layers[int(i)] if cache is not None else None)
