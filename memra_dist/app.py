@@ -85,7 +85,7 @@ class _Local:
             raise
 
     def request(self, plan: RequestPlan, prompt: list[int], span_sink, carrier) -> Request:
-        if plan.cfg.drafter in ("model", "dflash") and self.drafter is None:  # kept loaded between requests
+        if plan.cfg.drafter in ("model", "dflash", "mtp") and self.drafter is None:  # kept loaded between requests
             from .specdec.drafters import build_drafter  # noqa: PLC0415
 
             self.drafter = build_drafter(plan.cfg, plan, self.device, self.dtype, len(prompt), target=self.runner)

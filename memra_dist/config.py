@@ -37,6 +37,8 @@ class RunConfig:
     compile: str = "auto"  # torch.compile the blocks captured in those graphs: auto (= with the graphs) | on | off
 
     def __post_init__(self):
+        if self.drafter == "mtp" and self.draft_model:
+            raise UserError("--drafter mtp takes no --draft-model: the target's checkpoint holds its MTP layers")
         if self.draft_model and self.drafter not in ("model", "dflash"):
             object.__setattr__(self, "drafter", "model")  # --draft-model implies --drafter model
         if self.drafter not in DRAFTERS:
@@ -48,6 +50,9 @@ class RunConfig:
         if self.drafter == "dflash" and self.pp > 1:
             raise UserError("--drafter dflash runs at --pp 1 only: pipeline stages do not yet ship the target's "
                             "taps to the head")
+        if self.drafter == "mtp" and self.pp > 1:
+            raise UserError("--drafter mtp runs at --pp 1 only: pipeline stages do not yet ship the target's "
+                            "final hidden state to the head's drafter")
         if self.k < 1:
             raise UserError(f"-k must be >= 1 (got {self.k})")
         if self.k > MAX_K:

@@ -60,6 +60,11 @@ def plan_request(cfg: RunConfig, prompt_len: int, mcfg: ModelConfig | None = Non
 
         draft = draft or load_dflash_config(cfg.draft_model)
         check_dflash(mcfg, draft, cfg.draft_model)
+    elif cfg.drafter == "mtp":
+        from .model.mtp import check_mtp  # noqa: PLC0415
+
+        check_mtp(mcfg, cfg.model)  # a target without MTP layers: refused here, one line
+        draft = None
     else:
         draft = None
     capacity, capped = plan_capacity(cfg, mcfg, prompt_len)

@@ -1,4 +1,4 @@
-"""Drafters, one per file, behind `base.Drafter`: none, ngram, model, dflash, replay (benchmarking).
+"""Drafters, one per file, behind `base.Drafter`: none, ngram, model, dflash, mtp, replay (benchmarking).
 `build_drafter` is the registry: the one place a drafter is chosen by name."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .ngram import NgramDrafter
 from .none import NoDrafter
 from .replay import ReplayDrafter
 
-DRAFTERS = ("none", "ngram", "model", "dflash", "replay")
+DRAFTERS = ("none", "ngram", "model", "dflash", "mtp", "replay")
 
 __all__ = ["DRAFTERS", "Drafter", "Proposal", "ModelDrafter", "NgramDrafter", "NoDrafter", "ReplayDrafter",
            "build_drafter"]
@@ -24,7 +24,7 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int,
                   record: Callable[[], list[int]] | None = None, target=None) -> Drafter:
     """The drafter `cfg.drafter` names. `plan` (memra_dist.plan.RequestPlan) holds the configs
     read once; `record` produces the target's greedy continuation (replay only); `target` is
-    the pp=1 runner a tap drafter reads (dflash only)."""
+    the pp=1 runner a tap drafter reads (dflash, mtp)."""
     if cfg.drafter == "none":
         return NoDrafter()
     if cfg.drafter == "ngram":
@@ -39,6 +39,12 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int,
         from .dflash import DFlashDrafter  # noqa: PLC0415
 
         return DFlashDrafter.load(cfg.draft_model, plan.draft, target)
+    if cfg.drafter == "mtp":  # the target's own MTP layers (its checkpoint holds them)
+        if target is None or not hasattr(target, "keep_taps"):
+            raise ValueError("the mtp drafter needs the in-process target runner (pp=1)")
+        from .mtp import MTPDrafter  # noqa: PLC0415
+
+        return MTPDrafter.load(cfg.model, plan.model, target)
     if cfg.drafter == "replay":
         if record is None:
             raise ValueError("the replay drafter needs the target's recorded continuation")
