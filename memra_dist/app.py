@@ -241,6 +241,10 @@ def _demo_args(args):
         from .model.tiny import demo_dflash  # noqa: PLC0415
 
         draft_model = str(demo_dflash(say))
+    if args.drafter == "mtp":  # a tiny glm4_moe target with a trained MTP layer (model/tiny_mtp.py), built once
+        from .model.tiny_mtp import demo_mtp_dir  # noqa: PLC0415
+
+        target = demo_mtp_dir(target.parent, say)
     say(f"tiny target + draft llamas trained on the embedded text, cached in {target.parent}")
     return str(target), draft_model, args.prompt or DEMO_PROMPT
 

@@ -256,3 +256,40 @@ def test_sampled_follows_target(tmp_path):
     assert_matches(counts[0], m1, "token 1 (anchor)", tv_tol=0.09)
     assert_matches(counts[1], m2, "token 2", tv_tol=0.09)
     assert_matches(counts[2], m3, "token 3", tv_tol=0.09)
+
+
+# ---- the wiring test: a trained tiny MTP layer accepts; its hidden one row off costs it ----
+
+
+@pytest.mark.slow  # trains the tiny glm4_moe target (~8 s) and its MTP layer (~6 s)
+def test_trained_tiny_mtp_accepts_and_miswiring_costs_it(tmp_path):
+    from memra_dist.app import DEMO_PROMPT
+    from memra_dist.model.corpus import CORPUS
+    from memra_dist.model.tiny import DEMO_INIT_STD, build_checkpoint, train_tokenizer
+    from memra_dist.model.tiny_mtp import TARGET_RECIPE, glm_config, train_mtp
+    from memra_dist.model.tokenizer import load_tokenizer
+
+    tok = train_tokenizer()
+    r = TARGET_RECIPE
+    d = build_checkpoint(tmp_path / "t", glm_config(tok.get_vocab_size()), tok, seed=r["seed"],
+                         train_steps=r["steps"], init_std=DEMO_INIT_STD, lr=r["lr"])
+    paras = [line for line in CORPUS.splitlines() if line.strip()]
+    train_mtp(d, corpus="\n".join(paras[:-1]))  # the last paragraph withheld from the MTP's training
+    enc = load_tokenizer(str(d)).encode
+    prompts = [enc(DEMO_PROMPT), enc(paras[2])[:12]]
+
+    def acceptance(k, ps=prompts) -> float:
+        st = [generate(RunConfig(model=str(d), drafter="mtp", k=k, max_new_tokens=64, device="cpu"), p).stats
+              for p in ps]
+        return sum(s["accepted"] for s in st) / sum(s["drafted"] for s in st)
+
+    assert acceptance(1) >= 0.9  # measured 1.0
+    chained = acceptance(3)
+    assert chained >= 0.5, chained  # measured 0.73-0.85: steps 2 and 3 reuse the one layer
+    # the tiny target and its MTP memorize their text: a paragraph the MTP never saw is ~0
+    assert acceptance(1, [enc(paras[-1])[:12]]) < 0.3
+    # the hidden of the row before (h_{p-1} with t_{p+1}) collapses it
+    with pytest.MonkeyPatch.context() as mp:
+        real = MTPDrafter._final
+        mp.setattr(MTPDrafter, "_final", lambda self: torch.roll(real(self), 1, 0))
+        assert acceptance(1) < 0.5
