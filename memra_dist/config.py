@@ -47,9 +47,6 @@ class RunConfig:
             raise UserError("--drafter model needs --draft-model DIR")
         if self.drafter == "dflash" and not self.draft_model:
             raise UserError("--drafter dflash needs --draft-model DIR (a DFlash checkpoint)")
-        if self.drafter == "dflash" and self.pp > 1:
-            raise UserError("--drafter dflash runs at --pp 1 only: pipeline stages do not yet ship the target's "
-                            "taps to the head")
         if self.drafter == "mtp" and self.pp > 1:
             raise UserError("--drafter mtp runs at --pp 1 only: pipeline stages do not yet ship the target's "
                             "final hidden state to the head's drafter")

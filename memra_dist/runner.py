@@ -52,6 +52,7 @@ class ModelRunner:
         self.drain = Drainer(device)
         self.label = device_label(device)
         self.tap_layers: tuple[int, ...] = ()  # layers whose outputs a forward keeps (keep_taps)
+        self.tap_all = False  # a pipeline head's sink holds the remote stages' taps too (they ship them)
 
     def alloc(self, capacity: int) -> None:
         """Allocate the cache for a session of `capacity` rows; a clear error if it cannot fit."""
@@ -105,7 +106,10 @@ class ModelRunner:
         self.tap_layers = tuple(int(t) for t in layers)
 
     def _local_taps(self) -> tuple[int, ...]:
-        """The tapped layers this stage holds, in tap order (a stage-local tap set at pp > 1)."""
+        """The tapped layers this stage holds, in tap order (a stage-local tap set at pp > 1);
+        every one on a pipeline's head (`tap_all`: the stages ship theirs to it)."""
+        if self.tap_all:
+            return self.tap_layers
         return tuple(t for t in self.tap_layers if self.stage.first <= t < self.stage.last
                      or (t == FINAL and self.stage.has_head))
 

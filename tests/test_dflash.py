@@ -172,7 +172,6 @@ def test_bad_checkpoint_one_line(llama, dflash_dir, tmp_path, capsys, edit, says
 
 @pytest.mark.parametrize("args, says", [
     (["--drafter", "dflash"], "--drafter dflash needs --draft-model"),
-    (["--drafter", "dflash", "--draft-model", "X", "--pp", "2"], "--pp 1 only"),
 ])
 def test_bad_flags_one_line(llama, capsys, args, says):
     code = main(["generate", "--model", str(llama), "--prompt", "hello", *args])

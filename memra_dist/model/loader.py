@@ -124,3 +124,14 @@ def load_stage(
             progress(done, total)
     stage.load_state_dict(state, assign=True, strict=True)
     return stage.to_device(device).eval()
+
+
+def load_embedding(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Embedding:
+    """The target's token embedding alone: a pipeline head holds the last layers, and a
+    drafter that embeds tokens with the target's table (DFlash, MTP) needs it there too."""
+    t = CheckpointReader(model_dir).get(hf_name("embed_tokens.weight"))
+    if tuple(t.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise UserError(f"{model_dir}: embedding has shape {tuple(t.shape)}, expected {(cfg.vocab_size, cfg.hidden_size)}")
+    emb = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+    emb.load_state_dict({"weight": t.to(device=device, dtype=dtype)}, assign=True)
+    return emb.eval()

@@ -10,15 +10,19 @@ the cache writes are. Rows past the committed length are stale (a rejected verif
 them) until a later forward overwrites them: readers take committed rows only.
 
 The sink lives on the stage's cache (`StageCache.taps`), so every session slot has its own.
-At pp > 1 each stage will hold the sink `subset(first, last)` of its own layers and ship
-`gather(pos)` with the activations to the head (not wired yet: DFlash runs at pp = 1).
+At pp > 1 each stage holds the taps of its own layers (`stage_taps`) and ships them with its
+activations: a stage receives the taps of the stages before it (`shipped_before`), appends
+its own (`gather(pos)`) and sends both on, so the head gets every remote tap of a forward's
+rows right behind the hidden rows, and writes them into its own sink, which holds every
+tapped layer. Only committed rows are read, and every forward rewrites its rows, so a
+rollback needs nothing shipped.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["TapSink", "FINAL"]
+__all__ = ["TapSink", "FINAL", "stage_taps", "shipped_before"]
 
 # The tap id of the head stage's hidden state AFTER the final norm (what lm_head reads; HF's
 # `hidden_states[-1]`): an MTP drafter's input. Kept by the stage that owns the head.
@@ -67,3 +71,24 @@ class TapSink:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.bufs.values())
+
+
+def stage_taps(layers, stages, s: int) -> tuple[int, ...]:
+    """The tap layers pipeline stage `s` holds, in tap order; FINAL is the last stage's (the
+    head's).
+
+    >>> stage_taps((1, 8, 15, FINAL), [(0, 8), (8, 16)], 0), stage_taps((1, 8, 15, FINAL), [(0, 8), (8, 16)], 1)
+    ((1,), (8, 15, -1))
+    """
+    first, last = stages[s]
+    return tuple(t for t in layers if (t != FINAL and first <= t < last) or (t == FINAL and s == len(stages) - 1))
+
+
+def shipped_before(layers, stages, s: int) -> tuple[int, ...]:
+    """The taps stage `s` receives behind its input rows: stages 0 .. s-1's, stage by stage,
+    each in tap order (the order the columns arrive in).
+
+    >>> shipped_before((15, 1, 8), [(0, 4), (4, 12), (12, 16)], 2)
+    (1, 8)
+    """
+    return tuple(t for i in range(s) for t in stage_taps(layers, stages, i))

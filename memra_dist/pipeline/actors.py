@@ -30,8 +30,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from ..device import actor_device, free_mb, resolve_dtype
+from ..model.taps import shipped_before, stage_taps
 from ..phase.subsplit import SUB_BUCKETS, SubsplitTimer
 from ..runner import ModelRunner
+from ..specdec.drafters import TAP_DRAFTERS, tap_layers
 from .actor_tracing import ActorTracing
 from .head_target import PipelineTarget
 from .ring import Ring
@@ -53,6 +55,12 @@ class _Worker:
                                   has_head=self.role == "head", cfg=plan.model, max_pos=plan.capacity,
                                   **cfg.runner_kwargs(self.device))
         self.runner.label = label
+        taps = tap_layers(cfg, plan)  # a drafter reading the target's hidden states (DFlash, MTP)
+        if taps:
+            self.runner.keep_taps(taps)
+        # tap columns (each H wide) arriving behind a forward's input rows / leaving behind its output
+        self.remote_taps = shipped_before(taps, plan.stages, stage)
+        self.taps_out = len(self.remote_taps) + len(stage_taps(taps, plan.stages, stage))
         self.link = Link(rank, world, self.device)
         self.tracing = ActorTracing(self.role, stage, run_dir, cfg.trace.clock_on)
         self.carriers: dict[int, dict] = {}  # each request's W3C context, by request index
@@ -139,9 +147,12 @@ class StageWorker(_Worker):
                 return served
 
     def _forward(self, run, start, rows, flags, rnd, slot, records) -> int:
-        link = self.link
+        link, H = self.link, run.cfg.hidden_size
+        up = None
         if not run.stage.has_embed:
-            x = link.recv((rows, run.cfg.hidden_size), run.dtype)
+            x = link.recv((rows, H), run.dtype)
+            if self.remote_taps:  # the earlier stages' taps of these rows ride behind them
+                up = link.recv((rows, len(self.remote_taps) * H), run.dtype)
         elif flags & Flag.INLINE:
             x = link.cmd_ids(rows)
         else:
@@ -156,6 +167,10 @@ class StageWorker(_Worker):
             records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), run.label,
                             self.slot_req.get(slot, -1), slot))
         link.send(h)
+        if self.taps_out:  # every tap so far, this stage's appended (positions: the rows')
+            pos = torch.arange(start, start + rows, device=self.device)
+            mine = run.cache.taps.gather(pos) if run.cache.taps is not None and run.cache.taps.bufs else None
+            link.send(mine if up is None else up if mine is None else torch.cat([up, mine], dim=-1))
         if timer is not None:
             sub = link.recv((len(SUB_BUCKETS),), torch.long) if self.rank > 1 else torch.zeros(
                 len(SUB_BUCKETS), dtype=torch.long, device=self.device)
@@ -199,6 +214,13 @@ class HeadWorker(_Worker):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
+        self.runner.tap_all = True  # its sink holds the remote stages' taps too (written from the ring)
+        if self.cfg.drafter in TAP_DRAFTERS and not self.runner.stage.has_embed:
+            from ..model.loader import load_embedding  # noqa: PLC0415
+
+            # the drafter embeds tokens with the target's table; the head holds the last layers
+            self.runner.stage.embed_tokens = load_embedding(self.cfg.model, self.plan.model, self.device,
+                                                            self.runner.dtype)
         self.ring = Ring(self.link)
         self.slots: dict[int, _Slot] = {}
         self._spans_done = 0  # spans built for the requests already finished
@@ -213,17 +235,22 @@ class HeadWorker(_Worker):
             slot = self.slots[i] = _Slot(i, self.view(i))
             self.ring.command(Op.ALLOC, capacity, arg=-1, slot=i)
             slot.view.alloc(capacity)
-            if self.cfg.drafter == "model":
+            if self.cfg.drafter in ("model", *TAP_DRAFTERS):
                 slot.drafter = self._draft_view(i)
                 slot.drafter.alloc(capacity)
         return sessions
 
     def _draft_view(self, i: int):
+        """Slot i's drafter, loaded once: later slots share the first one's weights (a draft
+        model's runner view; a DFlash network) over their own state."""
         from ..specdec.drafters import ModelDrafter, build_drafter  # noqa: PLC0415
 
-        if i == 0:
-            return build_drafter(self.cfg, self.plan, self.device, self.runner.dtype, 1)
-        return ModelDrafter(self.slots[0].drafter.runner.slot_view())
+        if i > 0 and self.cfg.drafter == "model":
+            return ModelDrafter(self.slots[0].drafter.runner.slot_view())
+        if i > 0 and self.cfg.drafter == "dflash":
+            first = self.slots[0].drafter
+            return type(first)(first.net, self.slots[i].view)
+        return build_drafter(self.cfg, self.plan, self.device, self.runner.dtype, 1, target=self.slots[i].view)
 
     def start(self, slot: int, seq: int, index: int, carrier: dict, prompt: list[int], plan=None) -> tuple[int, bool]:
         """Build request `index`'s session in `slot` over the head target (the pipeline stays
@@ -236,7 +263,7 @@ class HeadWorker(_Worker):
         with s.turn(seq):
             self.carriers[index] = carrier
             s.target = PipelineTarget(self.ring, s.view, traced=self.cfg.trace.level >= 1, records=self.records,
-                                      request=index, slot=slot)
+                                      request=index, slot=slot, remote_taps=self.remote_taps)
             if self.tracing.enabled:
                 s.spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
             s.request = Request(s.target, plan or self.plan, prompt, s.spans, drafter=s.drafter)

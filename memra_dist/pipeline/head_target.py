@@ -32,11 +32,12 @@ __all__ = ["PipelineTarget"]
 
 class PipelineTarget:
     def __init__(self, ring: Ring, runner: ModelRunner, traced: bool, records: list | None = None,
-                 request: int = 0, slot: int = 0):
+                 request: int = 0, slot: int = 0, remote_taps: tuple[int, ...] = ()):
         self.ring, self.runner, self.traced = ring, runner, traced
         self.records = records if records is not None else []  # (t0, t1, start, rows, round, free_mb, label, request, slot)
         self.request = request  # this request's index among the pipeline's requests
         self.slot = slot  # its cache slot on every stage
+        self.remote_taps = remote_taps  # the taps the stages ship behind each forward's rows (model/taps.py)
         self.buf = ring.buffer()
         self.device, self.dtype, self.label = runner.device, runner.dtype, runner.label
         self.drain = runner.drain
@@ -59,12 +60,16 @@ class PipelineTarget:
         ticket = self.ring.forward(ids, start, flags, rnd, self.slot, self.buf)
         self.round += 1
         want = [((rows, self.hidden), self.runner.dtype)]  # (rows, H) from the last remote stage
+        if self.remote_taps:
+            want.append(((rows, len(self.remote_taps) * self.hidden), self.runner.dtype))
         if timer is not None:
             want.append(((len(SUB_BUCKETS),), torch.long))
         got = self.ring.receive(ticket, want)
         h = got[0]
+        if self.remote_taps:
+            self._keep_taps(got[1], start, rows)
         if timer is not None:
-            for b, ns in zip(SUB_BUCKETS, got[1].tolist()):
+            for b, ns in zip(SUB_BUCKETS, got[-1].tolist()):
                 timer.ns[b] += ns
         if not self.traced:
             return self.runner.forward(h, start, timer)
@@ -75,6 +80,13 @@ class PipelineTarget:
         self.records.append((t0, time.perf_counter_ns(), start, rows, rnd, free_mb(self.device), self.label,
                              self.request, self.slot))
         return out
+
+    def _keep_taps(self, cols: torch.Tensor, start: int, rows: int) -> None:
+        """The remote stages' taps of this forward's rows into the head's sink, by position."""
+        sink, H = self.runner.cache.taps, self.hidden
+        pos = torch.arange(start, start + rows, device=self.device)
+        for j, layer in enumerate(self.remote_taps):
+            sink.write(layer, pos, cols[:, j * H:(j + 1) * H])
 
     def rollback(self, new_len: int) -> None:
         # no message: the next forward's start is new_len, and each stage rolls back to it

@@ -17,7 +17,23 @@ from .replay import ReplayDrafter
 DRAFTERS = ("none", "ngram", "model", "dflash", "mtp", "replay")
 
 __all__ = ["DRAFTERS", "Drafter", "Proposal", "ModelDrafter", "NgramDrafter", "NoDrafter", "ReplayDrafter",
-           "build_drafter"]
+           "build_drafter", "tap_layers", "TAP_DRAFTERS"]
+
+
+# drafters that read the target's hidden states: the taps they keep, and whether they embed
+# tokens with the target's table (a pipeline head then holds the embedding too)
+TAP_DRAFTERS = ("dflash", "mtp")
+
+
+def tap_layers(cfg, plan) -> tuple[int, ...]:
+    """The target layers whose outputs the drafter reads (model/taps.py), () for the others."""
+    if cfg.drafter == "dflash":
+        return tuple(plan.draft.tap_ids)
+    if cfg.drafter == "mtp":
+        from ...model.taps import FINAL  # noqa: PLC0415
+
+        return (FINAL,)
+    return ()
 
 
 def build_drafter(cfg, plan, device, dtype, prompt_len: int,
