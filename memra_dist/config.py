@@ -39,7 +39,7 @@ class RunConfig:
     def __post_init__(self):
         if self.drafter == "mtp" and self.draft_model:
             raise UserError("--drafter mtp takes no --draft-model: the target's checkpoint holds its MTP layers")
-        if self.draft_model and self.drafter not in ("model", "dflash"):
+        if self.draft_model and self.drafter not in ("model", "dflash", "eagle3"):
             object.__setattr__(self, "drafter", "model")  # --draft-model implies --drafter model
         if self.drafter not in DRAFTERS:
             raise UserError(f"unknown drafter '{self.drafter}' (choose from {', '.join(DRAFTERS)})")
@@ -47,9 +47,10 @@ class RunConfig:
             raise UserError("--drafter model needs --draft-model DIR")
         if self.drafter == "dflash" and not self.draft_model:
             raise UserError("--drafter dflash needs --draft-model DIR (a DFlash checkpoint)")
-        if self.drafter == "mtp" and self.pp > 1:
-            raise UserError("--drafter mtp runs at --pp 1 only: pipeline stages do not yet ship the target's "
-                            "final hidden state to the head's drafter")
+        if self.drafter == "eagle3" and not self.draft_model:
+            raise UserError("--drafter eagle3 needs --draft-model DIR (an EAGLE-3 checkpoint)")
+        if self.drafter == "eagle3" and self.pp > 1:
+            raise UserError("--drafter eagle3 runs at --pp 1 only (its head reads the target's taps in-process)")
         if self.k < 1:
             raise UserError(f"-k must be >= 1 (got {self.k})")
         if self.k > MAX_K:

@@ -225,7 +225,6 @@ def test_target_without_mtp_layers_one_line(ckpts, llama, tmp_path, capsys):
 
 def test_bad_flags_one_line(ckpts, capsys):
     d, _ = ckpts["glm4_moe"]
-    _one_line(capsys, ["--model", str(d), "--drafter", "mtp", "--pp", "2"], "--pp 1 only")
     _one_line(capsys, ["--model", str(d), "--drafter", "mtp", "--draft-model", str(d)], "takes no --draft-model")
     with pytest.raises(UserError):
         RunConfig(model="m", drafter="mtp", draft_model="d")

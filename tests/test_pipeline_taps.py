@@ -92,3 +92,23 @@ def test_tap_columns_by_stage():
     taps = (2, 0, 3, FINAL)
     assert [stage_taps(taps, stages, s) for s in range(3)] == [(0,), (2,), (3, FINAL)]
     assert [shipped_before(taps, stages, s) for s in range(3)] == [(), (0,), (0, 2)]
+
+
+@pytest.mark.slow  # the demo's trained glm4_moe + MTP layer (cached; ~15 s to train on a fresh machine)
+def test_mtp_at_pp2_drafts_as_at_pp1(ray_local):
+    """The MTP drafter reads the head's own FINAL tap (the last stage owns the final norm) and
+    the target's embedding (loaded on the head): the same drafts as pp=1, sessions in flight."""
+    from memra_dist.app import DEMO_PROMPT
+    from memra_dist.model.tiny import demo_cache_dir
+    from memra_dist.model.tiny_mtp import demo_mtp_dir
+    from memra_dist.model.tokenizer import load_tokenizer
+
+    target = demo_mtp_dir(demo_cache_dir())
+    ids = load_tokenizer(str(target)).encode(DEMO_PROMPT)
+    cfg = RunConfig(model=str(target), drafter="mtp", k=3, max_new_tokens=40, device="cpu")
+    ref = generate(cfg, ids)
+    assert ref.stats["accepted"] >= 0.5 * ref.stats["drafted"] > 0
+    with open_engine(cfg.with_(pp=2), capacity=96, sessions=2) as engine:
+        got = engine.generate(ids)
+    assert got.token_ids == ref.token_ids
+    assert _counts(got) == _counts(ref)
