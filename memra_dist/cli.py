@@ -41,10 +41,12 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1] (default 1 = off)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="top-k sampling (default 0 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    p.add_argument("--drafter", choices=["none", "ngram", "model", "dflash", "mtp", "replay"], default=None,
+    p.add_argument("--drafter", choices=["none", "ngram", "model", "dflash", "mtp", "eagle3", "replay"], default=None,
                    help="none = plain decoding; ngram = prompt lookup; model = a draft checkpoint; "
                         "dflash = a DFlash block drafter (--draft-model DIR) reading the target's hidden states, pp=1; "
                         "mtp = the target's own MTP layers (deepseek_v3 / glm4_moe with num_nextn_predict_layers), pp=1; "
+                        "eagle3 = an EAGLE-3 head (--draft-model DIR) chained over the target's low / mid / high "
+                        "layer taps, pp=1; "
                         "replay = BENCHMARKING TOOL: a recorded greedy continuation, corrupted at --replay-corrupt "
                         "(default: model with --draft-model, else ngram)")
     p.add_argument("--draft-model", metavar="DIR", help="draft checkpoint (same vocabulary); implies --drafter model")

@@ -22,7 +22,7 @@ __all__ = ["RequestPlan", "plan_request", "plan_capacity", "check_vocab"]
 class RequestPlan:
     cfg: RunConfig
     model: ModelConfig  # the target's config, read once
-    draft: ModelConfig | None  # the draft model's config (drafter "model"; a DFlashConfig for "dflash"), read once
+    draft: ModelConfig | None  # the draft model's config ("model"; a DFlash- / Eagle3Config for "dflash" / "eagle3")
     capacity: int  # context rows the caches hold
     stages: tuple[tuple[int, int], ...]  # layer ranges [first, last) per pipeline stage (one at pp=1)
     capped: bool = False  # max_new_tokens was cut to fit the model's positions
@@ -60,6 +60,11 @@ def plan_request(cfg: RunConfig, prompt_len: int, mcfg: ModelConfig | None = Non
 
         draft = draft or load_dflash_config(cfg.draft_model)
         check_dflash(mcfg, draft, cfg.draft_model)
+    elif cfg.drafter == "eagle3":
+        from .model.eagle3 import check_eagle3, load_eagle3_config  # noqa: PLC0415
+
+        draft = draft or load_eagle3_config(cfg.draft_model, mcfg)  # taps resolved for this target
+        check_eagle3(mcfg, draft, cfg.draft_model)
     elif cfg.drafter == "mtp":
         from .model.mtp import check_mtp  # noqa: PLC0415
 

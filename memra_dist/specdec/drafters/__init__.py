@@ -1,4 +1,4 @@
-"""Drafters, one per file, behind `base.Drafter`: none, ngram, model, dflash, mtp, replay (benchmarking).
+"""Drafters, one per file, behind `base.Drafter`: none, ngram, model, dflash, mtp, eagle3, replay (benchmarking).
 `build_drafter` is the registry: the one place a drafter is chosen by name."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .ngram import NgramDrafter
 from .none import NoDrafter
 from .replay import ReplayDrafter
 
-DRAFTERS = ("none", "ngram", "model", "dflash", "mtp", "replay")
+DRAFTERS = ("none", "ngram", "model", "dflash", "mtp", "eagle3", "replay")
 
 __all__ = ["DRAFTERS", "Drafter", "Proposal", "ModelDrafter", "NgramDrafter", "NoDrafter", "ReplayDrafter",
            "build_drafter", "tap_layers", "TAP_DRAFTERS"]
@@ -61,6 +61,12 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int,
         from .mtp import MTPDrafter  # noqa: PLC0415
 
         return MTPDrafter.load(cfg.model, plan.model, target)
+    if cfg.drafter == "eagle3":
+        if target is None or not hasattr(target, "keep_taps"):
+            raise ValueError("the eagle3 drafter needs the in-process target runner (pp=1)")
+        from .eagle3 import Eagle3Drafter  # noqa: PLC0415
+
+        return Eagle3Drafter.load(cfg.draft_model, plan.draft, target)
     if cfg.drafter == "replay":
         if record is None:
             raise ValueError("the replay drafter needs the target's recorded continuation")

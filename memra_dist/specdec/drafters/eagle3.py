@@ -1,0 +1,143 @@
+"""`eagle3`: an EAGLE-3 head (model/eagle3.py) drafting a chain from the target's taps.
+
+Rows. Draft row p sits at cache slot and rotary position p and pairs the token at p + 1
+with a hidden of position p; its output predicts the token at p + 2. With context
+t_0 .. t_{N-1} (t_{N-1} the pending token, whose taps the target has not made yet):
+
+  committed rows p < N - 1: hidden g_p = fc(taps of p) (the target's verified rows), token
+      t_{p+1}. Rows [n, N - 1) not yet in the drafter's cache are run in the round's first
+      forward (prime runs the prompt's rows [0, P - 1)); its last row (p = N - 2) gives d_1.
+  chain step s >= 1: one row at p = N - 2 + s, token d_s, hidden = the previous row's
+      pre-norm output (the layer's own output fed back, as EAGLE-3 does at inference);
+      it reads the committed rows and the chain rows before it (causal mask).
+  rollback: nothing to undo. n never passes the committed rows; chain rows sit at
+      p >= N - 1, past them, and the next round's first forward (which starts at n) writes
+      over every one of them before any row reads it.
+
+Greedy: argmax over the draft vocabulary, mapped to target ids through d2t, all on the
+device; one readback per round. Sampled: q is the drafter's distribution over the TARGET
+vocabulary (draft-vocabulary logits placed at their d2t ids, -inf elsewhere, then the
+request's temperature / top-k / top-p), the draft drawn from it, so rejection sampling
+keeps the target's distribution. Runs in the target's process at pp = 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...cache import KVLayer
+from ...model.attention import causal_mask
+from ...model.eagle3 import Eagle3Net, load_eagle3
+from ..sampling import SamplingParams, probs
+from .base import EMPTY, Drafter, Proposal
+
+__all__ = ["Eagle3Drafter"]
+
+
+class Eagle3Drafter(Drafter):
+    name = "eagle3"
+
+    def __init__(self, net: Eagle3Net, target):
+        """`target`: the pp=1 ModelRunner (its tap sink, and its embedding when the
+        checkpoint has none, are read)."""
+        self.net, self.target = net, target
+        self.ec = net.ec
+        self.device = target.device
+        self.state: KVLayer | None = None
+        self.capacity = 0
+        self.n = 0  # committed rows in the cache: positions 0 .. n-1
+        self.embed = net.embed_tokens if net.embed_tokens is not None else target.stage.embed_tokens
+        target.keep_taps(self.ec.tap_ids)
+
+    @classmethod
+    def load(cls, model_dir, ec, target) -> "Eagle3Drafter":
+        return cls(load_eagle3(model_dir, ec, target.device, target.dtype), target)
+
+    # ---- state ----
+    def alloc(self, capacity: int) -> float:
+        if capacity != self.capacity:
+            c = self.ec.base
+            self.state = KVLayer.alloc(capacity, c.num_kv_heads, c.head_dim, self.device, self.target.dtype)
+            self.capacity = capacity
+        self.n = 0
+        return self.state.nbytes() / 2**20
+
+    def _taps(self):
+        taps = self.target.cache.taps
+        if taps is None or taps.layers != self.ec.tap_ids:
+            raise RuntimeError("the target keeps no taps for this drafter (keep_taps before alloc)")
+        return taps
+
+    def _run(self, tokens: torch.Tensor, g: torch.Tensor, lo: int) -> torch.Tensor:
+        """Rows at positions lo .. lo + T - 1 (tokens (T,), hidden (T, H)) -> pre-norm
+        outputs (T, H); their K/V land in the cache at those positions."""
+        pos = torch.arange(lo, lo + tokens.shape[0], device=self.device)
+        st = self.state
+
+        def kv_of(k, v):
+            st.k.index_copy_(0, pos, k)
+            st.v.index_copy_(0, pos, v)
+            return st.k, st.v
+
+        return self.net.step(self.embed(tokens), g, pos, kv_of, causal_mask(pos, self.capacity))
+
+    @torch.inference_mode()
+    def _commit_rows(self, context, lo: int, hi: int) -> torch.Tensor:
+        """Committed rows [lo, hi): token context[p + 1], hidden fc(taps of p)."""
+        tokens = torch.tensor(context[lo + 1:hi + 1], dtype=torch.long, device=self.device)
+        out = self._run(tokens, self.net.features(self._taps().rows(lo, hi)), lo)
+        self.n = hi
+        return out
+
+    def prime(self, prompt: list[int]) -> None:
+        self.n = 0
+        if len(prompt) > 1:
+            self._commit_rows(prompt, 0, len(prompt) - 1)
+
+    def maintain(self, context) -> None:
+        self.n = min(self.n, len(context) - 1)  # a no-op: n never passes the committed rows
+
+    # ---- drafting ----
+    @torch.inference_mode()
+    def step_logits(self, context: list[int], k: int, pick) -> list[torch.Tensor]:
+        """The k chained steps after `context`; `pick(s, logits (1, Vd))` returns draft s + 1
+        as a (1,) device tensor of TARGET ids. Returns each step's fp32 draft-vocabulary
+        logits (1, Vd)."""
+        N = len(context)
+        lo = min(self.n, N - 2)  # at least the last committed row: its output gives d_1
+        last = self._commit_rows(context, lo, N - 1)[-1:]  # (1, H)
+        out = []
+        for s in range(k):
+            logits = self.net.logits(last)  # (1, Vd)
+            out.append(logits)
+            tok = pick(s, logits)
+            if s + 1 < k:
+                last = self._run(tok, last, N - 1 + s)  # chain row at N - 2 + (s + 1)
+        return out
+
+    def propose(self, context, k, sp: SamplingParams, gen) -> Proposal:
+        if k == 0:
+            return EMPTY
+        hot = self.net.hot
+        if sp.greedy:
+            picked: list[torch.Tensor] = []
+
+            def pick(s, logits):
+                picked.append(hot[logits.argmax(-1)])  # (1,) target id, on the device
+                return picked[-1]
+
+            self.step_logits(context, k, pick)
+            return Proposal(torch.cat(picked).cpu())  # the round's one readback
+        qs, toks = [], []
+
+        def draw(s, logits):
+            q = probs(self.net.target_logits(logits), sp)  # (1, V): over the target vocabulary
+            qs.append(q)
+            toks.append(int(torch.multinomial(q[0].cpu(), 1, generator=gen)))
+            return torch.tensor([toks[-1]], device=self.device)
+
+        self.step_logits(context, k, draw)
+        return Proposal(torch.tensor(toks, dtype=torch.long), torch.cat(qs))
+
+    def drain(self) -> None:
+        self.target.drain()
