@@ -85,7 +85,7 @@ class _Local:
             raise
 
     def request(self, plan: RequestPlan, prompt: list[int], span_sink, carrier) -> Request:
-        if plan.cfg.drafter in ("model", "dflash", "mtp") and self.drafter is None:  # kept loaded between requests
+        if plan.cfg.drafter in ("model", "dflash", "mtp", "eagle3") and self.drafter is None:  # kept loaded
             from .specdec.drafters import build_drafter  # noqa: PLC0415
 
             self.drafter = build_drafter(plan.cfg, plan, self.device, self.dtype, len(prompt), target=self.runner)
@@ -241,6 +241,10 @@ def _demo_args(args):
         from .model.tiny import demo_dflash  # noqa: PLC0415
 
         draft_model = str(demo_dflash(say))
+    if args.drafter == "eagle3" and not args.draft_model:  # the tiny EAGLE-3 drafter (model/tiny_eagle3.py)
+        from .model.tiny_eagle3 import demo_eagle3_dir  # noqa: PLC0415
+
+        draft_model = str(demo_eagle3_dir(target, say))
     if args.drafter == "mtp":  # a tiny glm4_moe target with a trained MTP layer (model/tiny_mtp.py), built once
         from .model.tiny_mtp import demo_mtp_dir  # noqa: PLC0415
 
