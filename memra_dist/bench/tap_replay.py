@@ -1,0 +1,42 @@
+"""A bench-only drafter: a real tap drafter (dflash, mtp) runs its propose in full, so its cost is
+paid on the device as in any round, and its drafts are then replaced by a replay proposal (a
+recorded greedy continuation corrupted to a chosen acceptance, specdec/drafters/replay.py).
+The engine therefore runs at a controlled acceptance with the real drafter's cost. Not in the
+engine's drafter registry: the benchmark installs it on an open engine (benchmarks/tap_drafters.py).
+
+The real drafter's state stays its own: dflash's context K/V is ingested from the target's taps
+of the verified rows (whatever was proposed), mtp recomputes its draft rows from the verified
+tokens each round, so replacing the proposals leaves both consistent.
+"""
+
+from __future__ import annotations
+
+from ..specdec.drafters.base import Drafter, Proposal
+from ..specdec.drafters.replay import ReplayDrafter
+
+__all__ = ["TapReplay"]
+
+
+class TapReplay(Drafter):
+    def __init__(self, real: Drafter, replay: ReplayDrafter):
+        self.real, self.replay = real, replay
+        self.name = f"{real.name}+replay"
+        self.device = real.device
+        self.forwards_per_draft = getattr(real, "forwards_per_draft", 1)
+
+    def alloc(self, capacity: int) -> float:
+        return self.real.alloc(capacity)
+
+    def prime(self, prompt: list[int]) -> None:
+        self.real.prime(prompt)
+
+    def propose(self, context, k, sp, gen) -> Proposal:
+        real = self.real.propose(context, k, sp, gen)  # paid in full: its forward(s) and readback
+        rep = self.replay.propose(context, min(k, int(real.tokens.numel())), sp, gen)
+        return rep if real.q is None else Proposal(rep.tokens, None)  # greedy bench: deterministic drafts
+
+    def maintain(self, context) -> None:
+        self.real.maintain(context)
+
+    def drain(self) -> None:
+        self.real.drain()
