@@ -53,11 +53,14 @@ class ModelRunner:
         self.label = device_label(device)
         self.tap_layers: tuple[int, ...] = ()  # layers whose outputs a forward keeps (keep_taps)
         self.tap_all = False  # a pipeline head's sink holds the remote stages' taps too (they ship them)
+        self.ttft_depth = None  # the profile's DepthTimer during a profiled alloc (phase/first_token.py)
 
     def alloc(self, capacity: int) -> None:
         """Allocate the cache for a session of `capacity` rows; a clear error if it cannot fit."""
         if self.cache is not None and self.cache.capacity == capacity and self._taps_match():
             self.cache.rollback(0)  # reuse: no reallocation, captured graphs stay valid
+            if self.ttft_depth is not None and self.cache.taps is not None:
+                self.ttft_depth.prof.tap_sink_mb = self.cache.taps.nbytes() / 2**20  # reused: ~0 ms
             return
         if capacity > self.max_pos:
             raise UserError(f"context {capacity} exceeds this runner's limit ({self.max_pos} rows)")
@@ -68,8 +71,13 @@ class ModelRunner:
                 self.graphs.reset()
             self.cache = self.stage.new_cache(capacity, self.device, self.dtype)
             if self._local_taps():  # before any capture: the graphs then write the taps too
+                d = self.ttft_depth  # profiled: the sink's allocation is a drained share of cache_alloc
+                t = d.stamp() if d is not None else 0
                 self.cache.taps = TapSink.alloc(self._local_taps(), capacity, self.cfg.hidden_size, self.device,
                                                 self.dtype)
+                if d is not None:
+                    d.lap("tap_sink_alloc_ms", t)
+                    d.prof.tap_sink_mb = self.cache.taps.nbytes() / 2**20
             if self.graphs is not None and self.warm_rows:
                 # every decode/verify row count up front (vLLM's habit): no capture or compile
                 # ever lands inside a round

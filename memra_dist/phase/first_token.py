@@ -1,15 +1,39 @@
 """The once-per-request first-token profile (`MEMRA_SPEC_PROF=1`): the
 buckets between the session's start and the first streamed token that this engine's route runs, each a wall interval bounded by
 stream drains on both sides (device-inclusive, additive). A bucket the route never runs
-stays 0.0 (e.g. `capture`: there is no prompt-boundary prefix capture here)."""
+stays 0.0 (e.g. `capture`: there is no prompt-boundary prefix capture here).
+
+Depth fields of the tap-drafter path (the seed's names), each a drained SHARE of the bucket
+it sits in (so they sum to at most that bucket):
+- inside `cache_alloc`: `tap_sink_alloc_ms` / `tap_sink_mb`, the target's tap sink (the
+  session's sink size; a sink reused from the previous session at the same capacity takes
+  ~0 ms);
+- inside `prime`: `prime_tap_dtoh_ms`, the target prime's tap readbacks: 0 on `arm=device`,
+  where the taps never leave the device (the seed's eager arm counted host DtoH copies);
+- inside `draft_prime`: `draft_prime_h2d_ms` (tap rows host -> device: 0 on `arm=device`),
+  `draft_prime_feat_ms` (the feature GEMM: DFlash's fc + hidden_norm over the rows; MTP has
+  none), `draft_prime_kv_ms` (per-layer k/v projections + cache writes), over
+  `draft_prime_rows` rows in `draft_prime_chunks` ingest calls; `draft_prime_arm` is
+  `device` for a tap drafter, `-` for a drafter that reads no taps.
+The runner and the drafter stamp them only when the session lends them a `DepthTimer`
+(`lend`), i.e. only with the profile on: no drain, no clock read otherwise.
+"""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..tracing.conventions import TTFT_BUCKETS
 
-__all__ = ["FirstTokenProf"]
+__all__ = ["FirstTokenProf", "DepthTimer", "lend", "DEPTH_FIELDS", "DEVICE_ARM", "DEVICE_ARM_NOTE"]
+
+DEVICE_ARM = "device"  # the taps stay on the target's device: no DtoH in the prime, no HtoD in the ingest
+DEVICE_ARM_NOTE = " (device arm: the taps never leave the device, so no tap DtoH in the prime and no HtoD in the ingest)"
+# the depth fields in line / attribute order (the seed's names)
+DEPTH_FIELDS = ("tap_sink_alloc_ms", "tap_sink_mb", "prime_tap_dtoh_ms", "draft_prime_h2d_ms", "draft_prime_feat_ms",
+                "draft_prime_kv_ms", "draft_prime_rows", "draft_prime_chunks", "draft_prime_arm")
 
 
 @dataclass
@@ -25,6 +49,24 @@ class FirstTokenProf:
     draft_kv_mb: float = 0.0
     free_mb_before: dict[str, int] = field(default_factory=dict)
     free_mb_after: dict[str, int] = field(default_factory=dict)
+    # ---- depth (the module doc) ----
+    tap_sink_alloc_ms: float = 0.0
+    tap_sink_mb: float = 0.0
+    prime_tap_dtoh_ms: float = 0.0
+    draft_prime_h2d_ms: float = 0.0
+    draft_prime_feat_ms: float = 0.0
+    draft_prime_kv_ms: float = 0.0
+    draft_prime_rows: int = 0
+    draft_prime_chunks: int = 0
+    draft_prime_arm: str = "-"
+
+    def depth(self) -> dict[str, float | int | str]:
+        return {f: getattr(self, f) for f in DEPTH_FIELDS}
+
+    def depth_line(self) -> str:
+        fmt = lambda f, v: f"{v:.3f}" if f.endswith("_ms") else f"{v:.1f}" if f.endswith("_mb") else f"{v}"  # noqa: E731
+        line = " ".join(f"{f}={fmt(f, v)}" for f, v in self.depth().items())
+        return line + (DEVICE_ARM_NOTE if self.draft_prime_arm == DEVICE_ARM else "")
 
     def line(self) -> str:
         buckets = " ".join(f"{b}={self.ms[b]:.3f}" for b in TTFT_BUCKETS)
@@ -34,5 +76,40 @@ class FirstTokenProf:
             f"first_burst={self.first_burst_ms:.3f}ms hook={self.first_burst_hook_ms:.3f}ms "
             f"rounds={self.first_burst_rounds} tokens={self.first_burst_tokens} "
             f"draft_kv_mb={self.draft_kv_mb:.1f} free_mb_before={fmt(self.free_mb_before)} "
-            f"free_mb_after={fmt(self.free_mb_after)}"
+            f"free_mb_after={fmt(self.free_mb_after)} | {self.depth_line()}"
         )
+
+
+class DepthTimer:
+    """What the session lends the runner (tap sink) and the drafter (prime split) while the
+    profile is on: `stamp` is the phase clock's (drains, then reads the clock), so each
+    sub-bucket is a drained wall interval inside its bucket."""
+
+    def __init__(self, prof: FirstTokenProf, stamp: Callable[[], int]):
+        self.prof, self.stamp = prof, stamp
+
+    def lap(self, name: str, since_ns: int) -> int:
+        """Adds the drained interval since `since_ns` to field `name`; returns the new stamp."""
+        now = self.stamp()
+        setattr(self.prof, name, getattr(self.prof, name) + (now - since_ns) / 1e6)
+        return now
+
+    def chunk(self, rows: int, arm: str = DEVICE_ARM) -> None:
+        """One drafter ingest call of `rows` rows inside the prime."""
+        self.prof.draft_prime_rows += rows
+        self.prof.draft_prime_chunks += 1
+        self.prof.draft_prime_arm = arm
+
+
+@contextmanager
+def lend(obj, timer: DepthTimer | None):
+    """Hands `obj` the timer (its `ttft_depth`) for the calls in the block, when the profile
+    is on and `obj` stamps depth fields; otherwise does nothing."""
+    if timer is None or not hasattr(obj, "ttft_depth"):
+        yield
+        return
+    obj.ttft_depth = timer
+    try:
+        yield
+    finally:
+        obj.ttft_depth = None

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UserError
 from ..phase.clock import PhaseClock
-from ..phase.first_token import FirstTokenProf
+from ..phase.first_token import DepthTimer, FirstTokenProf, lend
 from ..phase.levels import TraceSettings
 from ..phase.records import BurstRecord
 from ..phase.rounds_log import RoundProf, RoundsLog
@@ -128,10 +128,13 @@ class SpecSession:
             raise UserError(f"the prompt ({len(prompt)} tokens) does not fit the context ({capacity})")
         self.capacity, self.max_new, self.prompt_len = capacity, max_new, len(prompt)
         c, pf = self.clock, self.prof
+        depth = None  # the profile's depth timer, lent to the tap sink's runner and the drafter
         if pf is not None:
             pf.free_mb_before = self._free_mb()
+            depth = DepthTimer(pf, c.stamp)
             t = pf.t0_ns = c.stamp()
-        self.target.alloc(capacity)
+        with lend(getattr(self.target, "runner", self.target), depth):  # pp>1: the head's runner
+            self.target.alloc(capacity)
         if pf is not None:
             t, pf.ms["cache_alloc"] = c.lap_ms(t)
         logits = self.target.forward(torch.tensor(prompt), 0)[-1:]  # (1, V)
@@ -144,7 +147,8 @@ class SpecSession:
         if pf is not None:
             t, pf.ms["draft_alloc"] = c.lap_ms(t)
             pf.draft_kv_mb, pf.free_mb_after = kv_mb, self._free_mb()
-        self.drafter.prime(prompt)
+        with lend(self.drafter, depth):
+            self.drafter.prime(prompt)
         if pf is not None:
             t, pf.ms["draft_prime"] = c.lap_ms(t)
         self.tokens = list(prompt) + [first]

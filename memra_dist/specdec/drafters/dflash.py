@@ -37,6 +37,7 @@ __all__ = ["DFlashDrafter"]
 class DFlashDrafter(Drafter):
     name = "dflash"
     forwards_per_draft = 1  # the whole proposal is one forward of the draft network
+    ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, net: DFlashNet, target):
         """`target`: the pp=1 ModelRunner (its embedding, lm_head and tap sink are read)."""
@@ -72,21 +73,28 @@ class DFlashDrafter(Drafter):
         return taps
 
     @torch.inference_mode()
-    def _ingest(self, upto: int) -> None:
+    def _ingest(self, upto: int, depth=None) -> None:
         """Context rows [n, upto) from the target's taps into every layer's K/V: one feature
-        GEMM over the rows, then each layer's k/v projections, all on the device."""
+        GEMM over the rows, then each layer's k/v projections, all on the device. `depth`
+        (the prime, profiled): drained laps of the feature GEMM and of the k/v ingest."""
         if upto <= self.n:
             return
+        t = depth.stamp() if depth is not None else 0
         pos = torch.arange(self.n, upto, device=self.device)
         C = self.net.features(self._taps().rows(self.n, upto))  # (rows, H)
+        if depth is not None:
+            t = depth.lap("draft_prime_feat_ms", t)
         for st, (k, v) in zip(self.states, self.net.context_kv(C, pos)):
             st.k.index_copy_(0, pos, k)
             st.v.index_copy_(0, pos, v)
+        if depth is not None:
+            depth.lap("draft_prime_kv_ms", t)
+            depth.chunk(upto - self.n)  # the taps stay on the device: no HtoD (draft_prime_h2d_ms = 0)
         self.n = upto
 
     def prime(self, prompt: list[int]) -> None:
         self.n = 0
-        self._ingest(len(prompt))
+        self._ingest(len(prompt), self.ttft_depth)
 
     def maintain(self, context) -> None:
         self._ingest(len(context) - 1)

@@ -36,6 +36,7 @@ __all__ = ["MTPDrafter"]
 
 class MTPDrafter(Drafter):
     name = "mtp"
+    ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, head: MTPHead, target):
         """`target`: the pp=1 ModelRunner (its embedding, lm_head and FINAL tap are read)."""
@@ -82,16 +83,23 @@ class MTPDrafter(Drafter):
         return out
 
     def prime(self, prompt: list[int]) -> None:
-        """Ingest the rows the prompt alone settles (layer j: p < P - 1 - j)."""
+        """Ingest the rows the prompt alone settles (layer j: p < P - 1 - j). Profiled
+        (`ttft_depth`): each layer's forward over its rows is one k/v ingest chunk (an MTP
+        layer has no feature GEMM: draft_prime_feat_ms stays 0)."""
         self.done = [0] * self.n
         ids = torch.tensor(prompt, device=self.device)
+        d = self.ttft_depth
         for j in range(self.n):
             hi = len(prompt) - 1 - j
             if hi <= 0:
                 break
+            t = d.stamp() if d is not None else 0
             hidden = self._final()[:hi] if j == 0 else self.outs[j - 1][:hi]
             self._rows(j, 0, hi, ids[j + 1:j + 1 + hi], hidden)
             self.done[j] = hi
+            if d is not None:
+                d.lap("draft_prime_kv_ms", t)
+                d.chunk(hi)
 
     # ---- drafting ----
     @torch.inference_mode()
