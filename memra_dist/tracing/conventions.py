@@ -65,6 +65,16 @@ ATTR = {
     "prompt": "memra.prompt",  # only with --trace-content
     "output": "memra.output",  # only with --trace-content
     "kv_mb": "memra.draft_kv_mb",
+    # first-token depth of the tap-drafter path (on memra.first_token; the seed's names, phase/first_token.py)
+    "tap_sink_alloc_ms": "memra.tap_sink_alloc_ms",  # share of ttft.cache_alloc (ms)
+    "tap_sink_mb": "memra.tap_sink_mb",  # the target's tap sink (MB)
+    "prime_tap_dtoh_ms": "memra.prime_tap_dtoh_ms",  # share of ttft.prime: 0 on arm=device (ms)
+    "draft_prime_h2d_ms": "memra.draft_prime_h2d_ms",  # share of ttft.draft_prime: 0 on arm=device (ms)
+    "draft_prime_feat_ms": "memra.draft_prime_feat_ms",  # share of ttft.draft_prime (ms)
+    "draft_prime_kv_ms": "memra.draft_prime_kv_ms",  # share of ttft.draft_prime (ms)
+    "draft_prime_rows": "memra.draft_prime_rows",  # rows ingested by the drafter prime (int)
+    "draft_prime_chunks": "memra.draft_prime_chunks",  # ingest calls in the prime (int)
+    "draft_prime_arm": "memra.draft_prime_arm",  # device | - (no taps read)
     "drafted": "memra.drafted",  # request total of drafted tokens (int)
     "accepted_total": "memra.accepted_total",  # request total of accepted drafts (int)
 }

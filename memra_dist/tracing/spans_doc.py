@@ -46,6 +46,21 @@ ATTR_DOC = {
     "prompt": ("", "memra.request", "the prompt text: ONLY with --trace-content"),
     "output": ("", "memra.request", "the generated text: ONLY with --trace-content"),
     "kv_mb": ("MB", "memra.first_token", "the drafter state allocated for the session"),
+    "tap_sink_alloc_ms": ("ms", "memra.first_token", "the target's tap sink allocation (pp>1: the head's sink), "
+                          "a drained share of ttft.cache_alloc; ~0 when the previous session's sink is reused"),
+    "tap_sink_mb": ("MB", "memra.first_token", "the target's tap sink for the session (0: no taps kept)"),
+    "prime_tap_dtoh_ms": ("ms", "memra.first_token", "tap readbacks inside the target prime (a share of ttft.prime): "
+                          "0 on arm=device, where the taps never leave the device (the seed's eager arm counted "
+                          "its host DtoH copies here)"),
+    "draft_prime_h2d_ms": ("ms", "memra.first_token", "tap rows host -> device inside the drafter prime: 0 on arm=device"),
+    "draft_prime_feat_ms": ("ms", "memra.first_token", "the drafter prime's feature GEMM (dflash: tap gather + fc + "
+                            "hidden_norm over the prompt rows; mtp: none, 0), a drained share of ttft.draft_prime"),
+    "draft_prime_kv_ms": ("ms", "memra.first_token", "the drafter prime's k/v ingest (per-layer k/v projections + "
+                          "cache writes; mtp: its layers' forwards), a drained share of ttft.draft_prime"),
+    "draft_prime_rows": ("{row}", "memra.first_token", "rows the drafter prime ingested (summed over its ingest calls)"),
+    "draft_prime_chunks": ("{call}", "memra.first_token", "ingest calls in the drafter prime"),
+    "draft_prime_arm": ("", "memra.first_token", "`device` (a tap drafter: the taps stay on the device) or `-` "
+                        "(the drafter reads no taps)"),
     "drafted": ("{token}", "memra.request", "drafted tokens over the request"),
     "accepted_total": ("{token}", "memra.request", "accepted drafts over the request"),
 }
@@ -88,6 +103,9 @@ def _lines() -> list[str]:
                  first_verify=9.8, first_accept=0.4, first_roll=0.1, first_maint=0.2)
     pf.first_round_tokens, pf.first_burst_ms, pf.first_burst_rounds, pf.first_burst_tokens = 4, 101.5, 8, 29
     pf.draft_kv_mb, pf.free_mb_before, pf.free_mb_after = 64.0, {"cuda0": 80123}, {"cuda0": 80011}
+    pf.tap_sink_alloc_ms, pf.tap_sink_mb = 0.1, 8.0
+    pf.draft_prime_feat_ms, pf.draft_prime_kv_ms = 1.9, 3.8
+    pf.draft_prime_rows, pf.draft_prime_chunks, pf.draft_prime_arm = 512, 1, "device"
     loud: list[str] = []
     trace_level_from("2", "1", warn=loud.append)  # the [spec-trace] override line
     return [phase_line(b), phase_v_line(b), f"[{C.TAGS['prof']}] {pf.line()}",
