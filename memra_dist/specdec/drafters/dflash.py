@@ -30,6 +30,7 @@ from ...cache import KVLayer
 from ...model.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, probs
 from .base import EMPTY, Drafter, Proposal
+from .dflash_graph import block_graphs
 
 __all__ = ["DFlashDrafter"]
 
@@ -47,6 +48,7 @@ class DFlashDrafter(Drafter):
         self.device = target.device
         self.states: list[KVLayer] = []
         self.n = 0  # context rows ingested: positions 0 .. n-1
+        self.graph = None  # the block forward's CUDA graphs when the target captures its steps (dflash_graph.py)
         target.keep_taps(self.dc.tap_ids)
 
     @classmethod
@@ -63,6 +65,7 @@ class DFlashDrafter(Drafter):
             self.slots = torch.arange(rows, device=self.device)
             self.block_ids = torch.full((self.B,), self.dc.mask_token_id, dtype=torch.long, device=self.device)
             self.block_base = torch.arange(self.B, device=self.device)
+            self.graph = block_graphs(self)
         self.n = 0
         return sum(s.nbytes() for s in self.states) / 2**20
 
@@ -103,6 +106,8 @@ class DFlashDrafter(Drafter):
     @torch.inference_mode()
     def block_logits(self, last: int, start: int, rows: int) -> torch.Tensor:
         """fp32 logits (rows, V) of the block's rows 1 .. rows (row i: the token AT start + i)."""
+        if self.graph is not None:
+            return self.graph.logits(last, start, rows)
         ids = self.block_ids.clone()
         ids[0] = last
         pos = self.block_base + start  # (B,) start .. start + B - 1

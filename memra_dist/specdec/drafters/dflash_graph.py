@@ -1,0 +1,95 @@
+"""A CUDA graph of the DFlash block forward (dflash.py `block_logits`): one graph per row count,
+captured on first use, replayed every round after.
+
+Static shapes: the block is always B rows; its ids live in a static (B,) buffer ([last, mask x
+(B - 1)], only row 0 rewritten per round), its start in a device scalar. Everything that
+depends on the start is derived from that scalar ON the device (positions = block_base +
+start, the mask `slot < start + B` over the drafter's whole K/V rows, the rotary rows), so no
+Python value of a round is baked into the graph. The block's K/V is written at its positions
+and dropped, as the eager forward does (the next ingest overwrites it); the logits land in the
+graph's static output, which the caller consumes before the next replay.
+
+Behind the runner's graph switch: built only when the target runner captures its own steps
+(`target.graphs`, CUDA with graphs on); the eager forward stays the reference (CPU, tests:
+tests/test_dflash_graph_emulated.py replays an emulated capture and compares exactly).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+__all__ = ["BlockGraphs", "block_graphs"]
+
+
+class _CudaGraph:
+    """fn captured into a torch.cuda.CUDAGraph (two eager warm-ups on a side stream first, the
+    collector off while capturing, as graphs.StepGraphs does)."""
+
+    def __init__(self, fn, pool):
+        cur = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        cur.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        gc.collect()
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = fn()
+        finally:
+            if was_on:
+                gc.enable()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class BlockGraphs:
+    def __init__(self, drafter, graph_cls=_CudaGraph):
+        """`graph_cls(fn, pool)` captures fn and exposes `.out` and `.replay()` (tests pass an
+        emulated one)."""
+        self.d = drafter
+        self.ids = drafter.block_ids.clone()  # (B,): row 0 = the last committed token, then mask ids
+        self.start = torch.zeros((), dtype=torch.long, device=drafter.device)
+        self.graph_cls = graph_cls
+        self.graphs: dict = {}
+        self.pool = torch.cuda.graph_pool_handle() if graph_cls is _CudaGraph else None
+
+    def _body(self, rows: int) -> torch.Tensor:
+        d = self.d
+        pos = d.block_base + self.start  # (B,) start .. start + B - 1, on the device
+        mask = (d.slots < self.start + d.B)[None, :]  # every context row and the whole block
+        st = d.states
+
+        def kv_of(i, kb, vb):
+            st[i].k.index_copy_(0, pos, kb)  # the block's K/V, dropped: the next ingest overwrites it
+            st[i].v.index_copy_(0, pos, vb)
+            return st[i].k, st[i].v
+
+        stage = d.target.stage
+        h = d.net.block(stage.embed_tokens(self.ids), pos, kv_of, mask)  # (B, H)
+        return stage.lm_head(h[1:1 + rows]).float()
+
+    @torch.inference_mode()
+    def logits(self, last: int, start: int, rows: int) -> torch.Tensor:
+        """block_logits(last, start, rows), replayed: the static output (rows, V) fp32."""
+        self.ids[0] = last  # device writes, no host sync
+        self.start.fill_(start)
+        g = self.graphs.get(rows)
+        if g is None:
+            g = self.graphs[rows] = self.graph_cls(lambda: self._body(rows), self.pool)
+        g.replay()
+        return g.out
+
+
+def block_graphs(drafter) -> BlockGraphs | None:
+    """The drafter's block graphs when its target captures its steps (CUDA, graphs on), else None."""
+    if getattr(drafter.target, "graphs", None) is None or drafter.device.type != "cuda":
+        return None
+    return BlockGraphs(drafter)
