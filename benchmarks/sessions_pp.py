@@ -64,6 +64,10 @@ def _pass(engine, prompts, threads: int) -> dict:
             "ids": [out[i]["ids"] for i in sorted(out)]}
 
 
+def _median(passes: list[dict]) -> dict:
+    return sorted(passes, key=lambda p: p["agg_tok_per_s"])[len(passes) // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -74,6 +78,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--drafter", default="ngram")
+    ap.add_argument("--repeats", type=int, default=3, help="level-0 passes of each kind (median and range reported)")
     ap.add_argument("--cache", default="/tmp/memra-bench-ckpt")
     a = ap.parse_args()
 
@@ -102,15 +107,22 @@ def main() -> int:
         res["open_s"] = round(time.perf_counter() - t, 1)
         _say(f"engine open in {res['open_s']} s (pp={a.pp}, sessions={a.sessions})")
         _pass(engine, prompts[:1], 1)  # warm: first-request costs out of the figures
-        one = _pass(engine, prompts, 1)
-        _say(f"one session: {one['agg_tok_per_s']} tok/s aggregate over {one['wall_s']} s")
-        many = _pass(engine, prompts, a.sessions)
-        _say(f"{a.sessions} sessions: {many['agg_tok_per_s']} tok/s aggregate over {many['wall_s']} s")
-    res["ids_equal"] = one["ids"] == many["ids"]
+        ones, manys = [], []
+        for r in range(a.repeats):  # interleaved, so drift hits both kinds alike
+            ones.append(_pass(engine, prompts, 1))
+            manys.append(_pass(engine, prompts, a.sessions))
+            _say(f"repeat {r + 1}: one session {ones[-1]['agg_tok_per_s']} tok/s, {a.sessions} sessions "
+                 f"{manys[-1]['agg_tok_per_s']} tok/s (aggregate)")
+    one, many = _median(ones), _median(manys)
+    res["ids_equal"] = all(p["ids"] == ones[0]["ids"] for p in ones + manys)
     res["one"] = {k: v for k, v in one.items() if k != "ids"}
     res["many"] = {k: v for k, v in many.items() if k != "ids"}
-    res["speedup"] = round(many["agg_tok_per_s"] / one["agg_tok_per_s"], 3)
-    _say(f"speedup {res['speedup']}x, ids equal: {res['ids_equal']}")
+    res["one_tok_per_s_all"] = [p["agg_tok_per_s"] for p in ones]
+    res["many_tok_per_s_all"] = [p["agg_tok_per_s"] for p in manys]
+    ratios = sorted(m["agg_tok_per_s"] / o["agg_tok_per_s"] for o, m in zip(ones, manys))
+    res["speedup"] = round(many["agg_tok_per_s"] / one["agg_tok_per_s"], 3)  # median over median
+    res["speedup_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
+    _say(f"speedup {res['speedup']}x (pairwise range {res['speedup_range']}), ids equal: {res['ids_equal']}")
 
     traced = cfg.with_(trace=TraceSettings(level=1))
     for name, threads in (("one", 1), ("many", a.sessions)):
