@@ -49,8 +49,6 @@ class RunConfig:
             raise UserError("--drafter dflash needs --draft-model DIR (a DFlash checkpoint)")
         if self.drafter == "eagle3" and not self.draft_model:
             raise UserError("--drafter eagle3 needs --draft-model DIR (an EAGLE-3 checkpoint)")
-        if self.drafter == "eagle3" and self.pp > 1:
-            raise UserError("--drafter eagle3 runs at --pp 1 only (its head reads the target's taps in-process)")
         if self.k < 1:
             raise UserError(f"-k must be >= 1 (got {self.k})")
         if self.k > MAX_K:

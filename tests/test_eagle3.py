@@ -261,7 +261,6 @@ def test_bad_checkpoint_one_line(llama, eagle_dir, tmp_path, capsys, edit, says)
 
 @pytest.mark.parametrize("args, says", [
     (["--drafter", "eagle3"], "--drafter eagle3 needs --draft-model"),
-    (["--drafter", "eagle3", "--draft-model", "X", "--pp", "2"], "--pp 1 only"),
 ])
 def test_bad_flags_one_line(llama, capsys, args, says):
     code = main(["generate", "--model", str(llama), "--prompt", "hello", *args])

@@ -112,3 +112,36 @@ def test_mtp_at_pp2_drafts_as_at_pp1(ray_local):
         got = engine.generate(ids)
     assert got.token_ids == ref.token_ids
     assert _counts(got) == _counts(ref)
+
+
+@pytest.mark.slow  # the demo's trained target and EAGLE-3 drafter (cached; ~25 s to train on a fresh machine)
+def test_eagle3_through_the_pipeline_drafts_as_at_pp1(ray_local):
+    """EAGLE-3's three taps (low / mid / high layers) split over the stages: the same drafts
+    as pp=1, with sessions in flight."""
+    from memra_dist.app import DEMO_PROMPT
+    from memra_dist.model.tiny import demo_checkpoints
+    from memra_dist.model.tiny_eagle3 import demo_eagle3_dir
+    from memra_dist.model.tokenizer import load_tokenizer
+
+    target, _ = demo_checkpoints()
+    ddir = demo_eagle3_dir(target)
+    tok = load_tokenizer(str(target))
+    prompts = [tok.encode(DEMO_PROMPT), tok.encode("The phase clock")]
+    cfg = RunConfig(model=str(target), drafter="eagle3", draft_model=str(ddir), k=4, max_new_tokens=40, device="cpu")
+    refs = [generate(cfg, p) for p in prompts]
+    assert refs[0].stats["accepted"] >= 0.5 * refs[0].stats["drafted"] > 0
+    for pp, bounds in ((2, None), (3, (1, 3))):
+        with open_engine(cfg.with_(pp=pp, stage_bounds=bounds), capacity=96, sessions=2) as engine:
+            got: list = [None, None]
+
+            def run(i):
+                got[i] = engine.generate(prompts[i])
+
+            ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        for mine, ref in zip(got, refs):
+            assert mine.token_ids == ref.token_ids, pp
+            assert _counts(mine) == _counts(ref), pp

@@ -247,9 +247,9 @@ class HeadWorker(_Worker):
 
         if i > 0 and self.cfg.drafter == "model":
             return ModelDrafter(self.slots[0].drafter.runner.slot_view())
-        if i > 0 and self.cfg.drafter in ("dflash", "mtp"):  # the network / MTP layers, over this slot's taps
+        if i > 0 and self.cfg.drafter in TAP_DRAFTERS:  # the network / MTP layers, over this slot's taps
             first = self.slots[0].drafter
-            return type(first)(first.net if self.cfg.drafter == "dflash" else first.head, self.slots[i].view)
+            return type(first)(first.head if self.cfg.drafter == "mtp" else first.net, self.slots[i].view)
         return build_drafter(self.cfg, self.plan, self.device, self.runner.dtype, 1, target=self.slots[i].view)
 
     def start(self, slot: int, seq: int, index: int, carrier: dict, prompt: list[int], plan=None) -> tuple[int, bool]:

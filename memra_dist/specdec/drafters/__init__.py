@@ -22,12 +22,12 @@ __all__ = ["DRAFTERS", "Drafter", "Proposal", "ModelDrafter", "NgramDrafter", "N
 
 # drafters that read the target's hidden states: the taps they keep, and whether they embed
 # tokens with the target's table (a pipeline head then holds the embedding too)
-TAP_DRAFTERS = ("dflash", "mtp")
+TAP_DRAFTERS = ("dflash", "mtp", "eagle3")
 
 
 def tap_layers(cfg, plan) -> tuple[int, ...]:
     """The target layers whose outputs the drafter reads (model/taps.py), () for the others."""
-    if cfg.drafter == "dflash":
+    if cfg.drafter in ("dflash", "eagle3"):
         return tuple(plan.draft.tap_ids)
     if cfg.drafter == "mtp":
         from ...model.taps import FINAL  # noqa: PLC0415
@@ -40,7 +40,7 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int,
                   record: Callable[[], list[int]] | None = None, target=None) -> Drafter:
     """The drafter `cfg.drafter` names. `plan` (memra_dist.plan.RequestPlan) holds the configs
     read once; `record` produces the target's greedy continuation (replay only); `target` is
-    the pp=1 runner a tap drafter reads (dflash, mtp)."""
+    the runner whose taps a tap drafter reads (dflash, mtp, eagle3): pp=1 the model's, pp>1 the head's."""
     if cfg.drafter == "none":
         return NoDrafter()
     if cfg.drafter == "ngram":
@@ -51,19 +51,19 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int,
                                         **{**cfg.runner_kwargs(device), "warm_timed": False}))
     if cfg.drafter == "dflash":
         if target is None or not hasattr(target, "keep_taps"):
-            raise ValueError("the dflash drafter needs the in-process target runner (pp=1)")
+            raise ValueError("the dflash drafter needs a target runner (pp=1: the model; pp>1: the head's)")
         from .dflash import DFlashDrafter  # noqa: PLC0415
 
         return DFlashDrafter.load(cfg.draft_model, plan.draft, target)
     if cfg.drafter == "mtp":  # the target's own MTP layers (its checkpoint holds them)
         if target is None or not hasattr(target, "keep_taps"):
-            raise ValueError("the mtp drafter needs the in-process target runner (pp=1)")
+            raise ValueError("the mtp drafter needs a target runner (pp=1: the model; pp>1: the head's)")
         from .mtp import MTPDrafter  # noqa: PLC0415
 
         return MTPDrafter.load(cfg.model, plan.model, target)
     if cfg.drafter == "eagle3":
         if target is None or not hasattr(target, "keep_taps"):
-            raise ValueError("the eagle3 drafter needs the in-process target runner (pp=1)")
+            raise ValueError("the eagle3 drafter needs a target runner (pp=1: the model; pp>1: the head's)")
         from .eagle3 import Eagle3Drafter  # noqa: PLC0415
 
         return Eagle3Drafter.load(cfg.draft_model, plan.draft, target)
