@@ -43,13 +43,14 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--drafter", choices=["none", "ngram", "model", "dflash", "mtp", "eagle3", "replay"], default=None,
                    help="none = plain decoding; ngram = prompt lookup; model = a draft checkpoint; "
-                        "dflash = a DFlash block drafter (--draft-model DIR) reading the target's hidden states, pp=1; "
-                        "mtp = the target's own MTP layers (deepseek_v3 / glm4_moe with num_nextn_predict_layers), pp=1; "
+                        "dflash = a DFlash block drafter (--draft-model DIR) reading the target's hidden states; "
+                        "mtp = the target's own MTP layers (deepseek_v3 / glm4_moe with num_nextn_predict_layers); "
                         "eagle3 = an EAGLE-3 head (--draft-model DIR) chained over the target's low / mid / high "
-                        "layer taps, pp=1; "
+                        "layer taps (at --pp > 1 the stages ship these taps to the head); "
                         "replay = BENCHMARKING TOOL: a recorded greedy continuation, corrupted at --replay-corrupt "
                         "(default: model with --draft-model, else ngram)")
-    p.add_argument("--draft-model", metavar="DIR", help="draft checkpoint (same vocabulary); implies --drafter model")
+    p.add_argument("--draft-model", metavar="DIR", help="draft checkpoint (same vocabulary); implies --drafter model "
+                                                          "unless --drafter dflash / eagle3 names its kind")
     p.add_argument("-k", type=int, default=4, help="drafted tokens per round (default 4)")
     p.add_argument("--replay-corrupt", type=float, default=0.2, metavar="R", help="replay drafter: per-token corruption rate")
     p.add_argument("--ctx", type=int, metavar="N", help="session context rows (default: prompt + max-new + k + 1)")
