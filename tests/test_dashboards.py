@@ -63,7 +63,15 @@ LABEL_VALUES = {  # Prometheus label -> values the engine writes
     "span_name": SPANS,
     OUTCOME_LABEL: set(OUTCOMES),
 }
-LABELS = {*(a.replace(".", "_") for a in METRIC_ATTR.values()), "le", "span_name", OUTCOME_LABEL}
+def _spanmetric_dims() -> set[str]:
+    """The span attributes the collector's spanmetrics connector keeps as labels."""
+    import yaml
+
+    col = yaml.safe_load((ROOT / "cluster/observability/otel-collector.yaml").read_text())
+    return {d["name"].replace(".", "_") for d in col["connectors"]["spanmetrics"].get("dimensions", [])}
+
+
+LABELS = {*(a.replace(".", "_") for a in METRIC_ATTR.values()), "le", "span_name", OUTCOME_LABEL, *_spanmetric_dims()}
 PROMQL_WORDS = {"sum", "max", "min", "avg", "count", "rate", "increase", "histogram_quantile", "by", "on",
                 "group_left", "ignoring", "without", "scalar", "clamp_min", "topk", "le"}
 
@@ -131,6 +139,19 @@ def test_the_api_panels_show_queue_depth_in_flight_and_outcomes():
     assert f"by ({OUTCOME_LABEL})" in by and api_prometheus_name("requests") in by
     with pytest.raises(AssertionError):  # an outcome the API never writes
         _check_promql(f'sum(rate({api_prometheus_name("requests")}{{{OUTCOME_LABEL}="timeout"}}[1m]))')
+
+
+def test_the_stage_busy_panel_reads_stage_forward_span_seconds_per_stage():
+    """Busy share = stage.forward span seconds per second, per memra.stage (the collector's
+    spanmetrics dimension), so the collector must keep that dimension."""
+    import yaml
+
+    panel = next(p for p in _dash()["panels"] if p["title"].startswith("Pipeline: stage busy share"))
+    expr = panel["targets"][0]["expr"]
+    assert 'span_name="stage.forward"' in expr and "by (memra_stage)" in expr and expr.endswith("/ 1000")
+    assert panel["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    col = yaml.safe_load((ROOT / "cluster/observability/otel-collector.yaml").read_text())
+    assert {"name": "memra.stage"} in col["connectors"]["spanmetrics"]["dimensions"]
 
 
 def test_every_tempo_query_names_registry_spans_only():
