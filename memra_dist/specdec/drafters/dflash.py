@@ -48,7 +48,7 @@ class DFlashDrafter(Drafter):
         self.device = target.device
         self.states: list[KVLayer] = []
         self.n = 0  # context rows ingested: positions 0 .. n-1
-        self.graph = None  # the block forward's CUDA graphs when the target captures its steps (dflash_graph.py)
+        self.graph = None  # the block forward's and the round ingest's CUDA graphs when the target captures its steps (dflash_graph.py)
         target.keep_taps(self.dc.tap_ids)
 
     @classmethod
@@ -100,7 +100,12 @@ class DFlashDrafter(Drafter):
         self._ingest(len(prompt), self.ttft_depth)
 
     def maintain(self, context) -> None:
-        self._ingest(len(context) - 1)
+        upto = len(context) - 1
+        if self.graph is not None and self.graph.ingests_rows(upto - self.n):
+            self.graph.ingest(self.n, upto)  # the round's a + 1 rows, replayed (dflash_graph.py)
+            self.n = upto
+            return
+        self._ingest(upto)
 
     # ---- drafting ----
     @torch.inference_mode()

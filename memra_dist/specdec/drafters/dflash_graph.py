@@ -1,5 +1,6 @@
-"""A CUDA graph of the DFlash block forward (dflash.py `block_logits`): one graph per row count,
-captured on first use, replayed every round after.
+"""CUDA graphs of the DFlash drafter's per-round work: the block forward (dflash.py
+`block_logits`) and the maintenance ingest (dflash.py `_ingest` over the a + 1 verified rows);
+one graph per row count each, captured on first use, replayed every round after.
 
 Static shapes: the block is always B rows; its ids live in a static (B,) buffer ([last, mask x
 (B - 1)], only row 0 rewritten per round), its start in a device scalar. Everything that
@@ -8,6 +9,14 @@ start, the mask `slot < start + B` over the drafter's whole K/V rows, the rotary
 Python value of a round is baked into the graph. The block's K/V is written at its positions
 and dropped, as the eager forward does (the next ingest overwrites it); the logits land in the
 graph's static output, which the caller consumes before the next replay.
+
+The ingest of rows [n, n + rows) (rows 1 .. B: a round commits at most B - 1 drafts and the
+pending token) is captured the same way: its start is a device scalar, its positions
+`ingest_base[:rows] + start` are derived on the device, and the taps are read from the
+target's tap sink at those positions (`index_select`: static shapes) instead of by a Python
+slice; the feature GEMM, each layer's k/v projections and the cache writes follow, as in the
+eager `_ingest`. The graph bakes in the sink's buffers: a new sink (the target reallocated
+its cache) drops every graph. The prime's long ingest (and its profiled laps) stays eager.
 
 Behind the runner's graph switch: built only when the target runner captures its own steps
 (`target.graphs`, CUDA with graphs on); the eager forward stays the reference (CPU, tests:
@@ -57,9 +66,23 @@ class BlockGraphs:
         self.d = drafter
         self.ids = drafter.block_ids.clone()  # (B,): row 0 = the last committed token, then mask ids
         self.start = torch.zeros((), dtype=torch.long, device=drafter.device)
+        self.ingest_start = torch.zeros((), dtype=torch.long, device=drafter.device)  # the ingest's first row
+        self.ingest_base = torch.arange(drafter.B, device=drafter.device)
         self.graph_cls = graph_cls
-        self.graphs: dict = {}
-        self.pool = torch.cuda.graph_pool_handle() if graph_cls is _CudaGraph else None
+        self.graphs: dict = {}  # block rows -> graph
+        self.ingests: dict = {}  # ingest rows -> graph
+        self.sink = None  # the tap sink the ingest graphs read (its buffers are baked in)
+        self.pool = self._new_pool()
+
+    def _new_pool(self):
+        return torch.cuda.graph_pool_handle() if self.graph_cls is _CudaGraph else None
+
+    def reset(self) -> None:
+        """Drop every graph (a fresh pool: reusing the handle of destroyed graphs trips the allocator)."""
+        self.graphs.clear()
+        self.ingests.clear()
+        self.sink = None
+        self.pool = self._new_pool()
 
     def _body(self, rows: int) -> torch.Tensor:
         d = self.d
@@ -86,6 +109,34 @@ class BlockGraphs:
             g = self.graphs[rows] = self.graph_cls(lambda: self._body(rows), self.pool)
         g.replay()
         return g.out
+
+    # ---- the maintenance ingest ----
+    def ingests_rows(self, rows: int) -> bool:
+        """Whether an ingest of `rows` rows replays a graph (a round's: 1 .. B rows)."""
+        return 1 <= rows <= self.d.B
+
+    def _ingest_body(self, rows: int, taps) -> None:
+        d = self.d
+        pos = self.ingest_base[:rows] + self.ingest_start  # (rows,) n .. n + rows - 1, on the device
+        C = d.net.features(taps.gather(pos))  # (rows, H): the taps at those positions, in tap order
+        for st, (k, v) in zip(d.states, d.net.context_kv(C, pos)):
+            st.k.index_copy_(0, pos, k)
+            st.v.index_copy_(0, pos, v)
+
+    @torch.inference_mode()
+    def ingest(self, n: int, upto: int) -> None:
+        """_ingest's rows [n, upto), replayed (the caller advances d.n)."""
+        rows = upto - n
+        taps = self.d._taps()
+        if taps is not self.sink:  # a new sink (the target reallocated): graphs over the old buffers would read stale rows
+            if self.sink is not None:
+                self.reset()
+            self.sink = taps
+        self.ingest_start.fill_(n)
+        g = self.ingests.get(rows)
+        if g is None:  # the warm-ups run at [n, upto): they write exactly what the replay will
+            g = self.ingests[rows] = self.graph_cls(lambda: self._ingest_body(rows, taps), self.pool)
+        g.replay()
 
 
 def block_graphs(drafter) -> BlockGraphs | None:
