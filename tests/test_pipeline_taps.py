@@ -95,7 +95,7 @@ def test_tap_columns_by_stage():
 
 
 @pytest.mark.slow  # the demo's trained glm4_moe + MTP layer (cached; ~15 s to train on a fresh machine)
-def test_mtp_at_pp2_drafts_as_at_pp1(ray_local):
+def test_mtp_through_the_pipeline_drafts_as_at_pp1(ray_local):
     """The MTP drafter reads the head's own FINAL tap (the last stage owns the final norm) and
     the target's embedding (loaded on the head): the same drafts as pp=1, sessions in flight."""
     from memra_dist.app import DEMO_PROMPT
@@ -108,10 +108,11 @@ def test_mtp_at_pp2_drafts_as_at_pp1(ray_local):
     cfg = RunConfig(model=str(target), drafter="mtp", k=3, max_new_tokens=40, device="cpu")
     ref = generate(cfg, ids)
     assert ref.stats["accepted"] >= 0.5 * ref.stats["drafted"] > 0
-    with open_engine(cfg.with_(pp=2), capacity=96, sessions=2) as engine:
-        got = engine.generate(ids)
-    assert got.token_ids == ref.token_ids
-    assert _counts(got) == _counts(ref)
+    for pp in (2, 3):  # 4 layers: the MoE layers (1..3) spread over the stages; the MTP layer on the head
+        with open_engine(cfg.with_(pp=pp), capacity=96, sessions=2) as engine:
+            got = engine.generate(ids)
+        assert got.token_ids == ref.token_ids, pp
+        assert _counts(got) == _counts(ref), pp
 
 
 @pytest.mark.slow  # the demo's trained target and EAGLE-3 drafter (cached; ~25 s to train on a fresh machine)
