@@ -30,6 +30,7 @@ from ...model.mtp import MTPHead, check_mtp, load_mtp
 from ...model.taps import FINAL
 from ..sampling import SamplingParams, probs
 from .base import EMPTY, Drafter, Proposal
+from .mtp_graph import mtp_graphs
 
 __all__ = ["MTPDrafter"]
 
@@ -47,6 +48,7 @@ class MTPDrafter(Drafter):
         self.outs: list[torch.Tensor] = []  # layer j's normed outputs by row (j < n - 1: layer j + 1's input)
         self.done = [0] * self.n  # layer j: rows [0, done[j]) are final (all-committed inputs)
         self.capacity = 0
+        self.graph = None  # the chained steps' CUDA graphs when the target captures its steps (mtp_graph.py)
         target.keep_taps((FINAL,))
 
     @classmethod
@@ -63,6 +65,7 @@ class MTPDrafter(Drafter):
             self.outs = [torch.zeros(capacity, h, device=self.device, dtype=self.target.dtype)
                          for _ in range(self.n - 1)]
             self.capacity = capacity
+            self.graph = mtp_graphs(self)
         self.done = [0] * self.n
         return (sum(s.nbytes() for s in self.states) + sum(o.numel() * o.element_size() for o in self.outs)) / 2**20
 
@@ -113,17 +116,26 @@ class MTPDrafter(Drafter):
         prev = None
         for s in range(k):
             j, r = s % self.n, s // self.n
+            g, logits = self.graph, None  # g: the steps' CUDA graphs (mtp_graph.py), when the target's are on
             if r == 0:  # layer j's first forward this round: committed rows, then the j draft rows
                 lo = self.done[j]
-                real = torch.tensor(context[lo + j + 1:N], dtype=torch.long, device=self.device)
-                tokens = torch.cat([real, *drafts[:j]]) if j else real
-                hidden = self._final()[lo:N - 1] if j == 0 else self.outs[j - 1][lo:N - 1]
-                last = self._rows(j, lo, N - 1, tokens, hidden)[-1:]
+                ids = context[lo + j + 1:N]
+                if g is not None and len(ids) + j == N - 1 - lo and g.fits(N - 1 - lo):
+                    last, logits = g.first(j, lo, ids, drafts[:j])
+                else:
+                    real = torch.tensor(ids, dtype=torch.long, device=self.device)
+                    tokens = torch.cat([real, *drafts[:j]]) if j else real
+                    hidden = self._final()[lo:N - 1] if j == 0 else self.outs[j - 1][lo:N - 1]
+                    last = self._rows(j, lo, N - 1, tokens, hidden)[-1:]
                 self.done[j] = N - 1 - j
             else:  # chained past the layers: one row further on, fed the previous step
                 p = N - 2 + r
-                last = self._rows_chain(j, p, drafts[-1], prev)
-            logits = lm_head(last).float()  # (1, V)
+                if g is not None:
+                    last, logits = g.chain(j, p, drafts[-1], prev)
+                else:
+                    last = self._rows_chain(j, p, drafts[-1], prev)
+            # (1, V); a graph's static output is copied: the same graph may replay again this round
+            logits = lm_head(last).float() if logits is None else logits.clone()
             out_logits.append(logits)
             drafts.append(pick(s, logits))
             prev = last

@@ -1,0 +1,118 @@
+"""CUDA graphs of the MTP drafter's chained steps (mtp.py `step_logits`): one graph per step kind
+and row count, captured on first use, replayed every round after.
+
+Two kinds of step (mtp.py's module docstring):
+  ("first", j, rows)  layer j's first forward of a round over rows [lo, lo + rows): the
+                      committed rows it has not settled, then its j draft rows (rows = a + 1 + j
+                      after a round that accepted a drafts)
+  ("chain", j)        layer j one row further on, fed the previous step's output and draft
+
+Static shapes: the rows' token ids live in a static buffer (the committed ones copied from the
+host, the drafts copied on the device from the previous steps' picks), the start row in a device
+scalar, the positions are `base[:rows] + start` ON the device, and the hidden rows of a first
+forward are index_selected at those positions from the target's FINAL tap (layer 0) or from
+layer j - 1's kept outputs; a chained step's hidden is copied into a static (1, H) row. Each
+graph writes the layer's K/V (and, layers 0 .. n-2, its kept outputs) at its positions, as the
+eager step does, and leaves the last row's normed output and its fp32 logits in static outputs;
+the caller copies them before the same graph replays again. Warm-ups run at the step's own
+positions with its own inputs: every write is idempotent there.
+
+Behind the runner's graph switch, as dflash_graph.py: built only when the target captures its
+steps (CUDA, graphs on) and every MTP layer is capturable (its MoE in the grouped form); the
+eager steps stay the reference (CPU, tests: tests/test_mtp_graph_emulated.py). The graphs bake
+in the FINAL tap's buffer: a new sink drops them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...graphs import MAX_GRAPH_ROWS
+from .dflash_graph import _CudaGraph
+
+__all__ = ["MTPGraphs", "mtp_graphs"]
+
+
+class MTPGraphs:
+    def __init__(self, drafter, graph_cls=_CudaGraph, max_rows: int = MAX_GRAPH_ROWS):
+        """`graph_cls(fn, pool)` captures fn and exposes `.out` and `.replay()` (tests pass an
+        emulated one)."""
+        d = self.d = drafter
+        h = d.head.cfg.hidden_size
+        self.max_rows = max_rows
+        self.tok = torch.zeros(max_rows, dtype=torch.long, device=d.device)  # the rows' token ids
+        self.hid = torch.zeros(1, h, dtype=d.target.dtype, device=d.device)  # a chained step's hidden
+        self.start = torch.zeros((), dtype=torch.long, device=d.device)  # the first row's position
+        self.base = torch.arange(max_rows, device=d.device)
+        self.graph_cls = graph_cls
+        self.graphs: dict = {}
+        self.sink = None  # the FINAL tap buffer the graphs read
+        self.pool = self._new_pool()
+
+    def _new_pool(self):
+        return torch.cuda.graph_pool_handle() if self.graph_cls is _CudaGraph else None
+
+    def reset(self) -> None:
+        self.graphs.clear()
+        self.sink = None
+        self.pool = self._new_pool()  # a fresh pool: reusing the handle of destroyed graphs trips the allocator
+
+    def fits(self, rows: int) -> bool:
+        return 1 <= rows <= self.max_rows
+
+    def _step(self, j: int, rows: int, hidden, keep: bool):
+        d = self.d
+        pos = self.base[:rows] + self.start  # (rows,) on the device
+        emb = d.target.stage.embed_tokens(self.tok[:rows])
+        out = d.head.layer(j).step(emb, hidden(pos), d.head.step_ctx(pos, d.capacity), d.states[j])
+        if keep:
+            d.outs[j].index_copy_(0, pos, out)
+        last = out[-1:]
+        return last, d.target.stage.lm_head(last).float()
+
+    def _replay(self, key, fn):
+        final = self.d._final()
+        if final is not self.sink:  # a new sink (the target reallocated): the graphs read the old buffer
+            if self.sink is not None:
+                self.reset()
+            self.sink = final
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self.graph_cls(fn, self.pool)
+        g.replay()
+        return g.out
+
+    @torch.inference_mode()
+    def first(self, j: int, lo: int, real: list[int], drafts: list[torch.Tensor]):
+        """Layer j over rows [lo, lo + len(real) + len(drafts)): tokens `real` (host ids) then
+        `drafts` ((1,) device ids) -> (last output (1, H), logits (1, V) fp32), static outputs."""
+        m = len(real)
+        rows = m + len(drafts)
+        if m:
+            self.tok[:m].copy_(torch.tensor(real, dtype=torch.long))
+        for i, t in enumerate(drafts):
+            self.tok[m + i:m + i + 1].copy_(t)
+        self.start.fill_(lo)
+        d = self.d
+        buf = d._final() if j == 0 else d.outs[j - 1]  # the hidden rows' source, read at the positions
+        return self._replay(("first", j, rows),
+                            lambda: self._step(j, rows, lambda pos: buf.index_select(0, pos), j < d.n - 1))
+
+    @torch.inference_mode()
+    def chain(self, j: int, p: int, token: torch.Tensor, hidden: torch.Tensor):
+        """Layer j's one row at position p, fed `token` (1,) and `hidden` (1, H)."""
+        self.tok[:1].copy_(token)
+        self.hid.copy_(hidden)
+        self.start.fill_(p)
+        return self._replay(("chain", j), lambda: self._step(j, 1, lambda pos: self.hid, False))
+
+
+def mtp_graphs(drafter) -> MTPGraphs | None:
+    """The drafter's step graphs when its target captures its steps (CUDA, graphs on) and every
+    MTP layer is capturable, else None."""
+    if getattr(drafter.target, "graphs", None) is None or drafter.device.type != "cuda":
+        return None
+    blocks = [drafter.head.layer(j) for j in range(drafter.n)]
+    if not all(getattr(b.self_attn, "graph_safe", False) and getattr(b.mlp, "graph_safe", True) for b in blocks):
+        return None
+    return MTPGraphs(drafter)
