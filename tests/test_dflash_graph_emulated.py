@@ -172,6 +172,8 @@ def test_session_through_the_alloc_built_graphs_equals_eager(tmp_path, monkeypat
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(graphed[4], eager[4]))
     assert [r for r in eager_ingests if r > 0] == [len(prompt)]  # the prime only: the rounds replayed
     assert d.graph.ingests and d.graph.graphs
+    # captured at allocation, every round row count: the rounds captured nothing more
+    assert set(d.graph.ingests) == set(range(1, d.B + 1)) and set(d.graph.graphs) == set(range(1, d.B))
     # a second session on the same cache reuses the graphs (same sink, same K/V buffers)
     kept = dict(d.graph.ingests)
     assert run()[:4] == eager[:4] and all(d.graph.ingests[r] is g for r, g in kept.items())

@@ -66,6 +66,8 @@ class DFlashDrafter(Drafter):
             self.block_ids = torch.full((self.B,), self.dc.mask_token_id, dtype=torch.long, device=self.device)
             self.block_base = torch.arange(self.B, device=self.device)
             self.graph = block_graphs(self)
+            if self.graph is not None:
+                self.graph.warm()  # every row count captured here, none inside a round
         self.n = 0
         return sum(s.nbytes() for s in self.states) / 2**20
 

@@ -139,6 +139,17 @@ class BlockGraphs:
         g.replay()
 
 
+    def warm(self) -> None:
+        """Capture every round's graphs now (at allocation, rows 0 .. B-1 of a fresh state):
+        the ingests of 1 .. B rows and the blocks of 1 .. B-1 drafts, so no capture lands in a
+        round. What the warm-ups write there is rewritten before it is read: the prime ingests
+        rows 0 .. P-1, and a block only reads rows below its start (ingested) and its own."""
+        for rows in range(1, self.d.B + 1):
+            self.ingest(0, rows)
+        for rows in range(1, self.d.B):
+            self.logits(0, 0, rows)
+
+
 def block_graphs(drafter) -> BlockGraphs | None:
     """The drafter's block graphs when its target captures its steps (CUDA, graphs on), else None."""
     if getattr(drafter.target, "graphs", None) is None or drafter.device.type != "cuda":
