@@ -59,6 +59,10 @@ class ActorTracing:
                 s.end(end_time=t1 + self.offset)
                 self.made += 1
 
+    def pending(self, records: list) -> int:
+        """Recorded forwards not yet turned into spans (spans at stake all the same)."""
+        return len(records) - self._emitted if self.enabled else 0
+
     def close(self, extra_made: int = 0) -> int:
         """Flush within the bound, then write the run-dir file; returns spans not delivered."""
         if not self.enabled:
