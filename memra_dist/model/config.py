@@ -18,7 +18,7 @@ from ..errors import UserError
 from .kimi_config import SIZE_LIMITS, as_int, kimi_common, layers_field, size_field
 from .moe_config import MOE_ARCHS, moe_common
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHS", "SIZE_LIMITS", "CheckpointSizes", "checkpoint_sizes", "load_config",
+__all__ = ["ModelConfig", "SUPPORTED_ARCHS", "SIZE_LIMITS", "CheckpointSizes", "checkpoint_sizes", "load_config", "read_config_json",
            "parse_config", "parse_kimi_config", "safetensors_header"]
 
 # model_type -> family traits (the dense families); kimi_linear is parsed by kimi_config.py
@@ -246,23 +246,29 @@ def checkpoint_sizes(model_dir: str | Path) -> CheckpointSizes | None:
     return CheckpointSizes(layers=layers, vocab=vocab, hidden=hidden)
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
-    """Read and parse `<model_dir>/config.json`, bounded by the checkpoint's safetensors
-    headers, with one-line errors for every failure."""
+def read_config_json(model_dir: str | Path, role: str = "model", kind: str = "a HF checkpoint") -> dict:
+    """`<model_dir>/config.json` as a dict, with one-line errors for every failure (`role`
+    names the directory in them, `kind` what it should have been)."""
     p = Path(model_dir)
     if not p.exists():
-        raise UserError(f"model directory not found: {p}")
+        raise UserError(f"{role} directory not found: {p}")
     if not p.is_dir():
-        raise UserError(f"model path is not a directory: {p}")
+        raise UserError(f"{role} path is not a directory: {p}")
     cfg = p / "config.json"
     try:
         if not cfg.exists():
-            raise UserError(f"{p}: no config.json (is this a HF checkpoint directory?)")
-        d = json.loads(cfg.read_text())
+            raise UserError(f"{p}: no config.json (is this {kind} directory?)")
+        return json.loads(cfg.read_text())
     except PermissionError:
         raise UserError(f"{cfg}: not readable (permission denied)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{cfg}: malformed JSON ({e})") from None
     except OSError as e:  # a directory, a device, an I/O error: still one line
         raise UserError(f"{cfg}: cannot read ({e.strerror or e})") from None
-    return parse_config(d, where=str(p), sizes=checkpoint_sizes(p))
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read and parse `<model_dir>/config.json`, bounded by the checkpoint's safetensors
+    headers, with one-line errors for every failure."""
+    d = read_config_json(model_dir)
+    return parse_config(d, where=str(Path(model_dir)), sizes=checkpoint_sizes(Path(model_dir)))

@@ -21,7 +21,6 @@ input_layernorm is not applied to C; C is the same for every layer (each layer p
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from torch import nn
 
 from ..errors import UserError
 from .attention import cached_attention
-from .config import ModelConfig, parse_config
+from .config import ModelConfig, parse_config, read_config_json
 from .kimi_config import as_int, size_field
 from .layers import RMSNorm, SwiGLU, apply_rope, rope_inv_freq, rope_rows
 
@@ -106,15 +105,7 @@ def parse_dflash_config(d: dict, where: str = "draft model") -> DFlashConfig:
 
 def load_dflash_config(model_dir: str | Path) -> DFlashConfig:
     p = Path(model_dir)
-    if not p.is_dir():
-        raise UserError(f"draft model directory not found: {p}")
-    f = p / "config.json"
-    try:
-        d = json.loads(f.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{p}: no config.json (is this a DFlash checkpoint directory?)") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"{f}: cannot read ({str(e).splitlines()[0][:200]})") from None
+    d = read_config_json(p, "draft model", "a DFlash checkpoint")
     return parse_dflash_config(d, str(p))
 
 

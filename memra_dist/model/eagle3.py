@@ -30,7 +30,6 @@ The drafter (specdec/drafters/eagle3.py) decides which rows run and with which i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from torch import nn
 
 from ..errors import UserError
 from .attention import cached_attention
-from .config import ModelConfig, parse_config
+from .config import ModelConfig, parse_config, read_config_json
 from .kimi_config import as_int, size_field
 from .layers import RMSNorm, SwiGLU, apply_rope, rope_inv_freq, rope_rows
 
@@ -121,15 +120,7 @@ def parse_eagle3_config(d: dict, num_target_layers: int, where: str = "draft mod
 
 def load_eagle3_config(model_dir: str | Path, target: ModelConfig) -> Eagle3Config:
     p = Path(model_dir)
-    if not p.is_dir():
-        raise UserError(f"draft model directory not found: {p}")
-    f = p / "config.json"
-    try:
-        d = json.loads(f.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{p}: no config.json (is this an EAGLE-3 checkpoint directory?)") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"{f}: cannot read ({str(e).splitlines()[0][:200]})") from None
+    d = read_config_json(p, "draft model", "an EAGLE-3 checkpoint")
     return parse_eagle3_config(d, target.num_layers, str(p))
 
 

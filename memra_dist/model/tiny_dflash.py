@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +30,7 @@ from torch.nn import functional as F
 from ..threads import apply_cpu_threads
 from .config import load_config
 from .corpus import CORPUS
+from .demo_cache import build_once
 from .dflash import ARCH, DFlashNet, parse_dflash_config
 from .loader import load_stage
 
@@ -187,12 +187,5 @@ def train_dflash(target_dir: str | Path, out: str | Path, steps: int = RECIPE["s
 
 def demo_dflash_dir(target_dir: Path, progress: Callable[[str], None] | None = None) -> Path:
     """The demo's DFlash drafter beside the demo target, trained once, then reused."""
-    out = Path(target_dir).parent / f"dflash-v{DFLASH_VERSION}"
-    if (out / "config.json").exists():
-        return out
-    say = progress or (lambda s: None)
-    t0 = time.perf_counter()
-    cb = lambda i, n, loss: say(f"training the demo dflash drafter: step {i}/{n} loss {loss:.3f}")  # noqa: E731
-    train_dflash(target_dir, out, progress=cb)
-    say(f"built the demo dflash drafter in {time.perf_counter() - t0:.1f}s -> {out}")
-    return out
+    return build_once(Path(target_dir).parent / f"dflash-v{DFLASH_VERSION}", "the demo dflash drafter",
+                      lambda out, cb: train_dflash(target_dir, out, progress=cb), progress)

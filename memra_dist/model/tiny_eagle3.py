@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +31,7 @@ from torch.nn import functional as F
 from ..threads import apply_cpu_threads
 from .config import load_config
 from .corpus import CORPUS
+from .demo_cache import build_once
 from .eagle3 import Eagle3Net, parse_eagle3_config
 from .loader import load_stage
 
@@ -212,12 +212,5 @@ def train_eagle3(target_dir: str | Path, out: str | Path, steps: int = RECIPE["s
 
 def demo_eagle3_dir(target_dir: Path, progress: Callable[[str], None] | None = None) -> Path:
     """The demo's EAGLE-3 drafter beside the demo target, trained once, then reused."""
-    out = Path(target_dir).parent / f"eagle3-v{EAGLE3_VERSION}"
-    if (out / "config.json").exists():
-        return out
-    say = progress or (lambda s: None)
-    t0 = time.perf_counter()
-    cb = lambda i, n, loss: say(f"training the demo eagle3 drafter: step {i}/{n} loss {loss:.3f}")  # noqa: E731
-    train_eagle3(target_dir, out, progress=cb)
-    say(f"built the demo eagle3 drafter in {time.perf_counter() - t0:.1f}s -> {out}")
-    return out
+    return build_once(Path(target_dir).parent / f"eagle3-v{EAGLE3_VERSION}", "the demo eagle3 drafter",
+                      lambda out, cb: train_eagle3(target_dir, out, progress=cb), progress)
