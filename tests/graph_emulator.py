@@ -59,3 +59,21 @@ class EmulatedGraph:
                 if o.data_ptr() == n.data_ptr() or o.numel() == 0:
                     continue  # in place, or a view of the same memory: already there
                 o.copy_(n)
+
+
+class EmulatedCapture:
+    """A `graph_cls(fn, pool)` for the drafters' graph sets (DFlash's BlockGraphs, MTPGraphs):
+    two eager warm-ups as a CUDA capture does, then fn recorded once; `.out` and `.replay()`
+    as a captured graph has them. `captures` counts them (class-wide)."""
+
+    captures = 0
+
+    def __init__(self, fn, pool):
+        for _ in range(2):
+            fn()
+        self.g = EmulatedGraph()
+        self.out = self.g.capture(fn)
+        EmulatedCapture.captures += 1
+
+    def replay(self) -> None:
+        self.g.replay()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from graph_emulator import EmulatedGraph
+from graph_emulator import EmulatedCapture
 from memra_dist.bench.tap_checkpoints import ensure_dflash
 from memra_dist.model.dflash import load_dflash_config
 from memra_dist.runner import ModelRunner
@@ -26,20 +26,7 @@ from memra_dist.specdec.session import SpecSession
 CPU, CAP = torch.device("cpu"), 160
 
 
-class _Emulated:
-    """graph_cls for BlockGraphs: two eager warm-ups, then an emulated capture."""
-
-    captures = 0
-
-    def __init__(self, fn, pool):
-        for _ in range(2):
-            fn()
-        self.g = EmulatedGraph()
-        self.out = self.g.capture(fn)
-        _Emulated.captures += 1
-
-    def replay(self) -> None:
-        self.g.replay()
+_Emulated = EmulatedCapture
 
 
 def _setup(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_emulator import EmulatedGraph
+from graph_emulator import EmulatedCapture
 from memra_dist.model.config import load_config
 from memra_dist.model.moe import MoE
 from memra_dist.runner import ModelRunner
@@ -28,20 +28,7 @@ CPU, F32, CAP = torch.device("cpu"), torch.float32, 96
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
 
 
-class _Emulated:
-    """graph_cls for MTPGraphs: two eager warm-ups, then an emulated capture."""
-
-    captures = 0
-
-    def __init__(self, fn, pool):
-        for _ in range(2):
-            fn()
-        self.g = EmulatedGraph()
-        self.out = self.g.capture(fn)
-        _Emulated.captures += 1
-
-    def replay(self) -> None:
-        self.g.replay()
+_Emulated = EmulatedCapture
 
 
 @pytest.fixture(scope="module")
