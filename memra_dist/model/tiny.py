@@ -4,21 +4,17 @@ readable and the drafter agrees with the target) and for tests (random weights).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..threads import apply_cpu_threads
 from .config import parse_config
 from .corpus import CORPUS
+from .demo_cache import write_checkpoint
 from .loader import hf_name
 from .transformer import Stage
 
@@ -114,18 +110,8 @@ def build_checkpoint(out: str | Path, cfg_dict: dict, tok: Tokenizer, seed: int 
             _train(stage, ids, starts, train_steps, seq, seed, progress, lr)
         finally:
             torch.set_num_threads(prev)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
-        tensors = {hf_name(k): v.detach().contiguous() for k, v in stage.state_dict().items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
-        tok.save(str(tmp / "tokenizer.json"))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return write_checkpoint(out, {hf_name(k): v for k, v in stage.state_dict().items()}, cfg_dict,
+                            extra=lambda d: tok.save(str(d / "tokenizer.json")))
 
 
 def demo_cache_dir() -> Path:

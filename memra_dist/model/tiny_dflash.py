@@ -17,20 +17,16 @@ like the tiny target, memorizes its text rather than generalizing).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 from torch.nn import functional as F
 
 from ..threads import apply_cpu_threads
 from .config import load_config
 from .corpus import CORPUS
-from .demo_cache import build_once
+from .demo_cache import build_once, write_checkpoint
 from .dflash import ARCH, DFlashNet, parse_dflash_config
 from .loader import load_stage
 
@@ -58,20 +54,8 @@ def dflash_config_dict(target: dict, layers: int, block_size: int, taps, mask_to
 
 
 def save_dflash(out: str | Path, net: DFlashNet, cfg: dict) -> Path:
-    """config.json + model.safetensors, atomically (a temp directory renamed into place)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
-        tensors = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """config.json + model.safetensors, atomically (model/demo_cache.py)."""
+    return write_checkpoint(out, net.state_dict(), cfg)
 
 
 def _new_net(cfg: dict, seed: int, std: float) -> DFlashNet:

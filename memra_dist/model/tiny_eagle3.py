@@ -18,20 +18,16 @@ paragraph's opening (with 3 training steps instead of 4: 0.8).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 from torch.nn import functional as F
 
 from ..threads import apply_cpu_threads
 from .config import load_config
 from .corpus import CORPUS
-from .demo_cache import build_once
+from .demo_cache import build_once, write_checkpoint
 from .eagle3 import Eagle3Net, parse_eagle3_config
 from .loader import load_stage
 
@@ -61,24 +57,13 @@ def eagle3_config_dict(target: dict, taps, heads: int, kv_heads: int, head_dim: 
 def save_eagle3(out: str | Path, net: Eagle3Net, cfg: dict, hot: torch.Tensor, embed: torch.Tensor | None = None
                 ) -> Path:
     """config.json + model.safetensors (the net, d2t, t2d, optionally embed_tokens),
-    atomically (a temp directory renamed into place)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
-        tensors = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
-        tensors["d2t"] = hot - torch.arange(hot.numel())
-        tensors["t2d"] = torch.zeros(cfg["vocab_size"], dtype=torch.bool).index_fill_(0, hot, True)
-        if embed is not None:
-            tensors["embed_tokens.weight"] = embed.detach().contiguous()
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    atomically (model/demo_cache.py)."""
+    tensors = dict(net.state_dict())
+    tensors["d2t"] = hot - torch.arange(hot.numel())
+    tensors["t2d"] = torch.zeros(cfg["vocab_size"], dtype=torch.bool).index_fill_(0, hot, True)
+    if embed is not None:
+        tensors["embed_tokens.weight"] = embed
+    return write_checkpoint(out, tensors, cfg)
 
 
 def _new_net(cfg: dict, num_target_layers: int, seed: int, std: float) -> Eagle3Net:
