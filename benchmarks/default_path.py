@@ -47,6 +47,8 @@ def child(spec: dict) -> dict:
         kw["draft_model"] = spec["draft"]
     if spec.get("compile"):
         kw["compile"] = spec["compile"]
+    if spec.get("kernels"):
+        kw["kernels"] = spec["kernels"]
     if spec.get("level"):
         kw["trace"] = TraceSettings(level=spec["level"])
     cfg = RunConfig(**kw)
@@ -61,7 +63,7 @@ def child(spec: dict) -> dict:
     out = {"case": spec["case"], "tokens": len(res.token_ids), "first_token_s": round(t_first - t0, 3),
            "decode_tok_s": round(n_after / (t_last - t_first), 2) if t_last > t_first else None,
            "engine_stats": res.stats, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "compile": cfg.compile, "graphs": cfg.graphs}
+           "compile": cfg.compile, "graphs": cfg.graphs, "kernels": cfg.kernels}
     if share is not None:
         out["share_table"] = share.table()
         out["rounds"] = share.n_rounds
@@ -124,6 +126,7 @@ def main() -> int:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(ind))
     specs = {"plain": [{"case": "plain-cold"}, {"case": "plain-warm"}],
              "off": [{"case": "compile-off", "compile": "off"}],
+             "kernels-off": [{"case": "kernels-off", "kernels": "off"}],
              "ngram": [{"case": "ngram", "drafter": "ngram"}],
              "model": [{"case": "model-k4", "drafter": "model", "draft": draft}],
              "model-l1": [{"case": "model-k4-level1", "drafter": "model", "draft": draft, "level": 1},

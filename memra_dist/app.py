@@ -53,7 +53,8 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
         device=args.device, dtype=None if args.dtype == "auto" else args.dtype, ctx=args.ctx,
         pp=args.pp, stage_bounds=_bounds(args.stage_bounds), burst_rounds=args.burst_rounds,
         replay_corrupt=args.replay_corrupt, trace=trace, trace_content=args.trace_content,
-        graphs=getattr(args, "graphs", "auto"), compile=getattr(args, "compile", "auto"))
+        graphs=getattr(args, "graphs", "auto"), compile=getattr(args, "compile", "auto"),
+        kernels=getattr(args, "kernels", "auto"))
 
 
 # ---- the one request path -------------------------------------------------------------
@@ -136,7 +137,7 @@ class Engine:
 
     def plan(self, prompt_len: int, cfg: RunConfig | None = None) -> RequestPlan:
         cfg = cfg or self.cfg
-        same = ("model", "pp", "stage_bounds", "drafter", "draft_model", "device", "dtype", "graphs", "compile")
+        same = ("model", "pp", "stage_bounds", "drafter", "draft_model", "device", "dtype", "graphs", "compile", "kernels")
         if any(getattr(cfg, f) != getattr(self.cfg, f) for f in same):
             raise UserError("a request must use the engine's model, split, device and drafter")
         return plan_request(cfg.with_(ctx=self.capacity), prompt_len, self.model, draft=self._base.draft,

@@ -64,6 +64,11 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
                    help="torch.compile the blocks captured in those graphs, so norms, rotary and gating fuse "
                         "(auto = on wherever the graphs are, for the attention families; the first run on a "
                         "machine compiles for ~10-40 s, later runs read the cache in ~/.cache/memra_dist/inductor)")
+    p.add_argument("--kernels", choices=["auto", "off"], default="auto",
+                   help="our Triton kernels inside those graphs: one-row GEMVs (the SwiGLU gating folded into "
+                        "the down projection) and split-sequence cached attention that reads only the live rows "
+                        "(auto = on wherever the graphs are and Triton imports; off = cuBLAS and the reference "
+                        "attention)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (Ray actors, one device each); 1 = in-process")
     p.add_argument("--stage-bounds", metavar="A,B,..", help="explicit first layer of stages 2..N (default: even split)")
     p.add_argument("--trace-level", type=int, choices=[0, 1, 2], default=None, help="0 off, 1 phases, 2 + verify sub-split (beats MEMRA_SPEC_TRACE)")

@@ -35,6 +35,7 @@ class RunConfig:
     trace_content: bool = False
     graphs: str = "auto"  # CUDA graphs for decode/verify steps: auto (= on with CUDA) | on | off
     compile: str = "auto"  # torch.compile the blocks captured in those graphs: auto (= with the graphs) | on | off
+    kernels: str = "auto"  # our Triton GEMV / cached-attention kernels in those graphs: auto (= with the graphs) | off
 
     def __post_init__(self):
         if self.drafter == "mtp" and self.draft_model:
@@ -65,6 +66,10 @@ class RunConfig:
             object.__setattr__(self, "compile", "on" if self.compile else "off")
         if self.compile not in ("auto", "on", "off"):
             raise UserError(f"--compile must be auto, on or off (got {self.compile!r})")
+        if isinstance(self.kernels, bool):
+            object.__setattr__(self, "kernels", "auto" if self.kernels else "off")
+        if self.kernels not in ("auto", "off"):
+            raise UserError(f"--kernels must be auto or off (got {self.kernels!r})")
         if self.ctx is not None and self.ctx < 2:
             raise UserError(f"--ctx must be >= 2 (got {self.ctx})")
 
@@ -74,8 +79,8 @@ class RunConfig:
     def runner_kwargs(self, device) -> dict:
         """The fast-path switches every ModelRunner of this run gets."""
         on = self.use_graphs(device)
-        return {"graphs": on, "compile": on and self.compile != "off", "warm_rows": self.k + 1 if on else 0,
-                "warm_timed": on and self.trace.level >= 2}
+        return {"graphs": on, "compile": on and self.compile != "off", "kernels": on and self.kernels != "off",
+                "warm_rows": self.k + 1 if on else 0, "warm_timed": on and self.trace.level >= 2}
 
     def capacity(self, prompt_len: int) -> int:
         return self.ctx if self.ctx is not None else prompt_len + self.max_new_tokens + self.k + 1

@@ -11,6 +11,8 @@ import torch
 from .cache import StageCache
 from .device import Drainer, device_label, free_mb
 from .errors import UserError
+from .kernels import available as kernels_available
+from .kernels import install as install_kernels
 from .graphs import StepGraphs, compile_blocks, compile_supported, graph_rows_limit, graphs_supported
 from .model.config import ModelConfig, load_config
 from .model.loader import load_stage
@@ -29,8 +31,8 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                  first: int = 0, last: int | None = None, has_embed: bool = True,
                  has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096,
-                 graphs: bool = False, compile: bool = False, warm_rows: int = 0, warm_timed: bool = False,
-                 progress=None):
+                 graphs: bool = False, compile: bool = False, kernels: bool = False, warm_rows: int = 0,
+                 warm_timed: bool = False, progress=None):
         self.cfg = cfg or load_config(model_dir)
         last = self.cfg.num_layers if last is None else last
         self.device, self.dtype = device, dtype
@@ -44,6 +46,8 @@ class ModelRunner:
                     if hasattr(m, "fuse"):
                         m.fuse()
             self.graphs = StepGraphs(self)
+            if kernels and kernels_available():
+                install_kernels(self.stage)
             if compile and compile_supported(self.stage):
                 compile_blocks(self.stage)
         self.graph_rows = graph_rows_limit(self.stage)

@@ -12,12 +12,20 @@ from memra_dist.errors import UserError
 def test_compile_is_on_by_default_with_the_graphs_and_off_on_cpu():
     cfg = RunConfig(model="m")
     assert cfg.compile == "auto"
-    assert cfg.runner_kwargs(torch.device("cuda")) == {"graphs": True, "compile": True, "warm_rows": 5,
-                                                       "warm_timed": False}
-    assert cfg.runner_kwargs(torch.device("cpu")) == {"graphs": False, "compile": False, "warm_rows": 0,
-                                                      "warm_timed": False}
+    assert cfg.runner_kwargs(torch.device("cuda")) == {"graphs": True, "compile": True, "kernels": True,
+                                                       "warm_rows": 5, "warm_timed": False}
+    assert cfg.runner_kwargs(torch.device("cpu")) == {"graphs": False, "compile": False, "kernels": False,
+                                                      "warm_rows": 0, "warm_timed": False}
     assert RunConfig(model="m", compile="off").runner_kwargs(torch.device("cuda"))["compile"] is False
     assert RunConfig(model="m", graphs="off").runner_kwargs(torch.device("cuda"))["compile"] is False
+
+
+def test_kernels_follow_the_graphs_and_switch_off():
+    assert RunConfig(model="m", kernels="off").runner_kwargs(torch.device("cuda"))["kernels"] is False
+    assert RunConfig(model="m", graphs="off").runner_kwargs(torch.device("cuda"))["kernels"] is False
+    assert RunConfig(model="m", kernels=False).kernels == "off"
+    with pytest.raises(UserError, match="--kernels"):
+        RunConfig(model="m", kernels="on")
 
 
 def test_compile_accepts_the_python_apis_booleans_and_refuses_junk():

@@ -1,12 +1,14 @@
 """THE single place where the benchmark switches the fast path on or off: CUDA graphs over
-the decode/verify steps (memra_dist/graphs.py) with torch.compile'd blocks inside them.
-RunConfig takes it as `graphs` ("on" | "off") + `compile`; ModelRunner as `graphs` + `compile`."""
+the decode/verify steps (memra_dist/graphs.py) with torch.compile'd blocks and our Triton
+kernels (memra_dist/kernels/) inside them, as the default path runs.
+RunConfig takes it as `graphs` ("on" | "off") + `compile` + `kernels`; ModelRunner likewise."""
 
 from __future__ import annotations
 
 import torch
 
 from ..env import environment
+from ..kernels import available as kernels_available
 
 __all__ = ["resolve_graphs", "runner_kwargs", "config_kwargs", "graphs_status"]
 
@@ -29,14 +31,16 @@ def resolve_graphs(flag: str, device: torch.device) -> bool:
 
 def runner_kwargs(on: bool) -> dict:
     """Keyword arguments for every ModelRunner the bench builds."""
-    return {"graphs": on, "compile": on and _compile(), "warm_rows": WARM_ROWS if on else 0}
+    return {"graphs": on, "compile": on and _compile(), "kernels": on, "warm_rows": WARM_ROWS if on else 0}
 
 
 def config_kwargs(on: bool) -> dict:
     """Keyword arguments for every RunConfig the bench builds."""
-    return {"graphs": "on" if on else "off", "compile": on and _compile()}
+    return {"graphs": "on" if on else "off", "compile": on and _compile(), "kernels": "auto" if on else "off"}
 
 
 def graphs_status(on: bool) -> dict:
-    return {"requested": on, "active": on, "compile": on and _compile(),
-            "why": "CUDA graphs per row count + fused QKV/gate-up" + (" + torch.compile'd blocks" if on and _compile() else "")}
+    kernels = on and kernels_available()
+    return {"requested": on, "active": on, "compile": on and _compile(), "kernels": kernels,
+            "why": "CUDA graphs per row count + fused QKV/gate-up" + (" + torch.compile'd blocks" if on and _compile() else "")
+            + (" + Triton GEMV / cached-attention kernels" if kernels else "")}

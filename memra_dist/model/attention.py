@@ -40,6 +40,7 @@ class Attention(nn.Module):
     def new_state(self, capacity: int, device, dtype) -> KVLayer:
         return KVLayer.alloc(capacity, self.nkv, self.hd, device, dtype)
 
+    fast_attn_rows = 0  # kernels/ops.py: steps of up to this many rows read the cache with the split-sequence kernel
     graph_safe = True  # static shapes, no host syncs: CUDA-graph capturable (graphs.py)
     compile_safe = True  # torch.compile'd blocks inside the graphs (--compile)
 
@@ -81,6 +82,8 @@ class Attention(nn.Module):
             return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
         state.k.index_copy_(0, pos, k)
         state.v.index_copy_(0, pos, v)
+        if T <= self.fast_attn_rows:
+            return self.o_proj(torch.ops.memra.decode_attention(q, state.k, state.v, pos))
         return self.o_proj(cached_attention(q, state.k, state.v, mask, self.nkv))  # (T, hidden)
 
 

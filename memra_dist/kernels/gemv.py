@@ -1,0 +1,82 @@
+"""One-row GEMV in Triton: the decode step's weight reads, with the SwiGLU gating folded in.
+
+At M = 1 a linear layer is a pure weight stream. cuBLAS picks split-K kernels for the narrow
+shapes of an 8B layer (o_proj, down_proj) and adds a reduce kernel after each; this kernel has
+each program own BN whole output rows (no reduce, no atomics: deterministic) and stream its
+slice of W once, evicting it from L2 (nothing rereads it). `silu_mul` computes the down
+projection's input silu(g) * u from the gate-up output while loading it, so the gating costs
+no kernel of its own; it rounds like the reference (silu in bf16, then the product in bf16).
+Measured on an H200 against cuBLAS (benchmarks/decode_kernels.py, BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gemv", "CONFIGS"]
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, N, K, stride_w,
+                 BN: tl.constexpr, BK: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 EVEN: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    nmask = rn < N
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        if EVEN:
+            w = tl.load(W + rn[:, None] * stride_w + rk[None, :], eviction_policy="evict_first")
+            if SILU_MUL:
+                g = tl.load(X + rk).to(tl.float32)
+                u = tl.load(X + K + rk)
+            else:
+                x = tl.load(X + rk)
+        else:
+            kmask = rk < K
+            w = tl.load(W + rn[:, None] * stride_w + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                        other=0.0, eviction_policy="evict_first")
+            if SILU_MUL:
+                g = tl.load(X + rk, mask=kmask, other=0.0).to(tl.float32)
+                u = tl.load(X + K + rk, mask=kmask, other=0.0)
+            else:
+                x = tl.load(X + rk, mask=kmask, other=0.0)
+        if SILU_MUL:  # the reference's roundings: silu(g) to the input dtype, then times u
+            s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+            x = (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=nmask)
+
+
+# (BN, BK, warps, stages): the winners per 8B / 1B shape on an H200 and their neighbours
+CONFIGS = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 1), (16, 1024, 8, 3), (8, 512, 4, 1),
+           (32, 512, 8, 3)]
+_even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BN"] == 0 and a["K"] % a["BK"] == 0})(_gemv_kernel)
+_tuned = triton.autotune(
+    configs=[triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in CONFIGS],
+    key=["N", "K", "SILU_MUL"])(_even)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """x (1, K) [or (1, 2K) with `silu_mul`: gate then up] @ w (N, K)^T (+ bias) -> (1, N) in
+    x's dtype. On CUDA the config is tuned once per shape (before any graph capture: the
+    capture's warm-up runs first); elsewhere (Triton's interpreter, the CPU tests) it is fixed."""
+    N, K = w.shape
+    assert x.shape[0] == 1 and x.shape[-1] == (2 * K if silu_mul else K) and w.stride(1) == 1
+    x = x.contiguous()
+    y = torch.empty((1, N), device=x.device, dtype=x.dtype)
+    b = bias if bias is not None else w  # unread without HAS_BIAS
+    if x.device.type == "cuda":
+        _tuned[lambda m: (triton.cdiv(N, m["BN"]),)](
+            x, w, b, y, N, K, w.stride(0), SILU_MUL=silu_mul, HAS_BIAS=bias is not None)
+        return y
+    bn, bk = 16, 32  # the interpreter: few programs (each runs in Python), ragged edges still masked
+    _even[(triton.cdiv(N, bn),)](x, w, b, y, N, K, w.stride(0), BN=bn, BK=bk, SILU_MUL=silu_mul,
+                                 HAS_BIAS=bias is not None)
+    return y

@@ -1,0 +1,109 @@
+"""The Triton kernels of the fast path (memra_dist/kernels/), run by Triton's interpreter on CPU:
+the GEMV (with bias, with the SwiGLU gating folded in) equals F.linear; the split-sequence
+cached attention equals the reference `cached_attention` at every row count, position and
+chunking; and a stage switched onto them decodes and speculates token-identically in fp32."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+triton = pytest.importorskip("triton")
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):  # its interpreter predates numpy 2
+    pytest.skip("Triton's interpreter needs triton >= 3.9 with numpy 2 (pip install -U triton)",
+                allow_module_level=True)
+
+from memra_dist.model.attention import cached_attention, causal_mask  # noqa: E402
+from memra_dist.runner import ModelRunner  # noqa: E402
+from memra_dist.specdec.drafters import ReplayDrafter  # noqa: E402
+from memra_dist.specdec.drafters.none import NoDrafter  # noqa: E402
+from memra_dist.specdec.sampling import SamplingParams  # noqa: E402
+from memra_dist.specdec.session import SpecSession  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run on CPU machines")
+
+
+@pytest.mark.parametrize("n,k", [(12, 40), (16, 32), (5, 7)])
+def test_gemv_equals_linear(n, k):
+    from memra_dist.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(n * k)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(1, k, generator=g), torch.randn(n, generator=g)
+    torch.testing.assert_close(gemv(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv(x, w, b), x @ w.t() + b, rtol=1e-5, atol=1e-5)
+    gu = torch.randn(1, 2 * k, generator=g)
+    ref = (torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]) @ w.t()
+    torch.testing.assert_close(gemv(gu, w, None, silu_mul=True), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,start", [(1, 0), (1, 63), (1, 64), (1, 190), (5, 100), (9, 55), (3, 197)])
+@pytest.mark.parametrize("nh,nkv", [(8, 2), (4, 4)])
+def test_split_attention_equals_reference(rows, start, nh, nkv):
+    from memra_dist.kernels.decode_attention import decode_attention
+
+    C, hd = 200, 16
+    g = torch.Generator().manual_seed(rows * 1000 + start)
+    kc, vc = torch.randn(C, nkv, hd, generator=g), torch.randn(C, nkv, hd, generator=g)
+    kc[start + rows:] = float("nan")  # slots past the rows are never read (a NaN would spread)
+    vc[start + rows:] = float("nan")
+    q = torch.randn(rows, nh, hd, generator=g)
+    pos = torch.arange(start, start + rows)
+    ref = cached_attention(q, kc.nan_to_num(), vc.nan_to_num(), causal_mask(pos, C), nkv)
+    for chunk in (16, 32, 64):  # several chunks per row, a row's end inside and on a chunk edge
+        torch.testing.assert_close(decode_attention(q, kc, vc, pos, chunk=chunk), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_chunking_bounds_the_grid():
+    from memra_dist.kernels.decode_attention import chunking
+
+    assert chunking(2048) == (64, 32)
+    assert chunking(100) == (64, 2)
+    chunk, n = chunking(131072)
+    assert n <= 64 and chunk * n >= 131072
+
+
+@pytest.fixture(scope="module")
+def wide_llama(ckpt_factory):
+    """head_dim 16: the attention kernel's smallest tile."""
+    return ckpt_factory("llama", seed=3, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                        num_key_value_heads=2)[0]
+
+
+def _runner(path, kernels: bool) -> ModelRunner:
+    r = ModelRunner(path, torch.device("cpu"), torch.float32, max_pos=256)
+    if kernels:
+        from memra_dist.kernels import install
+        from memra_dist.kernels.ops import FastLinear
+
+        for blk in r.stage.layers.values():
+            blk.self_attn.fuse()
+            blk.mlp.fuse()
+        n = install(r.stage)
+        layers = len(r.stage.layers)
+        assert n == layers * 5 + 1  # attention + qkv + o, gating + gate_up, per layer; the head
+        assert isinstance(r.stage.lm_head, FastLinear)
+    return r
+
+
+def _generate(runner, drafter, k, prompt, n):
+    s = SpecSession(runner, drafter, SamplingParams(), torch.Generator().manual_seed(0), k)
+    s.start(prompt, n, len(prompt) + n + k + 1)
+    while not s.done:
+        s.burst(8)
+    return s.tokens, s.stats
+
+
+def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama):
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    n = 16
+    plain, _ = _generate(_runner(wide_llama, False), NoDrafter(), 1, prompt, n)
+    fast, _ = _generate(_runner(wide_llama, True), NoDrafter(), 1, prompt, n)
+    assert fast == plain and len(plain) == len(prompt) + n
+    spec, st = _generate(_runner(wide_llama, True), ReplayDrafter(plain[len(prompt):], len(prompt), 128, corrupt=0.3), 4,
+                         prompt, n)
+    assert spec == plain
+    assert 0 < st.accepted < st.drafted  # multi-row verifies through the attention kernel, with rejections
