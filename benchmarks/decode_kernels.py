@@ -150,10 +150,14 @@ for v in variants:
     run = build(v)
     g1, o1 = capture(run, 1)
     t_c1 = time.perf_counter() - t0
+    g5, _ = capture(run, 5)
     g16, _ = capture(run, 16)
     r = {"compile_capture_1_s": round(t_c1, 1)}
     r["decode_ms"] = round(replay_ms(g1), 4)
+    r["verify5_ms"] = round(replay_ms(g5), 4)
     r["verify16_ms"] = round(replay_ms(g16), 4)
+    r["verify5_over_decode"] = round(r["verify5_ms"] / r["decode_ms"], 4)
+    r["verify16_over_decode"] = round(r["verify16_ms"] / r["decode_ms"], 4)
     r["decode_fraction_of_roofline"] = round(ideal_ms / r["decode_ms"], 4)
     groups, rows = kernel_table(g1)
     r["groups_ms"] = groups
@@ -166,7 +170,7 @@ for v in variants:
     res[v] = r
     log(v, json.dumps(r))
     log("\n".join(top.read_text().splitlines()[:25]))
-    del g1, g16
+    del g1, g5, g16
     torch.cuda.empty_cache()
 
 # GEMV at M = 1: cuBLAS vs a plain Triton kernel over the step's weight shapes

@@ -127,6 +127,7 @@ def main() -> int:
     specs = {"plain": [{"case": "plain-cold"}, {"case": "plain-warm"}],
              "off": [{"case": "compile-off", "compile": "off"}],
              "kernels-off": [{"case": "kernels-off", "kernels": "off"}],
+             "repeats": [{"case": "plain-warm-2"}, {"case": "plain-warm-3"}],
              "ngram": [{"case": "ngram", "drafter": "ngram"}],
              "model": [{"case": "model-k4", "drafter": "model", "draft": draft}],
              "model-l1": [{"case": "model-k4-level1", "drafter": "model", "draft": draft, "level": 1},

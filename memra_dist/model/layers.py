@@ -42,10 +42,10 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = fused
         del self.gate_proj, self.up_proj
 
-    fast_gating = False  # kernels/ops.py: a one-row step folds silu(g) * u into the down GEMV
+    fast_rows = 0  # kernels/ops.py: steps of up to this many rows fold silu(g) * u into the down kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_gating and x.shape[0] == 1:
+        if x.shape[0] <= self.fast_rows:
             return torch.ops.memra.gemv(self.gate_up_proj(x), self.down_proj.weight, self.down_proj.bias, True)
         if hasattr(self, "gate_up_proj"):
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
