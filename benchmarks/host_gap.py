@@ -14,6 +14,7 @@ usage: python benchmarks/host_gap.py OUT_DIR
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,10 +33,10 @@ from memra_dist.specdec.session import SpecSession
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
 out.mkdir(parents=True, exist_ok=True)
 dev = torch.device("cuda")
-ckpt = ensure_checkpoint("8b", Path("/tmp/memra-ckpt"), dev, print)
+ckpt = ensure_checkpoint("8b", Path(os.environ.get("MEMRA_BENCH_CACHE", "/tmp/memra-bench-ckpt")), dev, print)
 P, N = 512, 100
 res: dict = {}
-r = ModelRunner(str(ckpt), dev, torch.bfloat16, max_pos=2048, graphs=True, compile=True, warm_rows=2)
+r = ModelRunner(str(ckpt), dev, torch.bfloat16, max_pos=2048, graphs=True, compile=True, kernels=True, warm_rows=2)
 t = time.perf_counter()
 r.alloc(2048)
 res["alloc_capture_s"] = round(time.perf_counter() - t, 2)
