@@ -1,5 +1,5 @@
 """The Triton kernels of the fast path (memra_dist/kernels/), run by Triton's interpreter on CPU:
-the GEMV and the row GEMM (with bias, with the SwiGLU gating folded in) equal F.linear; the split-sequence
+the GEMV (with bias, with the SwiGLU gating folded in) equal F.linear; the split-sequence
 cached attention equals the reference `cached_attention` at every row count, position and
 chunking; and a stage switched onto them decodes and speculates token-identically in fp32."""
 
@@ -38,19 +38,6 @@ def test_gemv_equals_linear(n, k):
     gu = torch.randn(1, 2 * k, generator=g)
     ref = (torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]) @ w.t()
     torch.testing.assert_close(gemv(gu, w, None, silu_mul=True), ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("m,n,k", [(2, 40, 48), (5, 64, 64), (16, 33, 70)])
-def test_row_gemm_equals_linear(m, n, k):
-    from memra_dist.kernels.gemv import gemm_rows
-
-    g = torch.Generator().manual_seed(m * n * k)
-    w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-    torch.testing.assert_close(gemm_rows(x, w), x @ w.t(), rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(gemm_rows(x, w, b), x @ w.t() + b, rtol=1e-5, atol=2e-5)
-    gu = torch.randn(m, 2 * k, generator=g)
-    ref = (torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]) @ w.t()
-    torch.testing.assert_close(gemm_rows(gu, w, None, silu_mul=True), ref, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("rows,start", [(1, 0), (1, 63), (1, 64), (1, 190), (5, 100), (9, 55), (3, 197)])

@@ -1,8 +1,7 @@
 """Our Triton kernels for the graphed decode / verify steps (the CUDA fast path).
 
-`install(stage)` switches a loaded stage onto them: linear layers over up to 16 rows become
-Triton GEMVs / row GEMMs (the down projection with the SwiGLU gating folded in) and cached
-attention becomes a
+`install(stage)` switches a loaded stage onto them: one-row linear layers become Triton GEMVs
+(the down projection with the SwiGLU gating folded in) and cached attention becomes a
 split-sequence kernel that reads only the live rows. Prefills and the CPU path keep the
 reference code. `available()` says whether Triton is importable on this machine.
 """

@@ -8,22 +8,21 @@ from torch import nn
 from torch.nn import functional as F
 
 from .decode_attention import decode_attention
-from .gemv import MAX_ROWS, gemm_rows, gemv
+from .gemv import gemv
 
-__all__ = ["FastLinear", "install_stage", "MAX_ATTN_ROWS", "MAX_ROWS"]
+__all__ = ["FastLinear", "install_stage", "MAX_ATTN_ROWS"]
 
 MAX_ATTN_ROWS = 64  # decode / verify rows; a prefill keeps the reference attention
 
 
 @torch.library.custom_op("memra::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
-    """x (M, K) @ w^T for M <= MAX_ROWS: the GEMV at one row, the row kernel above it."""
-    return gemv(x, w, bias, silu_mul) if x.shape[0] == 1 else gemm_rows(x, w, bias, silu_mul)
+    return gemv(x, w, bias, silu_mul)
 
 
 @gemv_op.register_fake
 def _(x, w, bias, silu_mul):
-    return x.new_empty((x.shape[0], w.shape[0]))
+    return x.new_empty((1, w.shape[0]))
 
 
 @torch.library.custom_op("memra::decode_attention", mutates_args=())
@@ -37,10 +36,11 @@ def _(q, kc, vc, pos):
 
 
 class FastLinear(nn.Linear):
-    """nn.Linear whose calls of up to MAX_ROWS rows stream the weight through our kernels."""
+    """nn.Linear whose one-row calls stream the weight through the Triton GEMV (verify rows
+    stay on cuBLAS: kernels/gemv.py says why)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+        if x.dim() == 2 and x.shape[0] == 1:
             return gemv_op(x, self.weight, self.bias, False)
         return F.linear(x, self.weight, self.bias)
 
@@ -66,7 +66,7 @@ def install_stage(stage) -> int:
             attn.fast_attn_rows = MAX_ATTN_ROWS
             n += 1 + sum(_fast(m) for m in attn.children())
         if type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj"):
-            mlp.fast_rows = MAX_ROWS
+            mlp.fast_rows = 1
             n += 1 + _fast(mlp.gate_up_proj)
     if getattr(stage, "has_head", False):
         n += _fast(stage.lm_head)
