@@ -3,8 +3,8 @@
 One graph per row count, captured lazily on first use over static buffers (token ids or
 hidden rows, positions) against the runner's cache; replays write the cache rows at the
 positions in the static buffer, exactly as the eager forward does. The eager forward stays
-the reference (CPU, tests). At trace level 2 a twin graph per row count records CUDA events
-at the sub-split's boundaries (phase/subsplit.py EventMarks), so level 2 times the same
+the reference (CPU, tests). At trace level 2 a twin graph per row count records the device
+clock at the sub-split's boundaries (phase/subsplit.py StampMarks), so level 2 times the same
 graphed step. A new cache (a different capacity) drops the graphs.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .phase.subsplit import EventMarks
+from .phase.subsplit import EventMarks, StampMarks
 
 __all__ = ["StepGraphs", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
            "MAX_GRAPH_ROWS"]
@@ -28,11 +28,22 @@ def _timing_event():
     return torch.cuda.Event(enable_timing=True, external=True)
 
 
-def _event_marks() -> EventMarks:
-    """EventMarks whose calls torch.compile leaves to Python (a graph break at each boundary):
-    the compiled blocks' kernels stay fused between boundaries, and each event is recorded
-    on the capturing stream in walk order."""
-    m = EventMarks(_timing_event)
+STAMP_SLOTS = 4096  # boundaries a level-2 step may record (an 8B step: 96)
+
+
+def _event_marks(device) -> EventMarks | StampMarks:
+    """Level-2 marks whose calls torch.compile leaves to Python (a graph break at each boundary):
+    the compiled blocks' kernels stay fused between boundaries, and each boundary is recorded
+    on the capturing stream in walk order. Device-clock stamps where Triton imports (one copy
+    back per replay), else CUDA timing events."""
+    from .kernels import available  # noqa: PLC0415
+
+    if available():
+        from .kernels.stamp import stamp  # noqa: PLC0415
+
+        m = StampMarks(torch.zeros(STAMP_SLOTS, dtype=torch.int64, device=device), stamp)
+    else:
+        m = EventMarks(_timing_event)
     for name in ("begin", "lap", "scan_begin", "scan_end"):
         setattr(m, name, torch.compiler.disable(getattr(m, name)))
     return m
@@ -65,7 +76,7 @@ class _Graph:
     pos: torch.Tensor  # (rows,) absolute positions
     out: torch.Tensor  # (rows, V) logits or (rows, H) hidden
     host: torch.Tensor | None = None  # pinned staging row for host ids (token-id graphs)
-    marks: EventMarks | None = None  # level-2 twins: the events recorded at every replay
+    marks: EventMarks | StampMarks | None = None  # level-2 twins: the boundaries recorded at every replay
     copied: torch.cuda.Event | None = None  # the last copy out of `host` (before it is rewritten)
 
     def load(self, x: torch.Tensor) -> None:
@@ -109,7 +120,7 @@ class StepGraphs:
 
     def _capture(self, x: torch.Tensor, start: int, timed: bool = False) -> _Graph:
         dev = self.runner.device
-        marks = _event_marks if timed else (lambda: None)
+        marks = (lambda: _event_marks(dev)) if timed else (lambda: None)
         rows = x.shape[0]
         sx = x.to(dev).clone()
         base = torch.arange(rows, device=dev)

@@ -6,10 +6,12 @@ brackets its recurrent scan with `scan_begin()` / `scan_end()` (the scan share i
 kda bucket). Two timers keep that contract:
 - `SubsplitTimer` (eager steps): each call drains the stream first, so the device time of
   the work just issued lands in the bucket;
-- `EventMarks` (captured step graphs): each call records a CUDA event into the graph being
-  captured; after every replay the intervals between the graph's events are added to the
-  request's SubsplitTimer. So level 2 runs the same graphed, compiled step as levels 0 and 1
-  (plus one event record per boundary), not an eager walk.
+- `StampMarks` (captured step graphs): each call adds a one-thread kernel to the graph being
+  captured that writes the device clock into a slot of a buffer; after every replay the buffer
+  comes back in one copy and its intervals are added to the request's SubsplitTimer. So level
+  2 runs the same graphed, compiled step as levels 0 and 1 (plus one tiny kernel per
+  boundary), not an eager walk. `EventMarks` does the same with CUDA timing events (one
+  driver call per interval to read: the fallback where Triton is missing).
 Only ever used at trace level 2.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-__all__ = ["SubsplitTimer", "EventMarks", "SUB_BUCKETS"]
+__all__ = ["SubsplitTimer", "EventMarks", "StampMarks", "add_laps", "SUB_BUCKETS"]
 
 SUB_BUCKETS = ("kda", "mla", "attn", "ffn", "scan")
 
@@ -56,19 +58,25 @@ class SubsplitTimer:
         return ns, rows
 
 
-class EventMarks:
-    """The boundaries of one captured step, as events recorded in its graph. `make_event`
-    builds a timing event that may be recorded during a capture (CUDA:
-    `torch.cuda.Event(enable_timing=True, external=True)`)."""
+def add_laps(kinds: list[str], ns: list[int], timer: "SubsplitTimer") -> None:
+    """One replay's boundaries (kind, device time in ns, in walk order) into the timer's
+    buckets, as SubsplitTimer would have drained them: a lap runs from the previous begin or
+    lap; the scan from its scan_begin, inside the kda lap."""
+    last = scan0 = 0
+    for what, t in zip(kinds, ns):
+        if what == "begin":
+            last = t
+        elif what == "scan_begin":
+            scan0 = t
+        elif what == "scan_end":
+            timer.ns["scan"] += t - scan0
+        else:
+            timer.ns[what] += t - last
+            last = t
 
-    def __init__(self, make_event: Callable[[], object]):
-        self.make_event = make_event
-        self.marks: list[tuple[str, object]] = []  # (kind or bucket, event), in walk order
 
-    def _mark(self, what: str) -> None:
-        ev = self.make_event()
-        ev.record()
-        self.marks.append((what, ev))
+class _Marks:
+    """The boundary calls of a captured walk; `_mark` records one boundary on the device."""
 
     def begin(self) -> None:
         self._mark("begin")
@@ -82,21 +90,47 @@ class EventMarks:
     def scan_end(self) -> None:
         self._mark("scan_end")
 
+
+class EventMarks(_Marks):
+    """The boundaries of one captured step, as events recorded in its graph. `make_event`
+    builds a timing event that may be recorded during a capture (CUDA:
+    `torch.cuda.Event(enable_timing=True, external=True)`). Reading them costs one driver call
+    per boundary after every replay: StampMarks is the fast path, this the fallback."""
+
+    def __init__(self, make_event: Callable[[], object]):
+        self.make_event = make_event
+        self.marks: list[tuple[str, object]] = []  # (kind or bucket, event), in walk order
+
+    def _mark(self, what: str) -> None:
+        ev = self.make_event()
+        ev.record()
+        self.marks.append((what, ev))
+
     def add_to(self, timer: SubsplitTimer) -> None:
-        """After a replay: wait for its last event, then add each interval to its bucket, as
-        SubsplitTimer would have (a lap runs from the previous begin or lap; the scan from
-        its scan_begin, inside the kda lap)."""
+        """After a replay: wait for its last event, then add each interval to its bucket."""
         if not self.marks:
             return
         self.marks[-1][1].synchronize()
-        last = scan0 = None
-        for what, ev in self.marks:
-            if what == "begin":
-                last = ev
-            elif what == "scan_begin":
-                scan0 = ev
-            elif what == "scan_end":
-                timer.ns["scan"] += int(scan0.elapsed_time(ev) * 1e6)  # elapsed_time is in ms
-            else:
-                timer.ns[what] += int(last.elapsed_time(ev) * 1e6)
-                last = ev
+        first = self.marks[0][1]
+        add_laps([w for w, _ in self.marks], [round(first.elapsed_time(ev) * 1e6) for _, ev in self.marks], timer)
+
+
+class StampMarks(_Marks):
+    """The boundaries of one captured step as device-clock stamps written into `buf` (one
+    int64 slot per boundary, `stamp(buf, i)`: kernels/stamp.py on CUDA). After a replay the
+    stamps come back in one copy."""
+
+    def __init__(self, buf, stamp: Callable[[object, int], None]):
+        self.buf, self.stamp = buf, stamp
+        self.kinds: list[str] = []
+
+    def _mark(self, what: str) -> None:
+        if len(self.kinds) >= self.buf.numel():
+            raise RuntimeError(f"more sub-split boundaries than the stamp buffer holds ({self.buf.numel()})")
+        self.stamp(self.buf, len(self.kinds))
+        self.kinds.append(what)
+
+    def add_to(self, timer: SubsplitTimer) -> None:
+        """After a replay: copy the stamps back (this waits for the replay) and add the laps."""
+        if self.kinds:
+            add_laps(self.kinds, self.buf[: len(self.kinds)].tolist(), timer)
