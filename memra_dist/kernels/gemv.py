@@ -6,9 +6,11 @@ each program own BN whole output rows (no reduce, no atomics: deterministic) and
 slice of W once, evicting it from L2 (nothing rereads it). `silu_mul` computes the down
 projection's input silu(g) * u from the gate-up output while loading it, so the gating costs
 no kernel of its own; it rounds like the reference (silu in bf16, then the product in bf16).
-Measured on an H200 against cuBLAS (benchmarks/decode_kernels.py, BENCHMARKS.md). A few-row
-variant (one tl.dot tile of 16 rows per program) was tried for verify steps and measured 1.7-1.9x
-slower than cuBLAS at 5 and 16 rows: verify rows stay on cuBLAS.
+Measured on an H200 against cuBLAS (benchmarks/decode_kernels.py, BENCHMARKS.md). Row-GEMM
+variants for verify steps were measured and dropped: one tl.dot tile of 16 rows against a
+transposed weight tile was 1.7-1.9x slower than cuBLAS at 5 and 16 rows; the "swap AB" form
+(the weight tile as the MMA's row operand, as it lies in memory) was still 1.10-1.13x slower.
+Verify rows stay on cuBLAS.
 """
 
 from __future__ import annotations
