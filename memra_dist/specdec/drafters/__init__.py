@@ -48,7 +48,7 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int,
     if cfg.drafter == "model":
         return ModelDrafter(ModelRunner(cfg.draft_model, device, dtype, cfg=plan.draft, max_pos=plan.capacity,
                                         progress=LoadProgress(Path(cfg.draft_model).name),
-                                        **{**cfg.runner_kwargs(device), "warm_timed": False}))
+                                        **{**cfg.runner_kwargs(device), "warm_timed": False}), k=cfg.k)
     if cfg.drafter == "dflash":
         if target is None or not hasattr(target, "keep_taps"):
             raise ValueError("the dflash drafter needs a target runner (pp=1: the model; pp>1: the head's)")

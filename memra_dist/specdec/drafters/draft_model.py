@@ -1,5 +1,9 @@
 """`model`: a smaller checkpoint of the same vocabulary drafts autoregressively, with its own
-cache; maintenance rolls that cache back to the prefix it shares with the committed context."""
+cache; maintenance rolls that cache back to the prefix it shares with the committed context.
+
+Greedy rounds of the run's K replay one CUDA graph for the whole chain of K - 1 one-row
+forwards when the draft runner captures its steps (chain_graph.py, captured at alloc); other
+rounds (a shortened k, sampling, CPU) step through `runner.forward`."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 from ...runner import ModelRunner
 from ..sampling import SamplingParams, probs
 from .base import EMPTY, Drafter, Proposal
+from .chain_graph import chain_graph
 
 __all__ = ["ModelDrafter"]
 
@@ -15,15 +20,23 @@ __all__ = ["ModelDrafter"]
 class ModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, k: int = 0):
+        """`k`: the run's K, the chain length the greedy chain graph is captured for (0: none)."""
         self.runner = runner
         self.device = runner.device
+        self.k = k
+        self.chain = None  # the greedy chain's CUDA graph (chain_graph.py), when the runner captures its steps
         self.cached: list[int] = []  # the token ids whose rows sit in the draft cache, in order
         self.safe = 0  # cached[:safe] is known to equal the committed context
 
     def alloc(self, capacity: int) -> float:
+        if self.chain is not None and self.chain.capacity != capacity:
+            self.chain = None  # a new cache comes: drop the graph over the old one first
         self.runner.alloc(capacity)
         self.cached, self.safe = [], 0
+        if self.chain is None or not self.chain.over(self.runner.cache):
+            self.chain = None
+            self.chain = chain_graph(self.runner, self.k)  # captured here, none inside a round
         return self.runner.cache.nbytes() / 2**20
 
     def prime(self, prompt: list[int]) -> None:
@@ -53,15 +66,19 @@ class ModelDrafter(Drafter):
 
     def _greedy_chain(self, logits: torch.Tensor, k: int) -> Proposal:
         """K greedy steps with the argmax kept on the drafter's device: each step's token
-        feeds the next forward directly, and the K tokens come back to the host once."""
-        toks = []
+        feeds the next forward directly, and the K tokens come back to the host once. At the
+        run's K with a chain graph, the K - 1 forwards are one replay."""
         start = len(self.cached)
-        for i in range(k):
-            t = logits[-1].argmax().view(1)  # (1,) int64 on the device
-            toks.append(t)
-            if i + 1 < k:
+        t = logits[-1].argmax().view(1)  # (1,) int64 on the device
+        if self.chain is not None and k == self.chain.k:
+            ids = self.chain.run(t, start).cpu()  # the one readback of the chain
+        else:
+            toks = [t]
+            for i in range(k - 1):
                 logits = self.runner.forward(t, start + i)
-        ids = torch.cat(toks).cpu()  # the one readback of the chain
+                t = logits[-1].argmax().view(1)
+                toks.append(t)
+            ids = torch.cat(toks).cpu()  # the one readback of the chain
         self.cached.extend(ids[:k - 1].tolist())
         return Proposal(ids)
 
