@@ -145,7 +145,8 @@ def test_giant_and_malformed_sizes_are_refused_naming_the_field(family, key):
     (dict(num_experts_per_tok=9), "num_experts_per_tok"),
     (dict(topk_group=3), "topk_group"),
     (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 0}), "yarn factor"),
 ])
 def test_family_fields_are_checked(edit, needle):
     for d in FAMILIES.values():

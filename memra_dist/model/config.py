@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import UserError
 from .kimi_config import SIZE_LIMITS, as_int, kimi_common, layers_field, size_field
 from .moe_config import MOE_ARCHS, moe_common
+from .rope_scaling import resolve_yarn
 
 __all__ = ["ModelConfig", "SUPPORTED_ARCHS", "SIZE_LIMITS", "CheckpointSizes", "checkpoint_sizes", "load_config", "read_config_json",
            "parse_config", "parse_kimi_config", "safetensors_header"]
@@ -72,10 +73,12 @@ def _rope_params(d: dict) -> tuple[float, tuple]:
     params = {**legacy, **rp}
     params.pop("rope_theta", None)
     rtype = params.get("rope_type", params.get("type", "default"))
-    if rtype not in ("default", "llama3"):
-        raise UserError(f"unsupported rope_type '{rtype}' (supported: default, llama3)")
+    if rtype not in ("default", "llama3", "yarn"):
+        raise UserError(f"unsupported rope_type '{rtype}' (supported: default, llama3, yarn)")
     if rtype == "default":
         return theta, ()
+    if rtype == "yarn":  # resolved once here (model/rope_scaling.py); ValueError -> the caller's one line
+        return theta, tuple(sorted(resolve_yarn(params, d).items()))
     params["rope_type"] = rtype
     params.pop("type", None)
     return theta, tuple(sorted((k, v) for k, v in params.items() if not isinstance(v, (list, dict))))

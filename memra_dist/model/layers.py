@@ -8,7 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["RMSNorm", "SwiGLU", "rope_inv_freq", "rope_rows", "apply_rope"]
+from .rope_scaling import yarn_inv_freq
+
+__all__ = ["RMSNorm", "SwiGLU", "rope_inv_freq", "rope_scale", "rope_rows", "apply_rope"]
 
 
 class RMSNorm(nn.Module):
@@ -67,7 +69,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope: dict | None = None) -> torch.Tensor:
-    """(head_dim/2,) fp32 inverse frequencies (llama3 scaling applied when configured)."""
+    """(head_dim/2,) fp32 inverse frequencies (llama3 or YaRN scaling applied when configured;
+    YaRN's cos / sin scale is `rope_scale(rope)`, passed to `rope_rows`)."""
+    if rope and rope.get("rope_type") == "yarn":
+        return yarn_inv_freq(head_dim, theta, rope)
     cpu = torch.device("cpu")  # explicit: stages are built under a meta-device context
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
     if rope and rope.get("rope_type") == "llama3":
@@ -75,13 +80,20 @@ def rope_inv_freq(head_dim: int, theta: float, rope: dict | None = None) -> torc
     return inv_freq
 
 
-def rope_rows(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, head_dim) fp32 for the rows at `pos`, in the HF rotate-half layout.
-    Computed per step, not read from a table: one multiply per element, exactly the
-    reference's values, and no table whose size grows with the context."""
+def rope_scale(rope: dict | None) -> float:
+    """The factor cos / sin are multiplied by (YaRN's attention_factor; 1.0 otherwise)."""
+    return float(rope.get("attention_factor", 1.0)) if rope and rope.get("rope_type") == "yarn" else 1.0
+
+
+def rope_rows(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, head_dim) fp32 for the rows at `pos`, in the HF rotate-half layout, times
+    `scale` (`rope_scale`). Computed per step, not read from a table: one multiply per
+    element, exactly the reference's values, and no table whose size grows with the context."""
     freqs = pos.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

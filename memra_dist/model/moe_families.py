@@ -26,6 +26,7 @@ from .layers import SwiGLU, apply_rope
 from .mla import MLA
 from .moe import MoE
 from .moe_config import MoESpec
+from .rope_scaling import softmax_scale_factor
 
 __all__ = ["RopeMLA", "moe_mixer", "moe_ffn", "deinterleave"]
 
@@ -43,6 +44,7 @@ class RopeMLA(MLA):
         super().__init__(cfg, spec)
         self.rope_dim = spec.qk_rope_dim
         self.interleave = spec.rope_interleave
+        self.scale = self.scale * softmax_scale_factor(cfg.rope)  # YaRN: mscale(factor, mscale_all_dim)^2
 
     def _rotate(self, q: torch.Tensor, k_shared: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, nh, dn + dr), k_shared (T, dr) -> the same with the dr part rotated."""

@@ -17,7 +17,7 @@ from ..cache import StageCache
 from .attention import Attention, causal_mask
 from .config import ModelConfig
 from .kimi import kimi_ffn, kimi_mixer
-from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_rows
+from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_rows, rope_scale
 from .moe_families import moe_ffn, moe_mixer
 from .taps import FINAL
 
@@ -99,6 +99,7 @@ class Stage(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         dims = {m.self_attn.rope_dim for m in self.layers.values() if getattr(m.self_attn, "rope_dim", None)}
         self._inv_freq = {d: rope_inv_freq(d, cfg.rope_theta, cfg.rope) for d in dims}
+        self._rope_scale = rope_scale(cfg.rope)  # YaRN's attention_factor on cos / sin
 
     def to_device(self, device) -> "Stage":
         self._inv_freq = {d: f.to(device) for d, f in self._inv_freq.items()}
@@ -116,7 +117,7 @@ class Stage(nn.Module):
 
     def step_ctx(self, pos: torch.Tensor, cache: StageCache | None, timer=None) -> StepCtx:
         mask = causal_mask(pos, cache.capacity) if cache is not None else None
-        rope = {d: rope_rows(pos, f) for d, f in self._inv_freq.items()}
+        rope = {d: rope_rows(pos, f, self._rope_scale) for d, f in self._inv_freq.items()}
         return StepCtx(pos=pos, mask=mask, rope=rope, timer=timer)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: StageCache | None, timer=None) -> torch.Tensor:
