@@ -52,7 +52,7 @@ def draft_phase(s, name: str, k: int, corrupt: float | None) -> dict:
 
     b, prompt, n = s.bench, s.prompt, s.p.phase_new
     rec = s.memo["plain"]["result"].tokens
-    mk = (lambda: b.drafter(name, rec, len(prompt), corrupt or 0.0))
+    mk = (lambda: b.drafter(name, rec, len(prompt), corrupt or 0.0, k=k))
     level1 = TraceSettings(level=1)
     warm = s.memo.setdefault("warm", set())
     if (name, k, 1) not in warm:  # warm-up of this drafter at this K with the clock on

@@ -82,13 +82,13 @@ class Bench:
 
     # ---- generations ----
     def drafter(self, name: str, recorded: list[int] | None = None, prompt_len: int = 0,
-                corrupt: float = 0.0, seed: int = 1):
+                corrupt: float = 0.0, seed: int = 1, k: int = 0):
         if name == "none":
             return NoDrafter()
         if name == "ngram":
             return NgramDrafter()
         if name == "model":
-            return ModelDrafter(self.draft)
+            return ModelDrafter(self.draft, k=k)  # K: its greedy chain graph, as the engine builds it
         if name == "replay":
             return ReplayDrafter(recorded, prompt_len, self.vocab, corrupt, seed=seed)
         raise ValueError(name)

@@ -107,7 +107,7 @@ def _spec_run(s, name: str, k: int, corrupt: float | None) -> dict:
     b, prompt, n = s.bench, s.prompt, s.p.max_new
     rec = s.memo["plain"]["result"].tokens
     plain = s.memo["plain"]["tok_s_fig"]
-    mk = (lambda: b.drafter(name, rec, len(prompt), corrupt or 0.0))
+    mk = (lambda: b.drafter(name, rec, len(prompt), corrupt or 0.0, k=k))
     warm = s.memo.setdefault("warm", set())
     if (name, k) not in warm:  # warm-up of this drafter at this K (once: the replay labels share it)
         b.generate(mk(), prompt, min(8, n), k)

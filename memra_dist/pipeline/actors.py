@@ -247,7 +247,7 @@ class HeadWorker(_Worker):
         from ..specdec.drafters import ModelDrafter, build_drafter  # noqa: PLC0415
 
         if i > 0 and self.cfg.drafter == "model":
-            return ModelDrafter(self.slots[0].drafter.runner.slot_view())
+            return ModelDrafter(self.slots[0].drafter.runner.slot_view(), k=self.cfg.k)
         if i > 0 and self.cfg.drafter in TAP_DRAFTERS:  # the network / MTP layers, over this slot's taps
             first = self.slots[0].drafter
             return type(first)(first.head if self.cfg.drafter == "mtp" else first.net, self.slots[i].view)
