@@ -48,7 +48,7 @@ class MTPDrafter(Drafter):
         self.outs: list[torch.Tensor] = []  # layer j's normed outputs by row (j < n - 1: layer j + 1's input)
         self.done = [0] * self.n  # layer j: rows [0, done[j]) are final (all-committed inputs)
         self.capacity = 0
-        self.graph = None  # the chained steps' CUDA graphs when the target captures its steps (mtp_graph.py)
+        self.graph = None  # the steps' CUDA graphs, captured at alloc, when the target captures its own (mtp_graph.py)
         target.keep_taps((FINAL,))
 
     @classmethod
@@ -66,6 +66,10 @@ class MTPDrafter(Drafter):
                          for _ in range(self.n - 1)]
             self.capacity = capacity
             self.graph = mtp_graphs(self)
+            if self.graph is not None:
+                self.graph.warm()  # every step of the run's K captured here, none inside a round
+        elif self.graph is not None and self.graph.k is not None and self.graph.sink is not self._final():
+            self.graph.warm()  # the target reallocated its FINAL tap: recaptured here, not in a round
         self.done = [0] * self.n
         return (sum(s.nbytes() for s in self.states) + sum(o.numel() * o.element_size() for o in self.outs)) / 2**20
 
@@ -120,7 +124,7 @@ class MTPDrafter(Drafter):
             if r == 0:  # layer j's first forward this round: committed rows, then the j draft rows
                 lo = self.done[j]
                 ids = context[lo + j + 1:N]
-                if g is not None and len(ids) + j == N - 1 - lo and g.fits(N - 1 - lo):
+                if g is not None and len(ids) + j == N - 1 - lo and g.replays(("first", j, N - 1 - lo)):
                     last, logits = g.first(j, lo, ids, drafts[:j])
                 else:
                     real = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -130,7 +134,7 @@ class MTPDrafter(Drafter):
                 self.done[j] = N - 1 - j
             else:  # chained past the layers: one row further on, fed the previous step
                 p = N - 2 + r
-                if g is not None:
+                if g is not None and g.replays(("chain", j)):
                     last, logits = g.chain(j, p, drafts[-1], prev)
                 else:
                     last = self._rows_chain(j, p, drafts[-1], prev)

@@ -1,5 +1,6 @@
 """CUDA graphs of the MTP drafter's chained steps (mtp.py `step_logits`): one graph per step kind
-and row count, captured on first use, replayed every round after.
+and row count, all captured when the drafter allocates (`warm`), replayed every round after: no
+capture ever lands inside a round (nor beside another session's work on the device).
 
 Two kinds of step (mtp.py's module docstring):
   ("first", j, rows)  layer j's first forward of a round over rows [lo, lo + rows): the
@@ -17,6 +18,19 @@ eager step does, and leaves the last row's normed output and its fp32 logits in 
 the caller copies them before the same graph replays again. Warm-ups run at the step's own
 positions with its own inputs: every write is idempotent there.
 
+Which steps a run asks for, with K its chain length (the target's `warm_rows` - 1, as
+config.runner_kwargs sets it) and n layers: layer j's first forward of a round has
+rows = a + 1 + j after a round that committed a + 1 tokens (0 <= a <= K), 1 + j in the first
+round after the prime (P, at most j + 1, when the prompt of P tokens was too short for layer
+j's prime rows; never below its j draft rows). So ("first", j, rows) for j < min(n, K) and
+rows in max(1, j) .. K + 1 + j, and ("chain", j) for j < K - n. A round near the end of a
+request asks for k < K drafts: its steps are among these (k only shrinks once below K: a
+layer it skips never runs again in that request). `warm` captures them at allocation, at rows
+0 .. of a fresh state, then zeroes the layers' K/V and kept outputs: the state is exactly a
+fresh allocation's. Any other step (a context too small for its rows, a longer chain than the
+run's K) runs eager: a warmed set never captures inside a round. A target that warms no rows
+(`warm_rows` 0: it captures its own steps on first use) leaves these graphs on first use too.
+
 Behind the runner's graph switch, as dflash_graph.py: built only when the target captures its
 steps (CUDA, graphs on) and every MTP layer is capturable (its MoE in the grouped form); the
 eager steps stay the reference (CPU, tests: tests/test_mtp_graph_emulated.py). The graphs bake
@@ -33,6 +47,12 @@ from .dflash_graph import _CudaGraph
 __all__ = ["MTPGraphs", "mtp_graphs"]
 
 
+def run_k(target) -> int | None:
+    """The run's chain length K from the target's warm rows (K + 1 verify rows), None when it warms none."""
+    warm = getattr(target, "warm_rows", 0)
+    return warm - 1 if warm else None
+
+
 class MTPGraphs:
     def __init__(self, drafter, graph_cls=_CudaGraph, max_rows: int = MAX_GRAPH_ROWS):
         """`graph_cls(fn, pool)` captures fn and exposes `.out` and `.replay()` (tests pass an
@@ -40,6 +60,7 @@ class MTPGraphs:
         d = self.d = drafter
         h = d.head.cfg.hidden_size
         self.max_rows = max_rows
+        self.k = run_k(d.target)  # every step of up to k drafts captured by `warm`; None: on first use
         self.tok = torch.zeros(max_rows, dtype=torch.long, device=d.device)  # the rows' token ids
         self.hid = torch.zeros(1, h, dtype=d.target.dtype, device=d.device)  # a chained step's hidden
         self.start = torch.zeros((), dtype=torch.long, device=d.device)  # the first row's position
@@ -59,6 +80,47 @@ class MTPGraphs:
 
     def fits(self, rows: int) -> bool:
         return 1 <= rows <= self.max_rows
+
+    def keys(self) -> list[tuple]:
+        """Every step a run of up to k drafts asks for (the module docstring), at this capacity."""
+        d, k = self.d, self.k
+        top = min(self.max_rows, d.capacity)
+        first = [("first", j, rows) for j in range(min(d.n, k))
+                 for rows in range(max(1, j), min(k + 1 + j, top) + 1)]
+        return first + [("chain", j) for j in range(min(d.n, k - d.n))]
+
+    def replays(self, key: tuple) -> bool:
+        """Whether this step replays a graph: warmed, only one captured at allocation (over the
+        current FINAL tap buffer; any other step runs eager); unwarmed, any that fits."""
+        if self.k is None:
+            return key[0] == "chain" or self.fits(key[2])
+        return key in self.graphs and self.sink is self.d._final()
+
+    @torch.inference_mode()
+    def warm(self) -> None:
+        """Capture every step of the run now (at allocation; nothing without the run's K), then
+        leave the layers' K/V and kept outputs as a fresh allocation has them (zeros: every
+        state kind is zero-filled). The warm-ups wrote rows 0 .. of them, each capture's eager
+        runs and its replay the same values at the same rows (idempotent)."""
+        if self.k is None:
+            return
+        d = self.d
+        if self.sink is not None and self.sink is not d._final():
+            self.reset()
+        tok, hid = torch.zeros(1, dtype=torch.long, device=d.device), torch.zeros_like(self.hid)
+        for key in self.keys():
+            if key in self.graphs:
+                continue
+            if key[0] == "first":  # token 0 at rows 0 .. rows - 1 (the graph reads every row's id alike)
+                self.first(key[1], 0, [0] * key[2], [])
+            else:
+                self.chain(key[1], 0, tok, hid)
+        for st in d.states:
+            for t in vars(st).values():
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
+        for o in d.outs:
+            o.zero_()
 
     def _step(self, j: int, rows: int, hidden, keep: bool):
         d = self.d
