@@ -32,7 +32,7 @@ from ..errors import UserError
 from .attention import cached_attention
 from .config import ModelConfig, parse_config, read_config_json
 from .kimi_config import as_int, size_field
-from .layers import RMSNorm, SwiGLU, apply_rope, rope_inv_freq, rope_rows
+from .layers import RMSNorm, SwiGLU, apply_rope, rope_inv_freq, rope_rows, rope_scale
 
 __all__ = ["DFlashConfig", "DFlashNet", "parse_dflash_config", "load_dflash_config", "check_dflash",
            "load_dflash", "default_tap_ids", "ARCH"]
@@ -173,9 +173,10 @@ class DFlashNet(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_eps)
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope)
+        self.rope_scale = rope_scale(c.rope)  # YaRN's cos / sin factor (1.0 otherwise)
 
     def rope(self, pos: torch.Tensor):
-        return rope_rows(pos, self.inv_freq.to(pos.device))
+        return rope_rows(pos, self.inv_freq.to(pos.device), self.rope_scale)
 
     def features(self, taps: torch.Tensor) -> torch.Tensor:
         """Taps (T, n_taps * H) -> context rows C (T, H)."""

@@ -41,7 +41,7 @@ from ..errors import UserError
 from .attention import cached_attention
 from .config import ModelConfig, parse_config, read_config_json
 from .kimi_config import as_int, size_field
-from .layers import RMSNorm, SwiGLU, apply_rope, rope_inv_freq, rope_rows
+from .layers import RMSNorm, SwiGLU, apply_rope, rope_inv_freq, rope_rows, rope_scale
 
 __all__ = ["Eagle3Config", "Eagle3Net", "parse_eagle3_config", "load_eagle3_config", "check_eagle3",
            "load_eagle3", "default_eagle3_taps", "check_d2t"]
@@ -210,9 +210,10 @@ class Eagle3Net(nn.Module):
         self.embed_tokens: nn.Embedding | None = None
         self.register_buffer("hot", torch.arange(ec.draft_vocab_size), persistent=False)
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope)
+        self.rope_scale = rope_scale(c.rope)  # YaRN's cos / sin factor (1.0 otherwise)
 
     def rope(self, pos: torch.Tensor):
-        return rope_rows(pos, self.inv_freq.to(pos.device))
+        return rope_rows(pos, self.inv_freq.to(pos.device), self.rope_scale)
 
     def features(self, taps: torch.Tensor) -> torch.Tensor:
         """Taps (T, n_taps * H_target) -> the first step's hidden g (T, H)."""

@@ -24,7 +24,7 @@ from torch import nn
 from ..errors import UserError
 from .attention import causal_mask
 from .config import ModelConfig, safetensors_header
-from .layers import RMSNorm, rope_inv_freq, rope_rows
+from .layers import RMSNorm, rope_inv_freq, rope_rows, rope_scale
 from .loader import FP32_KEYS, CheckpointReader, hf_name
 from .moe_config import MOE_ARCHS
 from .moe_names import checkpoint_tensor
@@ -64,7 +64,7 @@ class MTPHead(nn.Module):
 
     def step_ctx(self, pos: torch.Tensor, capacity: int) -> StepCtx:
         return StepCtx(pos=pos, mask=causal_mask(pos, capacity),
-                       rope={d: rope_rows(pos, f) for d, f in self._inv_freq.items()})
+                       rope={d: rope_rows(pos, f, rope_scale(self.cfg.rope)) for d, f in self._inv_freq.items()})
 
     def to_device(self, device, dtype) -> "MTPHead":
         self._inv_freq = {d: f.to(device) for d, f in self._inv_freq.items()}
