@@ -23,7 +23,8 @@ __all__ = ["decode_attention", "chunking"]
 @triton.jit
 def _partial_kernel(Q, K, V, POS, PM, PL, PO, ROWS, stride_qt, stride_qh, stride_kc, stride_kh,
                     stride_vc, stride_vh, scale, n_chunks,
-                    REP: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr):
+                    REP: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, CHUNK: tl.constexpr,
+                    PRECISION: tl.constexpr):
     h = tl.program_id(0)  # KV head
     c = tl.program_id(1)  # chunk of cache slots
     mb = tl.program_id(2)  # block of query rows (row m: token row m // REP, query head h * REP + m % REP)
@@ -45,14 +46,14 @@ def _partial_kernel(Q, K, V, POS, PM, PL, PO, ROWS, stride_qt, stride_qh, stride
         live = rc < hi
         k = tl.load(K + rc[:, None] * stride_kc + h * stride_kh + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(V + rc[:, None] * stride_vc + h * stride_vh + d[None, :], mask=live[:, None], other=0.0)
-        sc = tl.dot(q, tl.trans(k)) * scale  # (BM, BC) fp32
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BM, BC) fp32
         sc = tl.where(rc[None, :] <= pos[:, None], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: no NaN
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     base = (h * n_chunks + c) * ROWS + rm
     tl.store(PM + base, m_i, mask=mmask)
@@ -111,7 +112,7 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: t
     _partial_kernel[(nkv, n_chunks, triton.cdiv(rows, bm))](
         q, kc, vc, pos, pm, pl, po, rows, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
         vc.stride(0), vc.stride(1), hd ** -0.5, n_chunks, REP=rep, HD=hd, BM=bm, BC=bc, CHUNK=chunk,
-        num_warps=4)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)  # fp32 stays fp32 (no TF32)
     _merge_kernel[(nkv, rows)](pm, pl, po, o, rows, n_chunks, o.stride(0), REP=rep, HD=hd,
                                NC=triton.next_power_of_2(n_chunks), num_warps=4)
     return o
