@@ -328,13 +328,19 @@ def _report(args, cfg, plan, result, text, share, tracing, complete: bool = True
     print(f"[memra] tokens={st['tokens']} tok/s={st['tok_per_s']} ttft_ms={st['ttft_ms']} rounds={st['rounds']} "
           f"drafted={st['drafted']} "
           f"accepted={st['accepted']} acceptance={st['acceptance']:.3f} tokens/round={st['tokens_per_round']:.2f} "
-          f"drafter={cfg.drafter} k={cfg.k} pp={cfg.pp}")
+          f"drafter={cfg.drafter} k={cfg.k} pp={cfg.pp} path={fast_path_label(st.get('fast_path'))}")
     if share is not None and share.n_rounds:
         print(share.table(), file=sys.stderr)
     if busy is not None:
         print(f"[memra] {busy.line()}", file=sys.stderr)
     if run_dir is not None:
         print(_where(run_dir, complete), file=sys.stderr)
+
+
+def fast_path_label(fp: dict | None) -> str:
+    """'graphs+compile+kernels' (what a default CUDA run reports), 'eager' with none of them."""
+    on = [k for k in ("graphs", "compile", "kernels") if fp and fp.get(k)]
+    return "+".join(on) if on else "eager"
 
 
 def _where(run_dir: str, complete: bool) -> str:

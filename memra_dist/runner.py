@@ -40,6 +40,7 @@ class ModelRunner:
         self.max_pos = max_pos
         self.cache: StageCache | None = None
         self.graphs = None
+        self.kernel_modules = 0  # modules switched onto our Triton kernels (kernels/ops.py)
         if graphs and device.type == "cuda" and graphs_supported(self.stage):
             for blk in self.stage.layers.values():  # fused QKV and gate-up GEMMs on the fast path
                 for m in (blk.self_attn, blk.mlp):
@@ -47,7 +48,7 @@ class ModelRunner:
                         m.fuse()
             self.graphs = StepGraphs(self)
             if kernels and kernels_available():
-                install_kernels(self.stage)
+                self.kernel_modules = install_kernels(self.stage)
             if compile and compile_supported(self.stage):
                 compile_blocks(self.stage)
         self.graph_rows = graph_rows_limit(self.stage)
@@ -163,3 +164,11 @@ class ModelRunner:
 
     def free_mb(self) -> int:
         return free_mb(self.device)
+
+    def fast_path(self) -> dict[str, bool]:
+        """What this runner's decode / verify steps actually run: CUDA graphs, torch.compile'd
+        blocks inside them, our Triton kernels (each can be asked for and still be off: a CPU
+        device, a family that does not capture, Triton missing)."""
+        return {"graphs": self.graphs is not None,
+                "compile": any(hasattr(b, "_compiled") for b in self.stage.layers.values()),
+                "kernels": self.kernel_modules > 0}

@@ -14,6 +14,15 @@ def test_decode_rate_excludes_the_time_to_the_first_token():
     assert d["seconds"] == 12.0
 
 
+def test_the_fast_path_label_names_what_ran():
+    from memra_dist.app import fast_path_label
+
+    assert fast_path_label({"graphs": True, "compile": True, "kernels": True}) == "graphs+compile+kernels"
+    assert fast_path_label({"graphs": True, "compile": False, "kernels": False}) == "graphs"
+    assert fast_path_label({"graphs": False, "compile": False, "kernels": False}) == "eager"
+    assert fast_path_label(None) == "eager"  # a result without the field (an older JSON)
+
+
 def test_a_single_token_has_no_decode_rate():
     d = SessionStats(tokens=1, t_start=1.0, t_first=2.0, t_end=2.0).as_dict()
     assert d["tok_per_s"] == 0.0 and d["ttft_ms"] == 1000.0

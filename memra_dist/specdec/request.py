@@ -116,4 +116,10 @@ class Request:
         return BurstOut(toks, self.session.done, rec, prof, log)
 
     def finish(self) -> dict:
-        return self.session.stats.as_dict()
+        """The session's stats, with the fast path the target's steps ran (`fast_path`)."""
+        stats = self.session.stats.as_dict()
+        target = self.session.target
+        runner = getattr(target, "runner", target)  # a pipeline head: the runner of its own layers
+        if hasattr(runner, "fast_path"):
+            stats["fast_path"] = runner.fast_path()
+        return stats
