@@ -22,6 +22,7 @@ from .env import trace_settings
 from .errors import UserError
 from .model.config import load_config
 from .model.tokenizer import StreamDecoder, load_tokenizer
+from .phase.lines import fast_path_label
 from .phase.report import FanOut, LineSink
 from .phase.share import ShareTable
 from .plan import RequestPlan, plan_request
@@ -335,12 +336,6 @@ def _report(args, cfg, plan, result, text, share, tracing, complete: bool = True
         print(f"[memra] {busy.line()}", file=sys.stderr)
     if run_dir is not None:
         print(_where(run_dir, complete), file=sys.stderr)
-
-
-def fast_path_label(fp: dict | None) -> str:
-    """'graphs+compile+kernels' (what a default CUDA run reports), 'eager' with none of them."""
-    on = [k for k in ("graphs", "compile", "kernels") if fp and fp.get(k)]
-    return "+".join(on) if on else "eager"
 
 
 def _where(run_dir: str, complete: bool) -> str:

@@ -186,7 +186,12 @@ def test_plain_output_streams_text_then_one_summary_line(bad_dirs, capsys, tmp_p
     assert st["fast_path"] == {"graphs": False, "compile": False, "kernels": False}
     assert summary.endswith(" path=eager")
     assert "phase shares over" in err and str(tmp_path / "run") in err
-    assert (tmp_path / "run" / "spans.otlp.json").exists()
+    doc = json.loads((tmp_path / "run" / "spans.otlp.json").read_text())
+    (req,) = [s for rs in doc["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]
+              if s["name"] == "memra.request"]
+    attrs = {a["key"]: next(iter(a["value"].values())) for a in req["attributes"]}
+    assert attrs["memra.fast_path"] == "eager"  # the request span says which path its steps ran
+    assert int(attrs["memra.tokens"]) == st["tokens"] and int(attrs["memra.drafted"]) == st["drafted"]
 
 
 def test_seed_makes_sampling_reproducible(bad_dirs, capsys):

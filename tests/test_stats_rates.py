@@ -15,7 +15,7 @@ def test_decode_rate_excludes_the_time_to_the_first_token():
 
 
 def test_the_fast_path_label_names_what_ran():
-    from memra_dist.app import fast_path_label
+    from memra_dist.phase.lines import fast_path_label
 
     assert fast_path_label({"graphs": True, "compile": True, "kernels": True}) == "graphs+compile+kernels"
     assert fast_path_label({"graphs": True, "compile": False, "kernels": False}) == "graphs"

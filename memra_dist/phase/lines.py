@@ -5,7 +5,14 @@ from __future__ import annotations
 from ..tracing.conventions import TAGS
 from .records import BurstRecord
 
-__all__ = ["phase_line", "phase_v_line"]
+__all__ = ["phase_line", "phase_v_line", "fast_path_label"]
+
+
+def fast_path_label(fp: dict | None) -> str:
+    """A run's `fast_path` stats as one word: 'graphs+compile+kernels' (a default CUDA run),
+    'eager' with none of them (the [memra] line's path=, the request span's memra.fast_path)."""
+    on = [k for k in ("graphs", "compile", "kernels") if fp and fp.get(k)]
+    return "+".join(on) if on else "eager"
 
 
 def phase_line(b: BurstRecord, tag: str = TAGS["phase"]) -> str | None:

@@ -23,6 +23,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from ..env import environment
 from ..errors import UserError
 from .conventions import ATTR, RESOURCE, SERVICE_NAME_DEFAULT, SPAN_REQUEST
+from ..phase.lines import fast_path_label
 from .deferred import DeferredSink
 from .emit import SpanSink
 from .files import RunDirExporter
@@ -218,7 +219,8 @@ class _Request:
             return
         st = result.stats
         self.span.set_attributes({ATTR["tokens"]: st["tokens"], ATTR["rounds"]: st["rounds"],
-                                  ATTR["drafted"]: st["drafted"], ATTR["accepted_total"]: st["accepted"]})
+                                  ATTR["drafted"]: st["drafted"], ATTR["accepted_total"]: st["accepted"],
+                                  ATTR["fast_path"]: fast_path_label(st.get("fast_path"))})
         if self.trace_content:
             self.span.set_attribute(ATTR["output"], text)
 

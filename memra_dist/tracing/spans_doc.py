@@ -63,6 +63,8 @@ ATTR_DOC = {
                         "(the drafter reads no taps)"),
     "drafted": ("{token}", "memra.request", "drafted tokens over the request"),
     "accepted_total": ("{token}", "memra.request", "accepted drafts over the request"),
+    "fast_path": ("", "memra.request", "what the target's decode / verify steps ran: `graphs`, `compile`, `kernels` "
+                  "joined by `+` (a default CUDA run: `graphs+compile+kernels`), or `eager`"),
 }
 
 _SPANS = [
