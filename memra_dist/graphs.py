@@ -38,7 +38,7 @@ def _event_marks(device) -> EventMarks | StampMarks:
     back per replay), else CUDA timing events."""
     from .kernels import available  # noqa: PLC0415
 
-    if available():
+    if available(device):
         from .kernels.stamp import stamp  # noqa: PLC0415
 
         m = StampMarks(torch.zeros(STAMP_SLOTS, dtype=torch.int64, device=device), stamp)

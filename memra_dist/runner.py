@@ -47,7 +47,7 @@ class ModelRunner:
                     if hasattr(m, "fuse"):
                         m.fuse()
             self.graphs = StepGraphs(self)
-            if kernels and kernels_available():
+            if kernels and kernels_available(device):
                 self.kernel_modules = install_kernels(self.stage)
             if compile and compile_supported(self.stage):
                 compile_blocks(self.stage)

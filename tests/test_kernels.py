@@ -107,3 +107,16 @@ def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama):
                          prompt, n)
     assert spec == plain
     assert 0 < st.accepted < st.drafted  # multi-row verifies through the attention kernel, with rejections
+
+
+def test_kernels_fall_back_with_one_warning_where_they_cannot_run(capsys, monkeypatch):
+    import memra_dist.kernels as K
+
+    monkeypatch.setattr(K, "_PROBED", {})
+    assert K.available() and K.available("cpu")  # importable: the interpreter's case
+    assert K.available("cuda:0") is False  # no GPU here: the probe kernel cannot run
+    assert K.available("cuda:0") is False  # probed once
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("memra-dist: warning: our Triton kernels cannot run on cuda:0 (")
+    assert "cuBLAS and the reference attention" in err[0]
