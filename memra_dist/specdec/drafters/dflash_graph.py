@@ -29,6 +29,8 @@ import gc
 
 import torch
 
+from .dflash_compile import compiled_pieces, target_compiles, warn_fallback
+
 __all__ = ["BlockGraphs", "block_graphs"]
 
 
@@ -69,6 +71,8 @@ class BlockGraphs:
         self.ingest_start = torch.zeros((), dtype=torch.long, device=drafter.device)  # the ingest's first row
         self.ingest_base = torch.arange(drafter.B, device=drafter.device)
         self.graph_cls = graph_cls
+        # the network's compiled pieces inside the captures, as the target's compiled blocks (dflash_compile.py)
+        self.compiled = graph_cls is _CudaGraph and target_compiles(drafter.target)
         self.graphs: dict = {}  # block rows -> graph
         self.ingests: dict = {}  # ingest rows -> graph
         self.sink = None  # the tap sink the ingest graphs read (its buffers are baked in)
@@ -106,9 +110,23 @@ class BlockGraphs:
         self.start.fill_(start)
         g = self.graphs.get(rows)
         if g is None:
-            g = self.graphs[rows] = self.graph_cls(lambda: self._body(rows), self.pool)
+            g = self.graphs[rows] = self._capture(lambda: self._body(rows))
         g.replay()
         return g.out
+
+    def _capture(self, fn):
+        """A block graph, captured with the compiled pieces swapped in (when on: one B-row
+        shape, compiled once for all of them; the ingests' 1..B row counts stay eager, each would
+        be a compile of its own); a compile failure (raised at the capture's eager warm-up,
+        before the capture starts) turns them off."""
+        if self.compiled:
+            try:
+                with compiled_pieces(self.d.net):
+                    return self.graph_cls(fn, self.pool)
+            except Exception as e:  # noqa: BLE001 (inductor / Triton errors of any kind)
+                self.compiled = False
+                warn_fallback(e)
+        return self.graph_cls(fn, self.pool)
 
     # ---- the maintenance ingest ----
     def ingests_rows(self, rows: int) -> bool:

@@ -1,0 +1,74 @@
+"""torch.compile'd pieces of the DFlash network, swapped in while its round graphs are captured.
+
+The block forward runs its norms (fp32), q / k norms and rotary as small eager kernels: over
+16 rows of an 8B-wide drafter they cost more than its weight reads (BENCHMARKS.md: 1.9 ms a
+block forward against ~0.8 ms of reads). As `graphs.compile_blocks` does for the target, each
+piece is one compiled function shared by every layer (parameters are inputs), used only while
+a block graph is captured (the replays run its kernels): the input norm, `DFlashAttention.q` / `kv`
+(projection, head norm, rotary) and `DFlashLayer.finish` (o_proj, residual, post-norm, SwiGLU,
+residual). `DFlashNet.block` itself stays Python: its `kv_of` callback (which training shares)
+writes the drafter's K/V between the pieces.
+
+On only where the target compiles its own blocks (`--compile`, CUDA). A piece that fails to
+compile (at the capture's eager warm-up, before any capture starts) turns the swap off for the
+drafter with one warning line; the eager pieces are the reference either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from contextlib import contextmanager
+
+import torch
+
+from ...model.dflash import DFlashAttention, DFlashLayer, DFlashNet
+from ...model.layers import RMSNorm
+
+__all__ = ["compiled_pieces", "target_compiles", "warn_fallback"]
+
+
+@functools.cache
+def _fns() -> dict[str, object]:
+    return {"norm": torch.compile(RMSNorm.forward, dynamic=False),
+            "q": torch.compile(DFlashAttention.q, dynamic=False),
+            "kv": torch.compile(DFlashAttention.kv, dynamic=False),
+            "finish": torch.compile(DFlashLayer.finish, dynamic=False)}
+
+
+def target_compiles(target) -> bool:
+    """Whether the target runner compiles its blocks (graphs.compile_blocks ran on its stage)."""
+    stage = getattr(target, "stage", None)
+    return stage is not None and any(hasattr(b, "_compiled") for b in stage.layers.values())
+
+
+@contextmanager
+def compiled_pieces(net: DFlashNet, on: bool = True):
+    """While inside: every layer's input norm, q, kv and finish (and the final norm and the
+    context norm) call the shared compiled functions; restored on exit (the block graphs swap
+    them in; `on=False` leaves the eager methods)."""
+    if not on:
+        yield
+        return
+    f = _fns()
+    swapped = []
+    for layer in net.layers:
+        for obj, name, fn in ((layer.input_layernorm, "forward", f["norm"]), (layer.self_attn, "q", f["q"]),
+                              (layer.self_attn, "kv", f["kv"]), (layer, "finish", f["finish"])):
+            setattr(obj, name, types.MethodType(fn, obj))
+            swapped.append((obj, name))
+    for norm in (net.norm, net.hidden_norm):
+        norm.forward = types.MethodType(f["norm"], norm)
+        swapped.append((norm, "forward"))
+    try:
+        yield
+    finally:
+        for obj, name in swapped:
+            delattr(obj, name)  # back to the class's eager method
+
+
+def warn_fallback(e: BaseException) -> None:
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    print(f"memra-dist: warning: the DFlash drafter's compiled pieces failed to build ({line}); its graphs "
+          f"capture the eager forward", file=sys.stderr)
