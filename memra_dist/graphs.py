@@ -11,6 +11,7 @@ graphed step. A new cache (a different capacity) drops the graphs.
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from .phase.subsplit import EventMarks, StampMarks
 
 __all__ = ["StepGraphs", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
-           "MAX_GRAPH_ROWS"]
+           "compiled_blocks", "stage_compiles", "MAX_GRAPH_ROWS"]
 
 MAX_GRAPH_ROWS = 64  # decode and verify rows; a prefill runs eager (one graph per prompt length would not pay)
 
@@ -108,14 +109,8 @@ class StepGraphs:
 
     def _eager(self, x: torch.Tensor, pos: torch.Tensor, timer=None) -> torch.Tensor:
         st = self.runner.stage
-        blocks = [b for b in st.layers.values() if hasattr(b, "_compiled")]
-        for b in blocks:
-            b.forward = b._compiled
-        try:
+        with compiled_blocks(st):
             h = st(x, pos, self.runner.cache, timer)
-        finally:
-            for b in blocks:
-                del b.forward  # back to the class's eager forward
         return st.logits(h) if st.has_head else h
 
     def _capture(self, x: torch.Tensor, start: int, timed: bool = False) -> _Graph:
@@ -214,3 +209,22 @@ def compile_blocks(stage) -> None:
     fn = torch.compile(Block.forward, dynamic=False)
     for blk in stage.layers.values():
         blk._compiled = types.MethodType(fn, blk)  # used only while capturing (small row counts)
+
+
+def stage_compiles(stage) -> bool:
+    """Whether compile_blocks ran on this stage (its graphs capture the compiled blocks)."""
+    return any(hasattr(b, "_compiled") for b in stage.layers.values())
+
+
+@contextmanager
+def compiled_blocks(stage):
+    """While inside, the stage's blocks run their compiled forward (where compile_blocks gave
+    them one): what every capture over the stage's walk records. Restored on exit."""
+    blocks = [b for b in stage.layers.values() if hasattr(b, "_compiled")]
+    for b in blocks:
+        b.forward = b._compiled
+    try:
+        yield
+    finally:
+        for b in blocks:
+            del b.forward  # back to the class's eager forward

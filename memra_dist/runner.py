@@ -13,7 +13,7 @@ from .device import Drainer, device_label, free_mb
 from .errors import UserError
 from .kernels import available as kernels_available
 from .kernels import install as install_kernels
-from .graphs import StepGraphs, compile_blocks, compile_supported, graph_rows_limit, graphs_supported
+from .graphs import StepGraphs, compile_blocks, compile_supported, graph_rows_limit, graphs_supported, stage_compiles
 from .model.config import ModelConfig, load_config
 from .model.loader import load_stage
 from .model.taps import FINAL, TapSink
@@ -170,5 +170,5 @@ class ModelRunner:
         blocks inside them, our Triton kernels (each can be asked for and still be off: a CPU
         device, a family that does not capture, Triton missing)."""
         return {"graphs": self.graphs is not None,
-                "compile": any(hasattr(b, "_compiled") for b in self.stage.layers.values()),
+                "compile": stage_compiles(self.stage),
                 "kernels": self.kernel_modules > 0}

@@ -35,6 +35,7 @@ import weakref
 
 import torch
 
+from ...graphs import compiled_blocks
 from .dflash_graph import _CudaGraph
 
 __all__ = ["ChainGraph", "chain_graph", "chain_eligible", "ATTENTION_MIXERS"]
@@ -69,18 +70,12 @@ class ChainGraph:
 
     def _body(self) -> torch.Tensor:
         st, cache = self.r.stage, self.r.cache
-        blocks = [b for b in st.layers.values() if hasattr(b, "_compiled")]
-        for b in blocks:  # the compiled blocks, as the step graphs capture them
-            b.forward = b._compiled
-        try:
+        with compiled_blocks(st):  # the compiled blocks, as the step graphs capture them
             self.ids[:1].copy_(self.tok)
             for i in range(self.k - 1):
                 pos = self.start.view(1) + i  # (1,) start + i: a fresh (aligned) tensor, as a step's own
                 h = st(self.ids[i:i + 1], pos, cache, None)
                 self.ids[i + 1:i + 2].copy_(st.logits(h)[-1].argmax().view(1))
-        finally:
-            for b in blocks:
-                del b.forward  # back to the class's eager forward
         return self.ids
 
     @torch.inference_mode()

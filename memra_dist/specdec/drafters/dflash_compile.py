@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ...graphs import stage_compiles
 from ...model.dflash import DFlashAttention, DFlashLayer, DFlashNet
 from ...model.layers import RMSNorm
 
@@ -40,7 +41,7 @@ def _fns() -> dict[str, object]:
 def target_compiles(target) -> bool:
     """Whether the target runner compiles its blocks (graphs.compile_blocks ran on its stage)."""
     stage = getattr(target, "stage", None)
-    return stage is not None and any(hasattr(b, "_compiled") for b in stage.layers.values())
+    return stage is not None and stage_compiles(stage)
 
 
 @contextmanager
