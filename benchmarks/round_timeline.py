@@ -112,6 +112,20 @@ def main() -> int:
     if cuda:
         torch.cuda.synchronize()
     res["session_round_us"] = round((time.perf_counter() - t0) * 1e6 / N, 1)
+    # where the session's host time goes: cProfile over more rounds (it inflates Python calls
+    # evenly, so read the shares, not the absolute times)
+    import cProfile
+    import io
+    import pstats
+    s = SpecSession(r, NoDrafter(), SamplingParams(), torch.Generator().manual_seed(0), 1)
+    s.start(prompt, N + 1, cap)
+    prof = cProfile.Profile()
+    prof.enable()
+    s.burst(N)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    (out / "session_profile.txt").write_text(buf.getvalue())
     print(json.dumps(res, indent=1))
     (out / "round_timeline.json").write_text(json.dumps(res, indent=1))
     return 0

@@ -22,6 +22,7 @@ from ..phase.records import BurstRecord
 from ..phase.rounds_log import RoundProf, RoundsLog
 from ..phase.subsplit import SubsplitTimer
 from .accept import accept_greedy, accept_sampled
+from .ahead import ahead_steps
 from .drafters.base import Drafter
 from .sampling import SamplingParams, probs
 
@@ -109,6 +110,7 @@ class SpecSession:
         self.tokens: list[int] = []
         self.stats = SessionStats()
         self.done = False
+        self._ahead = None  # specdec/ahead.py: greedy plain decoding one step ahead (pp=1 graphs, level 0)
 
     def _free_mb(self) -> dict[str, int]:
         out = {self.target.label: self.target.free_mb()}
@@ -127,6 +129,7 @@ class SpecSession:
         if len(prompt) >= capacity:
             raise UserError(f"the prompt ({len(prompt)} tokens) does not fit the context ({capacity})")
         self.capacity, self.max_new, self.prompt_len = capacity, max_new, len(prompt)
+        self._ahead = None
         c, pf = self.clock, self.prof
         depth = None  # the profile's depth timer, lent to the tap sink's runner and the drafter
         if pf is not None:
@@ -184,7 +187,10 @@ class SpecSession:
             rec.t0 = time.perf_counter_ns()
         first = self.prof is not None and self.stats.bursts == 0  # the profile implies a record
         hook_ns = 0
-        for _ in range(max_rounds):
+        if self._ahead is None and rec is None:  # None until the one-row graph is captured
+            self._ahead = ahead_steps(self.target, self.drafter, self.sp, self.trace.clock_on, self.trace.level,
+                                      self.prof is not None)
+        for _ in range(max_rounds if self._ahead is None else 0):
             if self.done:
                 break
             new = self._round(rec)
@@ -195,6 +201,8 @@ class SpecSession:
                 hook_ns += time.perf_counter_ns() - th
             elif hook is not None:
                 hook(new)
+        if self._ahead is not None:
+            self._burst_ahead(max_rounds, hook, out)
         if rec is not None:
             rec.t1 = time.perf_counter_ns()
         self.stats.bursts += 1
@@ -257,6 +265,28 @@ class SpecSession:
         self.stats.drafted += kk
         self.stats.accepted += j
         return new
+
+    def _burst_ahead(self, max_rounds: int, hook, out: list[int]) -> None:
+        """Plain greedy rounds one step ahead of the host (specdec/ahead.py): the step for the
+        next position is launched, its input the argmax on the device, before this one's
+        token is read back. A step in flight carries over to the next burst."""
+        a = self._ahead
+        for _ in range(max_rounds):
+            if self.done:
+                break
+            n = len(self.tokens)
+            if a.pending == 0:
+                a.launch(n - 1, self.tokens[-1])
+            if self.stats.tokens + 1 < self.max_new and n + 1 < self.capacity:
+                a.launch(n)  # the row of the token about to be read: kept if the request goes on
+            new = self._commit([a.take()])
+            self.stats.rounds += 1
+            if self.done and a.pending:  # launched past the end: its row is rolled back
+                a.drop()
+                self.target.rollback(n)
+            out.extend(new)
+            if hook is not None:
+                hook(new)
 
     def _commit(self, new: list[int]) -> list[int]:
         room = self.max_new - self.stats.tokens

@@ -1,0 +1,137 @@
+"""Plain greedy decoding one step ahead of the host (specdec/ahead.py), on the CPU with an
+emulated one-row step graph (graph_emulator.py): the device-side argmax feeds the next
+replay, the host reads tokens one step behind. Token-identical to the round loop (fp32),
+across bursts, at a stop token and at the token budget; the step launched past the end is
+rolled back, so the cache is left as the round loop leaves it. Where the host is needed
+between steps (sampling, drafts, a traced run) the round loop runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graph_emulator import EmulatedGraph
+from memra_dist.phase.levels import TraceSettings
+from memra_dist.runner import ModelRunner
+from memra_dist.specdec.drafters.none import NoDrafter
+from memra_dist.specdec.drafters.replay import ReplayDrafter
+from memra_dist.specdec.sampling import SamplingParams
+from memra_dist.specdec.session import SpecSession
+
+CPU, CAP = torch.device("cpu"), 96
+PROMPT = [5, 9, 17, 5, 9, 23, 40, 5, 9, 17, 5, 9]
+
+
+class _NoEvent:
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Step:
+    """graphs._Graph's face (x, base, pos, out, graph, load) over an emulated capture."""
+
+    @torch.inference_mode()
+    def __init__(self, r: ModelRunner):
+        self.x, self.base = torch.zeros(1, dtype=torch.long), torch.arange(1)
+        self.pos = self.base.clone()
+        st = r.stage
+        fn = lambda: st.logits(st(self.x, self.pos, r.cache, None))  # noqa: E731
+        for _ in range(2):
+            fn()
+        self.graph = EmulatedGraph()
+        self.out = self.graph.capture(fn)
+
+    def load(self, x):
+        self.x.copy_(x)
+
+
+class _Graphs:
+    """StepGraphs' face: the one-row graph (replayed by the round loop's forwards too);
+    longer forwards (the prime) run eager."""
+
+    event = _NoEvent
+
+    def __init__(self, r: ModelRunner):
+        self.r = r
+        self.graphs = {1: _Step(r)}
+        self.replays = 0
+
+    def run(self, x, start, timer=None):
+        if x.shape[0] != 1:
+            st = self.r.stage
+            return st.logits(st(x, torch.arange(start, start + x.shape[0]), self.r.cache, None))
+        g = self.graphs[1]
+        g.load(x)
+        torch.add(g.base, start, out=g.pos)
+        g.graph.replay()
+        self.replays += 1
+        return g.out.clone()
+
+
+def _graphed(model_dir) -> ModelRunner:
+    r = ModelRunner(model_dir, CPU, torch.float32)
+    r.alloc(CAP)
+    r.graphs = _Graphs(r)
+    return r
+
+
+def _run(target, n, burst=3, eos=(), sp=SamplingParams(), drafter=None, k=1, trace=TraceSettings()):
+    s = SpecSession(target, drafter or NoDrafter(), sp, torch.Generator().manual_seed(0), k, trace, eos_ids=eos)
+    ids = [s.start(PROMPT, n, CAP)]
+    while not s.done:
+        ids.extend(s.burst(burst))
+    return ids, s
+
+
+@pytest.fixture(scope="module")
+def eager_ids(llama):
+    r = ModelRunner(str(llama), CPU, torch.float32)
+    ids, s = _run(r, 40)
+    return ids, r.cache.length
+
+
+@pytest.mark.parametrize("burst", [1, 3, 8])
+def test_one_ahead_gives_the_round_loops_ids(llama, eager_ids, burst):
+    want, want_len = eager_ids
+    r = _graphed(str(llama))
+    got, s = _run(r, 40, burst=burst)
+    assert got == want
+    assert s._ahead is not None and s._ahead.launched >= 30  # the steps ran ahead, not the round loop
+    assert r.cache.length == want_len  # the step launched past the budget was rolled back
+    assert s.stats.rounds == len(want) - 1 and s.stats.tokens == len(want)
+
+
+def test_a_stop_token_ends_it_where_the_round_loop_does(llama, eager_ids):
+    want, _ = eager_ids
+    eos = want[20]  # first occurs at or before index 20: the round loop stops at its first occurrence
+    stop = want.index(eos)
+    assert stop > 4, "the test's stop token should come after the first burst"
+    ref = ModelRunner(str(llama), CPU, torch.float32)
+    ref_ids, _ = _run(ref, 40, eos=(eos,))
+    r = _graphed(str(llama))
+    got, s = _run(r, 40, eos=(eos,))
+    assert got == ref_ids == want[:stop + 1]
+    assert s._ahead is not None and s._ahead.pending == 0
+    assert r.cache.length == ref.cache.length  # the row written past the stop is rolled back
+
+
+def test_a_second_request_on_the_same_runner(llama, eager_ids):
+    r = _graphed(str(llama))
+    _run(r, 17)
+    got, _ = _run(r, 40)
+    assert got == eager_ids[0]
+
+
+@pytest.mark.parametrize("case", ["sampled", "traced", "drafts"])
+def test_the_round_loop_runs_where_the_host_is_needed_between_steps(llama, eager_ids, case):
+    r = _graphed(str(llama))
+    kw = {"sampled": dict(sp=SamplingParams(temperature=1.0)),
+          "traced": dict(trace=TraceSettings(level=1)),
+          "drafts": dict(drafter=ReplayDrafter(eager_ids[0], len(PROMPT), r.cfg.vocab_size, 0.3, seed=3), k=3)}[case]
+    got, s = _run(r, 40, **kw)
+    assert s._ahead is None
+    if case != "sampled":
+        assert got == eager_ids[0]
