@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from memra_dist.bench.checkpoints import ensure_checkpoint
+from memra_dist.phase.levels import TraceSettings
 from memra_dist.runner import ModelRunner
 from memra_dist.specdec.drafters.none import NoDrafter
 from memra_dist.specdec.sampling import SamplingParams
@@ -126,6 +127,27 @@ def main() -> int:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
     (out / "session_profile.txt").write_text(buf.getvalue())
+    # the same rounds at trace level 1 (the phase clock drains at every boundary): the wall per
+    # round, and where its host time goes
+    for label, level, profile in (("level1", 1, False), ("level2", 2, False), ("level1_profiled", 1, True)):
+        s = SpecSession(r, NoDrafter(), SamplingParams(), torch.Generator().manual_seed(0), 1,
+                        TraceSettings(level=level))
+        s.start(prompt, N + 4, cap)
+        s.burst(3)  # a level-2 twin graph is captured on first use: not in the timed rounds
+        if cuda:
+            torch.cuda.synchronize()
+        prof = cProfile.Profile() if profile else None
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        s.burst(N)
+        if prof:
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+            (out / "session_level1_profile.txt").write_text(buf.getvalue())
+        else:
+            res[f"session_{label}_round_us"] = round((time.perf_counter() - t0) * 1e6 / N, 1)
     print(json.dumps(res, indent=1))
     (out / "round_timeline.json").write_text(json.dumps(res, indent=1))
     return 0
