@@ -100,6 +100,7 @@ def test_one_ahead_gives_the_round_loops_ids(llama, eager_ids, burst):
     got, s = _run(r, 40, burst=burst)
     assert got == want
     assert s._ahead is not None and s._ahead.launched >= 30  # the steps ran ahead, not the round loop
+    assert s.ran_ahead  # what the request's stats report (fast_path.ahead)
     assert r.cache.length == want_len  # the step launched past the budget was rolled back
     assert s.stats.rounds == len(want) - 1 and s.stats.tokens == len(want)
 
@@ -132,6 +133,6 @@ def test_the_round_loop_runs_where_the_host_is_needed_between_steps(llama, eager
           "traced": dict(trace=TraceSettings(level=1)),
           "drafts": dict(drafter=ReplayDrafter(eager_ids[0], len(PROMPT), r.cfg.vocab_size, 0.3, seed=3), k=3)}[case]
     got, s = _run(r, 40, **kw)
-    assert s._ahead is None
+    assert s._ahead is None and not s.ran_ahead
     if case != "sampled":
         assert got == eager_ids[0]

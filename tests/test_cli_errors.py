@@ -183,7 +183,7 @@ def test_plain_output_streams_text_then_one_summary_line(bad_dirs, capsys, tmp_p
         assert f" {key}={st[key]} " in summary
     assert " acceptance=" in summary and " tokens/round=" in summary
     # the fast path the steps really ran: on CPU none of graphs / compile / kernels
-    assert st["fast_path"] == {"graphs": False, "compile": False, "kernels": False}
+    assert st["fast_path"] == {"graphs": False, "compile": False, "kernels": False, "ahead": False}
     assert summary.endswith(" path=eager")
     assert "phase shares over" in err and str(tmp_path / "run") in err
     doc = json.loads((tmp_path / "run" / "spans.otlp.json").read_text())

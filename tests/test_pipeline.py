@@ -78,7 +78,8 @@ def test_sampled_identical_across_pp(ray_local, llama, draft_llama):
     got = generate(cfg.with_(pp=2), PROMPT)
     assert got.token_ids == ref.token_ids
     assert got.stats["accepted"] == ref.stats["accepted"]
-    assert got.stats["fast_path"] == ref.stats["fast_path"] == {"graphs": False, "compile": False, "kernels": False}
+    assert got.stats["fast_path"] == ref.stats["fast_path"] == {"graphs": False, "compile": False, "kernels": False,
+                                                                      "ahead": False}
 
 
 def test_stage_bounds_explicit(ray_local, llama):

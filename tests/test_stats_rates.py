@@ -19,6 +19,8 @@ def test_the_fast_path_label_names_what_ran():
 
     assert fast_path_label({"graphs": True, "compile": True, "kernels": True}) == "graphs+compile+kernels"
     assert fast_path_label({"graphs": True, "compile": False, "kernels": False}) == "graphs"
+    assert fast_path_label({"graphs": True, "compile": True, "kernels": True, "ahead": True}) == \
+        "graphs+compile+kernels+ahead"
     assert fast_path_label({"graphs": False, "compile": False, "kernels": False}) == "eager"
     assert fast_path_label(None) == "eager"  # a result without the field (an older JSON)
 

@@ -10,8 +10,9 @@ __all__ = ["phase_line", "phase_v_line", "fast_path_label"]
 
 def fast_path_label(fp: dict | None) -> str:
     """A run's `fast_path` stats as one word: 'graphs+compile+kernels' (a default CUDA run),
+    '+ahead' where plain greedy decoding ran one step ahead of the host (specdec/ahead.py),
     'eager' with none of them (the [memra] line's path=, the request span's memra.fast_path)."""
-    on = [k for k in ("graphs", "compile", "kernels") if fp and fp.get(k)]
+    on = [k for k in ("graphs", "compile", "kernels", "ahead") if fp and fp.get(k)]
     return "+".join(on) if on else "eager"
 
 

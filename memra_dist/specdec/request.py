@@ -121,5 +121,5 @@ class Request:
         target = self.session.target
         runner = getattr(target, "runner", target)  # a pipeline head: the runner of its own layers
         if hasattr(runner, "fast_path"):
-            stats["fast_path"] = runner.fast_path()
+            stats["fast_path"] = {**runner.fast_path(), "ahead": self.session.ran_ahead}
         return stats

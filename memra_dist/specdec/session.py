@@ -112,6 +112,11 @@ class SpecSession:
         self.done = False
         self._ahead = None  # specdec/ahead.py: greedy plain decoding one step ahead (pp=1 graphs, level 0)
 
+    @property
+    def ran_ahead(self) -> bool:
+        """Whether this request's decode steps ran one step ahead of the host (specdec/ahead.py)."""
+        return self._ahead is not None and self._ahead.launched > 0
+
     def _free_mb(self) -> dict[str, int]:
         out = {self.target.label: self.target.free_mb()}
         dev = getattr(self.drafter, "runner", None)

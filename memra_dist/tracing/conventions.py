@@ -77,7 +77,7 @@ ATTR = {
     "draft_prime_arm": "memra.draft_prime_arm",  # device | - (no taps read)
     "drafted": "memra.drafted",  # request total of drafted tokens (int)
     "accepted_total": "memra.accepted_total",  # request total of accepted drafts (int)
-    "fast_path": "memra.fast_path",  # what the target's steps ran: graphs+compile+kernels ... | eager
+    "fast_path": "memra.fast_path",  # what the target's steps ran: graphs+compile+kernels(+ahead) ... | eager
 }
 FREE_MB_PREFIX = "memra.free_mb."  # + device label: cuda0, cuda1, ... or cpu (MB)
 

@@ -64,7 +64,8 @@ ATTR_DOC = {
     "drafted": ("{token}", "memra.request", "drafted tokens over the request"),
     "accepted_total": ("{token}", "memra.request", "accepted drafts over the request"),
     "fast_path": ("", "memra.request", "what the target's decode / verify steps ran: `graphs`, `compile`, `kernels` "
-                  "joined by `+` (a default CUDA run: `graphs+compile+kernels`), or `eager`"),
+                  "and `ahead` (plain greedy decoding one step ahead of the host) joined by `+` (a default CUDA "
+                  "run: `graphs+compile+kernels`, plain greedy at level 0: `graphs+compile+kernels+ahead`), or `eager`"),
 }
 
 _SPANS = [
