@@ -260,7 +260,7 @@ def test_sampled_follows_target(tmp_path):
 # ---- the wiring test: a trained tiny MTP layer accepts; its hidden one row off costs it ----
 
 
-@pytest.mark.slow  # trains the tiny glm4_moe target (~8 s) and its MTP layer (~6 s)
+@pytest.mark.slow  # trains the tiny glm4_moe target (~8 s) and its MTP layer (~18 s)
 def test_trained_tiny_mtp_accepts_and_miswiring_costs_it(tmp_path):
     from memra_dist.app import DEMO_PROMPT
     from memra_dist.model.corpus import CORPUS
@@ -282,11 +282,12 @@ def test_trained_tiny_mtp_accepts_and_miswiring_costs_it(tmp_path):
               for p in ps]
         return sum(s["accepted"] for s in st) / sum(s["drafted"] for s in st)
 
-    assert acceptance(1) >= 0.9  # measured 1.0
+    assert acceptance(1) >= 0.9  # measured 0.98
     chained = acceptance(3)
-    assert chained >= 0.5, chained  # measured 0.73-0.85: steps 2 and 3 reuse the one layer
-    # the tiny target and its MTP memorize their text: a paragraph the MTP never saw is ~0
-    assert acceptance(1, [enc(paras[-1])[:12]]) < 0.3
+    assert chained >= 0.5, chained  # measured 0.63: steps 2 and 3 reuse the one layer
+    # a paragraph left out of the MTP's corpus: followed, since the layer also trains on the
+    # target's continuations (model/distill.py), which run into it (tests/test_heldout_acceptance.py)
+    assert acceptance(1, [enc(paras[-1])[:12]]) >= 0.5  # measured 0.94; corpus windows only: 0.05
     # the hidden of the row before (h_{p-1} with t_{p+1}) collapses it
     with pytest.MonkeyPatch.context() as mp:
         real = MTPDrafter._final
