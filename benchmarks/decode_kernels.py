@@ -10,11 +10,13 @@ CUDA graphs, for each way of compiling the step:
 then the kernel table of each (grouped: weight GEMMs, attention, elementwise), and a GEMV
 microbenchmark (cuBLAS vs a plain Triton GEMV) on the step's weight shapes at M = 1.
 usage: python benchmarks/decode_kernels.py OUT_DIR [blocks|stage|kernels|stage_kernels|gemv ...]
+DECODE_KERNELS_SHAPE=1b times the model drafter's shape instead (a step of the 1B draft).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import types
@@ -35,7 +37,7 @@ micro = "gemv" in variants
 variants = [v for v in variants if v != "gemv"]
 dev = torch.device("cuda")
 torch.manual_seed(0)
-cfg = parse_config(shape_config("8b"))
+cfg = parse_config(shape_config(os.environ.get("DECODE_KERNELS_SHAPE", "8b")))
 P, CAP, N = 512, 2048, 100
 res: dict = {}
 log = lambda *a: print(*a, flush=True)  # noqa: E731
