@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from graph_emulator import EmulatedGraph
+from memra_dist.graphs import _Graph
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.runner import ModelRunner
 from memra_dist.specdec.drafters.none import NoDrafter
@@ -30,22 +31,19 @@ class _NoEvent:
         pass
 
 
-class _Step:
-    """graphs._Graph's face (x, base, pos, out, graph, load) over an emulated capture."""
-
-    @torch.inference_mode()
-    def __init__(self, r: ModelRunner):
-        self.x, self.base = torch.zeros(1, dtype=torch.long), torch.arange(1)
-        self.pos = self.base.clone()
-        st = r.stage
-        fn = lambda: st.logits(st(self.x, self.pos, r.cache, None))  # noqa: E731
+def _step(r: ModelRunner) -> _Graph:
+    """graphs._Graph (the step graphs' own record: its `load` included) over an emulated
+    capture of the one-row step, with a host staging row as on CUDA (not pinned here)."""
+    x, base = torch.zeros(1, dtype=torch.long), torch.arange(1)
+    pos = base.clone()
+    st = r.stage
+    fn = lambda: st.logits(st(x, pos, r.cache, None))  # noqa: E731
+    with torch.inference_mode():
         for _ in range(2):
             fn()
-        self.graph = EmulatedGraph()
-        self.out = self.graph.capture(fn)
-
-    def load(self, x):
-        self.x.copy_(x)
+        graph = EmulatedGraph()
+        out = graph.capture(fn)
+    return _Graph(graph, x, base, pos, out, host=torch.zeros(1, dtype=torch.long), copied=_NoEvent())
 
 
 class _Graphs:
@@ -56,7 +54,7 @@ class _Graphs:
 
     def __init__(self, r: ModelRunner):
         self.r = r
-        self.graphs = {1: _Step(r)}
+        self.graphs = {1: _step(r)}
         self.replays = 0
 
     def run(self, x, start, timer=None):
@@ -136,3 +134,15 @@ def test_the_round_loop_runs_where_the_host_is_needed_between_steps(llama, eager
     assert s._ahead is None and not s.ran_ahead
     if case != "sampled":
         assert got == eager_ids[0]
+
+
+def test_a_graph_loads_one_host_id_as_a_fill_and_more_through_its_staging_row():
+    ev = _NoEvent()
+    g = _Graph(None, torch.zeros(3, dtype=torch.long), torch.arange(3), torch.arange(3), None,
+               host=torch.zeros(3, dtype=torch.long), copied=ev)
+    g.load(torch.tensor([7, 8, 9]))
+    assert g.x.tolist() == [7, 8, 9] and g.host.tolist() == [7, 8, 9]  # staged
+    one = _Graph(None, torch.zeros(1, dtype=torch.long), torch.arange(1), torch.arange(1), None,
+                 host=torch.zeros(1, dtype=torch.long), copied=ev)
+    one.load(torch.tensor([123456]))
+    assert one.x.tolist() == [123456] and one.host.tolist() == [0]  # a fill: the staging row untouched
