@@ -191,23 +191,14 @@ class SpecSession:
             rec.reset(self.stats.bursts, self.k, max_rounds)
             rec.t0 = time.perf_counter_ns()
         first = self.prof is not None and self.stats.bursts == 0  # the profile implies a record
-        hook_ns = 0
         if self._ahead is None and rec is None:  # None until the one-row graph is captured
             self._ahead = ahead_steps(self.target, self.drafter, self.sp, self.trace.clock_on, self.trace.level,
                                       self.prof is not None)
-        for _ in range(max_rounds if self._ahead is None else 0):
-            if self.done:
-                break
-            new = self._round(rec)
-            out.extend(new)
-            if hook is not None and first:  # the hook share is read only by the first-token profile
-                th = time.perf_counter_ns()
-                hook(new)
-                hook_ns += time.perf_counter_ns() - th
-            elif hook is not None:
-                hook(new)
-        if self._ahead is not None:
+        if self._ahead is not None:  # never with the profile: its hook share stays 0
             self._burst_ahead(max_rounds, hook, out)
+            hook_ns = 0
+        else:
+            hook_ns = self._burst_rounds(max_rounds, hook, rec, first, out)
         if rec is not None:
             rec.t1 = time.perf_counter_ns()
         self.stats.bursts += 1
@@ -270,6 +261,22 @@ class SpecSession:
         self.stats.drafted += kk
         self.stats.accepted += j
         return new
+
+    def _burst_rounds(self, max_rounds: int, hook, rec, first: bool, out: list[int]) -> int:
+        """The round loop; returns the ns spent in the hook (read by the first-token profile)."""
+        hook_ns = 0
+        for _ in range(max_rounds):
+            if self.done:
+                break
+            new = self._round(rec)
+            out.extend(new)
+            if hook is not None and first:  # the hook share is read only by the first-token profile
+                th = time.perf_counter_ns()
+                hook(new)
+                hook_ns += time.perf_counter_ns() - th
+            elif hook is not None:
+                hook(new)
+        return hook_ns
 
     def _burst_ahead(self, max_rounds: int, hook, out: list[int]) -> None:
         """Plain greedy rounds one step ahead of the host (specdec/ahead.py): the step for the
