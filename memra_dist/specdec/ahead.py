@@ -75,10 +75,10 @@ class AheadSteps:
         self.taken = self.launched
 
 
-def ahead_steps(target, drafter, sp, clock_on: bool, level: int, prof: bool) -> AheadSteps | None:
+def ahead_steps(target, drafter, sp, clock_on: bool) -> AheadSteps | None:
     """One-ahead steps for this session's target when nothing needs the host between steps
-    (see the module docstring); None otherwise."""
-    if clock_on or prof or level >= 1 or not sp.greedy or not isinstance(drafter, NoDrafter):
+    (see the module docstring; `clock_on`: trace level >= 1 or the profile); None otherwise."""
+    if clock_on or not sp.greedy or not isinstance(drafter, NoDrafter):
         return None
     graphs = getattr(target, "graphs", None)
     step = graphs.graphs.get(1) if graphs is not None else None

@@ -192,8 +192,7 @@ class SpecSession:
             rec.t0 = time.perf_counter_ns()
         first = self.prof is not None and self.stats.bursts == 0  # the profile implies a record
         if self._ahead is None and rec is None:  # None until the one-row graph is captured
-            self._ahead = ahead_steps(self.target, self.drafter, self.sp, self.trace.clock_on, self.trace.level,
-                                      self.prof is not None)
+            self._ahead = ahead_steps(self.target, self.drafter, self.sp, self.trace.clock_on)
         if self._ahead is not None:  # never with the profile: its hook share stays 0
             self._burst_ahead(max_rounds, hook, out)
             hook_ns = 0
