@@ -95,6 +95,12 @@ class _Graph:
         self.x.copy_(self.host, non_blocking=True)
         self.copied.record()
 
+    def replay_at(self, start: int) -> None:
+        """Replay the step with its rows at positions start .. start + rows - 1 (the input
+        already in `x`)."""
+        torch.add(self.base, start, out=self.pos)
+        self.graph.replay()
+
 
 class StepGraphs:
     def __init__(self, runner):
@@ -178,8 +184,7 @@ class StepGraphs:
             g = table[rows] = self._capture(x, start, timed=timer is not None)
         else:
             g.load(x)
-        torch.add(g.base, start, out=g.pos)
-        g.graph.replay()
+        g.replay_at(start)
         if timer is not None:
             g.marks.add_to(timer)
         return g.out.clone()  # the static buffer is rewritten by the next replay

@@ -50,8 +50,6 @@ class _Graphs:
     """StepGraphs' face: the one-row graph (replayed by the round loop's forwards too);
     longer forwards (the prime) run eager."""
 
-    event = _NoEvent
-
     def __init__(self, r: ModelRunner):
         self.r = r
         self.graphs = {1: _step(r)}
@@ -63,8 +61,7 @@ class _Graphs:
             return st.logits(st(x, torch.arange(start, start + x.shape[0]), self.r.cache, None))
         g = self.graphs[1]
         g.load(x)
-        torch.add(g.base, start, out=g.pos)
-        g.graph.replay()
+        g.replay_at(start)
         self.replays += 1
         return g.out.clone()
 
@@ -79,8 +76,12 @@ def _graphed(model_dir) -> ModelRunner:
 def _run(target, n, burst=3, eos=(), sp=SamplingParams(), drafter=None, k=1, trace=TraceSettings()):
     s = SpecSession(target, drafter or NoDrafter(), sp, torch.Generator().manual_seed(0), k, trace, eos_ids=eos)
     ids = [s.start(PROMPT, n, CAP)]
+    streamed: list[list[int]] = []
     while not s.done:
-        ids.extend(s.burst(burst))
+        ids.extend(s.burst(burst, streamed.append))
+    assert [t for new in streamed for t in new] == ids[1:]  # the caller's hook sees every token, in order
+    if s._ahead is not None:
+        assert all(len(new) == 1 for new in streamed)  # as they are read: one per step
     return ids, s
 
 

@@ -32,15 +32,15 @@ RING = 4  # host slots for the tokens read back (at most two steps are in flight
 
 class AheadSteps:
     """Launch one-row steps whose input is the previous step's argmax, on the device; take
-    their tokens in launch order. `step` is the one-row graph (graphs._Graph: x, base, pos,
-    out, graph, load); `event` makes the completion events (torch.cuda.Event; a stand-in
-    on the CPU emulator)."""
+    their tokens in launch order. `step` is the one-row token-id graph (graphs._Graph); its
+    completion events are of the kind its own staging event is (torch.cuda.Event; a
+    stand-in on the CPU emulator)."""
 
-    def __init__(self, runner, step, event=None):
+    def __init__(self, runner, step):
         self.runner, self.step = runner, step
         cuda = step.x.device.type == "cuda"
         self.host = torch.zeros(RING, dtype=torch.long, pin_memory=cuda)
-        self.events = [(event or torch.cuda.Event)() for _ in range(RING)]
+        self.events = [type(step.copied)() for _ in range(RING)]
         self.launched = self.taken = 0
 
     @property
@@ -55,8 +55,7 @@ class AheadSteps:
         self.runner.cache.begin(start, 1)
         if token is not None:
             g.load(torch.tensor([token], dtype=torch.long))
-        torch.add(g.base, start, out=g.pos)
-        g.graph.replay()
+        g.replay_at(start)
         torch.argmax(g.out, dim=-1, out=g.x)  # the next step's input, never via the host
         s = self.launched % RING
         self.host[s:s + 1].copy_(g.x, non_blocking=True)
@@ -82,6 +81,6 @@ def ahead_steps(target, drafter, sp, clock_on: bool) -> AheadSteps | None:
         return None
     graphs = getattr(target, "graphs", None)
     step = graphs.graphs.get(1) if graphs is not None else None
-    if step is None or getattr(target, "cache", None) is None:
-        return None
-    return AheadSteps(target, step, getattr(graphs, "event", None))
+    if step is None or step.copied is None or getattr(target, "cache", None) is None:
+        return None  # not captured yet, or a graph of hidden rows (a pipeline stage)
+    return AheadSteps(target, step)
