@@ -27,10 +27,16 @@ class ActorTracing:
             stem = f"{role}{stage}-"
             self.provider, self.counting, self.files = make_provider(role, Path(run_dir) if run_dir else None, stem)
             self.tracer = self.provider.get_tracer("memra_dist")
-        self.made = 0
+        # (spans made or being built, records of the list taken for spans): one tuple, so a
+        # reader on another thread (the driver's count at its close bound) never sees a build
+        # half-counted
+        self._tally = (0, 0)
         self.offset = time.time_ns() - time.perf_counter_ns()
-        self._emitted = 0  # records of the current list already turned into spans
         self._emit_lock = threading.Lock()
+
+    @property
+    def made(self) -> int:
+        return self._tally[0]
 
     @staticmethod
     def parent(carrier: dict):
@@ -45,7 +51,9 @@ class ActorTracing:
         if not self.enabled:
             return
         with self._emit_lock:  # held while building: a second caller waits, then finds nothing left
-            todo, self._emitted = records[self._emitted:], len(records)
+            made, emitted = self._tally
+            todo = records[emitted:]
+            self._tally = (made + len(todo), len(records))  # at stake from here, built or not
             parents: dict[int, object] = {}
             for t0, t1, start, rows, rnd, mb, label, req, slot in todo:
                 if req not in parents:
@@ -57,11 +65,12 @@ class ActorTracing:
                                                        ATTR["phase"]: "verify" if rnd >= 0 else "prime",
                                                        free_mb_attr(label): mb})
                 s.end(end_time=t1 + self.offset)
-                self.made += 1
 
-    def pending(self, records: list) -> int:
-        """Recorded forwards not yet turned into spans (spans at stake all the same)."""
-        return len(records) - self._emitted if self.enabled else 0
+    def at_stake(self, records: list) -> int:
+        """Spans made or being built, plus the recorded forwards not yet taken for spans
+        (spans all the same); safe to call while another thread builds."""
+        made, emitted = self._tally
+        return made + (len(records) - emitted if self.enabled else 0)
 
     def close(self, extra_made: int = 0) -> int:
         """Flush within the bound, then write the run-dir file; returns spans not delivered."""

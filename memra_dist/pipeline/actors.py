@@ -106,7 +106,7 @@ class _Worker:
     def span_count(self) -> int:
         """Spans made so far, and those its recorded forwards will make (cheap: the driver
         asks when a close runs past its bound, maybe before the close has built them)."""
-        return self.tracing.made + self.tracing.pending(self.records) + self._extra_spans()
+        return self.tracing.at_stake(self.records) + self._extra_spans()
 
     def _stop(self, wait_s: float) -> None:
         self.loop_done.wait(wait_s)
