@@ -80,6 +80,28 @@ def draft_llama(ckpt_factory):
                         num_attention_heads=2, num_key_value_heads=1)[0]
 
 
+@pytest.fixture(scope="session")
+def tiny_mtp(tmp_path_factory):
+    """The tiny glm4_moe target by the demo's recipe (~30 s), built once: (with its MTP layer
+    trained by the demo's recipe with the corpus's last paragraph withheld, the same target
+    without an MTP layer). Tests that train or edit it take a copy."""
+    import shutil
+
+    from memra_dist.model.corpus import CORPUS
+    from memra_dist.model.tiny import DEMO_INIT_STD, build_checkpoint, train_tokenizer
+    from memra_dist.model.tiny_mtp import TARGET_RECIPE, glm_config, train_mtp
+
+    root = tmp_path_factory.mktemp("tiny-mtp")
+    tok = train_tokenizer()
+    r = TARGET_RECIPE
+    bare = build_checkpoint(root / "bare", glm_config(tok.get_vocab_size()), tok, seed=r["seed"],
+                            train_steps=r["steps"], init_std=DEMO_INIT_STD, lr=r["lr"])
+    d = shutil.copytree(bare, root / "mtp")
+    paras = [line for line in CORPUS.splitlines() if line.strip()]
+    train_mtp(d, corpus="\n".join(paras[:-1]))
+    return d, bare
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """A local Ray for one test module (CPU actors), with the engine's runtime env."""

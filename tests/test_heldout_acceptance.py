@@ -3,23 +3,25 @@ continuations (self-distillation, model/distill.py) as the demo's recipe does, a
 same layer trained on corpus windows only (the former recipe), measured through the engine
 as tests/test_mtp.py measures it (greedy, 64 new tokens, accepted / drafted).
 
-Held out from the drafter's training prompts: the novel sentences below (their words, mostly,
-are not the corpus's) and the corpus's last paragraph (left out of the `corpus` the drafter
+Held out from the drafter's training prompts: the 24 novel sentences below (their words,
+mostly, are not the corpus's; 24, not a handful, because one flipped greedy token changes a
+whole continuation) and the corpus's last paragraph (left out of the `corpus` the drafter
 trains on; the target, trained on the whole corpus, still memorized it). The paragraph is
 absent from the prompts, not from the training sequences: the target's continuations of the
-other prompts run into it (13 of the 256 sequences hold its 12-token opening, 39 share an
-8-gram with it; without those 39: 0.44 / 0.25 at k = 1 / 3), so it measures following the
-target's memorized text from a prompt the drafter never saw; the novel sentences are the
-strict test. Measured (2 cores, fp32):
+other prompts run into it, so it measures following the target's memorized text from a
+prompt the drafter never saw; the novel sentences are the strict test. Measured (2 cores,
+fp32, the demo's target recipe of 1000 steps):
 
                             self-distilled      corpus only
-    novel,    k = 1 / 3      0.42 / 0.22        0.22 / 0.09
-    withheld, k = 1 / 3      0.94 / 0.79        0.05 / 0.02
+    novel,    k = 1 / 3      0.63 / 0.36        0.47 / 0.23
+    withheld, k = 1 / 3      1.00 / 0.68        0.07 / 0.02
 
-Below the issue's 0.5 on the novel sentences: the tiny target's greedy text there is
-near-random (median top-1 probability ~0.4) and one MTP layer follows it only so far (0.44 at
-k = 1 with 4x the steps and data). The DFlash drafter learned nothing from the same data in
-its budget (model/tiny_dflash.py), so it is not tested here.
+The issue's 0.5 at k = 1 on novel text holds at the recipe, with little to spare: the same
+recipe trained with 2 threads instead of 1 (other float rounding, another target) gives
+0.54, other target seeds 0.46 / 0.52; a target of 200 steps (the former recipe) 0.31-0.42.
+The floor below is 0.45 so that a machine whose rounding differs does not fail it. The
+DFlash drafter learns nothing off its corpus in its budget (model/tiny_dflash.py), so it is
+not tested here.
 """
 
 from __future__ import annotations
@@ -38,6 +40,24 @@ NOVEL = [
     "The river floods the lower fields every spring, so farmers plant late.",
     "Quantized weights shrink the memory a model needs on each device.",
     "She wrote the letter by hand and posted it before noon.",
+    "Each worker pulls a task from the queue and reports back when it is done.",
+    "The compiler folds constant expressions before it emits any machine code.",
+    "A cold start loads the weights from disk and warms every cache it owns.",
+    "The library keeps one pool of buffers and hands them out in order.",
+    "When the link drops, the client retries with a longer backoff each time.",
+    "Small models answer quickly but miss the rare facts a large one recalls.",
+    "The bakery opens at six and sells out of bread before nine.",
+    "Two trains left the station together and took different routes north.",
+    "The garden needs water every evening during the dry summer months.",
+    "He tuned the old piano until every key rang clear and true.",
+    "Memory bandwidth, not arithmetic, limits how fast one token is produced.",
+    "The dashboard shows latency per request and the queue depth per replica.",
+    "A checksum guards each file so a partial download is caught at once.",
+    "The router splits traffic between the old service and the new one.",
+    "Children ran across the field chasing a bright red kite.",
+    "The museum moved its paintings to a cooler room for the winter.",
+    "Logs rotate daily and the oldest ones are compressed and archived.",
+    "The test harness starts a fresh process for every case it runs.",
 ]
 
 
@@ -45,24 +65,19 @@ def _contains(seq: list[int], part: list[int]) -> bool:
     return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
 
 
-@pytest.mark.slow  # ~40 s: the tiny glm4_moe target (~9 s), its MTP layer by both recipes (~18 s, ~8 s)
-def test_self_distilled_mtp_follows_the_target_off_its_corpus(tmp_path):
+@pytest.mark.slow  # the session's `tiny_mtp` (~45 s once), and its MTP layer by the former recipe (~8 s)
+def test_self_distilled_mtp_follows_the_target_off_its_corpus(tiny_mtp, tmp_path):
     from tokenizers import Tokenizer
 
     from memra_dist.model.corpus import CORPUS
     from memra_dist.model.distill import distill_prompts
-    from memra_dist.model.tiny import DEMO_INIT_STD, build_checkpoint, train_tokenizer
-    from memra_dist.model.tiny_mtp import MTP_RECIPE, TARGET_RECIPE, glm_config, train_mtp
+    from memra_dist.model.tiny_mtp import MTP_RECIPE, train_mtp
     from memra_dist.model.tokenizer import load_tokenizer
 
-    tok = train_tokenizer()
-    r = TARGET_RECIPE
-    d = build_checkpoint(tmp_path / "t", glm_config(tok.get_vocab_size()), tok, seed=r["seed"],
-                         train_steps=r["steps"], init_std=DEMO_INIT_STD, lr=r["lr"])
-    d0 = shutil.copytree(d, tmp_path / "t0")
+    d = tiny_mtp[0]  # the demo's recipe, the last paragraph withheld
+    d0 = shutil.copytree(tiny_mtp[1], tmp_path / "t0")
     paras = [line for line in CORPUS.splitlines() if line.strip()]
     corpus = "\n".join(paras[:-1])
-    train_mtp(d, corpus=corpus)  # the demo's recipe, the last paragraph withheld
     train_mtp(d0, corpus=corpus, steps=300, distill=0)  # the former recipe: corpus windows only
     enc = load_tokenizer(str(d)).encode
     novel = [enc(s)[:12] for s in NOVEL]
@@ -82,10 +97,11 @@ def test_self_distilled_mtp_follows_the_target_off_its_corpus(tmp_path):
 
     got = {(m, k, w): acceptance(model, k, ps) for m, model in (("distilled", d), ("corpus", d0))
            for k in (1, 3) for w, ps in (("novel", novel), ("withheld", withheld))}
-    # novel sentences: self-distillation nearly doubles it (measured 0.42 / 0.22 against 0.22 / 0.09)
-    assert got["distilled", 1, "novel"] >= 0.33, got
-    assert got["distilled", 1, "novel"] >= got["corpus", 1, "novel"] + 0.1, got
-    assert got["distilled", 3, "novel"] >= got["corpus", 3, "novel"] + 0.05, got
-    # the withheld paragraph: followed (measured 0.94 / 0.79) where corpus training is ~0 (0.05 / 0.02)
+    print("held-out acceptance:", {",".join(map(str, key)): round(v, 3) for key, v in got.items()})
+    # novel sentences: self-distillation lifts it (measured 0.63 / 0.36 against 0.47 / 0.23)
+    assert got["distilled", 1, "novel"] >= 0.45, got
+    assert got["distilled", 1, "novel"] >= got["corpus", 1, "novel"] + 0.05, got
+    assert got["distilled", 3, "novel"] >= got["corpus", 3, "novel"] + 0.03, got
+    # the withheld paragraph: followed (measured 1.0 / 0.68) where corpus training is ~0 (0.07 / 0.02)
     assert got["distilled", 1, "withheld"] >= 0.5 and got["distilled", 3, "withheld"] >= 0.5, got
     assert got["corpus", 1, "withheld"] < 0.3, got

@@ -94,16 +94,14 @@ def test_tap_columns_by_stage():
     assert [shipped_before(taps, stages, s) for s in range(3)] == [(), (0,), (0, 2)]
 
 
-@pytest.mark.slow  # the demo's trained glm4_moe + MTP layer (cached; ~15 s to train on a fresh machine)
-def test_mtp_through_the_pipeline_drafts_as_at_pp1(ray_local):
+@pytest.mark.slow  # the session's trained glm4_moe + MTP layer (`tiny_mtp`, ~45 s once)
+def test_mtp_through_the_pipeline_drafts_as_at_pp1(ray_local, tiny_mtp):
     """The MTP drafter reads the head's own FINAL tap (the last stage owns the final norm) and
     the target's embedding (loaded on the head): the same drafts as pp=1, sessions in flight."""
     from memra_dist.app import DEMO_PROMPT
-    from memra_dist.model.tiny import demo_cache_dir
-    from memra_dist.model.tiny_mtp import demo_mtp_dir
     from memra_dist.model.tokenizer import load_tokenizer
 
-    target = demo_mtp_dir(demo_cache_dir())
+    target = tiny_mtp[0]
     ids = load_tokenizer(str(target)).encode(DEMO_PROMPT)
     cfg = RunConfig(model=str(target), drafter="mtp", k=3, max_new_tokens=40, device="cpu")
     ref = generate(cfg, ids)
