@@ -84,7 +84,7 @@ def _train(stage: Stage, ids: torch.Tensor, starts: list[int], steps: int, seq: 
         loss.backward()
         opt.step()
         sched.step()
-        if progress is not None and (step % 25 == 0 or step == steps - 1):
+        if progress is not None and (step % max(25, steps // 8) == 0 or step == steps - 1):  # <= ~10 lines
             progress(step + 1, steps, float(loss.detach()))
 
 
