@@ -170,16 +170,23 @@ def test_original_and_module_layouts_load_identically():
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         ref = m(ids[None], use_cache=False).logits[0]
-    outs = []
+    weights, logits = [], []
     for d in (orig, mod):
         r = ModelRunner(d, CPU, torch.float32)
         r.alloc(32)
-        outs.append(r.forward(ids, 0))
+        logits.append(r.forward(ids, 0))
+        whole = r.stage.state_dict()
         # a stage of the split: layers [1, 3) without embed / head reads only its tensors
         mid = ModelRunner(d, CPU, torch.float32, first=1, last=3, has_embed=False, has_head=False)
-        outs.append(torch.cat([p.detach().flatten() for p in mid.stage.state_dict().values()]))
-    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
-    torch.testing.assert_close(outs[0], ref, atol=1e-4, rtol=0)
+        weights.append((whole, mid.stage.state_dict()))
+    # identical loading means identical tensors under the same names (the strict claim); the two
+    # forwards' logits are then compared to the reference, not to each other, because a CPU GEMM
+    # may round differently with the alignment of its operands (MKL does), which is not the loader
+    for a, b in zip(weights[0], weights[1]):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    for out in logits:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
 def test_snapshot_ring_covers_the_largest_verify():
