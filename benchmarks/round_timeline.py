@@ -8,9 +8,9 @@ after each host step and CUDA events around the device work:
           logits cloned -> argmax launched -> readback returned -> bookkeeping done
   device: replay start / end, argmax end; the idle gap = next replay start - this argmax end
 Then the same rounds through SpecSession.burst, for the per-round wall it really takes (plain
-greedy at level 0 runs one step ahead of the host there: specdec/ahead.py), a cProfile of those
-rounds (session_profile.txt), and the rounds at trace levels 1 and 2 (the round loop, the phase
-clock draining at every boundary) with a cProfile of the level-1 rounds (session_level1_profile.txt).
+greedy runs one step ahead of the host there, traced or not: specdec/ahead.py), a cProfile of those
+rounds (session_profile.txt), and the rounds at trace levels 1 and 2 (one step ahead, each step
+timed by its own events or stamps) with a cProfile of the level-1 rounds (session_level1_profile.txt).
 usage: python benchmarks/round_timeline.py OUT_DIR [--shape 8b|tiny] [--rounds N]
 On CPU (`--shape tiny`) it runs with host stamps only (a smoke run).
 """

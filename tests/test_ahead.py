@@ -12,6 +12,7 @@ import torch
 
 from graph_emulator import EmulatedGraph
 from memra_dist.graphs import _Graph
+from memra_dist.phase.subsplit import EventMarks, StampMarks
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.runner import ModelRunner
 from memra_dist.specdec.drafters.none import NoDrafter
@@ -31,19 +32,34 @@ class _NoEvent:
         pass
 
 
-def _step(r: ModelRunner) -> _Graph:
+def _step(r: ModelRunner, stamped: bool = False) -> _Graph:
     """graphs._Graph (the step graphs' own record: its `load` included) over an emulated
-    capture of the one-row step, with a host staging row as on CUDA (not pinned here)."""
+    capture of the one-row step, with a host staging row as on CUDA (not pinned here).
+    `stamped`: the level-2 twin, its sub-split boundaries StampMarks whose emulated clock
+    advances by position + 1 per boundary (so each replay's laps say which step they are)."""
     x, base = torch.zeros(1, dtype=torch.long), torch.arange(1)
     pos = base.clone()
     st = r.stage
-    fn = lambda: st.logits(st(x, pos, r.cache, None))  # noqa: E731
+    marks = None
+    if stamped:
+        clock = torch.zeros(1, dtype=torch.int64)
+
+        def stamp(buf, i):
+            clock.add_(pos[:1] + 1)
+            buf[i:i + 1].copy_(clock)
+
+        marks = StampMarks(torch.zeros(64, dtype=torch.int64), stamp)
+    fn = lambda: st.logits(st(x, pos, r.cache, marks))  # noqa: E731
     with torch.inference_mode():
         for _ in range(2):
+            if marks is not None:
+                marks.kinds.clear()
             fn()
+        if marks is not None:
+            marks.kinds.clear()
         graph = EmulatedGraph()
         out = graph.capture(fn)
-    return _Graph(graph, x, base, pos, out, host=torch.zeros(1, dtype=torch.long), copied=_NoEvent())
+    return _Graph(graph, x, base, pos, out, host=torch.zeros(1, dtype=torch.long), copied=_NoEvent(), marks=marks)
 
 
 class _Graphs:
@@ -53,15 +69,18 @@ class _Graphs:
     def __init__(self, r: ModelRunner):
         self.r = r
         self.graphs = {1: _step(r)}
+        self.timed = {1: _step(r, stamped=True)}
         self.replays = 0
 
     def run(self, x, start, timer=None):
         if x.shape[0] != 1:
             st = self.r.stage
-            return st.logits(st(x, torch.arange(start, start + x.shape[0]), self.r.cache, None))
-        g = self.graphs[1]
+            return st.logits(st(x, torch.arange(start, start + x.shape[0]), self.r.cache, timer))
+        g = (self.graphs if timer is None else self.timed)[1]
         g.load(x)
         g.replay_at(start)
+        if timer is not None and isinstance(g.marks, StampMarks):
+            g.marks.add_to(timer)
         self.replays += 1
         return g.out.clone()
 
@@ -73,8 +92,8 @@ def _graphed(model_dir) -> ModelRunner:
     return r
 
 
-def _run(target, n, burst=3, eos=(), sp=SamplingParams(), drafter=None, k=1, trace=TraceSettings()):
-    s = SpecSession(target, drafter or NoDrafter(), sp, torch.Generator().manual_seed(0), k, trace, eos_ids=eos)
+def _run(target, n, burst=3, eos=(), sp=SamplingParams(), drafter=None, k=1, trace=TraceSettings(), sink=None):
+    s = SpecSession(target, drafter or NoDrafter(), sp, torch.Generator().manual_seed(0), k, trace, sink, eos_ids=eos)
     ids = [s.start(PROMPT, n, CAP)]
     streamed: list[list[int]] = []
     while not s.done:
@@ -125,11 +144,11 @@ def test_a_second_request_on_the_same_runner(llama, eager_ids):
     assert got == eager_ids[0]
 
 
-@pytest.mark.parametrize("case", ["sampled", "traced", "drafts"])
+@pytest.mark.parametrize("case", ["sampled", "profiled", "drafts"])
 def test_the_round_loop_runs_where_the_host_is_needed_between_steps(llama, eager_ids, case):
     r = _graphed(str(llama))
     kw = {"sampled": dict(sp=SamplingParams(temperature=1.0)),
-          "traced": dict(trace=TraceSettings(level=1)),
+          "profiled": dict(trace=TraceSettings(prof=True), sink=_Bursts()),
           "drafts": dict(drafter=ReplayDrafter(eager_ids[0], len(PROMPT), r.cfg.vocab_size, 0.3, seed=3), k=3)}[case]
     got, s = _run(r, 40, **kw)
     assert s._ahead is None and not s.ran_ahead
@@ -147,3 +166,57 @@ def test_a_graph_loads_one_host_id_as_a_fill_and_more_through_its_staging_row():
                  host=torch.zeros(1, dtype=torch.long), copied=ev)
     one.load(torch.tensor([123456]))
     assert one.x.tolist() == [123456] and one.host.tolist() == [0]  # a fill: the staging row untouched
+
+
+class _Bursts:
+    """A session sink that keeps every burst record (a fresh one per burst)."""
+
+    def __init__(self):
+        self.recs = []
+
+    def burst(self, rec):
+        self.recs.append(rec)
+
+    def first_token(self, prof):
+        pass
+
+    def rounds(self, log, final):
+        pass
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_traced_decoding_runs_ahead_with_each_rounds_own_device_times(llama, eager_ids, level):
+    """Levels 1 and 2 keep the one-ahead path (the trace describes the path users run): the
+    ids are the round loop's, every round is recorded, its verify is its step's own replay
+    (> 0, within the round), no draft or maint, free memory on every phase; at level 2 each
+    round's sub-split is the laps of ITS step (the emulated clock advances by position + 1
+    a boundary, so a lap read one step off would be off by one a layer)."""
+    want, want_len = eager_ids
+    r = _graphed(str(llama))
+    sink = _Bursts()
+    got, s = _run(r, 40, trace=TraceSettings(level=level), sink=sink)
+    assert got == want and r.cache.length == want_len
+    assert s._ahead is not None and s._ahead.timed and s.ran_ahead
+    assert (s._ahead.step is r.graphs.timed[1]) == (level == 2)
+    rounds = [x for rec in sink.recs for x in rec.live()]
+    assert len(rounds) == s.stats.rounds == len(want) - 1
+    layers = r.cfg.num_layers
+    for i, x in enumerate(rounds):
+        assert x.index == i and x.ctx == len(PROMPT) + i and x.k == x.j == 0
+        assert x.t == sorted(x.t) and x.wall_ns > 0
+        assert x.phase_ns(0) == 0 and x.phase_ns(4) == 0  # no draft, no maint
+        assert 0 < x.phase_ns(1) <= x.wall_ns  # the replay's own time
+        assert all("cpu" in fm for fm in x.free_mb)
+        if level == 2:
+            assert x.sub_ns["attn"] == x.sub_ns["ffn"] == layers * (x.ctx + 1)
+        else:
+            assert not x.sub_ns
+
+
+def test_level_two_without_device_stamps_keeps_the_round_loop(llama, eager_ids):
+    """A twin of CUDA events (no Triton) is re-recorded by the next replay: it cannot run
+    ahead, so level 2 runs the round loop there."""
+    r = _graphed(str(llama))
+    r.graphs.timed[1].marks = EventMarks(lambda: None)  # the fallback's kind of marks (never recorded here)
+    got, s = _run(r, 40, trace=TraceSettings(level=2), sink=_Bursts())
+    assert got == eager_ids[0] and s._ahead is None

@@ -14,34 +14,74 @@ round-at-a-time loop (the tests compare them). A step launched past the request'
 stop token, the token budget) wrote one cache row past the committed length; the caller
 rolls it back, as a rejected verify row is.
 
-It runs where nothing needs the host between the steps: greedy, no drafts, trace level 0
-without the profile (the phase clock drains at every boundary), a local runner whose
-one-row step is a captured graph (pp = 1 on CUDA). Everything else takes the round loop.
+It runs where nothing needs the host between the steps: greedy, no drafts, no first-token
+profile, a local runner whose one-row step is a captured graph (pp = 1 on CUDA). Everything
+else takes the round loop.
+
+Traced (levels 1 and 2) it still runs ahead, so the trace describes the path users run. The
+phase clock's drains would serialize host and device at every boundary (what makes the round
+loop's level 1 ~10 % slower than level 0 here); instead each step carries its own device
+timing: a timing event before the replay, one after it (the verify), one after the argmax
+and the token's copy back (the accept's device work). These are the device's own intervals,
+which is what a drain buys the round loop, read one step behind with the token. At level 2
+the step is the twin graph that stamps the device clock at the sub-split's boundaries
+(graphs.py, phase/subsplit.py StampMarks); each replay's stamps are copied to a host slot of
+their own in stream order, so the next replay cannot overwrite them before they are read.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from .drafters.none import NoDrafter
 
-__all__ = ["AheadSteps", "ahead_steps"]
+__all__ = ["AheadSteps", "HostEvent", "ahead_steps"]
 
 RING = 4  # host slots for the tokens read back (at most two steps are in flight)
 
 
+class HostEvent:
+    """torch.cuda.Event's face for a CPU step (the graph emulator's): the CPU runs each op as
+    it is issued, so the host clock at `record` is the time the work before it finished."""
+
+    def __init__(self, enable_timing: bool = False):
+        self.ns = 0
+
+    def record(self) -> None:
+        self.ns = time.perf_counter_ns()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        return (end.ns - self.ns) / 1e6  # ms, as CUDA's
+
+
+def _event_kind(step):
+    return torch.cuda.Event if step.x.device.type == "cuda" else HostEvent
+
+
 class AheadSteps:
     """Launch one-row steps whose input is the previous step's argmax, on the device; take
-    their tokens in launch order. `step` is the one-row token-id graph (graphs._Graph); its
-    completion events are of the kind its own staging event is (torch.cuda.Event; a
-    stand-in on the CPU emulator)."""
+    their tokens in launch order. `step` is the one-row token-id graph (graphs._Graph), or its
+    level-2 twin (its `marks` then StampMarks). `timed`: each step also records the device
+    time of its replay and of its argmax + copy back (`times_ns` after `take`)."""
 
-    def __init__(self, runner, step):
-        self.runner, self.step = runner, step
+    def __init__(self, runner, step, timed: bool = False):
+        self.runner, self.step, self.timed = runner, step, timed
         cuda = step.x.device.type == "cuda"
+        event = _event_kind(step)
         self.host = torch.zeros(RING, dtype=torch.long, pin_memory=cuda)
-        self.events = [type(step.copied)() for _ in range(RING)]
+        self.events = [event(enable_timing=timed) for _ in range(RING)]  # after the token's copy back
+        self.began = [event(enable_timing=True) for _ in range(RING)] if timed else None
+        self.verified = [event(enable_timing=True) for _ in range(RING)] if timed else None
+        marks = step.marks if timed else None
+        self.kinds = list(marks.kinds) if marks is not None else []
+        self.stamps = torch.zeros(RING, len(self.kinds), dtype=torch.int64, pin_memory=cuda) if self.kinds else None
         self.launched = self.taken = 0
+        self.slot = -1  # the slot of the step taken last
 
     @property
     def pending(self) -> int:
@@ -52,35 +92,65 @@ class AheadSteps:
         """The step at position `start`. Its input: `token` (from the host) or, when None,
         the argmax the previous step left in the input buffer."""
         g = self.step
+        s = self.launched % RING
         self.runner.cache.begin(start, 1)
         if token is not None:
             g.load(torch.tensor([token], dtype=torch.long))
+        if self.timed:
+            self.began[s].record()
         g.replay_at(start)
+        if self.timed:
+            self.verified[s].record()
+        if self.stamps is not None:  # this replay's stamps, before the next replay rewrites them
+            self.stamps[s].copy_(g.marks.buf[: len(self.kinds)], non_blocking=True)
         torch.argmax(g.out, dim=-1, out=g.x)  # the next step's input, never via the host
-        s = self.launched % RING
         self.host[s:s + 1].copy_(g.x, non_blocking=True)
         self.events[s].record()
         self.launched += 1
 
     def take(self) -> int:
         """The oldest pending step's token (waits for that step only)."""
-        s = self.taken % RING
+        s = self.slot = self.taken % RING
         self.events[s].synchronize()
         self.taken += 1
         return int(self.host[s])
+
+    def times_ns(self) -> tuple[int, int]:
+        """(replay, argmax + copy back) device ns of the step taken last (timed steps)."""
+        s = self.slot
+        return (round(self.began[s].elapsed_time(self.verified[s]) * 1e6),
+                round(self.verified[s].elapsed_time(self.events[s]) * 1e6))
+
+    def laps_to(self, timer) -> None:
+        """The level-2 sub-split of the step taken last, into `timer` (phase/subsplit.py)."""
+        from ..phase.subsplit import add_laps  # noqa: PLC0415
+
+        if self.stamps is not None:
+            add_laps(self.kinds, self.stamps[self.slot].tolist(), timer)
 
     def drop(self) -> None:
         """Forget the steps not taken (their rows are rolled back by the caller)."""
         self.taken = self.launched
 
 
-def ahead_steps(target, drafter, sp, clock_on: bool) -> AheadSteps | None:
+def _stamped(step) -> bool:
+    """A level-2 twin whose boundaries are device-clock stamps (one buffer, copyable per
+    replay); a twin of CUDA events cannot run ahead (the next replay re-records them)."""
+    marks = getattr(step, "marks", None)
+    return marks is not None and hasattr(marks, "buf") and bool(marks.kinds)
+
+
+def ahead_steps(target, drafter, sp, trace) -> AheadSteps | None:
     """One-ahead steps for this session's target when nothing needs the host between steps
-    (see the module docstring; `clock_on`: trace level >= 1 or the profile); None otherwise."""
-    if clock_on or not sp.greedy or not isinstance(drafter, NoDrafter):
+    (see the module docstring; `trace`: phase/levels.TraceSettings); None otherwise."""
+    if trace.prof or not sp.greedy or not isinstance(drafter, NoDrafter):
         return None
     graphs = getattr(target, "graphs", None)
-    step = graphs.graphs.get(1) if graphs is not None else None
-    if step is None or step.copied is None or getattr(target, "cache", None) is None:
+    if graphs is None or getattr(target, "cache", None) is None:
+        return None
+    step = (graphs.timed if trace.level >= 2 else graphs.graphs).get(1)
+    if step is None or step.copied is None:
         return None  # not captured yet, or a graph of hidden rows (a pipeline stage)
-    return AheadSteps(target, step)
+    if trace.level >= 2 and not _stamped(step):
+        return None
+    return AheadSteps(target, step, timed=trace.level >= 1)

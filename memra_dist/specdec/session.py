@@ -110,7 +110,7 @@ class SpecSession:
         self.tokens: list[int] = []
         self.stats = SessionStats()
         self.done = False
-        self._ahead = None  # specdec/ahead.py: greedy plain decoding one step ahead (pp=1 graphs, level 0)
+        self._ahead = None  # specdec/ahead.py: greedy plain decoding one step ahead (pp=1 graphs)
 
     @property
     def ran_ahead(self) -> bool:
@@ -191,10 +191,10 @@ class SpecSession:
             rec.reset(self.stats.bursts, self.k, max_rounds)
             rec.t0 = time.perf_counter_ns()
         first = self.prof is not None and self.stats.bursts == 0  # the profile implies a record
-        if self._ahead is None and rec is None:  # None until the one-row graph is captured
-            self._ahead = ahead_steps(self.target, self.drafter, self.sp, self.trace.clock_on)
+        if self._ahead is None:  # None until the one-row graph (level 2: its stamped twin) is captured
+            self._ahead = ahead_steps(self.target, self.drafter, self.sp, self.trace)
         if self._ahead is not None:  # never with the profile: its hook share stays 0
-            self._burst_ahead(max_rounds, hook, out)
+            self._burst_ahead(max_rounds, hook, out, rec)
             hook_ns = 0
         else:
             hook_ns = self._burst_rounds(max_rounds, hook, rec, first, out)
@@ -277,27 +277,54 @@ class SpecSession:
                 hook(new)
         return hook_ns
 
-    def _burst_ahead(self, max_rounds: int, hook, out: list[int]) -> None:
+    def _burst_ahead(self, max_rounds: int, hook, out: list[int], rec: BurstRecord | None) -> None:
         """Plain greedy rounds one step ahead of the host (specdec/ahead.py): the step for the
         next position is launched, its input the argmax on the device, before this one's
-        token is read back. A step in flight carries over to the next burst."""
+        token is read back. A step in flight carries over to the next burst. Traced, each
+        round is recorded from the step's own device times (`_record_ahead`)."""
         a = self._ahead
+        pump = self._pump_in_verify or self._pump_between
         for _ in range(max_rounds):
             if self.done:
                 break
             n = len(self.tokens)
+            t0 = time.perf_counter_ns() if rec is not None else 0
             if a.pending == 0:
                 a.launch(n - 1, self.tokens[-1])
             if self.stats.tokens + 1 < self.max_new and n + 1 < self.capacity:
                 a.launch(n)  # the row of the token about to be read: kept if the request goes on
+            if pump is not None:
+                pump()  # deferred span work while the device runs
             new = self._commit([a.take()])
-            self.stats.rounds += 1
+            t3 = time.perf_counter_ns() if rec is not None else 0
             if self.done and a.pending:  # launched past the end: its row is rolled back
                 a.drop()
                 self.target.rollback(n)
+            if rec is not None:
+                self._record_ahead(rec.next_round(), n, t0, t3)
+            self.stats.rounds += 1
             out.extend(new)
             if hook is not None:
                 hook(new)
+
+    def _record_ahead(self, r, n: int, t0: int, t3: int) -> None:
+        """One traced round of the one-ahead loop. No boundary drained, so the phases come from
+        the step's device times: verify = its replay, accept = the rest of the round up to the
+        token committed (the argmax and the copy back on the device, the host's read), rollback
+        = the drop of a step launched past the end; no draft, no maint. Free memory is read once
+        a round (every phase of it carries that reading)."""
+        verify_ns, _accept_dev_ns = self._ahead.times_ns()
+        r.index, r.ctx, r.k, r.j = self.stats.rounds, n - 1, 0, 0
+        r.draft_forwards = self._draft_fw if self._draft_fw < 0 else 0
+        t2 = t0 + min(verify_ns, t3 - t0)
+        r.t[:] = [t0, t0, t2, t3, time.perf_counter_ns(), 0]
+        r.t[5] = r.t[4]
+        fm = self.clock.free_mb()
+        for i in range(len(r.free_mb)):
+            r.free_mb[i] = fm
+        if self.timer is not None:
+            self._ahead.laps_to(self.timer)
+            r.sub_ns, r.seq_rows = self.timer.take()
 
     def _commit(self, new: list[int]) -> list[int]:
         room = self.max_new - self.stats.tokens

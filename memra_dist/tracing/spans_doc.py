@@ -65,7 +65,7 @@ ATTR_DOC = {
     "accepted_total": ("{token}", "memra.request", "accepted drafts over the request"),
     "fast_path": ("", "memra.request", "what the target's decode / verify steps ran: `graphs`, `compile`, `kernels` "
                   "and `ahead` (plain greedy decoding one step ahead of the host) joined by `+` (a default CUDA "
-                  "run: `graphs+compile+kernels`, plain greedy at level 0: `graphs+compile+kernels+ahead`), or `eager`"),
+                  "run: `graphs+compile+kernels`, plain greedy: `graphs+compile+kernels+ahead`), or `eager`"),
 }
 
 _SPANS = [
