@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["memra_dist.pipeline.partition", "memra_dist.specdec.drafters.ngram", "memra_dist.bench.roofline"]
+MODULES = ["memra_dist.pipeline.partition", "memra_dist.specdec.drafters.ngram", "memra_dist.bench.roofline",
+           "memra_dist.model.prefetch"]
 
 
 @pytest.mark.parametrize("name", MODULES)

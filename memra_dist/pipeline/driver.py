@@ -322,6 +322,13 @@ def open_pipeline(plan, run_dir: str | None = None, lost: list | None = None, se
     """Ray up and the actors placed, for any number of requests, up to `sessions` of them in
     flight at once; everything torn down on the way out. `lost` gets one line per role whose
     spans did not all arrive (also printed)."""
+    if not os.environ.get("RAY_ADDRESS"):  # a local cluster: its actors load from this node's disk
+        import torch  # noqa: PLC0415
+
+        from ..device import free_mb  # noqa: PLC0415
+        from ..model.prefetch import prefetch_weights  # noqa: PLC0415
+
+        prefetch_weights((plan.cfg.model, plan.cfg.draft_model), free_mb(torch.device("cpu")) << 20)
     ray, started = _ray_up()
     pipe = None
     try:
