@@ -153,3 +153,29 @@ def test_cli_pp2_one_trace_across_actors(llama, tmp_path):
         attrs = {a["key"]: a["value"] for a in s["attributes"]}
         assert attrs["memra.stage"]["intValue"] in ("0", 0)
         assert int(attrs["memra.free_mb.cpu"]["intValue"]) > 0
+
+
+def test_plain_greedy_runs_one_step_ahead_through_the_pipeline(ray_local, llama, tmp_path):
+    """pp > 1, greedy, no drafts, level 0: the head sends the next step's command, its id the
+    argmax left on the device, before it reads the token back (specdec/ahead.py TargetAhead).
+    The ids are pp=1's across bursts, at the token budget and at a stop token (the step sent
+    past the end is rolled back), and the stats say it ran ahead; traced, the round loop runs."""
+    import shutil
+
+    ref = generate(_cfg(llama, drafter="none", max_new_tokens=24), PROMPT)
+    for pp, burst in ((2, 5), (3, 1)):
+        got = generate(_cfg(llama, drafter="none", pp=pp, max_new_tokens=24, burst_rounds=burst), PROMPT)
+        assert got.token_ids == ref.token_ids, pp
+        assert got.stats["fast_path"]["ahead"] and got.stats["rounds"] == ref.stats["rounds"]
+    stop = next(i for i, t in enumerate(ref.token_ids) if i >= 6 and t not in ref.token_ids[:i])
+    eos_model = shutil.copytree(llama, tmp_path / "eos")
+    cfg_path = eos_model / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "eos_token_id": ref.token_ids[stop]}))
+    want = generate(_cfg(eos_model, drafter="none", max_new_tokens=24), PROMPT).token_ids
+    assert want == ref.token_ids[:stop + 1]
+    assert generate(_cfg(eos_model, drafter="none", pp=2, max_new_tokens=24, burst_rounds=4), PROMPT).token_ids == want
+    from memra_dist.phase.levels import TraceSettings
+
+    traced = generate(_cfg(llama, drafter="none", pp=2, max_new_tokens=24, trace=TraceSettings(level=1)), PROMPT)
+    assert traced.token_ids == ref.token_ids and not traced.stats["fast_path"]["ahead"]

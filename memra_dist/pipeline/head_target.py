@@ -31,6 +31,8 @@ __all__ = ["PipelineTarget"]
 
 
 class PipelineTarget:
+    ids_on_device = True  # forward's ids may stay on the device: they ride in the command (specdec/ahead.py)
+
     def __init__(self, ring: Ring, runner: ModelRunner, traced: bool, records: list | None = None,
                  request: int = 0, slot: int = 0, remote_taps: tuple[int, ...] = ()):
         self.ring, self.runner, self.traced = ring, runner, traced

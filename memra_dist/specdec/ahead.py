@@ -15,8 +15,9 @@ stop token, the token budget) wrote one cache row past the committed length; the
 rolls it back, as a rejected verify row is.
 
 It runs where nothing needs the host between the steps: greedy, no drafts, no first-token
-profile, a local runner whose one-row step is a captured graph (pp = 1 on CUDA). Everything
-else takes the round loop.
+profile, and either a local runner whose one-row step is a captured graph (pp = 1 on CUDA:
+AheadSteps) or the pipeline head at trace level 0 (pp > 1: TargetAhead, any device).
+Everything else takes the round loop.
 
 Traced (levels 1 and 2) it still runs ahead, so the trace describes the path users run. The
 phase clock's drains would serialize host and device at every boundary (what makes the round
@@ -37,7 +38,7 @@ import torch
 
 from .drafters.none import NoDrafter
 
-__all__ = ["AheadSteps", "HostEvent", "ahead_steps"]
+__all__ = ["AheadSteps", "TargetAhead", "HostEvent", "ahead_steps"]
 
 RING = 4  # host slots for the tokens read back (at most two steps are in flight)
 
@@ -63,29 +64,56 @@ def _event_kind(step):
     return torch.cuda.Event if step.x.device.type == "cuda" else HostEvent
 
 
-class AheadSteps:
-    """Launch one-row steps whose input is the previous step's argmax, on the device; take
-    their tokens in launch order. `step` is the one-row token-id graph (graphs._Graph), or its
-    level-2 twin (its `marks` then StampMarks). `timed`: each step also records the device
-    time of its replay and of its argmax + copy back (`times_ns` after `take`)."""
+class _Ahead:
+    """The ring of tokens read back one step behind: each launch ends with the step's argmax
+    copied to a host slot and an event recorded; `take` waits for the oldest one only."""
 
-    def __init__(self, runner, step, timed: bool = False):
-        self.runner, self.step, self.timed = runner, step, timed
-        cuda = step.x.device.type == "cuda"
-        event = _event_kind(step)
-        self.host = torch.zeros(RING, dtype=torch.long, pin_memory=cuda)
+    timed = False
+
+    def __init__(self, device: torch.device, event, timed: bool = False):
+        self.host = torch.zeros(RING, dtype=torch.long, pin_memory=device.type == "cuda")
         self.events = [event(enable_timing=timed) for _ in range(RING)]  # after the token's copy back
-        self.began = [event(enable_timing=True) for _ in range(RING)] if timed else None
-        self.verified = [event(enable_timing=True) for _ in range(RING)] if timed else None
-        marks = step.marks if timed else None
-        self.kinds = list(marks.kinds) if marks is not None else []
-        self.stamps = torch.zeros(RING, len(self.kinds), dtype=torch.int64, pin_memory=cuda) if self.kinds else None
         self.launched = self.taken = 0
         self.slot = -1  # the slot of the step taken last
 
     @property
     def pending(self) -> int:
         return self.launched - self.taken
+
+    def _read_back(self, x: torch.Tensor) -> None:
+        s = self.launched % RING
+        self.host[s:s + 1].copy_(x, non_blocking=True)
+        self.events[s].record()
+        self.launched += 1
+
+    def take(self) -> int:
+        """The oldest pending step's token (waits for that step only)."""
+        s = self.slot = self.taken % RING
+        self.events[s].synchronize()
+        self.taken += 1
+        return int(self.host[s])
+
+    def drop(self) -> None:
+        """Forget the steps not taken (their rows are rolled back by the caller)."""
+        self.taken = self.launched
+
+
+class AheadSteps(_Ahead):
+    """Launch one-row steps whose input is the previous step's argmax, on the device; take
+    their tokens in launch order. `step` is the one-row token-id graph (graphs._Graph), or its
+    level-2 twin (its `marks` then StampMarks). `timed`: each step also records the device
+    time of its replay and of its argmax + copy back (`times_ns` after `take`)."""
+
+    def __init__(self, runner, step, timed: bool = False):
+        event = _event_kind(step)
+        super().__init__(step.x.device, event, timed)
+        self.runner, self.step, self.timed = runner, step, timed
+        self.began = [event(enable_timing=True) for _ in range(RING)] if timed else None
+        self.verified = [event(enable_timing=True) for _ in range(RING)] if timed else None
+        marks = step.marks if timed else None
+        self.kinds = list(marks.kinds) if marks is not None else []
+        self.stamps = torch.zeros(RING, len(self.kinds), dtype=torch.int64,
+                                  pin_memory=step.x.device.type == "cuda") if self.kinds else None
 
     @torch.inference_mode()  # the graph's buffers are inference tensors (captured under the runner's forward)
     def launch(self, start: int, token: int | None = None) -> None:
@@ -104,16 +132,7 @@ class AheadSteps:
         if self.stamps is not None:  # this replay's stamps, before the next replay rewrites them
             self.stamps[s].copy_(g.marks.buf[: len(self.kinds)], non_blocking=True)
         torch.argmax(g.out, dim=-1, out=g.x)  # the next step's input, never via the host
-        self.host[s:s + 1].copy_(g.x, non_blocking=True)
-        self.events[s].record()
-        self.launched += 1
-
-    def take(self) -> int:
-        """The oldest pending step's token (waits for that step only)."""
-        s = self.slot = self.taken % RING
-        self.events[s].synchronize()
-        self.taken += 1
-        return int(self.host[s])
+        self._read_back(g.x)
 
     def times_ns(self) -> tuple[int, int]:
         """(replay, argmax + copy back) device ns of the step taken last (timed steps)."""
@@ -128,9 +147,28 @@ class AheadSteps:
         if self.stamps is not None:
             add_laps(self.kinds, self.stamps[self.slot].tolist(), timer)
 
-    def drop(self) -> None:
-        """Forget the steps not taken (their rows are rolled back by the caller)."""
-        self.taken = self.launched
+
+class TargetAhead(_Ahead):
+    """One step ahead through a target's own forward, for a target that takes its input ids
+    on the device and never reads them back: the pipeline head (pipeline/head_target.py),
+    whose forward puts the ids inside the command to stage 0 with a device-to-device copy
+    (pipeline/transport.py). The head's host then sends the next step's command before it
+    reads this step's token; stage 0 learns its command when the head's argmax is done, so
+    the host work left between two tokens is stage 0's (its command read, its launch)."""
+
+    def __init__(self, target):
+        cuda = target.device.type == "cuda"
+        super().__init__(target.device, torch.cuda.Event if cuda else HostEvent)
+        self.target = target
+        self.x = torch.zeros(1, dtype=torch.long, device=target.device)  # the next step's input id
+
+    @torch.inference_mode()
+    def launch(self, start: int, token: int | None = None) -> None:
+        if token is not None:
+            self.x.fill_(token)
+        logits = self.target.forward(self.x, start)  # (1, V); the command copied x before the argmax rewrites it
+        torch.argmax(logits[-1:], dim=-1, out=self.x)
+        self._read_back(self.x)
 
 
 def _stamped(step) -> bool:
@@ -145,6 +183,8 @@ def ahead_steps(target, drafter, sp, trace) -> AheadSteps | None:
     (see the module docstring; `trace`: phase/levels.TraceSettings); None otherwise."""
     if trace.prof or not sp.greedy or not isinstance(drafter, NoDrafter):
         return None
+    if getattr(target, "ids_on_device", False):  # the pipeline head: untraced only (its stages drain when traced)
+        return TargetAhead(target) if not trace.clock_on else None
     graphs = getattr(target, "graphs", None)
     if graphs is None or getattr(target, "cache", None) is None:
         return None
