@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from ..phase.subsplit import StampMarks, add_laps
 from .drafters.none import NoDrafter
 
 __all__ = ["AheadSteps", "TargetAhead", "HostEvent", "ahead_steps"]
@@ -142,8 +143,6 @@ class AheadSteps(_Ahead):
 
     def laps_to(self, timer) -> None:
         """The level-2 sub-split of the step taken last, into `timer` (phase/subsplit.py)."""
-        from ..phase.subsplit import add_laps  # noqa: PLC0415
-
         if self.stamps is not None:
             add_laps(self.kinds, self.stamps[self.slot].tolist(), timer)
 
@@ -175,10 +174,10 @@ def _stamped(step) -> bool:
     """A level-2 twin whose boundaries are device-clock stamps (one buffer, copyable per
     replay); a twin of CUDA events cannot run ahead (the next replay re-records them)."""
     marks = getattr(step, "marks", None)
-    return marks is not None and hasattr(marks, "buf") and bool(marks.kinds)
+    return isinstance(marks, StampMarks) and bool(marks.kinds)
 
 
-def ahead_steps(target, drafter, sp, trace) -> AheadSteps | None:
+def ahead_steps(target, drafter, sp, trace) -> AheadSteps | TargetAhead | None:
     """One-ahead steps for this session's target when nothing needs the host between steps
     (see the module docstring; `trace`: phase/levels.TraceSettings); None otherwise."""
     if trace.prof or not sp.greedy or not isinstance(drafter, NoDrafter):
