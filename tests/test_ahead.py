@@ -198,6 +198,7 @@ def test_traced_decoding_runs_ahead_with_each_rounds_own_device_times(llama, eag
     assert got == want and r.cache.length == want_len
     assert s._ahead is not None and s._ahead.timed and s.ran_ahead
     assert (s._ahead.step is r.graphs.timed[1]) == (level == 2)
+    assert sink.recs and all(rec.ahead for rec in sink.recs)  # the share table says how they were timed
     rounds = [x for rec in sink.recs for x in rec.live()]
     assert len(rounds) == s.stats.rounds == len(want) - 1
     layers = r.cfg.num_layers

@@ -40,3 +40,30 @@ def test_phase_rows_add_to_100_and_verify_rows_to_100_of_verify():
 
 def test_no_level_2_rows_without_level_2_data():
     assert not any("mixer class" in ln for ln in _table({}))
+
+
+def test_the_header_says_how_the_phases_were_timed():
+    from memra_dist.phase.records import BurstRecord
+
+    def rec(n, ahead):
+        r = BurstRecord()
+        r.reset(0, 1, n)
+        for _ in range(n):
+            r.next_round().t = [0, 0, 5, 6, 6, 6]
+        r.ahead = ahead
+        return r
+
+    t = ShareTable()
+    t.burst(rec(3, False))
+    assert "from one stream drain to the next" in t.table().splitlines()[0]
+    t2 = ShareTable()
+    t2.burst(rec(4, True))
+    first = t2.table().splitlines()[0]
+    assert "one step ahead" in first and "drain" not in first
+    t2.burst(rec(2, False))
+    assert t2.table().splitlines()[0].startswith("phase shares over 6 speculative rounds") and \
+        "4 rounds one step ahead" in t2.table().splitlines()[0]
+    again = BurstRecord()
+    again.ahead = True
+    again.reset(1, 1, 1)
+    assert not again.ahead  # a reused record starts as a round-loop burst

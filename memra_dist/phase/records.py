@@ -44,9 +44,10 @@ class BurstRecord:
     rounds: list[RoundRecord] = field(default_factory=list)
     n: int = 0
     tokens: int = 0
+    ahead: bool = False  # its rounds ran one step ahead (specdec/ahead.py): phases from device events, not drains
 
     def reset(self, index: int, k: int, capacity: int) -> None:
-        self.index, self.k, self.n, self.tokens = index, k, 0, 0
+        self.index, self.k, self.n, self.tokens, self.ahead = index, k, 0, 0, False
         while len(self.rounds) < capacity:
             self.rounds.append(RoundRecord())
 

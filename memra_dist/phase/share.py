@@ -14,11 +14,13 @@ class ShareTable:
         self.ns = [0] * len(PHASES)
         self.sub: dict[str, int] = {}
         self.n_rounds = 0
+        self.ahead_rounds = 0  # rounds one step ahead (phases from the step's device events)
 
     def burst(self, rec: BurstRecord) -> None:
         for i, v in enumerate(rec.totals_ns()):
             self.ns[i] += v
         self.n_rounds += rec.n
+        self.ahead_rounds += rec.n if rec.ahead else 0
         if any(r.sub_ns for r in rec.live()):
             for key, v in sub_totals(rec).items():
                 self.sub[key] = self.sub.get(key, 0) + v
@@ -29,6 +31,15 @@ class ShareTable:
     def rounds(self, log, final) -> None:  # the profile's rows are printed by LineSink
         pass
 
+    def _how(self) -> str:
+        drained = "each phase timed from one stream drain to the next"
+        ahead = "one step ahead: verify is each step's device time, accept the rest of its round"
+        if not self.ahead_rounds:
+            return drained
+        if self.ahead_rounds == self.n_rounds:
+            return ahead
+        return f"{self.ahead_rounds} rounds {ahead}; the others {drained}"
+
     def table(self) -> str:
         """Phase rows are shares of the traced rounds' time (they add up to 100 %). At level 2
         the verify rows below them are shares of verify (they add up to 100 % of verify):
@@ -37,8 +48,7 @@ class ShareTable:
         n = max(self.n_rounds, 1)
         total = sum(self.ns) or 1
         head = f"  {'':<16}{'total ms':>10}{'ms/round':>10}{'share':>8}"
-        lines = [f"phase shares over {self.n_rounds} speculative rounds: where their time went "
-                 "(each phase timed from one stream drain to the next)", head]
+        lines = [f"phase shares over {self.n_rounds} speculative rounds: where their time went ({self._how()})", head]
 
         def row(name: str, ns: int, of: int, bar: bool = True) -> str:
             pct = 100 * ns / (of or 1)

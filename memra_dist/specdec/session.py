@@ -283,6 +283,8 @@ class SpecSession:
         token is read back. A step in flight carries over to the next burst. Traced, each
         round is recorded from the step's own device times (`_record_ahead`)."""
         a = self._ahead
+        if rec is not None:
+            rec.ahead = True
         pump = self._pump_in_verify or self._pump_between
         for _ in range(max_rounds):
             if self.done:
