@@ -110,7 +110,7 @@ class SpecSession:
         self.tokens: list[int] = []
         self.stats = SessionStats()
         self.done = False
-        self._ahead = None  # specdec/ahead.py: greedy plain decoding one step ahead (pp=1 graphs)
+        self._ahead = None  # specdec/ahead.py: greedy plain decoding one step ahead (pp=1 graphs, or the pipeline head)
 
     @property
     def ran_ahead(self) -> bool:
@@ -319,8 +319,8 @@ class SpecSession:
         r.index, r.ctx, r.k, r.j = self.stats.rounds, n - 1, 0, 0
         r.draft_forwards = self._draft_fw if self._draft_fw < 0 else 0
         t2 = t0 + min(verify_ns, t3 - t0)
-        r.t[:] = [t0, t0, t2, t3, time.perf_counter_ns(), 0]
-        r.t[5] = r.t[4]
+        t4 = time.perf_counter_ns()
+        r.t[:] = [t0, t0, t2, t3, t4, t4]
         fm = self.clock.free_mb()
         for i in range(len(r.free_mb)):
             r.free_mb[i] = fm
