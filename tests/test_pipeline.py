@@ -159,7 +159,8 @@ def test_plain_greedy_runs_one_step_ahead_through_the_pipeline(ray_local, llama,
     """pp > 1, greedy, no drafts, level 0: the head sends the next step's command, its id the
     argmax left on the device, before it reads the token back (specdec/ahead.py TargetAhead).
     The ids are pp=1's across bursts, at the token budget and at a stop token (the step sent
-    past the end is rolled back), and the stats say it ran ahead; traced, the round loop runs."""
+    past the end is rolled back), and the stats say it ran ahead; at level 1 too (its rounds
+    recorded from the forward's events), not at level 2."""
     import shutil
 
     ref = generate(_cfg(llama, drafter="none", max_new_tokens=24), PROMPT)
@@ -176,6 +177,15 @@ def test_plain_greedy_runs_one_step_ahead_through_the_pipeline(ray_local, llama,
     assert want == ref.token_ids[:stop + 1]
     assert generate(_cfg(eos_model, drafter="none", pp=2, max_new_tokens=24, burst_rounds=4), PROMPT).token_ids == want
     from memra_dist.phase.levels import TraceSettings
+    from memra_dist.phase.share import ShareTable
 
-    traced = generate(_cfg(llama, drafter="none", pp=2, max_new_tokens=24, trace=TraceSettings(level=1)), PROMPT)
-    assert traced.token_ids == ref.token_ids and not traced.stats["fast_path"]["ahead"]
+    # level 1 runs ahead too: each round's verify is its forward's own events on the head's stream
+    share = ShareTable()
+    traced = generate(_cfg(llama, drafter="none", pp=2, max_new_tokens=24, trace=TraceSettings(level=1)), PROMPT,
+                      sink=share)
+    assert traced.token_ids == ref.token_ids and traced.stats["fast_path"]["ahead"]
+    assert share.n_rounds == share.ahead_rounds == ref.stats["rounds"] and share.ns[1] > 0
+    assert share.ns[0] == share.ns[4] == 0  # no draft, no maint
+    # level 2 keeps the round loop (the stages' sub-split vectors ride back with every forward)
+    timed = generate(_cfg(llama, drafter="none", pp=2, max_new_tokens=24, trace=TraceSettings(level=2)), PROMPT)
+    assert timed.token_ids == ref.token_ids and not timed.stats["fast_path"]["ahead"]

@@ -16,7 +16,7 @@ rolls it back, as a rejected verify row is.
 
 It runs where nothing needs the host between the steps: greedy, no drafts, no first-token
 profile, and either a local runner whose one-row step is a captured graph (pp = 1 on CUDA:
-AheadSteps) or the pipeline head at trace level 0 (pp > 1: TargetAhead, any device).
+AheadSteps) or the pipeline head at trace level 0 or 1 (pp > 1: TargetAhead, any device).
 Everything else takes the round loop.
 
 Traced (levels 1 and 2) it still runs ahead, so the trace describes the path users run. The
@@ -67,15 +67,30 @@ def _event_kind(step):
 
 class _Ahead:
     """The ring of tokens read back one step behind: each launch ends with the step's argmax
-    copied to a host slot and an event recorded; `take` waits for the oldest one only."""
-
-    timed = False
+    copied to a host slot and an event recorded; `take` waits for the oldest one only.
+    `timed`: each step also records timing events before and after its forward (`times_ns`)."""
 
     def __init__(self, device: torch.device, event, timed: bool = False):
+        self.timed = timed
         self.host = torch.zeros(RING, dtype=torch.long, pin_memory=device.type == "cuda")
         self.events = [event(enable_timing=timed) for _ in range(RING)]  # after the token's copy back
+        self.began = [event(enable_timing=True) for _ in range(RING)] if timed else None
+        self.verified = [event(enable_timing=True) for _ in range(RING)] if timed else None
         self.launched = self.taken = 0
         self.slot = -1  # the slot of the step taken last
+
+    def _mark(self, events) -> None:
+        if self.timed:
+            events[self.launched % RING].record()
+
+    def times_ns(self) -> tuple[int, int]:
+        """(forward, argmax + copy back) device ns of the step taken last (timed steps)."""
+        s = self.slot
+        return (round(self.began[s].elapsed_time(self.verified[s]) * 1e6),
+                round(self.verified[s].elapsed_time(self.events[s]) * 1e6))
+
+    def laps_to(self, timer) -> None:
+        """The level-2 sub-split of the step taken last, into `timer` (none here)."""
 
     @property
     def pending(self) -> int:
@@ -106,11 +121,8 @@ class AheadSteps(_Ahead):
     time of its replay and of its argmax + copy back (`times_ns` after `take`)."""
 
     def __init__(self, runner, step, timed: bool = False):
-        event = _event_kind(step)
-        super().__init__(step.x.device, event, timed)
-        self.runner, self.step, self.timed = runner, step, timed
-        self.began = [event(enable_timing=True) for _ in range(RING)] if timed else None
-        self.verified = [event(enable_timing=True) for _ in range(RING)] if timed else None
+        super().__init__(step.x.device, _event_kind(step), timed)
+        self.runner, self.step = runner, step
         marks = step.marks if timed else None
         self.kinds = list(marks.kinds) if marks is not None else []
         self.stamps = torch.zeros(RING, len(self.kinds), dtype=torch.int64,
@@ -125,21 +137,13 @@ class AheadSteps(_Ahead):
         self.runner.cache.begin(start, 1)
         if token is not None:
             g.load(torch.tensor([token], dtype=torch.long))
-        if self.timed:
-            self.began[s].record()
+        self._mark(self.began)
         g.replay_at(start)
-        if self.timed:
-            self.verified[s].record()
+        self._mark(self.verified)
         if self.stamps is not None:  # this replay's stamps, before the next replay rewrites them
             self.stamps[s].copy_(g.marks.buf[: len(self.kinds)], non_blocking=True)
         torch.argmax(g.out, dim=-1, out=g.x)  # the next step's input, never via the host
         self._read_back(g.x)
-
-    def times_ns(self) -> tuple[int, int]:
-        """(replay, argmax + copy back) device ns of the step taken last (timed steps)."""
-        s = self.slot
-        return (round(self.began[s].elapsed_time(self.verified[s]) * 1e6),
-                round(self.verified[s].elapsed_time(self.events[s]) * 1e6))
 
     def laps_to(self, timer) -> None:
         """The level-2 sub-split of the step taken last, into `timer` (phase/subsplit.py)."""
@@ -153,11 +157,13 @@ class TargetAhead(_Ahead):
     whose forward puts the ids inside the command to stage 0 with a device-to-device copy
     (pipeline/transport.py). The head's host then sends the next step's command before it
     reads this step's token; stage 0 learns its command when the head's argmax is done, so
-    the host work left between two tokens is stage 0's (its command read, its launch)."""
+    the host work left between two tokens is stage 0's (its command read, its launch). `timed`
+    (level 1): the forward's events bound the whole walk on the head's stream, which waits for
+    the last stage's rows, as the round loop's terminal drain does (phase/clock.py)."""
 
-    def __init__(self, target):
+    def __init__(self, target, timed: bool = False):
         cuda = target.device.type == "cuda"
-        super().__init__(target.device, torch.cuda.Event if cuda else HostEvent)
+        super().__init__(target.device, torch.cuda.Event if cuda else HostEvent, timed)
         self.target = target
         self.x = torch.zeros(1, dtype=torch.long, device=target.device)  # the next step's input id
 
@@ -165,7 +171,9 @@ class TargetAhead(_Ahead):
     def launch(self, start: int, token: int | None = None) -> None:
         if token is not None:
             self.x.fill_(token)
+        self._mark(self.began)
         logits = self.target.forward(self.x, start)  # (1, V); the command copied x before the argmax rewrites it
+        self._mark(self.verified)
         torch.argmax(logits[-1:], dim=-1, out=self.x)
         self._read_back(self.x)
 
@@ -182,8 +190,9 @@ def ahead_steps(target, drafter, sp, trace) -> AheadSteps | TargetAhead | None:
     (see the module docstring; `trace`: phase/levels.TraceSettings); None otherwise."""
     if trace.prof or not sp.greedy or not isinstance(drafter, NoDrafter):
         return None
-    if getattr(target, "ids_on_device", False):  # the pipeline head: untraced only (its stages drain when traced)
-        return TargetAhead(target) if not trace.clock_on else None
+    if getattr(target, "ids_on_device", False):  # the pipeline head
+        # level 2 keeps the round loop: the stages' sub-split vectors ride back with each forward
+        return TargetAhead(target, timed=trace.level >= 1) if trace.level < 2 else None
     graphs = getattr(target, "graphs", None)
     if graphs is None or getattr(target, "cache", None) is None:
         return None
