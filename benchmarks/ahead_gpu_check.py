@@ -4,8 +4,7 @@ the level-2 twin's device-clock stamps) and, with two GPUs, through the pipeline
 
 For a tiny fp32 llama (greedy, drafter none, 64 new tokens):
   eager ids (--graphs off) == graphed ids at levels 0, 1, 2;  fast_path.ahead at every level;
-  levels 1 and 2: the share table says the rounds ran one step ahead, verify > 0 in every
-  burst; level 2: the sub-split's buckets are > 0 and their sum is at most verify;
+  levels 1 and 2: the share table counts every round one step ahead, verify > 0; level 2: the sub-split's buckets are > 0 and their sum is at most verify;
   two GPUs: pp=2 ids == pp=1 ids and fast_path.ahead.
 usage: python benchmarks/ahead_gpu_check.py OUT_DIR [--device cuda|cpu]   (cpu: a smoke run of
 the script itself; nothing runs ahead there). Exit 1 on a failed check; OUT_DIR/ahead_check.json.
@@ -24,24 +23,10 @@ from memra_dist.app import generate
 from memra_dist.config import RunConfig
 from memra_dist.model.tiny import build_checkpoint, llama_config, train_tokenizer
 from memra_dist.phase.levels import TraceSettings
-from memra_dist.phase.records import BurstRecord
+from memra_dist.phase.share import ShareTable
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)
-
-
-class Bursts:
-    def __init__(self):
-        self.recs: list[BurstRecord] = []
-
-    def burst(self, rec):
-        self.recs.append(rec)
-
-    def first_token(self, prof):
-        pass
-
-    def rounds(self, log, final):
-        pass
 
 
 def main() -> int:
@@ -70,8 +55,8 @@ def main() -> int:
     cuda = a.device == "cuda"
     eager = generate(RunConfig(**base, graphs="off"), prompt)
     for level in (0, 1, 2):
-        sink = Bursts()
-        got = generate(RunConfig(**base, trace=TraceSettings(level=level)), prompt, sink=sink if level else None)
+        share = ShareTable()  # the traced rounds, summed as the terminal's table sums them
+        got = generate(RunConfig(**base, trace=TraceSettings(level=level)), prompt, sink=share if level else None)
         check(f"level{level}: ids equal eager", got.token_ids == eager.token_ids)
         if level == 0:
             level0 = got.token_ids
@@ -79,16 +64,15 @@ def main() -> int:
             check(f"level{level}: ids equal level 0", got.token_ids == level0)
         check(f"level{level}: ran ahead", got.stats["fast_path"]["ahead"] == cuda, got.stats["fast_path"])
         if level:
-            recs = sink.recs
-            check(f"level{level}: every burst one step ahead", bool(recs) and all(r.ahead for r in recs) == cuda,
-                  [r.ahead for r in recs][:4])
-            verify = [sum(x.phase_ns(1) for x in r.live()) for r in recs]
-            check(f"level{level}: verify > 0 in every burst", all(v > 0 for v in verify), verify[:4])
+            rounds = (share.n_rounds, share.ahead_rounds)
+            check(f"level{level}: every round one step ahead", share.n_rounds > 0 and
+                  (share.ahead_rounds == share.n_rounds) == cuda, rounds)
+            verify = share.ns[1]
+            check(f"level{level}: verify > 0", verify > 0, verify)
             if level == 2:
-                sub = [{b: sum(x.sub_ns.get(b, 0) for x in r.live()) for b in ("attn", "ffn")} for r in recs]
-                check("level2: attn and ffn laps > 0, within verify",
-                      all(s["attn"] > 0 and s["ffn"] > 0 and s["attn"] + s["ffn"] <= v for s, v in zip(sub, verify)),
-                      {"sub": sub[:2], "verify": verify[:2]})
+                attn, ffn = share.sub.get("attn", 0), share.sub.get("ffn", 0)
+                check("level2: attn and ffn laps > 0, within verify", attn > 0 and ffn > 0 and attn + ffn <= verify,
+                      {"attn": attn, "ffn": ffn, "verify": verify})
     if cuda and torch.cuda.device_count() >= 2:
         one = generate(RunConfig(**base), prompt)
         two = generate(RunConfig(**base, pp=2), prompt)

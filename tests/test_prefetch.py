@@ -23,7 +23,6 @@ def test_it_advises_every_weight_file_of_the_dirs_in_order(tmp_path, monkeypatch
                        ("t/config.json", 5), ("d/model.safetensors", 10)):
         (tmp_path / name).write_bytes(b"\0" * size)
     seen = []
-    real_open = os.open
 
     def advise(fd, offset, length, advice):
         assert (offset, length, advice) == (0, 0, os.POSIX_FADV_WILLNEED)
@@ -34,7 +33,6 @@ def test_it_advises_every_weight_file_of_the_dirs_in_order(tmp_path, monkeypatch
     t.join(10)
     assert [Path(p).relative_to(tmp_path).as_posix() for p in seen] == [
         "t/model-00001-of-00002.safetensors", "t/model-00002-of-00002.safetensors", "d/model.safetensors"]
-    assert os.open is real_open
     assert prefetch.prefetch_weights([tmp_path / "t"], 0) is None  # nothing fits: no thread
 
 
@@ -74,3 +72,19 @@ def test_a_local_pipeline_prefetches_before_ray_starts(monkeypatch):
     except Stop:
         pass
     assert calls == ["ray"]
+
+
+def test_a_sharded_checkpoint_reads_ahead_only_what_its_index_names(tmp_path):
+    """The loader's own file set (model/loader.py checkpoint_files): a stray safetensors file
+    beside an index is not read ahead; a malformed index means nothing to read ahead."""
+    import json
+
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "consolidated.safetensors"):
+        (tmp_path / name).write_bytes(b"\0" * 8)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+        "c": "model-00002-of-00002.safetensors"}}))
+    assert [f.name for f, _ in prefetch.weight_files(tmp_path)] == ["model-00001-of-00002.safetensors",
+                                                                  "model-00002-of-00002.safetensors"]
+    (tmp_path / "model.safetensors.index.json").write_text("{")
+    assert prefetch.weight_files(tmp_path) == []

@@ -43,20 +43,36 @@ def hf_name(key: str) -> str:
     return key if key.startswith("lm_head.") else f"model.{key}"
 
 
+def _weight_map(model_dir: Path) -> dict[str, Path] | None:
+    """A sharded checkpoint's index: tensor name -> its file; None without an index."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.exists():
+        return None
+    try:
+        wm = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise UserError(f"{index}: malformed index ({e})") from None
+    return {k: model_dir / v for k, v in wm.items()}
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files a CheckpointReader reads: those its index names, else every
+    `*.safetensors` of the directory (in name order)."""
+    d = Path(model_dir)
+    wm = _weight_map(d)
+    return sorted(set(wm.values())) if wm is not None else sorted(d.glob("*.safetensors"))
+
+
 class CheckpointReader:
     """Maps tensor names to safetensors files (single file, sharded index or a glob)."""
 
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise UserError(f"{index}: malformed index ({e})") from None
-            self.where = {k: self.dir / v for k, v in wm.items()}
+        wm = _weight_map(self.dir)
+        if wm is not None:
+            self.where = wm
         else:
-            files = sorted(self.dir.glob("*.safetensors"))
+            files = checkpoint_files(self.dir)
             if not files:
                 raise UserError(f"{self.dir}: no *.safetensors weights found")
             self.where = {}

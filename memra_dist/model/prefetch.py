@@ -22,12 +22,18 @@ SHARE = 0.5  # of MemAvailable a readahead may take
 
 
 def weight_files(model_dir: str | Path) -> list[tuple[Path, int]]:
-    """(path, bytes) of a checkpoint directory's safetensors files, in name order (shards of
-    an index, a single file or a glob: the loader reads the same set)."""
-    d = Path(model_dir)
-    if not d.is_dir():
+    """(path, bytes) of the safetensors files the loader will read (model/loader.py
+    `checkpoint_files`); none where the directory or its index is unreadable (the loader then
+    says why, in its own words)."""
+    from ..errors import UserError  # noqa: PLC0415
+    from .loader import checkpoint_files  # noqa: PLC0415
+
+    if not Path(model_dir).is_dir():
         return []
-    return [(f, f.stat().st_size) for f in sorted(d.glob("*.safetensors")) if f.is_file()]
+    try:
+        return [(f, f.stat().st_size) for f in checkpoint_files(model_dir) if f.is_file()]
+    except UserError:
+        return []
 
 
 def prefetch_plan(files: list[tuple[Path, int]], available: int, share: float = SHARE) -> list[Path]:

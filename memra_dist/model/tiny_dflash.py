@@ -26,9 +26,10 @@ on the corpus alone; 0.23 with 256 continuations, 1000 steps; 0.46 / 0.54 / 0.55
 1024 / 2048 continuations over 3000 steps (the drafter memorizes fewer: train loss 0.1, while
 held-out agreement flattens); a block of 4 rows instead of 8 trains twice as fast and levels
 at 0.50; a curriculum (blocks starting ever later in their windows over the first 1000 steps)
-gave 0.56 teacher forced but 0.48-0.52 through the engine, so it was left out. Earlier attempts against the demo's llama target (200 steps of training, which
-memorizes rather than generalizes) stayed at 0.07-0.36: the target's text off its corpus is
-what there is to learn, and the MTP layer's target has more of it.
+gave 0.56 teacher forced but 0.48-0.52 through the engine, so it was left out. Earlier
+attempts against the demo's llama target (200 steps of training, which memorizes rather than
+generalizes) stayed at 0.07-0.36: the target's text off its corpus is what there is to learn,
+and the MTP layer's target has more of it.
 """
 
 from __future__ import annotations

@@ -61,16 +61,17 @@ class HostEvent:
         return (end.ns - self.ns) / 1e6  # ms, as CUDA's
 
 
-def _event_kind(step):
-    return torch.cuda.Event if step.x.device.type == "cuda" else HostEvent
+def _event_kind(device: torch.device):
+    return torch.cuda.Event if device.type == "cuda" else HostEvent
 
 
 class _Ahead:
     """The ring of tokens read back one step behind: each launch ends with the step's argmax
     copied to a host slot and an event recorded; `take` waits for the oldest one only.
-    `timed`: each step also records timing events before and after its forward (`times_ns`)."""
+    `timed`: each step also records timing events before and after its forward (`verify_ns`)."""
 
-    def __init__(self, device: torch.device, event, timed: bool = False):
+    def __init__(self, device: torch.device, timed: bool = False):
+        event = _event_kind(device)
         self.timed = timed
         self.host = torch.zeros(RING, dtype=torch.long, pin_memory=device.type == "cuda")
         self.events = [event(enable_timing=timed) for _ in range(RING)]  # after the token's copy back
@@ -79,15 +80,10 @@ class _Ahead:
         self.launched = self.taken = 0
         self.slot = -1  # the slot of the step taken last
 
-    def _mark(self, events) -> None:
-        if self.timed:
-            events[self.launched % RING].record()
-
-    def times_ns(self) -> tuple[int, int]:
-        """(forward, argmax + copy back) device ns of the step taken last (timed steps)."""
+    def verify_ns(self) -> int:
+        """The device ns of the forward of the step taken last (timed steps)."""
         s = self.slot
-        return (round(self.began[s].elapsed_time(self.verified[s]) * 1e6),
-                round(self.verified[s].elapsed_time(self.events[s]) * 1e6))
+        return round(self.began[s].elapsed_time(self.verified[s]) * 1e6)
 
     def laps_to(self, timer) -> None:
         """The level-2 sub-split of the step taken last, into `timer` (none here)."""
@@ -118,10 +114,10 @@ class AheadSteps(_Ahead):
     """Launch one-row steps whose input is the previous step's argmax, on the device; take
     their tokens in launch order. `step` is the one-row token-id graph (graphs._Graph), or its
     level-2 twin (its `marks` then StampMarks). `timed`: each step also records the device
-    time of its replay and of its argmax + copy back (`times_ns` after `take`)."""
+    time of its replay (`verify_ns` after `take`)."""
 
     def __init__(self, runner, step, timed: bool = False):
-        super().__init__(step.x.device, _event_kind(step), timed)
+        super().__init__(step.x.device, timed)
         self.runner, self.step = runner, step
         marks = step.marks if timed else None
         self.kinds = list(marks.kinds) if marks is not None else []
@@ -137,9 +133,11 @@ class AheadSteps(_Ahead):
         self.runner.cache.begin(start, 1)
         if token is not None:
             g.load(torch.tensor([token], dtype=torch.long))
-        self._mark(self.began)
+        if self.timed:
+            self.began[s].record()
         g.replay_at(start)
-        self._mark(self.verified)
+        if self.timed:
+            self.verified[s].record()
         if self.stamps is not None:  # this replay's stamps, before the next replay rewrites them
             self.stamps[s].copy_(g.marks.buf[: len(self.kinds)], non_blocking=True)
         torch.argmax(g.out, dim=-1, out=g.x)  # the next step's input, never via the host
@@ -162,18 +160,20 @@ class TargetAhead(_Ahead):
     the last stage's rows, as the round loop's terminal drain does (phase/clock.py)."""
 
     def __init__(self, target, timed: bool = False):
-        cuda = target.device.type == "cuda"
-        super().__init__(target.device, torch.cuda.Event if cuda else HostEvent, timed)
+        super().__init__(target.device, timed)
         self.target = target
         self.x = torch.zeros(1, dtype=torch.long, device=target.device)  # the next step's input id
 
     @torch.inference_mode()
     def launch(self, start: int, token: int | None = None) -> None:
+        s = self.launched % RING
         if token is not None:
             self.x.fill_(token)
-        self._mark(self.began)
+        if self.timed:
+            self.began[s].record()
         logits = self.target.forward(self.x, start)  # (1, V); the command copied x before the argmax rewrites it
-        self._mark(self.verified)
+        if self.timed:
+            self.verified[s].record()
         torch.argmax(logits[-1:], dim=-1, out=self.x)
         self._read_back(self.x)
 

@@ -315,7 +315,7 @@ class SpecSession:
         token committed (the argmax and the copy back on the device, the host's read), rollback
         = the drop of a step launched past the end; no draft, no maint. Free memory is read once
         a round (every phase of it carries that reading)."""
-        verify_ns, _accept_dev_ns = self._ahead.times_ns()
+        verify_ns = self._ahead.verify_ns()
         r.index, r.ctx, r.k, r.j = self.stats.rounds, n - 1, 0, 0
         r.draft_forwards = self._draft_fw if self._draft_fw < 0 else 0
         t2 = t0 + min(verify_ns, t3 - t0)
