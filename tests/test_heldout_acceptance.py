@@ -62,6 +62,19 @@ NOVEL = [
 ]
 
 
+def _held_out(run, models: dict, prompts: dict) -> dict:
+    """Acceptance (accepted / drafted, greedy, 64 new tokens) of each named model at k = 1 and 3
+    on each named prompt set, through the engine; `run(model, k)` is the request's RunConfig."""
+    def acceptance(model, k, ps) -> float:
+        st = [generate(run(model, k), p).stats for p in ps]
+        return sum(s["accepted"] for s in st) / sum(s["drafted"] for s in st)
+
+    got = {(m, k, w): acceptance(model, k, ps) for m, model in models.items() for k in (1, 3)
+           for w, ps in prompts.items()}
+    print("held-out acceptance:", {",".join(map(str, key)): round(v, 3) for key, v in got.items()})
+    return got
+
+
 def _contains(seq: list[int], part: list[int]) -> bool:
     return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
 
@@ -91,14 +104,8 @@ def test_self_distilled_mtp_follows_the_target_off_its_corpus(tiny_mtp, tmp_path
     for p in novel + withheld:
         assert not any(_contains(q, p) for q in prompts) and not _contains(stream, p)
 
-    def acceptance(model, k, ps) -> float:
-        st = [generate(RunConfig(model=str(model), drafter="mtp", k=k, max_new_tokens=64, device="cpu"), p).stats
-              for p in ps]
-        return sum(s["accepted"] for s in st) / sum(s["drafted"] for s in st)
-
-    got = {(m, k, w): acceptance(model, k, ps) for m, model in (("distilled", d), ("corpus", d0))
-           for k in (1, 3) for w, ps in (("novel", novel), ("withheld", withheld))}
-    print("held-out acceptance:", {",".join(map(str, key)): round(v, 3) for key, v in got.items()})
+    got = _held_out(lambda model, k: RunConfig(model=str(model), drafter="mtp", k=k, max_new_tokens=64, device="cpu"),
+                    {"distilled": d, "corpus": d0}, {"novel": novel, "withheld": withheld})
     # novel sentences: self-distillation lifts it (measured 0.63 / 0.36 against 0.47 / 0.23)
     assert got["distilled", 1, "novel"] >= 0.45, got
     assert got["distilled", 1, "novel"] >= got["corpus", 1, "novel"] + 0.05, got
@@ -129,14 +136,9 @@ def test_self_distilled_dflash_drafts_off_its_corpus(tiny_mtp, tmp_path):
     novel = [enc(s)[:12] for s in NOVEL]
     withheld = [enc(paras[-1])[:12]]
 
-    def acceptance(ddir, k, ps) -> float:
-        st = [generate(RunConfig(model=str(target), drafter="dflash", draft_model=str(ddir), k=k, max_new_tokens=64,
-                                 device="cpu"), p).stats for p in ps]
-        return sum(s["accepted"] for s in st) / sum(s["drafted"] for s in st)
-
-    got = {(m, k, w): acceptance(d, k, ps) for m, d in (("distilled", distilled), ("corpus", plain))
-           for k in (1, 3) for w, ps in (("novel", novel), ("withheld", withheld))}
-    print("held-out acceptance:", {",".join(map(str, key)): round(v, 3) for key, v in got.items()})
+    got = _held_out(lambda ddir, k: RunConfig(model=str(target), drafter="dflash", draft_model=str(ddir), k=k,
+                                              max_new_tokens=64, device="cpu"),
+                    {"distilled": distilled, "corpus": plain}, {"novel": novel, "withheld": withheld})
     # novel sentences (measured 0.52 / 0.25 at k = 1 / 3, against 0.08 / 0.04)
     assert got["distilled", 1, "novel"] >= 0.45, got
     assert got["distilled", 1, "novel"] >= got["corpus", 1, "novel"] + 0.2, got
