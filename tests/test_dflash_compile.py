@@ -46,7 +46,7 @@ def test_compiled_pieces_give_the_eager_block(tmp_path):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     for s, k in zip(d.states, k_eager):
         torch.testing.assert_close(s.k, k, rtol=1e-5, atol=1e-5)
-    assert "q" not in vars(d.net.layers[0].self_attn)  # the eager methods are back
+    assert "qkv" not in vars(d.net.layers[0].self_attn)  # the eager methods are back
 
 
 def test_pieces_follow_the_targets_compile_switch():

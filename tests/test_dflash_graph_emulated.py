@@ -190,3 +190,29 @@ def test_a_new_tap_sink_drops_the_graphs(tmp_path):
     ref._ingest(13)  # the same 3-row ingest, eager, over the new sink
     assert all(torch.equal(x.k[10:13], y.k[10:13]) and torch.equal(x.v[10:13], y.v[10:13])
                for x, y in zip(ref.states, d.states))
+
+
+def test_fused_projections_give_the_reference_block_and_ingest(tmp_path):
+    """The fast path's fused [q; k; v] and [gate; up] GEMMs (DFlashNet.fuse, on CUDA graphs):
+    the same K/V from the prime's ingest and from a block, and the same block logits."""
+    target, d = _setup(tmp_path)
+    target.alloc(CAP)
+    d.alloc(CAP)
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(5))
+    target.forward(ids[:30], 0)
+    d.prime(ids[:30].tolist())
+    ref = d.block_logits(int(ids[29]), 29, 15).clone()
+    kv_ref = [(s.k.clone(), s.v.clone()) for s in d.states]
+    d.net.fuse()
+    at = d.net.layers[0].self_attn
+    assert not hasattr(at, "q_proj") and hasattr(at, "qkv_w") and hasattr(d.net.layers[0].mlp, "gate_up_proj")
+    for s in d.states:
+        s.k.zero_()
+        s.v.zero_()
+    d.prime(ids[:30].tolist())  # the context's k / v now from the fused weight's [k; v] rows
+    fused = d.block_logits(int(ids[29]), 29, 15)
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused.argmax(-1), ref.argmax(-1))
+    for s, (k, v) in zip(d.states, kv_ref):
+        torch.testing.assert_close(s.k, k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s.v, v, rtol=1e-5, atol=1e-5)

@@ -120,3 +120,42 @@ def test_kernels_fall_back_with_one_warning_where_they_cannot_run(capsys, monkey
     assert len(err) == 1, err
     assert err[0].startswith("memra-dist: warning: our Triton kernels cannot run on cuda:0 (")
     assert "cuBLAS and the reference attention" in err[0]
+
+
+def test_dflash_block_on_the_split_kernel_equals_the_masked_reference(tmp_path):
+    """The DFlash block graphs' attention on the split kernel (every row at the block's last
+    position: the context and the whole block, no causal mask) gives the reference's logits,
+    captured at one start and replayed at later ones (the position follows the device scalar)."""
+    from types import SimpleNamespace
+
+    from graph_emulator import EmulatedCapture
+    from memra_dist.bench.tap_checkpoints import ensure_dflash
+    from memra_dist.model.dflash import load_dflash_config
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+    from memra_dist.specdec.drafters.dflash_graph import BlockGraphs, kernel_attention
+
+    cpu = torch.device("cpu")
+    target_dir, draft_dir = ensure_dflash("tiny", tmp_path, cpu, lambda s: None)
+    target = ModelRunner(target_dir, cpu, torch.float32, max_pos=160)
+    d = DFlashDrafter.load(draft_dir, load_dflash_config(draft_dir), target)
+    assert not kernel_attention(d)  # the target runs no kernels of ours here: the reference attention
+    assert kernel_attention(SimpleNamespace(dc=d.dc, target=SimpleNamespace(kernel_modules=3)))
+    target.alloc(160)
+    d.alloc(160)
+    ids = torch.randint(3, 500, (60,), generator=torch.Generator().manual_seed(7))
+    graphs = BlockGraphs(d, graph_cls=EmulatedCapture)
+    graphs.kernel_attn = True
+    n = 20
+    target.forward(ids[:n], 0)
+    d.prime(ids[:n].tolist())
+    for add in (0, 3, 9):
+        if add:  # rows committed since (as after a verify)
+            target.forward(ids[n:n + add], n)
+        n += add
+        d._ingest(n - 1)
+        last, start = int(ids[n - 1]), n - 1
+        ref = d.block_logits(last, start, 15).clone()
+        out = graphs.logits(last, start, 15)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert len(graphs.graphs) == 1  # one capture, replayed at each later start

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..errors import UserError
 from .attention import cached_attention
@@ -138,14 +139,44 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(hd, c.rms_eps)
         self.k_norm = RMSNorm(hd, c.rms_eps)
 
+    def fuse(self) -> None:
+        """One [q; k; v] weight (the fast path): a block's rows take one GEMM for all three,
+        the context rows' k / v one GEMM over its contiguous [k; v] rows. The reference (and
+        training, and the checkpoint's names) keep q/k/v_proj."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        with torch.no_grad():
+            self.qkv_w = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+            self.qkv_b = (nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+                          if parts[0].bias is not None else None)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _split(self, y: torch.Tensor, rope, with_q: bool):
+        nq, nk = self.nh * self.hd, self.nkv * self.hd
+        parts = y.split([nq, nk, nk] if with_q else [nk, nk], -1)
+        k = apply_rope(self.k_norm(parts[-2].reshape(-1, self.nkv, self.hd)), *rope)
+        v = parts[-1].reshape(-1, self.nkv, self.hd)
+        if not with_q:
+            return k, v
+        return apply_rope(self.q_norm(parts[0].reshape(-1, self.nh, self.hd)), *rope), k, v
+
     def q(self, hn: torch.Tensor, rope) -> torch.Tensor:
         """(T, H) -> (T, nh, hd): q_norm then rotary at the rows' positions."""
         return apply_rope(self.q_norm(self.q_proj(hn).view(-1, self.nh, self.hd)), *rope)
 
     def kv(self, h: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, H) -> k, v (T, nkv, hd): k_norm then rotary at the rows' positions."""
+        if hasattr(self, "qkv_w"):
+            nq = self.nh * self.hd
+            b = self.qkv_b[nq:] if self.qkv_b is not None else None
+            return self._split(F.linear(h, self.qkv_w[nq:], b), rope, False)
         k = apply_rope(self.k_norm(self.k_proj(h).view(-1, self.nkv, self.hd)), *rope)
         return k, self.v_proj(h).view(-1, self.nkv, self.hd)
+
+    def qkv(self, hn: torch.Tensor, rope):
+        """(T, H) -> q (T, nh, hd), k, v (T, nkv, hd): a block's rows (one GEMM when fused)."""
+        if hasattr(self, "qkv_w"):
+            return self._split(F.linear(hn, self.qkv_w, self.qkv_b), rope, True)
+        return (self.q(hn, rope), *self.kv(hn, rope))
 
 
 class DFlashLayer(nn.Module):
@@ -187,18 +218,26 @@ class DFlashNet(nn.Module):
         rope = self.rope(pos)
         return [layer.self_attn.kv(C, rope) for layer in self.layers]
 
-    def block(self, x: torch.Tensor, pos: torch.Tensor, kv_of, mask: torch.Tensor) -> torch.Tensor:
+    def fuse(self) -> None:
+        """The fast path's fused GEMMs: [q; k; v] and [gate; up] per layer (CUDA graphs)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def block(self, x: torch.Tensor, pos: torch.Tensor, kv_of, mask: torch.Tensor, attend=None) -> torch.Tensor:
         """Block rows x (T, H) at positions pos -> normed hidden (T, H). `kv_of(i, kb, vb)`
         returns layer i's full keys / values (N, nkv, hd) given the block's own; `mask`
-        (T, N) says which of those N each row reads."""
+        (T, N) says which of those N each row reads. `attend(q, K, V)`, when given, replaces
+        the reference attention under `mask` (the graphs' split kernel, which reads only the
+        live rows: it must mean the same mask)."""
         rope = self.rope(pos)
         for i, layer in enumerate(self.layers):
             hn = layer.input_layernorm(x)
             at = layer.self_attn
-            q = at.q(hn, rope)  # (T, nh, hd)
-            kb, vb = at.kv(hn, rope)  # (T, nkv, hd)
+            q, kb, vb = at.qkv(hn, rope)  # (T, nh, hd), (T, nkv, hd) x 2
             K, V = kv_of(i, kb, vb)
-            x = layer.finish(x, cached_attention(q, K, V, mask, at.nkv))
+            o = attend(q, K, V) if attend is not None else cached_attention(q, K, V, mask, at.nkv)
+            x = layer.finish(x, o)
         return self.norm(x)
 
 

@@ -49,6 +49,8 @@ class DFlashDrafter(Drafter):
         self.states: list[KVLayer] = []
         self.n = 0  # context rows ingested: positions 0 .. n-1
         self.graph = None  # the block forward's and the round ingest's CUDA graphs when the target captures its steps (dflash_graph.py)
+        if getattr(target, "graphs", None) is not None and self.device.type == "cuda":
+            net.fuse()  # the fast path: one GEMM for a block row's q / k / v, one for gate / up (as the target's)
         target.keep_taps(self.dc.tap_ids)
 
     @classmethod

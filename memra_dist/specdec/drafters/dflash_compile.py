@@ -4,8 +4,8 @@ The block forward runs its norms (fp32), q / k norms and rotary as small eager k
 16 rows of an 8B-wide drafter they cost more than its weight reads (BENCHMARKS.md: 1.9 ms a
 block forward against ~0.8 ms of reads). As `graphs.compile_blocks` does for the target, each
 piece is one compiled function shared by every layer (parameters are inputs), used only while
-a block graph is captured (the replays run its kernels): the input norm, `DFlashAttention.q` / `kv`
-(projection, head norm, rotary) and `DFlashLayer.finish` (o_proj, residual, post-norm, SwiGLU,
+a block graph is captured (the replays run its kernels): the input norm, `DFlashAttention.qkv`
+(projection, head norms, rotary) and `DFlashLayer.finish` (o_proj, residual, post-norm, SwiGLU,
 residual). `DFlashNet.block` itself stays Python: its `kv_of` callback (which training shares)
 writes the drafter's K/V between the pieces.
 
@@ -33,8 +33,7 @@ __all__ = ["compiled_pieces", "target_compiles", "warn_fallback"]
 @functools.cache
 def _fns() -> dict[str, object]:
     return {"norm": torch.compile(RMSNorm.forward, dynamic=False),
-            "q": torch.compile(DFlashAttention.q, dynamic=False),
-            "kv": torch.compile(DFlashAttention.kv, dynamic=False),
+            "qkv": torch.compile(DFlashAttention.qkv, dynamic=False),
             "finish": torch.compile(DFlashLayer.finish, dynamic=False)}
 
 
@@ -46,7 +45,7 @@ def target_compiles(target) -> bool:
 
 @contextmanager
 def compiled_pieces(net: DFlashNet, on: bool = True):
-    """While inside: every layer's input norm, q, kv and finish (and the final norm and the
+    """While inside: every layer's input norm, qkv and finish (and the final norm and the
     context norm) call the shared compiled functions; restored on exit (the block graphs swap
     them in; `on=False` leaves the eager methods)."""
     if not on:
@@ -55,8 +54,8 @@ def compiled_pieces(net: DFlashNet, on: bool = True):
     f = _fns()
     swapped = []
     for layer in net.layers:
-        for obj, name, fn in ((layer.input_layernorm, "forward", f["norm"]), (layer.self_attn, "q", f["q"]),
-                              (layer.self_attn, "kv", f["kv"]), (layer, "finish", f["finish"])):
+        for obj, name, fn in ((layer.input_layernorm, "forward", f["norm"]), (layer.self_attn, "qkv", f["qkv"]),
+                              (layer, "finish", f["finish"])):
             setattr(obj, name, types.MethodType(fn, obj))
             swapped.append((obj, name))
     for norm in (net.norm, net.hidden_norm):

@@ -18,6 +18,11 @@ slice; the feature GEMM, each layer's k/v projections and the cache writes follo
 eager `_ingest`. The graph bakes in the sink's buffers: a new sink (the target reallocated
 its cache) drops every graph. The prime's long ingest (and its profiled laps) stays eager.
 
+Where the target runs our Triton kernels, the block's attention is the split-sequence kernel
+(kernels/decode_attention.py) with every row at the block's last position: the DFlash mask
+(context and the whole block) over the live rows only, where the reference reads the whole
+allocation under a boolean mask (three GEMM / softmax kernels and a mask fill per layer).
+
 Behind the runner's graph switch: built only when the target runner captures its own steps
 (`target.graphs`, CUDA with graphs on); the eager forward stays the reference (CPU, tests:
 tests/test_dflash_graph_emulated.py replays an emulated capture and compares exactly).
@@ -31,7 +36,7 @@ import torch
 
 from .dflash_compile import compiled_pieces, target_compiles, warn_fallback
 
-__all__ = ["BlockGraphs", "block_graphs"]
+__all__ = ["BlockGraphs", "block_graphs", "kernel_attention"]
 
 
 class _CudaGraph:
@@ -73,6 +78,7 @@ class BlockGraphs:
         self.graph_cls = graph_cls
         # the network's compiled pieces inside the captures, as the target's compiled blocks (dflash_compile.py)
         self.compiled = graph_cls is _CudaGraph and target_compiles(drafter.target)
+        self.kernel_attn = kernel_attention(drafter)
         self.graphs: dict = {}  # block rows -> graph
         self.ingests: dict = {}  # ingest rows -> graph
         self.sink = None  # the tap sink the ingest graphs read (its buffers are baked in)
@@ -100,8 +106,18 @@ class BlockGraphs:
             return st[i].k, st[i].v
 
         stage = d.target.stage
-        h = d.net.block(stage.embed_tokens(self.ids), pos, kv_of, mask)  # (B, H)
+        h = d.net.block(stage.embed_tokens(self.ids), pos, kv_of, mask, self._attend(pos))  # (B, H)
         return stage.lm_head(h[1:1 + rows]).float()
+
+    def _attend(self, pos: torch.Tensor):
+        """The split-sequence kernel for the block's attention where the target runs our kernels:
+        every block row reads slots 0 .. start + B - 1, the same mask as `slot < start + B`,
+        as if each row sat at the block's last position; it reads only those live rows, not
+        the whole allocation. None (the reference attention) elsewhere."""
+        if not self.kernel_attn:
+            return None
+        last = pos * 0 + pos[-1]  # (B,) start + B - 1 for every row, derived on the device
+        return lambda q, K, V: torch.ops.memra.decode_attention(q, K, V, last)
 
     @torch.inference_mode()
     def logits(self, last: int, start: int, rows: int) -> torch.Tensor:
@@ -166,6 +182,17 @@ class BlockGraphs:
             self.ingest(0, rows)
         for rows in range(1, self.d.B):
             self.logits(0, 0, rows)
+
+
+def kernel_attention(drafter) -> bool:
+    """Whether the block graphs read the drafter's K/V with our split kernel: the target runs
+    our Triton kernels (CUDA, `--kernels`) and the head size suits them (kernels/ops.py)."""
+    hd = drafter.dc.base.head_dim
+    if not getattr(drafter.target, "kernel_modules", 0) or hd < 16 or hd & (hd - 1):
+        return False
+    from ...kernels import ops  # noqa: F401, PLC0415 (registers torch.ops.memra.decode_attention)
+
+    return True
 
 
 def block_graphs(drafter) -> BlockGraphs | None:

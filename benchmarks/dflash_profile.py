@@ -1,0 +1,173 @@
+"""Where a DFlash round's draft and verify(16) go on the GPU (issue 16's two DFlash ratios).
+
+One engine through `open_engine` with the default RunConfig (what `memra-dist generate
+--drafter dflash` runs), the bench's 8B Llama target and a random bf16 DFlash b16 drafter
+(benchmarks/tap_drafters.py's checkpoints), after one request of a 512-token prompt:
+  block   the drafter's block forward as a round replays it (its CUDA graph, 15 draft rows),
+          then the round's propose (the same plus the argmax and its one readback), and the
+          block once more on the reference attention (the split kernel's share);
+  verify  the target's 16-row and 1-row steps (forward + rollback, as a verify / decode);
+each timed with CUDA events over many back-to-back calls (device time per call), and the
+kernels of each under torch.profiler, grouped (GEMMs, attention, the rest) with the top ones.
+Then the 16-row GEMMs of the 8B shape on cuBLAS and on cuBLASLt against their weight reads.
+
+    python benchmarks/dflash_profile.py OUT_DIR
+Results: OUT_DIR/dflash_profile.json, tables on stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from torch.profiler import ProfilerActivity, profile
+
+
+def _say(*a) -> None:
+    print("[dflash_profile]", *a, file=sys.stderr, flush=True)
+
+
+def _events_ms(fn, n: int = 50) -> float:
+    """Device ms per call of fn over n back-to-back calls (after 3 warm-ups)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / n
+
+
+def _group(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("gemm", "gemv", "cutlass", "sm90_", "nvjet", "splitk", "cublas")):
+        return "gemm"
+    if any(s in n for s in ("attention", "partial_kernel", "merge_kernel", "softmax", "bmm")):
+        return "attention"
+    return "other"
+
+
+def _kernels(fn, n: int = 10) -> dict:
+    """torch.profiler's kernels of n calls: us per call by group, and the top 12."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / n, e.count / n) for e in prof.key_averages()
+            if e.device_time_total > 0 and e.key[:1] != "["]
+    groups: dict[str, list[float]] = {}
+    for k, us, c in rows:
+        g = groups.setdefault(_group(k), [0.0, 0.0])
+        g[0] += us
+        g[1] += c
+    top = sorted(rows, key=lambda r: -r[1])[:12]
+    return {"us_per_call": {g: round(v[0], 1) for g, v in groups.items()},
+            "kernels_per_call": {g: round(v[1], 1) for g, v in groups.items()},
+            "top": [{"kernel": k[:90], "us": round(us, 2), "count": round(c, 2)} for k, us, c in top]}
+
+
+def _gemms(cfg: dict, dev) -> list[dict]:
+    """The 8B step's weight shapes at 16 rows on each BLAS library, against the weight read."""
+    from memra_dist.bench.timing import copy_bandwidth  # noqa: PLC0415
+
+    bw = copy_bandwidth(dev, 2 << 30)["bandwidth_bytes_s"]
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    shapes = {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i),
+              "lm_head": (cfg["vocab_size"], h)}
+    out = []
+    was = torch.backends.cuda.preferred_blas_library()
+    try:
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            read_us = w.numel() * 2 / bw * 1e6
+            row = {"shape": name, "n": n, "k": k, "read_us": round(read_us, 2)}
+            for m in (1, 16):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                for lib in ("cublas", "cublaslt"):
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    us = _events_ms(lambda: F.linear(x, w), 200) * 1e3
+                    row[f"m{m}_{lib}_us"] = round(us, 2)
+                    row[f"m{m}_{lib}_of_read"] = round(read_us / us, 3)
+            out.append(row)
+            del w
+    finally:
+        torch.backends.cuda.preferred_blas_library(was)
+    return out
+
+
+def main() -> int:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/dflash_profile")
+    out.mkdir(parents=True, exist_ok=True)
+    from memra_dist.app import open_engine  # noqa: PLC0415
+    from memra_dist.bench import tap_checkpoints as tc  # noqa: PLC0415
+    from memra_dist.bench.runs import make_prompt  # noqa: PLC0415
+    from memra_dist.config import RunConfig  # noqa: PLC0415
+    from memra_dist.specdec.sampling import SamplingParams  # noqa: PLC0415
+
+    dev = torch.device("cuda")
+    cache = Path(os.environ.get("MEMRA_BENCH_CACHE", "/tmp/memra-bench-ckpt"))
+    target_dir, draft_dir = tc.ensure_dflash("8b", cache, dev, _say)
+    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    prompt = make_prompt(512, tcfg["vocab_size"])
+    cfg = RunConfig(model=str(target_dir), drafter="dflash", draft_model=str(draft_dir), k=15, max_new_tokens=32)
+    res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    with open_engine(cfg, len(prompt) + 64 + 16) as engine:
+        engine.generate(prompt, cfg)
+        d = engine._backend.drafter
+        target = d.target
+        res["fused"] = hasattr(d.net.layers[0].self_attn, "qkv_w")
+        res["kernel_attention"] = bool(d.graph is not None and d.graph.kernel_attn)
+        res["compiled_pieces"] = bool(d.graph is not None and d.graph.compiled)
+        start, last = d.n, 17
+        ctx = list(range(start)) + [last]
+        block = lambda: d.block_logits(last, start, 15)  # noqa: E731
+        res["block_ms"] = round(_events_ms(block), 4)
+        res["propose_ms"] = round(_events_ms(lambda: d.propose(ctx, 15, SamplingParams(), None)), 4)
+        res["block_kernels"] = _kernels(block)
+        if d.graph is not None and d.graph.kernel_attn:  # the same block on the reference attention, for the split
+            d.graph.kernel_attn = False
+            d.graph.reset()
+            d.graph.warm()
+            res["block_ms_reference_attention"] = round(_events_ms(block), 4)
+            d.graph.kernel_attn = True
+            d.graph.reset()
+            d.graph.warm()
+        n0 = target.cache.length if hasattr(target.cache, "length") else start + 1
+        ids16 = torch.randint(10, 1000, (16,), device=dev)
+        ids1 = ids16[:1]
+
+        def step(ids):
+            def f():
+                target.forward(ids, n0)
+                target.rollback(n0)
+            return f
+
+        res["verify16_ms"] = round(_events_ms(step(ids16)), 4)
+        res["decode_ms"] = round(_events_ms(step(ids1)), 4)
+        res["verify16_kernels"] = _kernels(step(ids16))
+        res["decode_kernels"] = _kernels(step(ids1))
+    res["gemm16"] = _gemms(tcfg, dev)
+    (out / "dflash_profile.json").write_text(json.dumps(res, indent=1))
+    for k in ("fused", "kernel_attention", "compiled_pieces", "block_ms", "block_ms_reference_attention", "propose_ms",
+              "verify16_ms", "decode_ms"):
+        _say(f"{k}: {res.get(k)}")
+    for k in ("block_kernels", "verify16_kernels", "decode_kernels"):
+        _say(f"{k}: {json.dumps(res[k]['us_per_call'])} kernels {json.dumps(res[k]['kernels_per_call'])}")
+        for t in res[k]["top"]:
+            _say(f"   {t['us']:9.2f} us  x{t['count']:<5} {t['kernel']}")
+    for r in res["gemm16"]:
+        _say(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
