@@ -224,7 +224,7 @@ def test_fake_queue_429_400_and_disconnect_leave_the_running_request_alone():
 
 def test_fake_a_client_gone_while_queued_leaves_the_queue():
     with _fake_server(max_queue=2, delay=0.02) as (base, client, host):
-        with _stream(client, base, {"prompt": "first", "max_tokens": 100}) as (_, a):
+        with _stream(client, base, {"prompt": "first", "max_tokens": 400}) as (_, a):  # 8 s: in flight past the checks
             next(a)
             c2 = httpx.Client(timeout=30)
             cm = _stream(c2, base, {"prompt": "queued", "max_tokens": 3})
