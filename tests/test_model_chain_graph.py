@@ -4,7 +4,8 @@ for the run's K, then replayed every round at that round's start with no Python 
 drafts exactly what the per-step chain drafts (draft_model.py's eager path, the reference):
 every round's proposal, the session's ids, drafted and accepted counts and the draft cache's
 K/V, for K = 2, 4, 8 with partial acceptances. A round of another k (the end of a request)
-steps through the runner instead; a second session on the same cache reuses the graph, a new
+steps through the runner instead; the catch-up forward of 1 or 2 pending tokens replays inside
+the chain's graph, a longer one steps; a second session on the same cache reuses the graph, a new
 capacity captures a new one; a recurrent (KDA) mixer, a CPU runner or k < 2 gets no graph."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from graph_emulator import EmulatedCapture
 from memra_dist.runner import ModelRunner
 from memra_dist.specdec.drafters import draft_model as dm
-from memra_dist.specdec.drafters.chain_graph import ChainGraph, chain_eligible, chain_graph
+from memra_dist.specdec.drafters.chain_graph import FEEDS, ChainGraph, chain_eligible, chain_graph
 from memra_dist.specdec.drafters.draft_model import ModelDrafter
 from memra_dist.specdec.sampling import SamplingParams
 from memra_dist.specdec.session import SpecSession
@@ -43,14 +44,22 @@ def emulated(monkeypatch):
     runs = []
     monkeypatch.setattr(dm, "chain_graph",
                         lambda r, k: ChainGraph(r, k, graph_cls=EmulatedCapture) if chain_eligible(r, k) else None)
-    real = ChainGraph.run
+    real, real_feed = ChainGraph.run, ChainGraph.run_feed
 
     def run(self, tok, start):
-        runs.append(start)
+        runs.append(("run", start))
         return real(self, tok, start)
 
+    def run_feed(self, feed, start):
+        runs.append((f"feed{len(feed)}", start))
+        return real_feed(self, feed, start)
+
     monkeypatch.setattr(ChainGraph, "run", run)
+    monkeypatch.setattr(ChainGraph, "run_feed", run_feed)
     return runs
+
+
+CAPTURES = 1 + len(FEEDS)  # a chain graph's captures: the chain fed a token, and one per catch-up feed
 
 
 def _session(target, d, k, n_new=N_NEW, captures=None):
@@ -103,9 +112,11 @@ def test_chain_graph_drafts_exactly_the_per_step_chain(llama, draft_llama, emula
     got = _session(target, d, k, captures=caps)
     _same(got, want)
     assert isinstance(d.chain, ChainGraph) and d.chain.k == k
-    assert caps == [before + 1, before + 1]  # captured at alloc, none during the rounds
+    assert caps == [before + CAPTURES, before + CAPTURES]  # captured at alloc, none during the rounds
     full = [p for p in want[3] if p[0] == k]
-    assert len(emulated) == len(full) > 3  # every round of the run's K replayed the graph
+    assert len(emulated) == len(full) > 3  # every round of the run's K replayed a graph
+    assert emulated[0][0] == "feed2"  # the first round feeds the prompt's last token and the first one generated
+    assert {kind for kind, _ in emulated} <= {"feed1", "feed2"}  # a steady state: the catch-up inside the graph
     assert want[1] > 0
     if draft == "noisy_target":
         assert 0 < want[2] < want[1]  # partial acceptances: rollbacks between replays
@@ -148,6 +159,35 @@ def test_propose_of_a_shorter_k_equals_the_per_step_path(llama, emulated):
     assert len(emulated) == 2
 
 
+def test_catch_up_feeds_replay_with_the_chain_and_a_longer_one_steps(llama, emulated):
+    """The catch-up of 1 pending token (a rejection) and of 2 (all K accepted, then the bonus)
+    replays inside the chain's graph; 3 (tokens the drafter never saw) takes the catch-up step
+    and the chain fed its argmax. Every proposal, the cached ids and the draft cache's K/V
+    equal the per-step drafter's."""
+    K = 4
+    a = ModelDrafter(_draft_runner(str(llama), 0.3), k=K)
+    b = ModelDrafter(_draft_runner(str(llama), 0.3), k=0)
+    for d in (a, b):
+        d.alloc(CAP)
+        d.prime(PROMPT)
+    ctx = list(PROMPT)
+    for step in range(3):
+        pa = a.propose(ctx, K, SamplingParams(), None)
+        pb = b.propose(ctx, K, SamplingParams(), None)
+        assert pa.tokens.tolist() == pb.tokens.tolist() and a.cached == b.cached
+        n = a.runner.length
+        assert n == b.runner.length
+        for la, lb in zip(a.runner.cache.layers.values(), b.runner.cache.layers.values()):
+            assert torch.equal(la.k[:n], lb.k[:n]) and torch.equal(la.v[:n], lb.v[:n])
+        if step == 0:  # all K accepted, then the bonus: 2 pending tokens
+            ctx = ctx + pa.tokens.tolist() + [11]
+        else:  # three committed tokens the drafter never saw
+            ctx = ctx + [t + 1 for t in pa.tokens.tolist()[:3]]
+        for d in (a, b):
+            d.maintain(ctx)
+    assert [kind for kind, _ in emulated] == ["feed1", "feed2", "run"]
+
+
 def test_the_graph_is_kept_per_cache(llama, emulated):
     """A second session on the same capacity reuses the graph; another capacity captures anew."""
     d = ModelDrafter(_draft_runner(str(llama), 0.3), k=4)
@@ -155,9 +195,9 @@ def test_the_graph_is_kept_per_cache(llama, emulated):
     d.alloc(CAP)
     g = d.chain
     d.alloc(CAP)
-    assert d.chain is g and EmulatedCapture.captures == before + 1
+    assert d.chain is g and EmulatedCapture.captures == before + CAPTURES
     d.alloc(CAP + 8)
-    assert d.chain is not g and d.chain.over(d.runner.cache) and EmulatedCapture.captures == before + 2
+    assert d.chain is not g and d.chain.over(d.runner.cache) and EmulatedCapture.captures == before + 2 * CAPTURES
 
 
 def test_eligibility(llama, monkeypatch):

@@ -14,11 +14,19 @@ launch, a position write and an output copy per step; this graph holds the whole
                           as the eager steps write them)
   output   `ids`   (K,) the K drafted ids, a static buffer read back once per round
 
+The round's catch-up forward is in the graph too, for the feeds a steady state has: after a
+verify the pending tokens are 1 (a draft was rejected: the target's token) or 2 (all K
+accepted: the last draft and the bonus). `run_feed` takes those ids: one host-to-device copy
+of [ids, start] from a pinned row, one replay, one readback: the catch-up's own replay, its
+logits copy and the argmax launch no longer sit between the accept's readback and the chain
+while the device waits. Other feeds (a longer one) take the catch-up step and `run`.
+
 No Python value of a round is baked in: the positions, the causal mask and the rotary rows
 all derive from `start` on the device. The cache's host bookkeeping (`cache.begin` per step:
 the length, the capacity check) runs on the host before the replay. Captured once at the
 drafter's allocation for the run's K (the warm-ups write rows 0 .. K-2 of the fresh cache,
-rewritten by the prime before anything reads them, as graphs.StepGraphs.warm's do); a
+rewritten by the prime before anything reads them, as graphs.StepGraphs.warm's do; the feed
+graphs' rows 0 .. K, likewise); a
 round asking for another k (the end of a request) runs the per-step path instead.
 
 Only for a runner that captures its own steps (`runner.graphs`, CUDA with graphs on) whose
@@ -38,9 +46,10 @@ import torch
 from ...graphs import compiled_blocks
 from .dflash_graph import _CudaGraph
 
-__all__ = ["ChainGraph", "chain_graph", "chain_eligible", "ATTENTION_MIXERS"]
+__all__ = ["ChainGraph", "chain_graph", "chain_eligible", "ATTENTION_MIXERS", "FEEDS"]
 
 ATTENTION_MIXERS = ("attn", "mla")  # states that roll back by length alone: `begin` is a no-op per layer
+FEEDS = (1, 2)  # the catch-up feeds of a steady state (after a rejection; after all K accepted)
 
 
 class ChainGraph:
@@ -60,9 +69,16 @@ class ChainGraph:
         if pool is None and graph_cls is _CudaGraph:
             pool = torch.cuda.graph_pool_handle()
         self.pool = pool
+        # the feed graphs' inputs: [ids ..., start] in one device row (both parts 16-byte aligned, as
+        # a step's own inputs are), loaded from one pinned host row
+        self.inp = torch.zeros(max(FEEDS) + 1, dtype=torch.long, device=dev)
+        self.host = torch.zeros(max(FEEDS) + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.base = torch.arange(max(FEEDS), device=dev)
         on_dev = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
         with on_dev, torch.inference_mode():  # the capture's streams on the runner's device
             self.graph = graph_cls(self._body, pool)
+            self.fed = {r: graph_cls(lambda r=r: self._feed_body(r), pool) for r in FEEDS
+                        if r + k - 1 <= self.capacity}
 
     def over(self, cache) -> bool:
         """Whether the graph was captured over this cache (a new cache needs a new graph)."""
@@ -76,6 +92,37 @@ class ChainGraph:
                 pos = self.start.view(1) + i  # (1,) start + i: a fresh (aligned) tensor, as a step's own
                 h = st(self.ids[i:i + 1], pos, cache, None)
                 self.ids[i + 1:i + 2].copy_(st.logits(h)[-1].argmax().view(1))
+        return self.ids
+
+    def _feed_body(self, r: int) -> torch.Tensor:
+        """The catch-up forward of the r fed ids inp[:r] at rows start .. start + r - 1 (start: the
+        row's last entry), then the chain."""
+        st, cache = self.r.stage, self.r.cache
+        with compiled_blocks(st):
+            start = self.inp[max(FEEDS):]
+            h = st(self.inp[:r], start + self.base[:r], cache, None)
+            self.ids[:1].copy_(st.logits(h)[-1].argmax().view(1))  # every row's logits, as runner.forward's
+            for i in range(self.k - 1):
+                h = st(self.ids[i:i + 1], start + (r + i), cache, None)
+                self.ids[i + 1:i + 2].copy_(st.logits(h)[-1].argmax().view(1))
+        return self.ids
+
+    def feeds(self, n: int) -> bool:
+        """Whether a catch-up of n fed tokens replays with its chain (`run_feed`)."""
+        return n in self.fed
+
+    @torch.inference_mode()
+    def run_feed(self, feed: list[int], start: int) -> torch.Tensor:
+        """The catch-up forward of `feed` (host ids, `feeds(len(feed))`) at rows start .. and
+        the chain after it -> the K drafted ids (the static (K,) device buffer)."""
+        r, cache = len(feed), self.r.cache
+        cache.begin(start, r)  # the host bookkeeping the eager steps would do
+        for i in range(self.k - 1):
+            cache.begin(start + r + i, 1)
+        self.host[:r] = torch.tensor(feed, dtype=torch.long)
+        self.host[max(FEEDS)] = start
+        self.inp.copy_(self.host, non_blocking=True)  # the host row is rewritten only after this round's readback
+        self.fed[r].replay()
         return self.ids
 
     @torch.inference_mode()

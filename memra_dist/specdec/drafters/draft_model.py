@@ -1,9 +1,10 @@
 """`model`: a smaller checkpoint of the same vocabulary drafts autoregressively, with its own
 cache; maintenance rolls that cache back to the prefix it shares with the committed context.
 
-Greedy rounds of the run's K replay one CUDA graph for the whole chain of K - 1 one-row
-forwards when the draft runner captures its steps (chain_graph.py, captured at alloc); other
-rounds (a shortened k, sampling, CPU) step through `runner.forward`."""
+Greedy rounds of the run's K replay one CUDA graph for the catch-up forward of the pending
+tokens and the whole chain of K - 1 one-row forwards when the draft runner captures its steps
+(chain_graph.py, captured at alloc); other rounds (a shortened k, sampling, CPU) step through
+`runner.forward`."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ class ModelDrafter(Drafter):
         if k == 0:
             return EMPTY
         feed = context[len(self.cached):]  # >= 1 token: maintain keeps the last one out
+        if sp.greedy and self.chain is not None and k == self.chain.k and self.chain.feeds(len(feed)):
+            ids = self.chain.run_feed(feed, len(self.cached)).cpu()  # catch-up + chain: one replay, one readback
+            self.cached.extend(feed)
+            self.cached.extend(ids[:k - 1].tolist())
+            return Proposal(ids)
         logits = self.runner.forward(torch.tensor(feed), len(self.cached))[-1:]  # (1, V)
         self.cached.extend(feed)
         if sp.greedy:
