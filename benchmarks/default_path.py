@@ -132,6 +132,7 @@ def main() -> int:
              "model": [{"case": "model-k4", "drafter": "model", "draft": draft}],
              "model-l1": [{"case": "model-k4-level1", "drafter": "model", "draft": draft, "level": 1},
                           {"case": "plain-level1", "level": 1}],
+             "model-l1-only": [{"case": "model-k4-level1", "drafter": "model", "draft": draft, "level": 1}],
              "l2": [{"case": "plain-level2", "level": 2},
                     {"case": "model-k4-level2", "drafter": "model", "draft": draft, "level": 2}],
              "two": [{"case": "two", "draft": draft}]}
