@@ -58,6 +58,7 @@ def test_replayed_block_equals_eager_at_every_start(tmp_path):
         eager = d.block_logits(last, start, rows).clone()
         replayed = graphs.logits(last, start, rows).clone()
         assert torch.equal(eager, replayed), (step, (eager - replayed).abs().max())
+        assert torch.equal(graphs.greedy(last, start, rows), eager.argmax(-1))  # the graph's own argmax
     assert _Emulated.captures - before == 2  # one per row count, replayed at every later start
 
 

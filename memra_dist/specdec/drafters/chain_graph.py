@@ -45,6 +45,7 @@ import torch
 
 from ...graphs import compiled_blocks
 from .dflash_graph import _CudaGraph
+from .host_row import HostRow
 
 __all__ = ["ChainGraph", "chain_graph", "chain_eligible", "ATTENTION_MIXERS", "FEEDS"]
 
@@ -71,8 +72,8 @@ class ChainGraph:
         self.pool = pool
         # the feed graphs' inputs: [ids ..., start] in one device row (both parts 16-byte aligned, as
         # a step's own inputs are), loaded from one pinned host row
-        self.inp = torch.zeros(max(FEEDS) + 1, dtype=torch.long, device=dev)
-        self.host = torch.zeros(max(FEEDS) + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.row = HostRow(max(FEEDS) + 1, dev)
+        self.inp = self.row.dev
         self.base = torch.arange(max(FEEDS), device=dev)
         on_dev = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
         with on_dev, torch.inference_mode():  # the capture's streams on the runner's device
@@ -119,9 +120,7 @@ class ChainGraph:
         cache.begin(start, r)  # the host bookkeeping the eager steps would do
         for i in range(self.k - 1):
             cache.begin(start + r + i, 1)
-        self.host[:r] = torch.tensor(feed, dtype=torch.long)
-        self.host[max(FEEDS)] = start
-        self.inp.copy_(self.host, non_blocking=True)  # the host row is rewritten only after this round's readback
+        self.row.load({**dict(enumerate(feed)), max(FEEDS): start})
         self.fed[r].replay()
         return self.ids
 

@@ -138,6 +138,8 @@ class DFlashDrafter(Drafter):
         start = len(context) - 1
         self._ingest(start)  # normally a no-op: maintain has ingested every committed row
         kk = min(k, self.B - 1)
+        if sp.greedy and self.graph is not None:
+            return Proposal(self.graph.greedy(context[-1], start, kk).cpu())  # argmax in the graph; one readback
         logits = self.block_logits(context[-1], start, kk)  # (kk, V)
         if sp.greedy:
             return Proposal(logits.argmax(-1).cpu())  # the round's one readback

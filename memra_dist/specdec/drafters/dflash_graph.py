@@ -2,8 +2,9 @@
 `block_logits`) and the maintenance ingest (dflash.py `_ingest` over the a + 1 verified rows);
 one graph per row count each, captured on first use, replayed every round after.
 
-Static shapes: the block is always B rows; its ids live in a static (B,) buffer ([last, mask x
-(B - 1)], only row 0 rewritten per round), its start in a device scalar. Everything that
+Static shapes: the block is always B rows, [last, mask x (B - 1)]: the last committed token and
+the block's start come in one pinned host-to-device copy a round (host_row.py), and the graph
+leaves each row's argmax beside the logits (a greedy round launches nothing after the replay). Everything that
 depends on the start is derived from that scalar ON the device (positions = block_base +
 start, the mask `slot < start + B` over the drafter's whole K/V rows, the rotary rows), so no
 Python value of a round is baked into the graph. The block's K/V is written at its positions
@@ -35,6 +36,7 @@ import gc
 import torch
 
 from .dflash_compile import compiled_pieces, target_compiles, warn_fallback
+from .host_row import HostRow
 
 __all__ = ["BlockGraphs", "block_graphs", "kernel_attention"]
 
@@ -71,8 +73,8 @@ class BlockGraphs:
         """`graph_cls(fn, pool)` captures fn and exposes `.out` and `.replay()` (tests pass an
         emulated one)."""
         self.d = drafter
-        self.ids = drafter.block_ids.clone()  # (B,): row 0 = the last committed token, then mask ids
-        self.start = torch.zeros((), dtype=torch.long, device=drafter.device)
+        self.masks = drafter.block_ids[1:].clone()  # (B - 1,) the block's mask ids
+        self.row = HostRow(2, drafter.device)  # [last committed token, block start]: one copy a round
         self.ingest_start = torch.zeros((), dtype=torch.long, device=drafter.device)  # the ingest's first row
         self.ingest_base = torch.arange(drafter.B, device=drafter.device)
         self.graph_cls = graph_cls
@@ -94,10 +96,12 @@ class BlockGraphs:
         self.sink = None
         self.pool = self._new_pool()
 
-    def _body(self, rows: int) -> torch.Tensor:
+    def _body(self, rows: int):
         d = self.d
-        pos = d.block_base + self.start  # (B,) start .. start + B - 1, on the device
-        mask = (d.slots < self.start + d.B)[None, :]  # every context row and the whole block
+        start = self.row.dev[1]
+        ids = torch.cat([self.row.dev[:1], self.masks])  # (B,) [last, mask x (B - 1)]
+        pos = d.block_base + start  # (B,) start .. start + B - 1, on the device
+        mask = (d.slots < start + d.B)[None, :]  # every context row and the whole block
         st = d.states
 
         def kv_of(i, kb, vb):
@@ -106,8 +110,9 @@ class BlockGraphs:
             return st[i].k, st[i].v
 
         stage = d.target.stage
-        h = d.net.block(stage.embed_tokens(self.ids), pos, kv_of, mask, self._attend(pos))  # (B, H)
-        return stage.lm_head(h[1:1 + rows]).float()
+        h = d.net.block(stage.embed_tokens(ids), pos, kv_of, mask, self._attend(pos))  # (B, H)
+        logits = stage.lm_head(h[1:1 + rows]).float()
+        return logits, logits.argmax(-1)  # the greedy drafts too: no argmax launch after the replay
 
     def _attend(self, pos: torch.Tensor):
         """The split-sequence kernel for the block's attention where the target runs our kernels:
@@ -120,15 +125,21 @@ class BlockGraphs:
         return lambda q, K, V: torch.ops.memra.decode_attention(q, K, V, last)
 
     @torch.inference_mode()
-    def logits(self, last: int, start: int, rows: int) -> torch.Tensor:
-        """block_logits(last, start, rows), replayed: the static output (rows, V) fp32."""
-        self.ids[0] = last  # device writes, no host sync
-        self.start.fill_(start)
+    def _replay(self, last: int, start: int, rows: int):
+        self.row.load([last, start])
         g = self.graphs.get(rows)
         if g is None:
             g = self.graphs[rows] = self._capture(lambda: self._body(rows))
         g.replay()
         return g.out
+
+    def logits(self, last: int, start: int, rows: int) -> torch.Tensor:
+        """block_logits(last, start, rows), replayed: the static output (rows, V) fp32."""
+        return self._replay(last, start, rows)[0]
+
+    def greedy(self, last: int, start: int, rows: int) -> torch.Tensor:
+        """The same replay's argmax of each row: (rows,) device ids, a static output."""
+        return self._replay(last, start, rows)[1]
 
     def _capture(self, fn):
         """A block graph, captured with the compiled pieces swapped in (when on: one B-row
