@@ -19,7 +19,9 @@ drafter's own distribution at its row (q), which rejection sampling corrects to 
 The drafts of a block are drawn independently (mask rows do not see earlier draws), so q_i
 given the earlier drafts is q_i itself.
 
-Runs in the target's process at pp = 1 (the taps are local); pipeline taps are not wired yet.
+Runs beside the target's head: at pp = 1 the taps are local; at pp > 1 each stage ships its
+layers' taps behind its activations and the head's sink holds them all by position
+(pipeline/head_target.py), so the drafter reads the same sink either way.
 """
 
 from __future__ import annotations
