@@ -18,7 +18,7 @@ Greedy: argmax over the draft vocabulary, mapped to target ids through d2t, all 
 device; one readback per round. Sampled: q is the drafter's distribution over the TARGET
 vocabulary (draft-vocabulary logits placed at their d2t ids, -inf elsewhere, then the
 request's temperature / top-k / top-p), the draft drawn from it, so rejection sampling
-keeps the target's distribution. Runs in the target's process at pp = 1.
+keeps the target's distribution. Runs beside the target's head (at pp > 1 the stages ship its taps).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ attention, rotary being relative). With context t_0 .. t_{N-1} (t_{N-1} the pend
 Layer outputs of committed rows are kept per position (layers 0 .. n-2) for the next layer.
 Greedy: argmax on the device, one readback per round. Sampled: each draft is drawn from the
 MTP's distribution at its step (q), which rejection sampling corrects to the target's.
-Runs in the target's process at pp = 1.
+Runs beside the target's head (at pp > 1 the head's sink holds the FINAL tap of the rows it
+ran: the final norm is the head's own; tests/test_pipeline_taps.py).
 """
 
 from __future__ import annotations
