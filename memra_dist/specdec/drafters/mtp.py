@@ -111,9 +111,11 @@ class MTPDrafter(Drafter):
 
     # ---- drafting ----
     @torch.inference_mode()
-    def step_logits(self, context: list[int], k: int, pick) -> list[torch.Tensor]:
+    def step_logits(self, context: list[int], k: int, pick, keep: bool = True) -> list[torch.Tensor]:
         """The k chained steps after `context`; `pick(s, logits (1, V))` returns draft s + 1 as a
-        (1,) device tensor. Returns each step's fp32 logits (1, V)."""
+        (1,) device tensor. Returns each step's fp32 logits (1, V); `keep=False` (propose, whose
+        picks launch their reads of a step's logits before the next replay) returns a graph's
+        static outputs as they are instead of copies (a later replay of that graph rewrites them)."""
         N = len(context)
         lm_head = self.target.stage.lm_head
         drafts: list[torch.Tensor] = []
@@ -140,7 +142,7 @@ class MTPDrafter(Drafter):
                 else:
                     last = self._rows_chain(j, p, drafts[-1], prev)
             # (1, V); a graph's static output is copied: the same graph may replay again this round
-            logits = lm_head(last).float() if logits is None else logits.clone()
+            logits = lm_head(last).float() if logits is None else (logits.clone() if keep else logits)
             out_logits.append(logits)
             drafts.append(pick(s, logits))
             prev = last
@@ -161,7 +163,7 @@ class MTPDrafter(Drafter):
                 picked.append(logits.argmax(-1))
                 return picked[-1]
 
-            self.step_logits(context, k, pick)
+            self.step_logits(context, k, pick, keep=False)
             return Proposal(torch.cat(picked).cpu())  # the round's one readback
         qs, toks = [], []
 
@@ -171,7 +173,7 @@ class MTPDrafter(Drafter):
             toks.append(int(torch.multinomial(q[0].cpu(), 1, generator=gen)))
             return torch.tensor([toks[-1]], device=self.device)
 
-        self.step_logits(context, k, draw)
+        self.step_logits(context, k, draw, keep=False)
         return Proposal(torch.tensor(toks, dtype=torch.long), torch.cat(qs))
 
     def drain(self) -> None:

@@ -8,9 +8,9 @@ Two kinds of step (mtp.py's module docstring):
                       after a round that accepted a drafts)
   ("chain", j)        layer j one row further on, fed the previous step's output and draft
 
-Static shapes: the rows' token ids live in a static buffer (the committed ones copied from the
-host, the drafts copied on the device from the previous steps' picks), the start row in a device
-scalar, the positions are `base[:rows] + start` ON the device, and the hidden rows of a first
+Static shapes: the rows' token ids and the start row live in one static row (host_row.py: the
+committed ids and the start in one pinned host-to-device copy, then the drafts copied on the
+device from the previous steps' picks), the positions are `base[:rows] + start` ON the device, and the hidden rows of a first
 forward are index_selected at those positions from the target's FINAL tap (layer 0) or from
 layer j - 1's kept outputs; a chained step's hidden is copied into a static (1, H) row. Each
 graph writes the layer's K/V (and, layers 0 .. n-2, its kept outputs) at its positions, as the
@@ -43,6 +43,7 @@ import torch
 
 from ...graphs import MAX_GRAPH_ROWS
 from .dflash_graph import _CudaGraph
+from .host_row import HostRow
 
 __all__ = ["MTPGraphs", "mtp_graphs"]
 
@@ -61,9 +62,10 @@ class MTPGraphs:
         h = d.head.cfg.hidden_size
         self.max_rows = max_rows
         self.k = run_k(d.target)  # every step of up to k drafts captured by `warm`; None: on first use
-        self.tok = torch.zeros(max_rows, dtype=torch.long, device=d.device)  # the rows' token ids
+        # [the rows' token ids ..., the first row's position]: one pinned host-to-device copy a step
+        self.row = HostRow(max_rows + 1, d.device)
+        self.tok, self.start = self.row.dev[:max_rows], self.row.dev[max_rows]
         self.hid = torch.zeros(1, h, dtype=d.target.dtype, device=d.device)  # a chained step's hidden
-        self.start = torch.zeros((), dtype=torch.long, device=d.device)  # the first row's position
         self.base = torch.arange(max_rows, device=d.device)
         self.graph_cls = graph_cls
         self.graphs: dict = {}
@@ -150,11 +152,9 @@ class MTPGraphs:
         `drafts` ((1,) device ids) -> (last output (1, H), logits (1, V) fp32), static outputs."""
         m = len(real)
         rows = m + len(drafts)
-        if m:
-            self.tok[:m].copy_(torch.tensor(real, dtype=torch.long))
-        for i, t in enumerate(drafts):
+        self.row.load({**dict(enumerate(real)), self.max_rows: lo})
+        for i, t in enumerate(drafts):  # after the row's copy, in stream order
             self.tok[m + i:m + i + 1].copy_(t)
-        self.start.fill_(lo)
         d = self.d
         buf = d._final() if j == 0 else d.outs[j - 1]  # the hidden rows' source, read at the positions
         return self._replay(("first", j, rows),
@@ -163,9 +163,9 @@ class MTPGraphs:
     @torch.inference_mode()
     def chain(self, j: int, p: int, token: torch.Tensor, hidden: torch.Tensor):
         """Layer j's one row at position p, fed `token` (1,) and `hidden` (1, H)."""
-        self.tok[:1].copy_(token)
+        self.row.load({self.max_rows: p})
+        self.tok[:1].copy_(token)  # after the row's copy, in stream order
         self.hid.copy_(hidden)
-        self.start.fill_(p)
         return self._replay(("chain", j), lambda: self._step(j, 1, lambda pos: self.hid, False))
 
 
