@@ -36,6 +36,17 @@ def _setup(tmp_path):
     return target, d
 
 
+def _primed(tmp_path, n: int, seed: int):
+    """Target and drafter allocated, the first n of 40 random ids run and ingested."""
+    target, d = _setup(tmp_path)
+    target.alloc(CAP)
+    d.alloc(CAP)
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(seed))
+    target.forward(ids[:n], 0)
+    d.prime(ids[:n].tolist())
+    return target, d, ids
+
+
 def test_replayed_block_equals_eager_at_every_start(tmp_path):
     target, d = _setup(tmp_path)
     target.alloc(CAP)
@@ -168,12 +179,7 @@ def test_session_through_the_alloc_built_graphs_equals_eager(tmp_path, monkeypat
 
 
 def test_a_new_tap_sink_drops_the_graphs(tmp_path):
-    target, d = _setup(tmp_path)
-    target.alloc(CAP)
-    d.alloc(CAP)
-    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(2))
-    target.forward(ids[:10], 0)
-    d.prime(ids[:10].tolist())
+    target, d, ids = _primed(tmp_path, 10, seed=2)
     graphs = BlockGraphs(d, graph_cls=_Emulated)
     target.forward(ids[10:13], 10)
     graphs.ingest(10, 13)
@@ -196,12 +202,7 @@ def test_a_new_tap_sink_drops_the_graphs(tmp_path):
 def test_fused_projections_give_the_reference_block_and_ingest(tmp_path):
     """The fast path's fused [q; k; v] and [gate; up] GEMMs (DFlashNet.fuse, on CUDA graphs):
     the same K/V from the prime's ingest and from a block, and the same block logits."""
-    target, d = _setup(tmp_path)
-    target.alloc(CAP)
-    d.alloc(CAP)
-    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(5))
-    target.forward(ids[:30], 0)
-    d.prime(ids[:30].tolist())
+    target, d, ids = _primed(tmp_path, 30, seed=5)
     ref = d.block_logits(int(ids[29]), 29, 15).clone()
     kv_ref = [(s.k.clone(), s.v.clone()) for s in d.states]
     d.net.fuse()
