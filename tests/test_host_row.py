@@ -19,3 +19,22 @@ def test_loads_write_the_entries_they_name_and_keep_the_rest():
     row.load([9])  # back to back: the device row follows the latest load
     assert row.dev.tolist() == [9, 8, 6]
     assert not row.host.is_pinned()  # CPU: no pinned memory, no events
+
+
+def test_a_load_waits_for_the_last_copy_before_rewriting_the_row():
+    """On CUDA the copy is asynchronous: the pinned row is rewritten only once the event recorded
+    after the last copy has completed (a stand-in event records the order of the calls)."""
+    calls = []
+
+    class Event:
+        def record(self):
+            calls.append(("record", row.host.tolist()))
+
+        def synchronize(self):
+            calls.append(("sync", row.host.tolist()))  # the row still holds what the last copy read
+
+    row = HostRow(2, torch.device("cpu"))
+    row._copied = Event()
+    row.load([3, 4])
+    row.load({1: 9})
+    assert calls == [("record", [3, 4]), ("sync", [3, 4]), ("record", [3, 9])]
