@@ -111,7 +111,7 @@ def main() -> int:
             d.graph.kernel_attn = True
             d.graph.reset()
             d.graph.warm()
-        n0 = target.cache.length if hasattr(target.cache, "length") else start + 1
+        n0 = target.length
         ids16 = torch.randint(10, 1000, (16,), device=dev)
         ids1 = ids16[:1]
 

@@ -6,8 +6,8 @@ fed the previous step's argmax. Replaying the runner's 1-row step graph K - 1 ti
 launch, a position write and an output copy per step; this graph holds the whole chain:
 
   inputs   `tok`   (1,) the first draft (the catch-up logits' argmax, copied on the device)
-           `start` ()   the position of the first chain row (a device scalar, written
-                        before each replay)
+           `start` (1,) the position of the first chain row (`row.start`, host_row.py: one
+                        pinned copy before each replay)
   body     ids[0] = tok
            for i < K - 1: ids[i+1] = argmax(stage(ids[i], start + i))   (positions added on
                           the device; the draft cache's rows start .. start + K - 2 written
@@ -65,15 +65,13 @@ class ChainGraph:
         self.capacity = runner.cache.capacity
         dev = runner.device
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
-        self.start = torch.zeros((), dtype=torch.long, device=dev)
         self.ids = torch.zeros(k, dtype=torch.long, device=dev)
         if pool is None and graph_cls is _CudaGraph:
             pool = torch.cuda.graph_pool_handle()
         self.pool = pool
-        # the feed graphs' inputs: [ids ..., start] in one device row (both parts 16-byte aligned, as
-        # a step's own inputs are), loaded from one pinned host row
-        self.row = HostRow(max(FEEDS) + 1, dev)
-        self.inp = self.row.dev
+        # the graphs' host inputs, [fed ids ..., start], in one pinned copy (`row.start`: the first
+        # row's position, which every graph here reads)
+        self.row = HostRow(max(FEEDS), dev)
         self.base = torch.arange(max(FEEDS), device=dev)
         on_dev = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
         with on_dev, torch.inference_mode():  # the capture's streams on the runner's device
@@ -85,28 +83,27 @@ class ChainGraph:
         """Whether the graph was captured over this cache (a new cache needs a new graph)."""
         return cache is not None and self._cache() is cache
 
-    def _body(self) -> torch.Tensor:
+    def _chain(self, first: int) -> torch.Tensor:
+        """ids[1 ..] from ids[0]: the K - 1 one-row forwards at rows start + first + i."""
         st, cache = self.r.stage, self.r.cache
-        with compiled_blocks(st):  # the compiled blocks, as the step graphs capture them
-            self.ids[:1].copy_(self.tok)
-            for i in range(self.k - 1):
-                pos = self.start.view(1) + i  # (1,) start + i: a fresh (aligned) tensor, as a step's own
-                h = st(self.ids[i:i + 1], pos, cache, None)
-                self.ids[i + 1:i + 2].copy_(st.logits(h)[-1].argmax().view(1))
+        for i in range(self.k - 1):
+            pos = self.row.start + (first + i)  # (1,): a fresh (aligned) tensor, as a step's own
+            h = st(self.ids[i:i + 1], pos, cache, None)
+            self.ids[i + 1:i + 2].copy_(st.logits(h)[-1].argmax().view(1))
         return self.ids
 
+    def _body(self) -> torch.Tensor:
+        with compiled_blocks(self.r.stage):  # the compiled blocks, as the step graphs capture them
+            self.ids[:1].copy_(self.tok)
+            return self._chain(0)
+
     def _feed_body(self, r: int) -> torch.Tensor:
-        """The catch-up forward of the r fed ids inp[:r] at rows start .. start + r - 1 (start: the
-        row's last entry), then the chain."""
+        """The catch-up forward of the r fed ids at rows start .. start + r - 1, then the chain."""
         st, cache = self.r.stage, self.r.cache
         with compiled_blocks(st):
-            start = self.inp[max(FEEDS):]
-            h = st(self.inp[:r], start + self.base[:r], cache, None)
+            h = st(self.row.ids[:r], self.row.start + self.base[:r], cache, None)
             self.ids[:1].copy_(st.logits(h)[-1].argmax().view(1))  # every row's logits, as runner.forward's
-            for i in range(self.k - 1):
-                h = st(self.ids[i:i + 1], start + (r + i), cache, None)
-                self.ids[i + 1:i + 2].copy_(st.logits(h)[-1].argmax().view(1))
-        return self.ids
+            return self._chain(r)
 
     def feeds(self, n: int) -> bool:
         """Whether a catch-up of n fed tokens replays with its chain (`run_feed`)."""
@@ -120,7 +117,7 @@ class ChainGraph:
         cache.begin(start, r)  # the host bookkeeping the eager steps would do
         for i in range(self.k - 1):
             cache.begin(start + r + i, 1)
-        self.row.load({**dict(enumerate(feed)), max(FEEDS): start})
+        self.row.load(feed, start)
         self.fed[r].replay()
         return self.ids
 
@@ -132,8 +129,8 @@ class ChainGraph:
         cache = self.r.cache
         for i in range(self.k - 1):  # the host bookkeeping each eager step would do
             cache.begin(start + i, 1)
-        self.tok.copy_(tok, non_blocking=True)
-        self.start.fill_(start)
+        self.row.load((), start)
+        self.tok.copy_(tok)  # device to device, in stream order
         self.graph.replay()
         return self.ids
 

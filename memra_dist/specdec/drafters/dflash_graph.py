@@ -12,7 +12,7 @@ and dropped, as the eager forward does (the next ingest overwrites it); the logi
 graph's static output, which the caller consumes before the next replay.
 
 The ingest of rows [n, n + rows) (rows 1 .. B: a round commits at most B - 1 drafts and the
-pending token) is captured the same way: its start is a device scalar, its positions
+pending token) is captured the same way: its start comes in a pinned row of its own, its positions
 `ingest_base[:rows] + start` are derived on the device, and the taps are read from the
 target's tap sink at those positions (`index_select`: static shapes) instead of by a Python
 slice; the feature GEMM, each layer's k/v projections and the cache writes follow, as in the
@@ -74,8 +74,8 @@ class BlockGraphs:
         emulated one)."""
         self.d = drafter
         self.masks = drafter.block_ids[1:].clone()  # (B - 1,) the block's mask ids
-        self.row = HostRow(2, drafter.device)  # [last committed token, block start]: one copy a round
-        self.ingest_start = torch.zeros((), dtype=torch.long, device=drafter.device)  # the ingest's first row
+        self.row = HostRow(1, drafter.device)  # [last committed token, block start]: one copy a round
+        self.ingest_row = HostRow(0, drafter.device)  # the ingest's first row, as the block's start comes
         self.ingest_base = torch.arange(drafter.B, device=drafter.device)
         self.graph_cls = graph_cls
         # the network's compiled pieces inside the captures, as the target's compiled blocks (dflash_compile.py)
@@ -98,8 +98,8 @@ class BlockGraphs:
 
     def _body(self, rows: int):
         d = self.d
-        start = self.row.dev[1]
-        ids = torch.cat([self.row.dev[:1], self.masks])  # (B,) [last, mask x (B - 1)]
+        start = self.row.start
+        ids = torch.cat([self.row.ids, self.masks])  # (B,) [last, mask x (B - 1)]
         pos = d.block_base + start  # (B,) start .. start + B - 1, on the device
         mask = (d.slots < start + d.B)[None, :]  # every context row and the whole block
         st = d.states
@@ -126,7 +126,7 @@ class BlockGraphs:
 
     @torch.inference_mode()
     def _replay(self, last: int, start: int, rows: int):
-        self.row.load([last, start])
+        self.row.load([last], start)
         g = self.graphs.get(rows)
         if g is None:
             g = self.graphs[rows] = self._capture(lambda: self._body(rows))
@@ -162,7 +162,7 @@ class BlockGraphs:
 
     def _ingest_body(self, rows: int, taps) -> None:
         d = self.d
-        pos = self.ingest_base[:rows] + self.ingest_start  # (rows,) n .. n + rows - 1, on the device
+        pos = self.ingest_base[:rows] + self.ingest_row.start  # (rows,) n .. n + rows - 1, on the device
         C = d.net.features(taps.gather(pos))  # (rows, H): the taps at those positions, in tap order
         for st, (k, v) in zip(d.states, d.net.context_kv(C, pos)):
             st.k.index_copy_(0, pos, k)
@@ -177,7 +177,7 @@ class BlockGraphs:
             if self.sink is not None:
                 self.reset()
             self.sink = taps
-        self.ingest_start.fill_(n)
+        self.ingest_row.load((), n)
         g = self.ingests.get(rows)
         if g is None:  # the warm-ups run at [n, upto): they write exactly what the replay will
             g = self.ingests[rows] = self.graph_cls(lambda: self._ingest_body(rows, taps), self.pool)

@@ -1,9 +1,11 @@
-"""A drafter graph's small integer inputs (token ids, a start row) loaded in ONE host-to-device
+"""A drafter graph's small integer inputs, token ids and a start row, loaded in ONE host-to-device
 copy from a pinned host row, so a round's replay waits on no fill kernel or pageable copy.
 
-The copy is asynchronous: the pinned row must not be rewritten before the copy has read it. An
-event recorded after each copy guards the next write (its wait is nothing in a round, whose
-readback has long passed it); on the CPU (tests, the graph emulator) the copy is immediate."""
+The device row is [ids (n), start]: `ids` and `start` ((1,)) are views of it, which the graphs
+read. The copy is asynchronous: the pinned row must not be rewritten before the copy has read
+it. An event recorded after each copy guards the next write (its wait is nothing in a round,
+whose readback has long passed it); on the CPU (tests, the graph emulator) the copy is
+immediate."""
 
 from __future__ import annotations
 
@@ -14,22 +16,23 @@ __all__ = ["HostRow"]
 
 class HostRow:
     def __init__(self, n: int, device: torch.device):
+        """`n` id entries, then the start (an even n keeps `start` 16-byte aligned)."""
         cuda = device.type == "cuda"
-        self.dev = torch.zeros(n, dtype=torch.long, device=device)  # what the graphs read
-        self.host = torch.zeros(n, dtype=torch.long, pin_memory=cuda)
+        self.n = n
+        self.dev = torch.zeros(n + 1, dtype=torch.long, device=device)
+        self.ids, self.start = self.dev[:n], self.dev[n:]
+        self.host = torch.zeros(n + 1, dtype=torch.long, pin_memory=cuda)
         self._np = self.host.numpy()  # the pinned row's memory, written without a torch op
         self._copied = torch.cuda.Event() if cuda else None
         self._pending = False
 
-    def load(self, values: dict[int, int] | list[int]) -> None:
-        """Write `values` (a list from entry 0, or {entry: value}) and copy the row to the device."""
+    def load(self, ids, start: int) -> None:
+        """ids[0 .. len(ids)) and the start written (the other ids keep their values), the row
+        copied to the device."""
         if self._pending:
             self._copied.synchronize()  # the last copy has read the row
-        if isinstance(values, dict):
-            for i, v in values.items():
-                self._np[i] = v
-        else:
-            self._np[:len(values)] = values
+        self._np[:len(ids)] = ids
+        self._np[self.n] = start
         self.dev.copy_(self.host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

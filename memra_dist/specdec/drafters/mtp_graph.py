@@ -63,8 +63,8 @@ class MTPGraphs:
         self.max_rows = max_rows
         self.k = run_k(d.target)  # every step of up to k drafts captured by `warm`; None: on first use
         # [the rows' token ids ..., the first row's position]: one pinned host-to-device copy a step
-        self.row = HostRow(max_rows + 1, d.device)
-        self.tok, self.start = self.row.dev[:max_rows], self.row.dev[max_rows]
+        self.row = HostRow(max_rows, d.device)
+        self.tok, self.start = self.row.ids, self.row.start
         self.hid = torch.zeros(1, h, dtype=d.target.dtype, device=d.device)  # a chained step's hidden
         self.base = torch.arange(max_rows, device=d.device)
         self.graph_cls = graph_cls
@@ -152,7 +152,7 @@ class MTPGraphs:
         `drafts` ((1,) device ids) -> (last output (1, H), logits (1, V) fp32), static outputs."""
         m = len(real)
         rows = m + len(drafts)
-        self.row.load({**dict(enumerate(real)), self.max_rows: lo})
+        self.row.load(real, lo)
         for i, t in enumerate(drafts):  # after the row's copy, in stream order
             self.tok[m + i:m + i + 1].copy_(t)
         d = self.d
@@ -163,7 +163,7 @@ class MTPGraphs:
     @torch.inference_mode()
     def chain(self, j: int, p: int, token: torch.Tensor, hidden: torch.Tensor):
         """Layer j's one row at position p, fed `token` (1,) and `hidden` (1, H)."""
-        self.row.load({self.max_rows: p})
+        self.row.load((), p)
         self.tok[:1].copy_(token)  # after the row's copy, in stream order
         self.hid.copy_(hidden)
         return self._replay(("chain", j), lambda: self._step(j, 1, lambda pos: self.hid, False))
