@@ -57,6 +57,43 @@ def test_split_attention_equals_reference(rows, start, nh, nkv):
         torch.testing.assert_close(decode_attention(q, kc, vc, pos, chunk=chunk), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_split_attention_leaves_its_tickets_at_zero_between_calls():
+    """The merge counts on the caller's tickets: one set serves calls of every row count in
+    turn (as the graphs of a stage replay), each equal to the reference, and is zero after each."""
+    from memra_dist.kernels.decode_attention import decode_attention, tickets
+
+    C, hd, nh, nkv = 130, 16, 8, 2
+    g = torch.Generator().manual_seed(7)
+    kc, vc = torch.randn(C, nkv, hd, generator=g), torch.randn(C, nkv, hd, generator=g)
+    t = tickets(nkv, 9 * (nh // nkv), "cpu")
+    for rows, start in ((1, 70), (9, 40), (4, 120), (1, 0)):
+        q = torch.randn(rows, nh, hd, generator=g)
+        pos = torch.arange(start, start + rows)
+        ref = cached_attention(q, kc, vc, causal_mask(pos, C), nkv)
+        torch.testing.assert_close(decode_attention(q, kc, vc, pos, t, chunk=32), ref, rtol=1e-5, atol=1e-5)
+        assert not t.any()
+
+
+@pytest.mark.parametrize("rows,nh,nkv", [(1, 4, 2), (5, 8, 2), (3, 4, 4)])
+def test_rope_kv_write_equals_the_reference_rotary_and_cache_writes(rows, nh, nkv):
+    from memra_dist.kernels.rope_kv import rope_kv_write
+    from memra_dist.model.layers import apply_rope, rope_inv_freq, rope_rows
+
+    C, hd = 40, 16
+    g = torch.Generator().manual_seed(rows * 10 + nh)
+    qkv = torch.randn(rows, (nh + 2 * nkv) * hd, generator=g)
+    pos = torch.tensor([3, 17, 18, 30, 39][:rows])
+    cos, sin = rope_rows(pos, rope_inv_freq(hd, 10000.0))
+    kc, vc = torch.randn(C, nkv, hd, generator=g), torch.randn(C, nkv, hd, generator=g)
+    rk, rv = kc.clone(), vc.clone()
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+    rq = apply_rope(q.reshape(rows, nh, hd), cos, sin)
+    rk.index_copy_(0, pos, apply_rope(k.reshape(rows, nkv, hd), cos, sin))
+    rv.index_copy_(0, pos, v.reshape(rows, nkv, hd))
+    out = rope_kv_write(qkv, cos, sin, kc, vc, pos, nh)
+    assert torch.equal(out, rq) and torch.equal(kc, rk) and torch.equal(vc, rv)  # fp32: the same roundings
+
+
 def test_chunking_bounds_the_grid():
     from memra_dist.kernels.decode_attention import chunking
 
@@ -97,12 +134,19 @@ def _generate(runner, drafter, k, prompt, n):
     return s.tokens, s.stats
 
 
-def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama):
+def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, monkeypatch):
+    import memra_dist.kernels.rope_kv as rk
+
+    calls = []
+    real = rk.rope_kv_write
+    monkeypatch.setattr(rk, "rope_kv_write", lambda qkv, *a: calls.append(qkv.shape[0]) or real(qkv, *a))
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
     n = 16
     plain, _ = _generate(_runner(wide_llama, False), NoDrafter(), 1, prompt, n)
+    assert not calls
     fast, _ = _generate(_runner(wide_llama, True), NoDrafter(), 1, prompt, n)
     assert fast == plain and len(plain) == len(prompt) + n
+    assert 1 in calls  # the decode steps (and the short prefill) ran rotary + the cache write in one kernel
     spec, st = _generate(_runner(wide_llama, True), ReplayDrafter(plain[len(prompt):], len(prompt), 128, corrupt=0.3), 4,
                          prompt, n)
     assert spec == plain

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .decode_attention import decode_attention
+from .decode_attention import decode_attention, tickets
 from .gemv import gemv
 
 __all__ = ["FastLinear", "install_stage", "MAX_ATTN_ROWS"]
@@ -25,13 +25,16 @@ def _(x, w, bias, silu_mul):
     return x.new_empty((1, w.shape[0]))
 
 
+# `ticket` is the caller's scratch counters (decode_attention.tickets): the kernel counts on them
+# and leaves them at zero, so to the compiler the op reads them and mutates nothing.
 @torch.library.custom_op("memra::decode_attention", mutates_args=())
-def attention_op(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    return decode_attention(q, kc, vc, pos)
+def attention_op(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
+                 ticket: torch.Tensor) -> torch.Tensor:
+    return decode_attention(q, kc, vc, pos, ticket)
 
 
 @attention_op.register_fake
-def _(q, kc, vc, pos):
+def _(q, kc, vc, pos, ticket):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
@@ -64,6 +67,7 @@ def install_stage(stage) -> int:
         attn, mlp = blk.self_attn, blk.mlp
         if type(attn) is Attention and attn.hd >= 16 and attn.hd & (attn.hd - 1) == 0:
             attn.fast_attn_rows = MAX_ATTN_ROWS
+            attn.ticket = tickets(attn.nkv, MAX_ATTN_ROWS * (attn.nh // attn.nkv), attn.o_proj.weight.device)
             n += 1 + sum(_fast(m) for m in attn.children())
         if type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj"):
             mlp.fast_rows = 1

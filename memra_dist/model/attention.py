@@ -68,6 +68,8 @@ class Attention(nn.Module):
         """x (T, hidden) -> (T, hidden). ctx: StepCtx (positions, mask over cache slots, rotary
         rows); without a state (no cache) plain causal attention over x."""
         T, pos, mask = x.shape[0], ctx.pos, ctx.mask
+        if state is not None and T <= self.fast_attn_rows and not self.qk_norm and hasattr(self, "qkv_proj"):
+            return self._fast(x, ctx, state)
         rope = ctx.rope_for(self.rope_dim)
         q, k, v = self._qkv(x)  # (T, nh, hd), (T, nkv, hd), (T, nkv, hd)
         if self.qk_norm:
@@ -83,8 +85,21 @@ class Attention(nn.Module):
         state.k.index_copy_(0, pos, k)
         state.v.index_copy_(0, pos, v)
         if T <= self.fast_attn_rows:
-            return self.o_proj(torch.ops.memra.decode_attention(q, state.k, state.v, pos))
+            return self.o_proj(torch.ops.memra.decode_attention(q, state.k, state.v, pos, self.ticket))
         return self.o_proj(cached_attention(q, state.k, state.v, mask, self.nkv))  # (T, hidden)
+
+    @torch.compiler.disable  # opaque kernels that write the cache: torch.compile breaks the block around them
+    def _fast(self, x: torch.Tensor, ctx, state: KVLayer) -> torch.Tensor:
+        """A decode / verify step on our kernels (kernels/ops.py install): the QKV projection,
+        then rotary and the K/V cache write in one kernel, then the split attention with its
+        merge in the same kernel, then o_proj. Three kernels between the two projections fewer
+        than the reference path, even compiled."""
+        from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415 (Triton: imported where it is installed)
+        from ..kernels.decode_attention import decode_attention  # noqa: PLC0415
+
+        cos, sin = ctx.rope_for(self.rope_dim)
+        q = rope_kv_write(self.qkv_proj(x), cos, sin, state.k, state.v, ctx.pos, self.nh)
+        return self.o_proj(decode_attention(q, state.k, state.v, ctx.pos, self.ticket))
 
 
 def cached_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, nkv: int) -> torch.Tensor:
