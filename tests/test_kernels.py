@@ -40,6 +40,27 @@ def test_gemv_equals_linear(n, k):
     torch.testing.assert_close(gemv(gu, w, None, silu_mul=True), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n,k", [(12, 40), (16, 32)])
+def test_gemv_folds_the_pre_norm_and_the_residual_add(n, k):
+    """gemv(x, w, norm=, residual=) = residual + RMSNorm(x) @ w^T: a block's half in one kernel."""
+    from memra_dist.kernels.gemv import gemv
+    from memra_dist.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(n + k)
+    w, x, r, b = (torch.randn(n, k, generator=g), torch.randn(1, k, generator=g), torch.randn(1, n, generator=g),
+                  torch.randn(n, generator=g))
+    norm = RMSNorm(k, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, generator=g) + 0.5)
+        ref = norm(x) @ w.t()
+    torch.testing.assert_close(gemv(x, w, norm=norm.weight, eps=norm.eps), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv(x, w, b, norm=norm.weight, eps=norm.eps, residual=r), ref + b + r,
+                               rtol=1e-5, atol=1e-5)
+    gu = torch.randn(1, 2 * k, generator=g)
+    down = torch.nn.functional.silu(gu[:, :k]) * gu[:, k:] @ w.t()
+    torch.testing.assert_close(gemv(gu, w, None, silu_mul=True, residual=r), down + r, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("rows,start", [(1, 0), (1, 63), (1, 64), (1, 190), (5, 100), (9, 55), (3, 197)])
 @pytest.mark.parametrize("nh,nkv", [(8, 2), (4, 4)])
 def test_split_attention_equals_reference(rows, start, nh, nkv):
@@ -54,7 +75,9 @@ def test_split_attention_equals_reference(rows, start, nh, nkv):
     pos = torch.arange(start, start + rows)
     ref = cached_attention(q, kc.nan_to_num(), vc.nan_to_num(), causal_mask(pos, C), nkv)
     for chunk in (16, 32, 64):  # several chunks per row, a row's end inside and on a chunk edge
-        torch.testing.assert_close(decode_attention(q, kc, vc, pos, chunk=chunk), ref, rtol=1e-5, atol=1e-5)
+        for merge in ("fused", "kernel"):
+            torch.testing.assert_close(decode_attention(q, kc, vc, pos, chunk=chunk, merge=merge), ref,
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_split_attention_leaves_its_tickets_at_zero_between_calls():
@@ -147,6 +170,14 @@ def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, m
     fast, _ = _generate(_runner(wide_llama, True), NoDrafter(), 1, prompt, n)
     assert fast == plain and len(plain) == len(prompt) + n
     assert 1 in calls  # the decode steps (and the short prefill) ran rotary + the cache write in one kernel
+    r = _runner(wide_llama, True)
+    assert r.stage.fused_head and all(b.fused_rows == 1 for b in r.stage.layers.values())
+    fused = []
+    real_step = type(r.stage.layers["0"].self_attn).fused_step
+    monkeypatch.setattr(type(r.stage.layers["0"].self_attn), "fused_step",
+                        lambda self, x, *a: fused.append(x.shape[0]) or real_step(self, x, *a))
+    assert _generate(r, NoDrafter(), 1, prompt, n)[0] == plain
+    assert fused and set(fused) == {1}  # decode rows ran the folded norms / residuals; the prefill did not
     spec, st = _generate(_runner(wide_llama, True), ReplayDrafter(plain[len(prompt):], len(prompt), 128, corrupt=0.3), 4,
                          prompt, n)
     assert spec == plain

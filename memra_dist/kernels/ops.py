@@ -16,12 +16,13 @@ MAX_ATTN_ROWS = 64  # decode / verify rows; a prefill keeps the reference attent
 
 
 @torch.library.custom_op("memra::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
-    return gemv(x, w, bias, silu_mul)
+def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+            norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+    return gemv(x, w, bias, silu_mul, norm, eps, residual)
 
 
 @gemv_op.register_fake
-def _(x, w, bias, silu_mul):
+def _(x, w, bias, silu_mul, norm=None, eps=0.0, residual=None):
     return x.new_empty((1, w.shape[0]))
 
 
@@ -65,13 +66,18 @@ def install_stage(stage) -> int:
     n = 0
     for blk in stage.layers.values():
         attn, mlp = blk.self_attn, blk.mlp
-        if type(attn) is Attention and attn.hd >= 16 and attn.hd & (attn.hd - 1) == 0:
+        fast_attn = type(attn) is Attention and attn.hd >= 16 and attn.hd & (attn.hd - 1) == 0
+        fast_mlp = type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj")
+        if fast_attn:
             attn.fast_attn_rows = MAX_ATTN_ROWS
             attn.ticket = tickets(attn.nkv, MAX_ATTN_ROWS * (attn.nh // attn.nkv), attn.o_proj.weight.device)
             n += 1 + sum(_fast(m) for m in attn.children())
-        if type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj"):
+        if fast_mlp:
             mlp.fast_rows = 1
             n += 1 + _fast(mlp.gate_up_proj)
+        if fast_attn and fast_mlp and not attn.qk_norm and hasattr(attn, "qkv_proj"):
+            blk.fused_rows = 1  # a decode row: norms and residual adds inside the GEMVs (model/transformer.py Block)
     if getattr(stage, "has_head", False):
         n += _fast(stage.lm_head)
+        stage.fused_head = True
     return n

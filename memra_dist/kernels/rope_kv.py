@@ -4,8 +4,9 @@ After the fused QKV projection a step's rows hold [q heads ; k heads ; v heads].
 rotates q and k (a few elementwise kernels, even compiled) and writes k and v into the cache
 with two index copies. Here one program per (row, head) loads its head's values once: a q head
 is rotated into the returned q, a k head is rotated and stored at the row's cache slot, a v head
-is stored there as it is. The rotation rounds like the reference in the input dtype: cos and sin
-rounded to it, each product rounded, then their sum.
+is stored there as it is. cos and sin are rounded to the input dtype as the reference does; the
+rotation is computed in fp32 and rounded once (as the compiled reference does; eager bf16 rounds
+each product too: a last-bit difference in bf16, none in fp32).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ def _rope_kv_kernel(QKV, COS, SIN, POS, QO, KC, VC, stride_t, stride_cs, stride_
     if j < NH + NKV:  # rotate-half: out = x * cos + [-x2, x1] * sin
         partner = tl.load(QKV + t * stride_t + j * HD + (d + half) % HD)
         rot = tl.where(d < half, -partner, partner)
-        c = tl.load(COS + t * stride_cs + d).to(x.dtype)
-        s = tl.load(SIN + t * stride_cs + d).to(x.dtype)
-        y = ((x * c).to(x.dtype) + (rot * s).to(x.dtype)).to(x.dtype)
+        c = tl.load(COS + t * stride_cs + d).to(x.dtype).to(tl.float32)  # cos / sin rounded as the reference
+        s = tl.load(SIN + t * stride_cs + d).to(x.dtype).to(tl.float32)
+        y = (x.to(tl.float32) * c + rot.to(tl.float32) * s).to(x.dtype)  # fp32, one rounding
         if j < NH:
             tl.store(QO + t * stride_qo + j * HD + d, y)
         else:

@@ -90,16 +90,27 @@ class Attention(nn.Module):
 
     @torch.compiler.disable  # opaque kernels that write the cache: torch.compile breaks the block around them
     def _fast(self, x: torch.Tensor, ctx, state: KVLayer) -> torch.Tensor:
-        """A decode / verify step on our kernels (kernels/ops.py install): the QKV projection,
-        then rotary and the K/V cache write in one kernel, then the split attention with its
-        merge in the same kernel, then o_proj. Three kernels between the two projections fewer
-        than the reference path, even compiled."""
-        from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415 (Triton: imported where it is installed)
-        from ..kernels.decode_attention import decode_attention  # noqa: PLC0415
+        """A verify step's rows on our kernels (kernels/ops.py install): the QKV projection,
+        then `_attend` and o_proj."""
+        return self.o_proj(self._attend(self.qkv_proj(x), ctx, state))
+
+    @torch.compiler.disable
+    def fused_step(self, x: torch.Tensor, ctx, state: KVLayer, norm: RMSNorm) -> torch.Tensor:
+        """x + self(norm(x)) for one decode row, in four kernels: the QKV GEMV with the norm
+        folded in, `_attend`'s two, the o_proj GEMV with the residual add folded in."""
+        qkv, o = self.qkv_proj, self.o_proj
+        y = torch.ops.memra.gemv(x, qkv.weight, qkv.bias, False, norm.weight, norm.eps, None)
+        return torch.ops.memra.gemv(self._attend(y, ctx, state), o.weight, o.bias, False, None, 0.0, x)
+
+    def _attend(self, qkv: torch.Tensor, ctx, state: KVLayer) -> torch.Tensor:
+        """(T, (nh + 2 nkv) hd) -> (T, nh hd): rotary and the K/V cache write in one kernel,
+        then the split attention (its merge in the same kernel)."""
+        from ..kernels.decode_attention import decode_attention  # noqa: PLC0415 (Triton: only where installed)
+        from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415
 
         cos, sin = ctx.rope_for(self.rope_dim)
-        q = rope_kv_write(self.qkv_proj(x), cos, sin, state.k, state.v, ctx.pos, self.nh)
-        return self.o_proj(decode_attention(q, state.k, state.v, ctx.pos, self.ticket))
+        q = rope_kv_write(qkv, cos, sin, state.k, state.v, ctx.pos, self.nh)
+        return decode_attention(q, state.k, state.v, ctx.pos, self.ticket)
 
 
 def cached_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, nkv: int) -> torch.Tensor:

@@ -71,16 +71,25 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = ffn(cfg, idx)
 
+    fused_rows = 0  # kernels/ops.py: steps of up to this many rows run each half with its norm and residual folded in
+
     def forward(self, x: torch.Tensor, ctx: StepCtx, state) -> torch.Tensor:
         tm = ctx.timer
-        if tm is None:
+        fused = x.shape[0] <= self.fused_rows and state is not None
+        if tm is not None:
+            tm.begin()  # level 2: drained laps, so each class gets its device share
+        if fused:
+            x = self.self_attn.fused_step(x, ctx, state, self.input_layernorm)
+        else:
             x = x + self.self_attn(self.input_layernorm(x), ctx, state)
-            return x + self.mlp(self.post_attention_layernorm(x))
-        tm.begin()  # level 2: drained laps, so each class gets its device share
-        x = x + self.self_attn(self.input_layernorm(x), ctx, state)
-        tm.lap(self.self_attn.mixer_class)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        tm.lap("ffn")
+        if tm is not None:
+            tm.lap(self.self_attn.mixer_class)
+        if fused:
+            x = self.mlp.fused_step(x, self.post_attention_layernorm)
+        else:
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        if tm is not None:
+            tm.lap("ffn")
         return x
 
 
@@ -139,6 +148,11 @@ class Stage(nn.Module):
             x = blk(x, ctx, cache.layers[int(i)] if cache is not None else None)
         return x
 
+    fused_head = False  # kernels/ops.py: a one-row step's final norm runs inside the lm_head GEMV
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head; fp32 logits (T, V)."""
+        if self.fused_head and h.shape[0] == 1:
+            w, n = self.lm_head.weight, self.norm
+            return torch.ops.memra.gemv(h, w, self.lm_head.bias, False, n.weight, n.eps, None).float()
         return self.lm_head(self.norm(h)).float()
