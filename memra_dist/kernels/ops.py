@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .decode_attention import decode_attention, tickets
+from .decode_attention import decode_attention
 from .gemv import gemv
 
 __all__ = ["FastLinear", "install_stage", "MAX_ATTN_ROWS"]
@@ -26,16 +26,13 @@ def _(x, w, bias, silu_mul, norm=None, eps=0.0, residual=None):
     return x.new_empty((1, w.shape[0]))
 
 
-# `ticket` is the caller's scratch counters (decode_attention.tickets): the kernel counts on them
-# and leaves them at zero, so to the compiler the op reads them and mutates nothing.
 @torch.library.custom_op("memra::decode_attention", mutates_args=())
-def attention_op(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
-                 ticket: torch.Tensor) -> torch.Tensor:
-    return decode_attention(q, kc, vc, pos, ticket)
+def attention_op(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return decode_attention(q, kc, vc, pos)
 
 
 @attention_op.register_fake
-def _(q, kc, vc, pos, ticket):
+def _(q, kc, vc, pos):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
@@ -70,7 +67,6 @@ def install_stage(stage) -> int:
         fast_mlp = type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj")
         if fast_attn:
             attn.fast_attn_rows = MAX_ATTN_ROWS
-            attn.ticket = tickets(attn.nkv, MAX_ATTN_ROWS * (attn.nh // attn.nkv), attn.o_proj.weight.device)
             n += 1 + sum(_fast(m) for m in attn.children())
         if fast_mlp:
             mlp.fast_rows = 1

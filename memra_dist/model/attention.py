@@ -85,7 +85,7 @@ class Attention(nn.Module):
         state.k.index_copy_(0, pos, k)
         state.v.index_copy_(0, pos, v)
         if T <= self.fast_attn_rows:
-            return self.o_proj(torch.ops.memra.decode_attention(q, state.k, state.v, pos, self.ticket))
+            return self.o_proj(torch.ops.memra.decode_attention(q, state.k, state.v, pos))
         return self.o_proj(cached_attention(q, state.k, state.v, mask, self.nkv))  # (T, hidden)
 
     @torch.compiler.disable  # opaque kernels that write the cache: torch.compile breaks the block around them
@@ -96,21 +96,21 @@ class Attention(nn.Module):
 
     @torch.compiler.disable
     def fused_step(self, x: torch.Tensor, ctx, state: KVLayer, norm: RMSNorm) -> torch.Tensor:
-        """x + self(norm(x)) for one decode row, in four kernels: the QKV GEMV with the norm
-        folded in, `_attend`'s two, the o_proj GEMV with the residual add folded in."""
+        """x + self(norm(x)) for one decode row, in five kernels: the QKV GEMV with the norm
+        folded in, `_attend`'s three, the o_proj GEMV with the residual add folded in."""
         qkv, o = self.qkv_proj, self.o_proj
         y = torch.ops.memra.gemv(x, qkv.weight, qkv.bias, False, norm.weight, norm.eps, None)
         return torch.ops.memra.gemv(self._attend(y, ctx, state), o.weight, o.bias, False, None, 0.0, x)
 
     def _attend(self, qkv: torch.Tensor, ctx, state: KVLayer) -> torch.Tensor:
         """(T, (nh + 2 nkv) hd) -> (T, nh hd): rotary and the K/V cache write in one kernel,
-        then the split attention (its merge in the same kernel)."""
+        then the split attention (its partials and their merge)."""
         from ..kernels.decode_attention import decode_attention  # noqa: PLC0415 (Triton: only where installed)
         from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415
 
         cos, sin = ctx.rope_for(self.rope_dim)
         q = rope_kv_write(qkv, cos, sin, state.k, state.v, ctx.pos, self.nh)
-        return decode_attention(q, state.k, state.v, ctx.pos, self.ticket)
+        return decode_attention(q, state.k, state.v, ctx.pos)
 
 
 def cached_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, nkv: int) -> torch.Tensor:

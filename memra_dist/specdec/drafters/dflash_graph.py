@@ -81,7 +81,6 @@ class BlockGraphs:
         # the network's compiled pieces inside the captures, as the target's compiled blocks (dflash_compile.py)
         self.compiled = graph_cls is _CudaGraph and target_compiles(drafter.target)
         self.kernel_attn = kernel_attention(drafter)
-        self.ticket = _tickets(drafter) if self.kernel_attn else None  # the split kernel's merge counters
         self.graphs: dict = {}  # block rows -> graph
         self.ingests: dict = {}  # ingest rows -> graph
         self.sink = None  # the tap sink the ingest graphs read (its buffers are baked in)
@@ -123,7 +122,7 @@ class BlockGraphs:
         if not self.kernel_attn:
             return None
         last = pos * 0 + pos[-1]  # (B,) start + B - 1 for every row, derived on the device
-        return lambda q, K, V: torch.ops.memra.decode_attention(q, K, V, last, self.ticket)
+        return lambda q, K, V: torch.ops.memra.decode_attention(q, K, V, last)
 
     @torch.inference_mode()
     def _replay(self, last: int, start: int, rows: int):
@@ -205,13 +204,6 @@ def kernel_attention(drafter) -> bool:
     from ...kernels import ops  # noqa: F401, PLC0415 (registers torch.ops.memra.decode_attention)
 
     return True
-
-
-def _tickets(drafter) -> torch.Tensor:
-    from ...kernels.decode_attention import tickets  # noqa: PLC0415
-
-    b = drafter.dc.base
-    return tickets(b.num_kv_heads, drafter.B * (b.num_heads // b.num_kv_heads), drafter.device)
 
 
 def block_graphs(drafter) -> BlockGraphs | None:
