@@ -6,6 +6,10 @@ each program own BN whole output rows (no reduce, no atomics: deterministic) and
 slice of W once, evicting it from L2 (nothing rereads it). `silu_mul` computes the down
 projection's input silu(g) * u from the gate-up output while loading it, so the gating costs
 no kernel of its own; it rounds like the reference (silu in bf16, then the product in bf16).
+`norm` folds the block's RMSNorm into the load of x: the pass that streams W also sums x^2, and
+the 1 / rms factor (common to every k) scales the dot products at the end, so the norm costs
+no pass and no kernel (it rounds once, where the reference rounds the normed x to the input
+dtype). `residual` adds the block's residual stream before the one rounding of the store.
 Measured on an H200 against cuBLAS (benchmarks/decode_kernels.py, BENCHMARKS.md). Row-GEMM
 variants for verify steps were measured and dropped: one tl.dot tile of 16 rows against a
 transposed weight tile was 1.7-1.9x slower than cuBLAS at 5 and 16 rows; the "swap AB" form
