@@ -165,6 +165,29 @@ def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, m
     assert 0 < st.accepted < st.drafted  # multi-row verifies through the attention kernel, with rejections
 
 
+def test_partial_rotary_keeps_the_reference_rotary_on_the_kernels(tmp_path):
+    """glm4_moe rotates only part of each head: its layers keep the reference rotary and cache
+    write (and no folded block), and decode on the kernels identically."""
+    from moe_ckpt import save_moe
+
+    path, _ = save_moe(tmp_path / "glm", "glm4_moe", use_qk_norm=False)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8]
+    plain, _ = _generate(ModelRunner(path, torch.device("cpu"), torch.float32, max_pos=128), NoDrafter(), 1,
+                         prompt, 10)
+    r = ModelRunner(path, torch.device("cpu"), torch.float32, max_pos=128)
+    for blk in r.stage.layers.values():
+        for m in (blk.self_attn, blk.mlp):
+            if hasattr(m, "fuse"):
+                m.fuse()
+    from memra_dist.kernels import install
+
+    install(r.stage)
+    attn = [b.self_attn for b in r.stage.layers.values()]
+    assert all(a.fast_attn_rows and a.rope_dim < a.hd and not a.rope_kernel_ok() for a in attn)
+    assert not any(b.fused_rows for b in r.stage.layers.values())
+    assert _generate(r, NoDrafter(), 1, prompt, 10)[0] == plain
+
+
 def test_kernels_fall_back_with_one_warning_where_they_cannot_run(capsys, monkeypatch):
     import memra_dist.kernels as K
 

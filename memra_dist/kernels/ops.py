@@ -71,7 +71,7 @@ def install_stage(stage) -> int:
         if fast_mlp:
             mlp.fast_rows = 1
             n += 1 + _fast(mlp.gate_up_proj)
-        if fast_attn and fast_mlp and not attn.qk_norm and hasattr(attn, "qkv_proj"):
+        if fast_attn and fast_mlp and attn.rope_kernel_ok():
             blk.fused_rows = 1  # a decode row: norms and residual adds inside the GEMVs (model/transformer.py Block)
     if getattr(stage, "has_head", False):
         n += _fast(stage.lm_head)

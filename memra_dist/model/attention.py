@@ -68,7 +68,7 @@ class Attention(nn.Module):
         """x (T, hidden) -> (T, hidden). ctx: StepCtx (positions, mask over cache slots, rotary
         rows); without a state (no cache) plain causal attention over x."""
         T, pos, mask = x.shape[0], ctx.pos, ctx.mask
-        if state is not None and T <= self.fast_attn_rows and not self.qk_norm and hasattr(self, "qkv_proj"):
+        if state is not None and T <= self.fast_attn_rows and self.rope_kernel_ok():
             return self._fast(x, ctx, state)
         rope = ctx.rope_for(self.rope_dim)
         q, k, v = self._qkv(x)  # (T, nh, hd), (T, nkv, hd), (T, nkv, hd)
@@ -87,6 +87,11 @@ class Attention(nn.Module):
         if T <= self.fast_attn_rows:
             return self.o_proj(torch.ops.memra.decode_attention(q, state.k, state.v, pos))
         return self.o_proj(cached_attention(q, state.k, state.v, mask, self.nkv))  # (T, hidden)
+
+    def rope_kernel_ok(self) -> bool:
+        """Whether kernels/rope_kv.py can take this layer's rotary and cache write: fused QKV,
+        no q / k norms, the whole head rotating (glm4_moe's partial rotary keeps the reference)."""
+        return hasattr(self, "qkv_proj") and not self.qk_norm and self.rope_dim == self.hd
 
     @torch.compiler.disable  # opaque kernels that write the cache: torch.compile breaks the block around them
     def _fast(self, x: torch.Tensor, ctx, state: KVLayer) -> torch.Tensor:
