@@ -154,9 +154,10 @@ def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, m
     r = _runner(wide_llama, True)
     assert r.stage.fused_head and all(b.fused_rows == 1 for b in r.stage.layers.values())
     fused = []
-    real_step = type(r.stage.layers["0"].self_attn).fused_step
-    monkeypatch.setattr(type(r.stage.layers["0"].self_attn), "fused_step",
-                        lambda self, x, *a: fused.append(x.shape[0]) or real_step(self, x, *a))
+    for blk in r.stage.layers.values():
+        real_step = blk.self_attn.fused_step
+        monkeypatch.setattr(blk.self_attn, "fused_step",
+                            lambda x, *a, step=real_step: fused.append(x.shape[0]) or step(x, *a))
     assert _generate(r, NoDrafter(), 1, prompt, n)[0] == plain
     assert fused and set(fused) == {1}  # decode rows ran the folded norms / residuals; the prefill did not
     spec, st = _generate(_runner(wide_llama, True), ReplayDrafter(plain[len(prompt):], len(prompt), 128, corrupt=0.3), 4,

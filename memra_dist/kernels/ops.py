@@ -67,6 +67,8 @@ def install_stage(stage) -> int:
         fast_mlp = type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj")
         if fast_attn:
             attn.fast_attn_rows = MAX_ATTN_ROWS
+            for name in ("_fast", "fused_step"):  # they write the cache: torch.compile breaks around them
+                setattr(attn, name, torch.compiler.disable(getattr(attn, name)))
             n += 1 + sum(_fast(m) for m in attn.children())
         if fast_mlp:
             mlp.fast_rows = 1

@@ -93,13 +93,14 @@ class Attention(nn.Module):
         no q / k norms, the whole head rotating (glm4_moe's partial rotary keeps the reference)."""
         return hasattr(self, "qkv_proj") and not self.qk_norm and self.rope_dim == self.hd
 
-    @torch.compiler.disable  # opaque kernels that write the cache: torch.compile breaks the block around them
+    # `_fast` and `fused_step` run opaque kernels that write the cache: kernels/ops.py install wraps
+    # them in torch.compiler.disable (torch.compile breaks the block around them), at install
+    # time rather than here, so importing the model does not import torch._dynamo (nor Triton).
     def _fast(self, x: torch.Tensor, ctx, state: KVLayer) -> torch.Tensor:
         """A verify step's rows on our kernels (kernels/ops.py install): the QKV projection,
         then `_attend` and o_proj."""
         return self.o_proj(self._attend(self.qkv_proj(x), ctx, state))
 
-    @torch.compiler.disable
     def fused_step(self, x: torch.Tensor, ctx, state: KVLayer, norm: RMSNorm) -> torch.Tensor:
         """x + self(norm(x)) for one decode row, in five kernels: the QKV GEMV with the norm
         folded in, `_attend`'s three, the o_proj GEMV with the residual add folded in."""

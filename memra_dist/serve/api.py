@@ -160,11 +160,34 @@ async def _admit(api: _Api, request) -> tuple[object, object]:
     except QueueFull as e:
         raise ApiError(429, str(e), None, "queue_full") from None
     try:
-        await ticket.wait()
-    except asyncio.CancelledError:  # the client went away while queued: it left the queue
+        await _queued(ticket, request)
+    except (asyncio.CancelledError, ClientGone):  # the client went away while queued: it left the queue
         api.metrics.outcome("aborted")
         raise
     return req, prep
+
+
+QUEUED_POLL_S = 0.1  # how often a queued request checks that its client is still there
+
+
+async def _queued(ticket, request) -> None:
+    """Wait for a session. The server does not cancel a handler whose client closed its
+    connection, so a queued request asks every QUEUED_POLL_S; a client gone raises ClientGone,
+    and the cancelled wait leaves the queue (or passes on a session handed to it just then)."""
+    wait = asyncio.ensure_future(ticket.wait())
+    try:
+        while not wait.done():
+            await asyncio.wait({wait}, timeout=QUEUED_POLL_S)
+            if not wait.done() and await request.is_disconnected():
+                raise ClientGone("the client went away while queued")
+        wait.result()
+    finally:
+        if not wait.done():
+            wait.cancel()
+            try:
+                await wait
+            except (asyncio.CancelledError, ClientGone):
+                pass
 
 
 def build_app(host, max_queue: int, close_host: bool = True):
@@ -191,6 +214,8 @@ def build_app(host, max_queue: int, close_host: bool = True):
         except ApiError as e:
             api.metrics.outcome(e.outcome)
             return _error(e)
+        except ClientGone:  # counted as aborted; nobody reads this answer
+            return _error(ApiError(499, "the client went away while queued", None, "client_closed"))
         run = _Run(api, prep, request.headers.get("traceparent"))
         try:
             run.start()
