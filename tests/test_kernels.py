@@ -114,16 +114,23 @@ def wide_llama(ckpt_factory):
                         num_key_value_heads=2)[0]
 
 
+def _on_kernels(r: ModelRunner) -> int:
+    """The CUDA fast path's set-up on a CPU runner: the QKV / gate-up fusion, then the kernels."""
+    from memra_dist.kernels import install
+
+    for blk in r.stage.layers.values():
+        for m in (blk.self_attn, blk.mlp):
+            if hasattr(m, "fuse"):
+                m.fuse()
+    return install(r.stage)
+
+
 def _runner(path, kernels: bool) -> ModelRunner:
     r = ModelRunner(path, torch.device("cpu"), torch.float32, max_pos=256)
     if kernels:
-        from memra_dist.kernels import install
         from memra_dist.kernels.ops import FastLinear
 
-        for blk in r.stage.layers.values():
-            blk.self_attn.fuse()
-            blk.mlp.fuse()
-        n = install(r.stage)
+        n = _on_kernels(r)
         layers = len(r.stage.layers)
         assert n == layers * 5 + 1  # attention + qkv + o, gating + gate_up, per layer; the head
         assert isinstance(r.stage.lm_head, FastLinear)
@@ -176,13 +183,7 @@ def test_partial_rotary_keeps_the_reference_rotary_on_the_kernels(tmp_path):
     plain, _ = _generate(ModelRunner(path, torch.device("cpu"), torch.float32, max_pos=128), NoDrafter(), 1,
                          prompt, 10)
     r = ModelRunner(path, torch.device("cpu"), torch.float32, max_pos=128)
-    for blk in r.stage.layers.values():
-        for m in (blk.self_attn, blk.mlp):
-            if hasattr(m, "fuse"):
-                m.fuse()
-    from memra_dist.kernels import install
-
-    install(r.stage)
+    _on_kernels(r)
     attn = [b.self_attn for b in r.stage.layers.values()]
     assert all(a.fast_attn_rows and a.rope_dim < a.hd and not a.rope_kernel_ok() for a in attn)
     assert not any(b.fused_rows for b in r.stage.layers.values())

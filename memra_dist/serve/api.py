@@ -186,7 +186,7 @@ async def _queued(ticket, request) -> None:
             wait.cancel()
             try:
                 await wait
-            except (asyncio.CancelledError, ClientGone):
+            except asyncio.CancelledError:
                 pass
 
 

@@ -73,8 +73,10 @@ class BlockGraphs:
         """`graph_cls(fn, pool)` captures fn and exposes `.out` and `.replay()` (tests pass an
         emulated one)."""
         self.d = drafter
-        self.masks = drafter.block_ids[1:].clone()  # (B - 1,) the block's mask ids
-        self.row = HostRow(1, drafter.device)  # [last committed token, block start]: one copy a round
+        # [the block's B ids, its start]: the mask ids written once here, then each round's load
+        # rewrites row 0 (the last committed token) and the start, one copy
+        self.row = HostRow(drafter.B, drafter.device)
+        self.row.load([drafter.dc.mask_token_id] * drafter.B, 0)
         self.ingest_row = HostRow(0, drafter.device)  # the ingest's first row, as the block's start comes
         self.ingest_base = torch.arange(drafter.B, device=drafter.device)
         self.graph_cls = graph_cls
@@ -98,8 +100,7 @@ class BlockGraphs:
 
     def _body(self, rows: int):
         d = self.d
-        start = self.row.start
-        ids = torch.cat([self.row.ids, self.masks])  # (B,) [last, mask x (B - 1)]
+        start, ids = self.row.start, self.row.ids  # ids (B,): [last, mask x (B - 1)]
         pos = d.block_base + start  # (B,) start .. start + B - 1, on the device
         mask = (d.slots < start + d.B)[None, :]  # every context row and the whole block
         st = d.states
