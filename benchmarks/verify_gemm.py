@@ -15,11 +15,16 @@ import torch
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from memra_dist.bench.checkpoints import shape_config
+
 dev = torch.device("cuda")
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)
 rows = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+cfg = shape_config("8b")  # the bench's 8B shape (Llama-3-8B)
+h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+shapes = {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * inter, h), "down": (h, inter)}
 REPS = 20
 res: dict = {"rows": rows}
 for lib in ("cublas", "cublaslt"):
