@@ -7,7 +7,7 @@ CUDA graphs, for each way of compiling the step:
   stage    one torch.compile over the whole layer walk (add + norm fused across blocks);
   kernels  blocks + our Triton kernels (one-row GEMV with the gating folded in, split attention);
   stage_kernels  stage + our kernels;
-then the kernel table of each (grouped: weight GEMMs, attention, elementwise), and a GEMV
+then the kernel table of each, at 1 and 16 rows (grouped: weight GEMMs, attention, elementwise), and a GEMV
 microbenchmark (cuBLAS vs a plain Triton GEMV) on the step's weight shapes at M = 1.
 usage: python benchmarks/decode_kernels.py OUT_DIR [blocks|stage|kernels|stage_kernels|gemv ...]
 DECODE_KERNELS_SHAPE=1b times the model drafter's shape instead (a step of the 1B draft).
@@ -166,12 +166,18 @@ for v in variants:
     r["kernels_per_step"] = sum(c for _, c, _, _ in rows)
     top = out / f"kernels_{v}.txt"
     top.write_text("\n".join(f"{us:9.1f} us  x{c:4d}  {cl:9s} {k}" for us, c, cl, k in rows))
+    groups16, rows16 = kernel_table(g16)
+    r["verify16_groups_ms"] = groups16
+    r["verify16_kernels_per_step"] = sum(c for _, c, _, _ in rows16)
+    top16 = out / f"kernels_{v}_16.txt"
+    top16.write_text("\n".join(f"{us:9.1f} us  x{c:4d}  {cl:9s} {k}" for us, c, cl, k in rows16))
     if ref is None:
         ref = o1.float().clone()
     r["max_abs_diff_vs_first"] = float((o1.float() - ref).abs().max())
     res[v] = r
     log(v, json.dumps(r))
     log("\n".join(top.read_text().splitlines()[:25]))
+    log("verify(16):\n" + "\n".join(top16.read_text().splitlines()[:40]))
     del g1, g5, g16
     torch.cuda.empty_cache()
 

@@ -9,10 +9,12 @@ from torch.nn import functional as F
 
 from .decode_attention import decode_attention
 from .gemv import gemv
+from .moe_gemv import moe_experts
 
-__all__ = ["FastLinear", "install_stage", "MAX_ATTN_ROWS"]
+__all__ = ["FastLinear", "install_stage", "install_mtp", "MAX_ATTN_ROWS", "MAX_MOE_ROWS"]
 
 MAX_ATTN_ROWS = 64  # decode / verify rows; a prefill keeps the reference attention
+MAX_MOE_ROWS = 16  # decode / verify / drafter rows through the per-slot expert GEMVs; more: the grouped GEMM
 
 
 @torch.library.custom_op("memra::gemv", mutates_args=())
@@ -24,6 +26,17 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mu
 @gemv_op.register_fake
 def _(x, w, bias, silu_mul, norm=None, eps=0.0, residual=None):
     return x.new_empty((1, w.shape[0]))
+
+
+@torch.library.custom_op("memra::moe_experts", mutates_args=())
+def moe_experts_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                   idx: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    return moe_experts(x, gate_up, down, weights, idx, shared)
+
+
+@moe_experts_op.register_fake
+def _(x, gate_up, down, weights, idx, shared=None):
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("memra::decode_attention", mutates_args=())
@@ -53,29 +66,64 @@ def _fast(lin: nn.Module) -> int:
     return 0
 
 
-def install_stage(stage) -> int:
-    """Llama-family blocks (GQA attention, SwiGLU) and the head switch to the kernels; other
-    mixers and FFNs (MLA, KDA, MoE) keep theirs. Call after the QKV / gate-up fusion."""
+def _install_moe(moe) -> int:
+    """A MoE FFN: the router's one-row scores and a few rows' experts on the kernels
+    (kernels/moe_gemv.py), the shared experts as a gate-up GEMV and a gated down GEMV."""
+    moe.fast_rows = MAX_MOE_ROWS
+    moe.gate.fast_rows = 1
+    n = 2
+    if moe.has_shared:
+        sh = moe.shared_experts
+        if not hasattr(sh, "gate_up_proj"):
+            sh.fuse()
+        sh.fast_rows = 1
+        n += 1 + _fast(sh.gate_up_proj)
+    return n
+
+
+def install_block(blk) -> int:
+    """One decoder block onto the kernels: Llama-family attention (GQA) and SwiGLU with their
+    norms and residual adds folded in on a decode row; MLA's one-row projections as GEMVs;
+    MoE FFNs (`_install_moe`). Other mixers (KDA) keep theirs."""
     from ..model.attention import Attention  # noqa: PLC0415
     from ..model.layers import SwiGLU  # noqa: PLC0415
+    from ..model.mla import MLA  # noqa: PLC0415
+    from ..model.moe import MoE  # noqa: PLC0415
 
-    stage.requires_grad_(False)  # an inference stage: compile traces no backward (the ops define none)
+    attn, mlp = blk.self_attn, blk.mlp
     n = 0
-    for blk in stage.layers.values():
-        attn, mlp = blk.self_attn, blk.mlp
-        fast_attn = type(attn) is Attention and attn.hd >= 16 and attn.hd & (attn.hd - 1) == 0
-        fast_mlp = type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj")
-        if fast_attn:
-            attn.fast_attn_rows = MAX_ATTN_ROWS
-            for name in ("_fast", "fused_step"):  # they write the cache: torch.compile breaks around them
-                setattr(attn, name, torch.compiler.disable(getattr(attn, name)))
-            n += 1 + sum(_fast(m) for m in attn.children())
-        if fast_mlp:
-            mlp.fast_rows = 1
-            n += 1 + _fast(mlp.gate_up_proj)
-        if fast_attn and fast_mlp and attn.rope_kernel_ok():
-            blk.fused_rows = 1  # a decode row: norms and residual adds inside the GEMVs (model/transformer.py Block)
+    fast_attn = type(attn) is Attention and attn.hd >= 16 and attn.hd & (attn.hd - 1) == 0
+    fast_mlp = type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj")
+    if fast_attn:
+        attn.fast_attn_rows = MAX_ATTN_ROWS
+        for name in ("_fast", "fused_step"):  # they write the cache: torch.compile breaks around them
+            setattr(attn, name, torch.compiler.disable(getattr(attn, name)))
+        n += 1 + sum(_fast(m) for m in attn.children())
+    elif isinstance(attn, MLA):  # its absorbed attention reads kv_b_proj's weight itself, unchanged
+        n += sum(_fast(m) for m in attn.children())
+    if fast_mlp:
+        mlp.fast_rows = 1
+        n += 1 + _fast(mlp.gate_up_proj)
+    elif isinstance(mlp, MoE):
+        n += _install_moe(mlp)
+    if fast_attn and fast_mlp and attn.rope_kernel_ok():
+        blk.fused_rows = 1  # a decode row: norms and residual adds inside the GEMVs (model/transformer.py Block)
+    return n
+
+
+def install_stage(stage) -> int:
+    """Every block of the stage (`install_block`) and the head (the final norm inside the
+    lm_head GEMV) switch to the kernels. Call after the QKV / gate-up fusion."""
+    stage.requires_grad_(False)  # an inference stage: compile traces no backward (the ops define none)
+    n = sum(install_block(blk) for blk in stage.layers.values())
     if getattr(stage, "has_head", False):
         n += _fast(stage.lm_head)
         stage.fused_head = True
     return n
+
+
+def install_mtp(head) -> int:
+    """A target's MTP layers (model/mtp.py) onto the kernels, as their target's blocks: each
+    layer's block and its eh_proj (a chained draft step is one row)."""
+    head.requires_grad_(False)
+    return sum(install_block(layer) + _fast(layer.eh_proj) for layer in head.layers.values())

@@ -47,10 +47,16 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
         self.spec = spec
 
+    fast_rows = 0  # kernels/ops.py: a one-row step scores through the Triton GEMV (fp32 in and out)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> (weights (T, k) fp32, expert ids (T, k))."""
         s = self.spec
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
+        if x.shape[0] <= self.fast_rows:
+            logits = torch.ops.memra.gemv(x.float(), self.weight, None, False)  # (1, E)
+        else:
+            logits = F.linear(x.float(), self.weight.float())  # (T, E)
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         choice = self._group_filter(choice)
         idx = choice.topk(s.top_k, dim=-1, sorted=False)[1]  # (T, k)
@@ -142,8 +148,14 @@ class MoE(nn.Module):
     def use_grouped(self, on: bool) -> None:
         self.experts.grouped = on
 
+    fast_rows = 0  # kernels/ops.py: steps of up to this many rows run the experts as per-slot GEMVs
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) -> (T, H)."""
         w, idx = self.gate(x)
+        if x.shape[0] <= self.fast_rows:  # kernels/moe_gemv.py: the shared output added in its last kernel
+            shared = self.shared_experts(x) if self.has_shared else None
+            e = self.experts
+            return torch.ops.memra.moe_experts(x, e.gate_up_proj, e.down_proj, w, idx, shared)
         y = self.experts(x, w, idx)
         return y + self.shared_experts(x) if self.has_shared else y

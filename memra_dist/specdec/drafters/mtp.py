@@ -55,7 +55,12 @@ class MTPDrafter(Drafter):
     @classmethod
     def load(cls, model_dir, cfg, target) -> "MTPDrafter":
         n = check_mtp(cfg, model_dir)
-        return cls(load_mtp(model_dir, cfg, n, target.device, target.dtype), target)
+        head = load_mtp(model_dir, cfg, n, target.device, target.dtype)
+        if getattr(target, "kernel_modules", 0):  # the target runs our kernels: its MTP layers too
+            from ...kernels.ops import install_mtp  # noqa: PLC0415 (Triton: only where installed)
+
+            install_mtp(head)
+        return cls(head, target)
 
     # ---- state ----
     def alloc(self, capacity: int) -> float:

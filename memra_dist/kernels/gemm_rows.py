@@ -1,0 +1,105 @@
+"""A verify step's few rows (2 .. 16) through a linear layer in one Triton kernel, with the
+same folds as the one-row GEMV (kernels/gemv.py): the block's RMSNorm on the input, the
+SwiGLU gating on the input, the residual add on the output.
+
+Each program owns BN whole output rows (no split-K, no reduce kernel) and streams its slice of
+W once (evicted from L2); the MMA runs "swap AB": the weight tile (BN, BK), as it lies in memory,
+is the row operand and the rows' input tile (BK, 16) the column operand, so 16 rows cost one MMA
+column block. The input rows are re-read from L2 by every program (at most 16 x K values).
+With `norm`, the pass sums each row's squares and the MMA takes x * norm_weight; the per-row
+1 / rms scales the result at the end (the norm rounds once, where the reference rounds the
+normed rows to the input dtype). Rows past M are masked: a (M, K) input of any M <= 16 runs the
+same kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gemm_rows", "ROW_CONFIGS", "MAX_ROWS"]
+
+MAX_ROWS = 16
+
+
+@triton.jit
+def _rows_kernel(X, W, B, NW, R, Y, M, N, K, stride_xm, stride_w, eps,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SILU_MUL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rm = tl.arange(0, BM)
+    mmask = rm < M
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    ss = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        kmask = rk < K
+        xm = mmask[None, :] & kmask[:, None]
+        xp = X + rm[None, :] * stride_xm + rk[:, None]  # (BK, BM): the rows' inputs, transposed
+        if EVEN:
+            w = tl.load(W + rn[:, None] * stride_w + rk[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(W + rn[:, None] * stride_w + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                        other=0.0, eviction_policy="evict_first")
+        if SILU_MUL:  # gate in [0, K), up in [K, 2K): the reference's roundings
+            g = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(xp + K, mask=xm, other=0.0)
+            s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+            x = (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+        else:
+            x = tl.load(xp, mask=xm, other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 0)
+            nw = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
+            x = (xf * nw[:, None]).to(w.dtype)
+        acc += tl.dot(w, x.to(w.dtype), input_precision=PRECISION)  # (BN, BK) @ (BK, BM)
+    y = acc
+    if NORM:
+        y = y * tl.rsqrt(ss / K + eps)[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    om = nmask[:, None] & mmask[None, :]
+    if HAS_RES:
+        y += tl.load(R + rm[None, :] * N + rn[:, None], mask=om, other=0.0).to(tl.float32)
+    tl.store(Y + rm[None, :] * N + rn[:, None], y.to(Y.dtype.element_ty), mask=om)
+
+
+# (BN, BK, warps, stages), tried on an H200 at the 8B shapes (benchmarks/row_gemm_check.py)
+ROW_CONFIGS = [(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)] + \
+    [(64, 128, 8, 4), (128, 128, 8, 4), (32, 512, 4, 3), (16, 512, 4, 3)]
+_even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BN"] == 0 and a["K"] % a["BK"] == 0})(_rows_kernel)
+_tuned = triton.autotune(
+    configs=[triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in ROW_CONFIGS],
+    key=["N", "K", "SILU_MUL", "NORM"])(_even)
+
+
+def gemm_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+              norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) [(M, 2K) with `silu_mul`], M <= 16, @ w (N, K)^T (+ bias) (+ residual (M, N))
+    -> (M, N) in x's dtype; `norm` (K,): RMSNorm(norm, eps) on the input first. gemv.py's
+    arguments, for a few rows."""
+    M = x.shape[0]
+    N, K = w.shape
+    assert 1 <= M <= MAX_ROWS and x.shape[-1] == (2 * K if silu_mul else K) and w.stride(1) == 1
+    assert not (silu_mul and norm is not None), "the gating and the pre-norm do not meet in one kernel"
+    x = x.contiguous()
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    b = bias if bias is not None else w
+    nw = norm if norm is not None else w
+    r = residual.contiguous() if residual is not None else w
+    assert residual is None or tuple(r.shape) == (M, N)
+    flags = dict(SILU_MUL=silu_mul, HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None,
+                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    if x.device.type == "cuda":
+        _tuned[lambda m: (triton.cdiv(N, m["BN"]),)](x, w, b, nw, r, y, M, N, K, x.stride(0), w.stride(0), eps,
+                                                     BM=MAX_ROWS, **flags)
+        return y
+    bn, bk = 16, 32  # the interpreter
+    _even[(triton.cdiv(N, bn),)](x, w, b, nw, r, y, M, N, K, x.stride(0), w.stride(0), eps, BM=MAX_ROWS,
+                                 BN=bn, BK=bk, **flags)
+    return y
