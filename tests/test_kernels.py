@@ -158,19 +158,24 @@ def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, m
     fast, _ = _generate(_runner(wide_llama, True), NoDrafter(), 1, prompt, n)
     assert fast == plain and len(plain) == len(prompt) + n
     assert 1 in calls  # the decode steps (and the short prefill) ran rotary + the cache write in one kernel
-    r = _runner(wide_llama, True)
-    assert r.stage.fused_head and all(b.fused_rows == 1 for b in r.stage.layers.values())
-    fused = []
-    for blk in r.stage.layers.values():
-        real_step = blk.self_attn.fused_step
-        monkeypatch.setattr(blk.self_attn, "fused_step",
-                            lambda x, *a, step=real_step: fused.append(x.shape[0]) or step(x, *a))
+    def watched():
+        r = _runner(wide_llama, True)
+        assert r.stage.fused_head == 16 and all(b.fused_rows == 16 for b in r.stage.layers.values())
+        rows = []
+        for blk in r.stage.layers.values():
+            real_step = blk.self_attn.fused_step
+            monkeypatch.setattr(blk.self_attn, "fused_step",
+                                lambda x, *a, step=real_step: rows.append(x.shape[0]) or step(x, *a))
+        return r, rows
+
+    r, fused = watched()
     assert _generate(r, NoDrafter(), 1, prompt, n)[0] == plain
-    assert fused and set(fused) == {1}  # decode rows ran the folded norms / residuals; the prefill did not
-    spec, st = _generate(_runner(wide_llama, True), ReplayDrafter(plain[len(prompt):], len(prompt), 128, corrupt=0.3), 4,
-                         prompt, n)
+    assert 1 in fused  # decode rows ran the folded norms / residuals (GEMVs)
+    r, fused = watched()
+    spec, st = _generate(r, ReplayDrafter(plain[len(prompt):], len(prompt), 128, corrupt=0.3), 4, prompt, n)
     assert spec == plain
     assert 0 < st.accepted < st.drafted  # multi-row verifies through the attention kernel, with rejections
+    assert 5 in fused  # a verify of K + 1 rows ran folded too (the row GEMMs)
 
 
 def test_partial_rotary_keeps_the_reference_rotary_on_the_kernels(tmp_path):

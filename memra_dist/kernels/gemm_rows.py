@@ -1,6 +1,9 @@
 """A verify step's few rows (2 .. 16) through a linear layer in one Triton kernel, with the
 same folds as the one-row GEMV (kernels/gemv.py): the block's RMSNorm on the input, the
-SwiGLU gating on the input, the residual add on the output.
+SwiGLU gating on the input, the residual add on the output; and `glu`, the gate-up projection
+that writes silu(gate) * up itself (each program computes matching gate and up columns), so
+the down projection reads the gated rows plainly. Measured on an H200 (row_gemm_check.py,
+BENCHMARKS.md): the gating on the down projection's input load ran at half speed there.
 
 Each program owns BN whole output rows (no split-K, no reduce kernel) and streams its slice of
 W once (evicted from L2); the MMA runs "swap AB": the weight tile (BN, BK), as it lies in memory,
@@ -26,14 +29,15 @@ MAX_ROWS = 16
 @triton.jit
 def _rows_kernel(X, W, B, NW, R, Y, M, N, K, stride_xm, stride_w, eps,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SILU_MUL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr,
+                 EVEN: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BN + tl.arange(0, BN)
     nmask = rn < N
     rm = tl.arange(0, BM)
     mmask = rm < M
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BM), dtype=tl.float32)  # GLU only
     ss = tl.zeros((BM,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
@@ -58,9 +62,23 @@ def _rows_kernel(X, W, B, NW, R, Y, M, N, K, stride_xm, stride_w, eps,
             nw = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
             x = (xf * nw[:, None]).to(w.dtype)
         acc += tl.dot(w, x.to(w.dtype), input_precision=PRECISION)  # (BN, BK) @ (BK, BM)
+        if GLU:  # the up rows N .. 2N - 1 of the same columns: a second tile, a second accumulator
+            if EVEN:
+                wu = tl.load(W + (rn + N)[:, None] * stride_w + rk[None, :], eviction_policy="evict_first")
+            else:
+                wu = tl.load(W + (rn + N)[:, None] * stride_w + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                             other=0.0, eviction_policy="evict_first")
+            acc_u += tl.dot(wu, x.to(w.dtype), input_precision=PRECISION)
     y = acc
     if NORM:
         y = y * tl.rsqrt(ss / K + eps)[None, :]
+        if GLU:
+            acc_u = acc_u * tl.rsqrt(ss / K + eps)[None, :]
+    if GLU:  # silu(gate) * up with the reference's roundings: gate, up, silu, product each to the dtype
+        g = y.to(Y.dtype.element_ty).to(tl.float32)
+        u = acc_u.to(Y.dtype.element_ty)
+        sg = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty)
+        y = sg.to(tl.float32) * u.to(tl.float32)
     if HAS_BIAS:
         y += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
     om = nmask[:, None] & mmask[None, :]
@@ -75,16 +93,22 @@ ROW_CONFIGS = [(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for s
 _even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BN"] == 0 and a["K"] % a["BK"] == 0})(_rows_kernel)
 _tuned = triton.autotune(
     configs=[triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in ROW_CONFIGS],
-    key=["N", "K", "SILU_MUL", "NORM"])(_even)
+    key=["N", "K", "SILU_MUL", "NORM", "GLU"])(_even)
 
 
 def gemm_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-              norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+              norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+              glu: bool = False) -> torch.Tensor:
     """x (M, K) [(M, 2K) with `silu_mul`], M <= 16, @ w (N, K)^T (+ bias) (+ residual (M, N))
     -> (M, N) in x's dtype; `norm` (K,): RMSNorm(norm, eps) on the input first. gemv.py's
-    arguments, for a few rows."""
+    arguments, for a few rows. `glu`: w is a fused gate-up weight (2N', K), gate rows first,
+    and the result is silu(x Wg^T) * (x Wu^T), (M, N') (a SwiGLU's input to its down
+    projection: no bias, no residual)."""
     M = x.shape[0]
     N, K = w.shape
+    if glu:
+        assert N % 2 == 0 and bias is None and residual is None and not silu_mul
+        N //= 2
     assert 1 <= M <= MAX_ROWS and x.shape[-1] == (2 * K if silu_mul else K) and w.stride(1) == 1
     assert not (silu_mul and norm is not None), "the gating and the pre-norm do not meet in one kernel"
     x = x.contiguous()
@@ -94,7 +118,7 @@ def gemm_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     r = residual.contiguous() if residual is not None else w
     assert residual is None or tuple(r.shape) == (M, N)
     flags = dict(SILU_MUL=silu_mul, HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None,
-                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+                 GLU=glu, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if x.device.type == "cuda":
         _tuned[lambda m: (triton.cdiv(N, m["BN"]),)](x, w, b, nw, r, y, M, N, K, x.stride(0), w.stride(0), eps,
                                                      BM=MAX_ROWS, **flags)

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .decode_attention import decode_attention
+from .gemm_rows import MAX_ROWS, gemm_rows
 from .gemv import gemv
 from .moe_gemv import moe_experts
 
@@ -20,12 +21,26 @@ MAX_MOE_ROWS = 16  # decode / verify / drafter rows through the per-slot expert 
 @torch.library.custom_op("memra::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
             norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
-    return gemv(x, w, bias, silu_mul, norm, eps, residual)
+    """One row: the GEMV (kernels/gemv.py); 2 .. MAX_ROWS rows: the row GEMM (kernels/gemm_rows.py)."""
+    if x.shape[0] == 1:
+        return gemv(x, w, bias, silu_mul, norm, eps, residual)
+    return gemm_rows(x, w, bias, silu_mul, norm, eps, residual)
 
 
 @gemv_op.register_fake
 def _(x, w, bias, silu_mul, norm=None, eps=0.0, residual=None):
-    return x.new_empty((1, w.shape[0]))
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("memra::glu_rows", mutates_args=())
+def glu_rows_op(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """silu(g) * u of RMSNorm(x) through a fused gate-up weight, for 2 .. MAX_ROWS rows."""
+    return gemm_rows(x, w, None, False, norm, eps, None, glu=True)
+
+
+@glu_rows_op.register_fake
+def _(x, w, norm, eps):
+    return x.new_empty((x.shape[0], w.shape[0] // 2))
 
 
 @torch.library.custom_op("memra::moe_experts", mutates_args=())
@@ -107,7 +122,7 @@ def install_block(blk) -> int:
     elif isinstance(mlp, MoE):
         n += _install_moe(mlp)
     if fast_attn and fast_mlp and attn.rope_kernel_ok():
-        blk.fused_rows = 1  # a decode row: norms and residual adds inside the GEMVs (model/transformer.py Block)
+        blk.fused_rows = MAX_ROWS  # decode and verify rows: norms and residual adds inside the GEMVs / row GEMMs
     return n
 
 
@@ -118,7 +133,7 @@ def install_stage(stage) -> int:
     n = sum(install_block(blk) for blk in stage.layers.values())
     if getattr(stage, "has_head", False):
         n += _fast(stage.lm_head)
-        stage.fused_head = True
+        stage.fused_head = MAX_ROWS
     return n
 
 

@@ -102,8 +102,9 @@ class Attention(nn.Module):
         return self.o_proj(self._attend(self.qkv_proj(x), ctx, state))
 
     def fused_step(self, x: torch.Tensor, ctx, state: KVLayer, norm: RMSNorm) -> torch.Tensor:
-        """x + self(norm(x)) for one decode row, in five kernels: the QKV GEMV with the norm
-        folded in, `_attend`'s three, the o_proj GEMV with the residual add folded in."""
+        """x + self(norm(x)) for a decode row or verify rows, in five kernels: the QKV GEMV (row
+        GEMM) with the norm folded in, `_attend`'s three, the o_proj GEMV (row GEMM) with the
+        residual add folded in."""
         qkv, o = self.qkv_proj, self.o_proj
         y = torch.ops.memra.gemv(x, qkv.weight, qkv.bias, False, norm.weight, norm.eps, None)
         return torch.ops.memra.gemv(self._attend(y, ctx, state), o.weight, o.bias, False, None, 0.0, x)

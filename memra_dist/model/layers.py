@@ -47,10 +47,15 @@ class SwiGLU(nn.Module):
     fast_rows = 0  # kernels/ops.py: steps of up to this many rows fold silu(g) * u into the down kernel
 
     def fused_step(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
-        """x + self(norm(x)) for one decode row, in two GEMVs (kernels/gemv.py): gate_up with
-        the norm folded in, down with the gating and the residual add folded in."""
-        gu = torch.ops.memra.gemv(x, self.gate_up_proj.weight, None, False, norm.weight, norm.eps, None)
-        return torch.ops.memra.gemv(gu, self.down_proj.weight, self.down_proj.bias, True, None, 0.0, x)
+        """x + self(norm(x)) in two kernels. One decode row, two GEMVs (kernels/gemv.py): gate_up
+        with the norm folded in, down with the gating and the residual add folded in. Verify
+        rows, two row GEMMs (kernels/gemm_rows.py): gate_up with the norm folded in writing the
+        gated rows, down with the residual add folded in."""
+        if x.shape[0] == 1:
+            gu = torch.ops.memra.gemv(x, self.gate_up_proj.weight, None, False, norm.weight, norm.eps, None)
+            return torch.ops.memra.gemv(gu, self.down_proj.weight, self.down_proj.bias, True, None, 0.0, x)
+        h = torch.ops.memra.glu_rows(x, self.gate_up_proj.weight, norm.weight, norm.eps)
+        return torch.ops.memra.gemv(h, self.down_proj.weight, self.down_proj.bias, False, None, 0.0, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.fast_rows:

@@ -148,11 +148,11 @@ class Stage(nn.Module):
             x = blk(x, ctx, cache.layers[int(i)] if cache is not None else None)
         return x
 
-    fused_head = False  # kernels/ops.py: a one-row step's final norm runs inside the lm_head GEMV
+    fused_head = 0  # kernels/ops.py: steps of up to this many rows run the final norm inside the lm_head kernel
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head; fp32 logits (T, V)."""
-        if self.fused_head and h.shape[0] == 1:
+        if h.shape[0] <= self.fused_head:
             w, n = self.lm_head.weight, self.norm
             return torch.ops.memra.gemv(h, w, self.lm_head.bias, False, n.weight, n.eps, None).float()
         return self.lm_head(self.norm(h)).float()
