@@ -4,8 +4,8 @@ row counts, replayed 200 times in one CUDA graph with identical outputs every ti
 `rope_kv_write` equals its arithmetic (fp32 from the rounded cos / sin, one rounding) bit for
 bit in bf16, with V copied exactly (its difference from the eager bf16 rotary, which rounds
 three times, is reported); the decode GEMV with the pre-norm and the residual folded in equals
-the eager norm and linear; the MoE expert GEMVs equal the grouped-GEMM form in bf16 and
-replay identically in a graph.
+the eager norm and linear; the MoE expert GEMVs (bf16) are as close to the fp32 per-expert
+loop as the grouped-GEMM form is, and replay identically in a graph.
 usage: python benchmarks/kernels_gpu_check.py OUT_DIR   (writes kernels_gpu_check.json; exit 1 on a failure)
 """
 
@@ -121,7 +121,10 @@ def moe_case(rows, experts, top_k, hidden=7168, inter=2048):
     w = torch.rand(rows, top_k, device=dev, generator=g)
     shared = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16, generator=g)
     with torch.no_grad():
-        ref = ex.forward_grouped(x, w, idx).float() + shared.float()
+        grouped = ex.forward_grouped(x, w, idx).float() + shared.float()
+        ex32 = Experts(hidden, spec).to(dev)  # the same weights in fp32: both bf16 forms against it
+        ex32.load_state_dict({k: v.float() for k, v in ex.state_dict().items()})
+        ref = ex32.forward_loop(x.float(), w, idx) + shared.float()
         first = moe_experts(x, ex.gate_up_proj, ex.down_proj, w, idx, shared)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -132,11 +135,13 @@ def moe_case(rows, experts, top_k, hidden=7168, inter=2048):
             graph.replay()
             same &= bool(torch.equal(o, first))
         torch.cuda.synchronize()
-    err = float(((first.float() - ref).abs() / (ref.abs() + 1)).max())
-    good = same and err <= 2e-2
+    err = float((first.float() - ref).abs().max())
+    err_grouped = float((grouped - ref).abs().max())
+    good = same and err <= 1.5 * err_grouped + 1e-3  # as close to fp32 as the grouped GEMM (bf16 roundings)
     ok &= good
     results.append({"kernel": "moe_experts", "rows": rows, "experts": experts, "top_k": top_k,
-                    "max_rel_err": err, "graph_replays_identical": same, "ok": good})
+                    "max_abs_err_vs_fp32": err, "grouped_max_abs_err_vs_fp32": err_grouped,
+                    "graph_replays_identical": same, "ok": good})
     print(json.dumps(results[-1]), flush=True)
 
 

@@ -97,6 +97,7 @@ def capture(run):
     g = torch.cuda.CUDAGraph()
     with torch.inference_mode(), torch.cuda.graph(g):
         o = run()
+    g.keep = run  # the step's static inputs (its closure's token and position rows) live as long as the graph
     return g, o
 
 
@@ -134,10 +135,16 @@ for v in ("graph", "kernels"):  # in this order: install switches the layer for 
         if v == "kernels":
             from memra_dist.kernels.ops import install_mtp
             r["modules"] = install_mtp(head)
+        for rows in (1, 3):  # eager first, synchronised: a fault shows here with its op
+            with torch.inference_mode():
+                step(rows)()
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         graphs = {rows: capture(step(rows)) for rows in (1, 3)}
         r["capture_s"] = round(time.perf_counter() - t0, 1)
     except Exception as e:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
         res[v] = {"error": repr(e)[:400]}
         log(v, res[v])
         continue
