@@ -65,8 +65,9 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
                         "(auto = on wherever the graphs are, for the attention families; the first run on a "
                         "machine compiles for ~10-40 s, later runs read the cache in ~/.cache/memra_dist/inductor)")
     p.add_argument("--kernels", choices=["auto", "off"], default="auto",
-                   help="our Triton kernels inside those graphs: one-row GEMVs (the SwiGLU gating folded into "
-                        "the down projection) and split-sequence cached attention that reads only the live rows "
+                   help="our Triton kernels inside those graphs: one-row GEMVs and 2-16-row GEMMs with the "
+                        "block's norms, gating and residual adds folded in, per-slot MoE expert GEMVs, and "
+                        "split-sequence cached attention that reads only the live rows "
                         "(auto = on wherever the graphs are and Triton imports; off = cuBLAS and the reference "
                         "attention)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (Ray actors, one device each); 1 = in-process")

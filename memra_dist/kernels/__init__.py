@@ -2,9 +2,11 @@
 
 `install(stage)` switches a loaded stage onto them: one-row linear layers become Triton GEMVs
 (the down projection with the SwiGLU gating folded in; on a decode row the block's pre-norms
-and residual adds and the final norm folded into its GEMVs too), rotary and the K/V cache write
-become one kernel, and cached attention becomes a split-sequence kernel that reads only the
-live rows. Prefills and the CPU path keep the
+and residual adds and the final norm folded into its GEMVs too), verify rows (2 .. 16) run the
+same folded halves on a row GEMM (gemm_rows.py), rotary and the K/V cache write become one
+kernel, cached attention becomes a split-sequence kernel that reads only the live rows, and a
+MoE's routed experts for a few rows become per-slot GEMVs (moe_gemv.py). A target's MTP layers
+follow it (ops.install_mtp). Prefills and the CPU path keep the
 reference code. `available(device)` says whether they can run there: Triton importable and,
 on a CUDA device, a probe kernel compiled and run once (Triton builds its launcher with the
 machine's C compiler and needs the GPU's assembler: a container without them falls back to
