@@ -23,10 +23,9 @@ import types
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from memra_dist.bench.checkpoints import shape_config, weight_bytes
-from memra_dist.bench.timing import copy_bandwidth
+from memra_dist.bench.timing import capture_graph, copy_bandwidth, graph_kernels, graph_replay_ms
 from memra_dist.model.config import parse_config
 from memra_dist.model.transformer import Block, Stage
 
@@ -103,46 +102,21 @@ def build(variant: str):
 def capture(run, rows: int):
     x = torch.full((rows,), 17, device=dev, dtype=torch.long)
     pos = torch.arange(P, P + rows, device=dev)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(3):
-            run(x, pos)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(g):
-        o = run(x, pos)
-    return g, o
+    g = capture_graph(lambda: run(x, pos))
+    return g, g.out
 
 
 def replay_ms(g, n=N) -> float:
-    for _ in range(5):
-        g.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    e0.record()
-    for _ in range(n):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / n
+    return graph_replay_ms(g, n, warmup=5)
 
 
 def kernel_table(g, reps=5):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            g.replay()
-        torch.cuda.synchronize()
     groups: dict[str, float] = {}
     rows = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", 0) or 0
-        if not us or ev.key.startswith(("cuda", "aten::")):
-            continue
-        c = classify(ev.key)
-        groups[c] = groups.get(c, 0.0) + us / reps / 1e3
-        rows.append((us / reps, ev.count // reps, c, ev.key[:110]))
-    rows.sort(reverse=True)
+    for us, count, name in graph_kernels(g, reps):
+        c = classify(name)
+        groups[c] = groups.get(c, 0.0) + us / 1e3
+        rows.append((us, count, c, name[:110]))
     return {k: round(v, 3) for k, v in groups.items()}, rows
 
 

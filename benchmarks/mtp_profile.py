@@ -24,10 +24,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from memra_dist.bench.tap_checkpoints import dsv3_config, mtp_step_read_bytes
-from memra_dist.bench.timing import copy_bandwidth
+from memra_dist.bench.timing import capture_graph, copy_bandwidth, graph_kernels, graph_replay_ms
 from memra_dist.model.config import parse_config
 from memra_dist.model.mtp import MTPHead
 
@@ -87,47 +86,6 @@ def step(rows: int):
     return run
 
 
-def capture(run):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(g):
-        o = run()
-    g.keep = run  # the step's static inputs (its closure's token and position rows) live as long as the graph
-    return g, o
-
-
-def replay_ms(g, n=N) -> float:
-    for _ in range(3):
-        g.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    e0.record()
-    for _ in range(n):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / n
-
-
-def kernel_table(g, reps=5):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            g.replay()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", 0) or 0
-        if us and not ev.key.startswith(("cuda", "aten::")):
-            rows.append((us / reps, ev.count // reps, ev.key[:120]))
-    rows.sort(reverse=True)
-    return rows
-
-
 first: dict = {}
 for v in ("graph", "kernels"):  # in this order: install switches the layer for good
     r: dict = {}
@@ -140,7 +98,7 @@ for v in ("graph", "kernels"):  # in this order: install switches the layer for 
                 step(rows)()
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        graphs = {rows: capture(step(rows)) for rows in (1, 3)}
+        graphs = {rows: capture_graph(step(rows)) for rows in (1, 3)}
         r["capture_s"] = round(time.perf_counter() - t0, 1)
     except Exception as e:  # noqa: BLE001
         import traceback
@@ -148,9 +106,10 @@ for v in ("graph", "kernels"):  # in this order: install switches the layer for 
         res[v] = {"error": repr(e)[:400]}
         log(v, res[v])
         continue
-    for rows, (g, o) in graphs.items():
-        ms = replay_ms(g)
-        table = kernel_table(g)
+    for rows, g in graphs.items():
+        o = g.out
+        ms = graph_replay_ms(g, N)
+        table = graph_kernels(g)
         (out / f"mtp_{v}_{rows}.txt").write_text("\n".join(f"{us:9.1f} us  x{c:4d}  {k}" for us, c, k in table))
         r[f"rows{rows}_ms"] = round(ms, 4)
         r[f"rows{rows}_over_read"] = round(ms / read_ms, 4)

@@ -20,6 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from memra_dist.bench.checkpoints import shape_config
+from memra_dist.bench.timing import capture_graph, graph_replay_ms
 from memra_dist.kernels.gemm_rows import _tuned, gemm_rows
 from memra_dist.model.layers import RMSNorm
 
@@ -40,21 +41,11 @@ with torch.no_grad():
 
 
 def timed(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    """us of one call: REPS calls (over the weight copies) in one graph, 10 replays."""
+    def run():
         for i in range(REPS):
             fn(i)
-    for _ in range(3):
-        g.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(10):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / 10 / REPS * 1e3
+    return graph_replay_ms(capture_graph(run, warmup=1), 10) / REPS * 1e3
 
 
 def rel(a, b) -> float:

@@ -11,7 +11,7 @@ import torch
 from .noise import trimmed_range
 from .roofline import median
 
-__all__ = ["sync", "time_call", "copy_bandwidth", "device_name"]
+__all__ = ["sync", "time_call", "copy_bandwidth", "device_name", "capture_graph", "graph_replay_ms", "graph_kernels"]
 
 
 def sync(device: torch.device) -> None:
@@ -64,3 +64,54 @@ def device_name(device: torch.device) -> str:
     import platform  # noqa: PLC0415
 
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+# ---- CUDA-graph micro-benchmarks (benchmarks/*.py) ----------------------------------------
+
+def capture_graph(run: Callable[[], object], warmup: int = 3) -> "torch.cuda.CUDAGraph":
+    """`run` captured in a CUDA graph after `warmup` eager calls on a side stream (kernels tune
+    and compile there, not inside the capture). The graph keeps `run` (and so the static inputs
+    its closure holds: a freed input row would be reread by every replay) and its output
+    (`g.out`)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(g):
+        g.out = run()
+    g.keep = run
+    return g
+
+
+def graph_replay_ms(g: "torch.cuda.CUDAGraph", n: int, warmup: int = 3) -> float:
+    """Mean device ms of one replay over n, by events after `warmup` replays."""
+    for _ in range(warmup):
+        g.replay()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    e0.record()
+    for _ in range(n):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n
+
+
+def graph_kernels(g: "torch.cuda.CUDAGraph", reps: int = 5) -> list[tuple[float, int, str]]:
+    """The kernels of one replay, (device us, calls, name), largest first (the profiler over
+    `reps` replays, divided back)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0) or 0
+        if us and not ev.key.startswith(("cuda", "aten::")):
+            rows.append((us / reps, ev.count // reps, ev.key[:120]))
+    return sorted(rows, reverse=True)
