@@ -99,3 +99,44 @@ def test_moe_target_and_its_mtp_layers_on_the_kernels_decode_identically(tmp_pat
     assert tokens == plain
     assert st.drafted > 0 and st.accepted > 0
     assert 1 in rows and any(r > 1 for r in rows)
+
+
+def test_dflash_block_folded_into_our_gemms_equals_the_reference(tmp_path):
+    """Where the target runs our kernels, the DFlash block graph runs folded (DFlashNet.block
+    `folded`: input norms in the QKV row GEMM, residuals in o_proj / down, the gated gate-up,
+    the final norm in the lm_head kernel): its logits equal the eager reference block's and
+    its drafts are the same tokens, at every start over rounds of ingested rows."""
+    from types import SimpleNamespace
+
+    from graph_emulator import EmulatedCapture
+
+    from memra_dist.bench.tap_checkpoints import ensure_dflash
+    from memra_dist.model.dflash import load_dflash_config
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+    from memra_dist.specdec.drafters.dflash_graph import BlockGraphs, folds
+
+    cpu = torch.device("cpu")
+    target_dir, draft_dir = ensure_dflash("tiny", tmp_path, cpu, lambda s: None)
+    target = ModelRunner(target_dir, cpu, torch.float32, max_pos=160)
+    d = DFlashDrafter.load(draft_dir, load_dflash_config(draft_dir), target)
+    assert not folds(d)  # the net is fused only on the CUDA fast path
+    d.net.fuse()
+    assert folds(d) and not folds(SimpleNamespace(B=17, net=d.net))  # a block past the row GEMM's 16 rows
+    target.alloc(160)
+    d.alloc(160)
+    ids = torch.randint(3, 500, (60,), generator=torch.Generator().manual_seed(11))
+    graphs = BlockGraphs(d, graph_cls=EmulatedCapture)
+    graphs.kernel_attn = graphs.folded = True
+    n = 20
+    target.forward(ids[:n], 0)
+    d.prime(ids[:n].tolist())
+    for add in (0, 4, 7):
+        if add:
+            target.forward(ids[n:n + add], n)
+        n += add
+        d._ingest(n - 1)
+        last, start = int(ids[n - 1]), n - 1
+        ref = d.block_logits(last, start, 15).clone()
+        out = graphs.logits(last, start, 15)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(graphs.greedy(last, start, 15), ref.argmax(-1))

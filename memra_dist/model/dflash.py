@@ -178,6 +178,11 @@ class DFlashAttention(nn.Module):
             return self._split(F.linear(hn, self.qkv_w, self.qkv_b), rope, True)
         return (self.q(hn, rope), *self.kv(hn, rope))
 
+    def qkv_folded(self, x: torch.Tensor, norm: RMSNorm, rope):
+        """qkv(norm(x), rope) with the norm inside the fused GEMM (our kernels: kernels/ops.py)."""
+        return self._split(torch.ops.memra.gemv(x, self.qkv_w, self.qkv_b, False, norm.weight, norm.eps, None),
+                           rope, True)
+
 
 class DFlashLayer(nn.Module):
     def __init__(self, c: ModelConfig):
@@ -190,6 +195,13 @@ class DFlashLayer(nn.Module):
     def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn.o_proj(o)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def finish_folded(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """finish(x, o) in three of our kernels: o_proj with the residual add, then the SwiGLU
+        half as the target's (`SwiGLU.fused_step`: the post-norm in gate-up, the residual in down)."""
+        op = self.self_attn.o_proj
+        x = torch.ops.memra.gemv(o, op.weight, op.bias, False, None, 0.0, x)
+        return self.mlp.fused_step(x, self.post_attention_layernorm)
 
 
 class DFlashNet(nn.Module):
@@ -224,21 +236,26 @@ class DFlashNet(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def block(self, x: torch.Tensor, pos: torch.Tensor, kv_of, mask: torch.Tensor, attend=None) -> torch.Tensor:
+    def block(self, x: torch.Tensor, pos: torch.Tensor, kv_of, mask: torch.Tensor, attend=None,
+              folded: bool = False) -> torch.Tensor:
         """Block rows x (T, H) at positions pos -> normed hidden (T, H). `kv_of(i, kb, vb)`
         returns layer i's full keys / values (N, nkv, hd) given the block's own; `mask`
         (T, N) says which of those N each row reads. `attend(q, K, V)`, when given, replaces
         the reference attention under `mask` (the graphs' split kernel, which reads only the
-        live rows: it must mean the same mask)."""
+        live rows: it must mean the same mask). `folded` (the graphs, where the target runs our
+        kernels; the net fused, T <= 16): every norm and residual add inside the GEMMs, and the
+        hidden returned BEFORE the final norm (the caller's lm_head kernel applies `self.norm`)."""
         rope = self.rope(pos)
         for i, layer in enumerate(self.layers):
-            hn = layer.input_layernorm(x)
             at = layer.self_attn
-            q, kb, vb = at.qkv(hn, rope)  # (T, nh, hd), (T, nkv, hd) x 2
+            if folded:
+                q, kb, vb = at.qkv_folded(x, layer.input_layernorm, rope)
+            else:
+                q, kb, vb = at.qkv(layer.input_layernorm(x), rope)  # (T, nh, hd), (T, nkv, hd) x 2
             K, V = kv_of(i, kb, vb)
             o = attend(q, K, V) if attend is not None else cached_attention(q, K, V, mask, at.nkv)
-            x = layer.finish(x, o)
-        return self.norm(x)
+            x = layer.finish_folded(x, o) if folded else layer.finish(x, o)
+        return x if folded else self.norm(x)
 
 
 def load_dflash(model_dir: str | Path, dc: DFlashConfig, device, dtype) -> DFlashNet:

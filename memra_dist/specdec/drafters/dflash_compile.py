@@ -5,9 +5,11 @@ The block forward runs its norms (fp32), q / k norms and rotary as small eager k
 block forward against ~0.8 ms of reads). As `graphs.compile_blocks` does for the target, each
 piece is one compiled function shared by every layer (parameters are inputs), used only while
 a block graph is captured (the replays run its kernels): the input norm, `DFlashAttention.qkv`
-(projection, head norms, rotary) and `DFlashLayer.finish` (o_proj, residual, post-norm, SwiGLU,
-residual). `DFlashNet.block` itself stays Python: its `kv_of` callback (which training shares)
-writes the drafter's K/V between the pieces.
+(projection, head norms, rotary) or, folded, `qkv_folded` (our GEMM with the input norm, then
+the head norms and rotary fused), and `DFlashLayer.finish` (o_proj, residual, post-norm,
+SwiGLU, residual; its folded twin is three of our kernels, nothing to fuse). `DFlashNet.block`
+itself stays Python: its `kv_of` callback (which training shares) writes the drafter's K/V
+between the pieces.
 
 On only where the target compiles its own blocks (`--compile`, CUDA). A piece that fails to
 compile (at the capture's eager warm-up, before any capture starts) turns the swap off for the
@@ -34,6 +36,7 @@ __all__ = ["compiled_pieces", "target_compiles", "warn_fallback"]
 def _fns() -> dict[str, object]:
     return {"norm": torch.compile(RMSNorm.forward, dynamic=False),
             "qkv": torch.compile(DFlashAttention.qkv, dynamic=False),
+            "qkv_folded": torch.compile(DFlashAttention.qkv_folded, dynamic=False),
             "finish": torch.compile(DFlashLayer.finish, dynamic=False)}
 
 
@@ -55,7 +58,7 @@ def compiled_pieces(net: DFlashNet, on: bool = True):
     swapped = []
     for layer in net.layers:
         for obj, name, fn in ((layer.input_layernorm, "forward", f["norm"]), (layer.self_attn, "qkv", f["qkv"]),
-                              (layer, "finish", f["finish"])):
+                              (layer.self_attn, "qkv_folded", f["qkv_folded"]), (layer, "finish", f["finish"])):
             setattr(obj, name, types.MethodType(fn, obj))
             swapped.append((obj, name))
     for norm in (net.norm, net.hidden_norm):

@@ -83,6 +83,7 @@ class BlockGraphs:
         # the network's compiled pieces inside the captures, as the target's compiled blocks (dflash_compile.py)
         self.compiled = graph_cls is _CudaGraph and target_compiles(drafter.target)
         self.kernel_attn = kernel_attention(drafter)
+        self.folded = self.kernel_attn and folds(drafter)  # the block's norms / residuals inside our GEMMs
         self.graphs: dict = {}  # block rows -> graph
         self.ingests: dict = {}  # ingest rows -> graph
         self.sink = None  # the tap sink the ingest graphs read (its buffers are baked in)
@@ -111,8 +112,12 @@ class BlockGraphs:
             return st[i].k, st[i].v
 
         stage = d.target.stage
-        h = d.net.block(stage.embed_tokens(ids), pos, kv_of, mask, self._attend(pos))  # (B, H)
-        logits = stage.lm_head(h[1:1 + rows]).float()
+        h = d.net.block(stage.embed_tokens(ids), pos, kv_of, mask, self._attend(pos), self.folded)  # (B, H)
+        if self.folded:  # the net's final norm inside the target's lm_head kernel
+            n, head = d.net.norm, stage.lm_head
+            logits = torch.ops.memra.gemv(h[1:1 + rows], head.weight, head.bias, False, n.weight, n.eps, None).float()
+        else:
+            logits = stage.lm_head(h[1:1 + rows]).float()
         return logits, logits.argmax(-1)  # the greedy drafts too: no argmax launch after the replay
 
     def _attend(self, pos: torch.Tensor):
@@ -205,6 +210,15 @@ def kernel_attention(drafter) -> bool:
     from ...kernels import ops  # noqa: F401, PLC0415 (registers torch.ops.memra.decode_attention)
 
     return True
+
+
+def folds(drafter) -> bool:
+    """Whether the block forward can run folded (DFlashNet.block): the net fused (q/k/v and
+    gate/up) and a block within the row GEMM's rows (kernels/gemm_rows.py)."""
+    from ...kernels.ops import MAX_ROWS  # noqa: PLC0415 (Triton, and it registers torch.ops.memra.*)
+
+    layer = drafter.net.layers[0]
+    return drafter.B <= MAX_ROWS and hasattr(layer.self_attn, "qkv_w") and hasattr(layer.mlp, "gate_up_proj")
 
 
 def block_graphs(drafter) -> BlockGraphs | None:
