@@ -140,3 +140,23 @@ def test_dflash_block_folded_into_our_gemms_equals_the_reference(tmp_path):
         out = graphs.logits(last, start, 15)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(graphs.greedy(last, start, 15), ref.argmax(-1))
+
+
+def test_kimi_hybrid_on_the_kernels_speculates_transformers_greedy():
+    """Kimi-Linear (KDA + MLA + MoE): install switches its MoE (router, expert GEMVs, shared
+    expert) and MLA projections; decoding and replay speculation (multi-row verifies through the
+    expert GEMVs) give transformers' greedy tokens."""
+    from kimi_ckpt import PROMPT, hybrid, reference_greedy
+
+    from memra_dist.specdec.drafters import ReplayDrafter
+
+    _, target_dir, _ = hybrid()
+    want = reference_greedy(12)
+    r = ModelRunner(target_dir, torch.device("cpu"), torch.float32, max_pos=128)
+    assert _on_kernels(r) > 0
+    assert any(getattr(b.mlp, "fast_rows", 0) == 16 for b in r.stage.layers.values())
+    assert _generate(r, NoDrafter(), 1, PROMPT, 12)[0][len(PROMPT):] == want
+    r = ModelRunner(target_dir, torch.device("cpu"), torch.float32, max_pos=128)
+    _on_kernels(r)
+    spec, st = _generate(r, ReplayDrafter(want, len(PROMPT), 128, corrupt=0.3), 4, PROMPT, 12)
+    assert spec[len(PROMPT):] == want and 0 < st.accepted < st.drafted
