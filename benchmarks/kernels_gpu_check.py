@@ -28,6 +28,22 @@ out.mkdir(parents=True, exist_ok=True)
 results, ok = [], True
 
 
+def replays_identical(fn, n: int) -> tuple[torch.Tensor, bool]:
+    """fn's eager output (its warm-up: kernels compile outside the capture), and whether n
+    replays of fn captured in a CUDA graph give exactly that output every time."""
+    first = fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = fn()
+    same = True
+    for _ in range(n):
+        graph.replay()
+        same &= bool(torch.equal(o, first))
+    torch.cuda.synchronize()
+    return first, same
+
+
 def attention_case(dtype, rows, start, nh, nkv, hd, C):
     global ok
     g = torch.Generator(device=dev).manual_seed(rows * 7 + start)
@@ -36,15 +52,7 @@ def attention_case(dtype, rows, start, nh, nkv, hd, C):
     q = torch.randn(rows, nh, hd, device=dev, dtype=dtype, generator=g)
     pos = torch.arange(start, start + rows, device=dev)
     ref = cached_attention(q.float(), kc.float(), vc.float(), causal_mask(pos, C), nkv)
-    first = decode_attention(q, kc, vc, pos)  # warm-up (compiles) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o = decode_attention(q, kc, vc, pos)
-    same = True
-    for _ in range(200):
-        graph.replay()
-        same &= bool(torch.equal(o, first))
-    torch.cuda.synchronize()
+    o, same = replays_identical(lambda: decode_attention(q, kc, vc, pos), 200)
     err = float((o.float() - ref).abs().max())
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     good = same and err <= tol
@@ -125,16 +133,7 @@ def moe_case(rows, experts, top_k, hidden=7168, inter=2048):
         ex32 = Experts(hidden, spec).to(dev)  # the same weights in fp32: both bf16 forms against it
         ex32.load_state_dict({k: v.float() for k, v in ex.state_dict().items()})
         ref = ex32.forward_loop(x.float(), w, idx) + shared.float()
-        first = moe_experts(x, ex.gate_up_proj, ex.down_proj, w, idx, shared)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o = moe_experts(x, ex.gate_up_proj, ex.down_proj, w, idx, shared)
-        same = True
-        for _ in range(50):
-            graph.replay()
-            same &= bool(torch.equal(o, first))
-        torch.cuda.synchronize()
+        first, same = replays_identical(lambda: moe_experts(x, ex.gate_up_proj, ex.down_proj, w, idx, shared), 50)
     err = float((first.float() - ref).abs().max())
     err_grouped = float((grouped - ref).abs().max())
     good = same and err <= 1.5 * err_grouped + 1e-3  # as close to fp32 as the grouped GEMM (bf16 roundings)

@@ -150,9 +150,10 @@ class Stage(nn.Module):
 
     fused_head = 0  # kernels/ops.py: steps of up to this many rows run the final norm inside the lm_head kernel
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head; fp32 logits (T, V)."""
+    def logits(self, h: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """Final norm + lm_head; fp32 logits (T, V). `norm` replaces the stage's own final norm
+        (a drafter whose network ends in its own norm and reads the target's lm_head)."""
+        n = self.norm if norm is None else norm
         if h.shape[0] <= self.fused_head:
-            w, n = self.lm_head.weight, self.norm
-            return torch.ops.memra.gemv(h, w, self.lm_head.bias, False, n.weight, n.eps, None).float()
-        return self.lm_head(self.norm(h)).float()
+            return torch.ops.memra.gemv(h, self.lm_head.weight, self.lm_head.bias, False, n.weight, n.eps, None).float()
+        return self.lm_head(n(h)).float()

@@ -113,9 +113,8 @@ class BlockGraphs:
 
         stage = d.target.stage
         h = d.net.block(stage.embed_tokens(ids), pos, kv_of, mask, self._attend(pos), self.folded)  # (B, H)
-        if self.folded:  # the net's final norm inside the target's lm_head kernel
-            n, head = d.net.norm, stage.lm_head
-            logits = torch.ops.memra.gemv(h[1:1 + rows], head.weight, head.bias, False, n.weight, n.eps, None).float()
+        if self.folded:  # the net's final norm inside the target's lm_head kernel (Stage.fused_head)
+            logits = stage.logits(h[1:1 + rows], d.net.norm)
         else:
             logits = stage.lm_head(h[1:1 + rows]).float()
         return logits, logits.argmax(-1)  # the greedy drafts too: no argmax launch after the replay
