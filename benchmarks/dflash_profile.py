@@ -7,6 +7,10 @@ One engine through `open_engine` with the default RunConfig (what `memra-dist ge
           then the round's propose (the same plus the argmax and its one readback), and the
           block once more on the reference attention (the split kernel's share);
   verify  the target's 16-row and 1-row steps (forward + rollback, as a verify / decode);
+  round   one more request at level 0 (nothing traced), each piece of the round loop wrapped
+          with a host clock: what returns at once is the host's launch cost, what waits on
+          the device (the drafts' readback in propose, accept's) includes that wait; the sum
+          against the device time of the draft and verify says where a round's host time goes;
 each timed with CUDA events over many back-to-back calls (device time per call), and the
 kernels of each under torch.profiler, grouped (GEMMs, attention, the rest) with the top ones.
 (Eager F.linear calls timed alone measure the host's launches at these sizes, not the GEMM:
@@ -74,6 +78,70 @@ def _kernels(fn, n: int = 10) -> dict:
             "top": [{"kernel": k[:90], "us": round(us, 2), "count": round(c, 2)} for k, us, c in top]}
 
 
+class _HostClock:
+    """Wraps obj.name so each call's host wall is added up (ms), no sync of its own."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list = []
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        import time  # noqa: PLC0415
+
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - t) * 1e3
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        setattr(obj, name, timed)
+        self._undo.append((obj, name, fn, name in vars(obj)))
+
+    def undo(self) -> None:
+        for obj, name, fn, own in reversed(self._undo):
+            if own:
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name)
+
+
+def _round_host(engine, prompt, cfg) -> dict:
+    """Host ms per round of each piece of the round loop (module doc: round)."""
+    import time  # noqa: PLC0415
+
+    from memra_dist.specdec import session as sess  # noqa: PLC0415
+
+    d = engine._backend.drafter
+    clock = _HostClock()
+    clock.wrap(d, "propose", "propose (launch + wait for the drafts)")
+    clock.wrap(d.target, "forward", "verify launch")
+    clock.wrap(sess, "greedy_commit", "accept (wait for verify + argmax + readback)")
+    clock.wrap(d.target, "rollback", "rollback")
+    clock.wrap(d, "maintain", "maintain (ingest launch)")
+    try:
+        stamps: list[float] = []
+        res = engine.generate(prompt, cfg, stream=lambda t: stamps.append(time.perf_counter()))
+    finally:
+        clock.undo()
+    rounds = res.stats["rounds"]
+    wall = (stamps[-1] - stamps[0]) * 1e3 / max(rounds - 1, 1)
+    per = {k: round(v / rounds, 4) for k, v in clock.ms.items()}
+    per["round wall (stream to stream)"] = round(wall, 4)
+    per["rest of the loop"] = round(wall - sum(v for k, v in per.items() if k != "round wall (stream to stream)"), 4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the host's own ops, per round
+        r2 = engine.generate(prompt, cfg.with_(max_new_tokens=48))
+    n2 = r2.stats["rounds"]
+    top = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[:20]
+    ops = [{"op": e.key[:80], "self_us_per_round": round(e.self_cpu_time_total / n2, 1), "calls_per_round": round(e.count / n2, 2)}
+           for e in top]
+    return {"rounds": rounds, "ms_per_round": per, "cpu_ops": ops}
+
+
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/dflash_profile")
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +158,7 @@ def main() -> int:
     prompt = make_prompt(512, tcfg["vocab_size"])
     cfg = RunConfig(model=str(target_dir), drafter="dflash", draft_model=str(draft_dir), k=15, max_new_tokens=32)
     res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    with open_engine(cfg, len(prompt) + 64 + 16) as engine:
+    with open_engine(cfg, len(prompt) + 160 + 16) as engine:
         engine.generate(prompt, cfg)
         d = engine._backend.drafter
         target = d.target
@@ -125,6 +193,7 @@ def main() -> int:
         res["decode_ms"] = round(_events_ms(step(ids1)), 4)
         res["verify16_kernels"] = _kernels(step(ids16))
         res["decode_kernels"] = _kernels(step(ids1))
+        res["round_host"] = _round_host(engine, prompt, cfg.with_(max_new_tokens=128))
     (out / "dflash_profile.json").write_text(json.dumps(res, indent=1))
     for k in ("fused", "kernel_attention", "compiled_pieces", "block_ms", "block_ms_reference_attention", "propose_ms",
               "verify16_ms", "decode_ms"):
@@ -133,6 +202,13 @@ def main() -> int:
         _say(f"{k}: {json.dumps(res[k]['us_per_call'])} kernels {json.dumps(res[k]['kernels_per_call'])}")
         for t in res[k]["top"]:
             _say(f"   {t['us']:9.2f} us  x{t['count']:<5} {t['kernel']}")
+    _say(f"round host ms per round over {res['round_host']['rounds']} rounds (device: block {res['block_ms']}, "
+         f"verify(16) {res['verify16_ms']}):")
+    for k, v in res["round_host"]["ms_per_round"].items():
+        _say(f"   {v:8.4f}  {k}")
+    _say("host ops by self time (us per round, one request of 48 tokens, its prime included):")
+    for o in res["round_host"]["cpu_ops"]:
+        _say(f"   {o['self_us_per_round']:9.1f} us  x{o['calls_per_round']:<6} {o['op']}")
     return 0
 
 

@@ -28,6 +28,8 @@ class ModelRunner:
     that owns the head, fp32 logits (T, V). `rollback(n)` keeps n rows. Both are single calls
     over static-shaped tensors (positions are a tensor, the mask spans the whole capacity)."""
 
+    takes_device_ids = True  # forward reads ids already on its device (a session's verify row stays there)
+
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                  first: int = 0, last: int | None = None, has_embed: bool = True,
                  has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memra_dist.specdec.accept import BONUS, RECOVERED, accept_greedy, accept_sampled
+from memra_dist.specdec.accept import BONUS, RECOVERED, accept_greedy, accept_sampled, greedy_commit
 
 
 def onehot_logits(rows: list[int], vocab: int = 8) -> torch.Tensor:
@@ -102,3 +102,19 @@ def test_sampled_is_reproducible_with_the_same_generator():
     b = [accept_sampled(p, q, d, torch.Generator().manual_seed(s)) for s in range(30)]
     assert a == b
     assert len(set(a)) > 1  # the generator does drive the outcome
+
+
+@pytest.mark.parametrize(
+    "preds, drafts, committed",
+    [
+        ([3, 4, 5, 6], [3, 4, 5], [3, 4, 5, 6]),  # every draft accepted, then the bonus
+        ([3, 4, 5, 6], [3, 9, 5], [3, 4]),  # one accepted, then row 1's argmax (a later match does not count)
+        ([3, 4, 5, 6], [0, 4, 5], [3]),
+        ([7], [], [7]),
+    ],
+)
+def test_greedy_commit_is_the_accepted_drafts_then_the_next_token(preds, drafts, committed):
+    d = torch.tensor(drafts, dtype=torch.long)
+    assert greedy_commit(onehot_logits(preds, vocab=10), d) == committed
+    j, nxt = accept_greedy(onehot_logits(preds, vocab=10), d)
+    assert committed == drafts[:j] + [nxt]

@@ -108,13 +108,13 @@ def _session(target, drafter, k=4, level=1, sink=None):
 
 
 def test_each_phase_bucket_holds_its_own_time(monkeypatch):
-    real_accept = session_mod.accept_greedy
+    real_accept = session_mod.greedy_commit
 
     def slow_accept(logits, drafts):
         time.sleep(SLEEP[2])
         return real_accept(logits, drafts)
 
-    monkeypatch.setattr(session_mod, "accept_greedy", slow_accept)
+    monkeypatch.setattr(session_mod, "greedy_commit", slow_accept)
     sink = RecordSink()
     s = _session(FakeTarget(), FakeDrafter(), k=4, sink=sink)
     s.start([1, 2, 3, 4], max_new=40, capacity=64)

@@ -17,20 +17,33 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accept_greedy", "accept_sampled", "RECOVERED", "BONUS"]
+__all__ = ["accept_greedy", "greedy_commit", "accept_sampled", "RECOVERED", "BONUS"]
 
 RECOVERED, BONUS = "recovered", "bonus"
 
 
+def greedy_commit(target_logits: torch.Tensor, drafts: torch.Tensor) -> list[int]:
+    """target_logits (K+1, V), drafts (K,) -> the round's committed tokens: the j accepted
+    drafts, then the argmax of row j (j + 1 ids; accepted drafts equal the target's argmax, so
+    they are row 0 .. j's argmax). Drafts on the logits' device (a graphed drafter's device
+    output) come back with the argmax in ONE readback, the round's only one."""
+    pred = target_logits.argmax(-1)  # (K+1,)
+    k = int(drafts.shape[0])
+    if k and drafts.device == pred.device:
+        row = torch.cat((pred, drafts)).tolist()
+        p, d = row[:k + 1], row[k + 1:]
+    else:
+        p, d = pred.tolist(), drafts.tolist()
+    j = 0
+    while j < k and p[j] == d[j]:  # the longest prefix the target agrees with
+        j += 1
+    return p[:j + 1]
+
+
 def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
     """target_logits (K+1, V), drafts (K,) -> (j, next token). next = argmax of row j."""
-    pred = target_logits.argmax(-1).tolist()  # (K+1,): the round's one device readback
-    j = 0
-    for d in drafts.tolist():  # the longest prefix the target agrees with
-        if pred[j] != d:
-            break
-        j += 1
-    return j, pred[j]
+    toks = greedy_commit(target_logits, drafts)
+    return len(toks) - 1, toks[-1]
 
 
 def accept_sampled(

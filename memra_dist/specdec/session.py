@@ -21,7 +21,7 @@ from ..phase.levels import TraceSettings
 from ..phase.records import BurstRecord
 from ..phase.rounds_log import RoundProf, RoundsLog
 from ..phase.subsplit import SubsplitTimer
-from .accept import accept_greedy, accept_sampled
+from .accept import accept_sampled, greedy_commit
 from .ahead import ahead_steps
 from .drafters.base import Drafter
 from .sampling import SamplingParams, probs
@@ -98,6 +98,9 @@ class SpecSession:
         self.prof = FirstTokenProf() if trace.prof else None
         self.log = RoundsLog() if trace.prof else None
         self._ids = torch.zeros(k + 1, dtype=torch.long)  # the verify row ids, reused every round
+        # the same row on the target's device, for drafts that stay there (_verify_ids)
+        dev = getattr(target, "device", None) if getattr(target, "takes_device_ids", False) else None
+        self._ids_dev = torch.zeros(k + 1, dtype=torch.long, device=dev) if dev is not None else None
         self._draft_fw = getattr(drafter, "forwards_per_draft", -1)  # dflash: one forward drafts the block
         self._no_drafts = torch.zeros(0, dtype=torch.long)
         # deferred sink work (span building, tracing/deferred.py) runs while a verify is on the
@@ -226,9 +229,7 @@ class SpecSession:
         kk = int(drafts.shape[0])
         if rec is not None:
             r.t[1], r.free_mb[0] = c.stamp(), c.free_mb()
-        ids = self._ids[: kk + 1]  # (kk+1,): the pending token, then the drafts (a preallocated row)
-        ids[0] = self.tokens[-1]
-        ids[1:] = drafts
+        ids = self._verify_ids(drafts)  # (kk+1,): the pending token, then the drafts
         logits = self.target.forward(ids, n - 1, self.timer)  # (kk+1, V)
         if self._pump_in_verify is not None:
             self._pump_in_verify()
@@ -237,11 +238,12 @@ class SpecSession:
             if self.timer is not None:
                 r.sub_ns, r.seq_rows = self.timer.take()
         if self.sp.greedy:
-            j, nxt = accept_greedy(logits, drafts)
+            new = greedy_commit(logits, drafts)  # the accepted drafts + the next token: one readback
+            j = len(new) - 1
         else:
             q = prop.q[:kk] if prop is not None and prop.q is not None else None
             j, nxt, _kind = accept_sampled(probs(logits, self.sp), q, drafts, self.gen)
-        new = drafts[:j].tolist() + [nxt]
+            new = drafts[:j].tolist() + [nxt]
         if rec is not None:
             r.t[3], r.free_mb[2] = c.stamp(), c.free_mb()
         self.target.rollback(n + j)  # keep the pending token + j accepted drafts
@@ -327,6 +329,25 @@ class SpecSession:
         if self.timer is not None:
             self._ahead.laps_to(self.timer)
             r.sub_ns, r.seq_rows = self.timer.take()
+
+    def _verify_ids(self, drafts: torch.Tensor) -> torch.Tensor:
+        """The verify row [pending token, drafts...], in a preallocated row. Drafts left on the
+        target's device (a graphed greedy drafter's output) stay there: the row is built with
+        two device ops and the verify is launched while the draft may still run, so neither
+        waits on the host; the round's one readback is the accept's. A target that takes host
+        ids (the pipeline head ships them) gets them read back here."""
+        kk = int(drafts.shape[0])
+        if self._ids_dev is not None and drafts.device == self._ids_dev.device:
+            ids = self._ids_dev[: kk + 1]
+            ids[:1].fill_(self.tokens[-1])
+            ids[1:].copy_(drafts, non_blocking=True)
+            return ids
+        if drafts.device.type != "cpu":
+            drafts = drafts.cpu()
+        ids = self._ids[: kk + 1]
+        ids[0] = self.tokens[-1]
+        ids[1:] = drafts
+        return ids
 
     def _commit(self, new: list[int]) -> list[int]:
         room = self.max_new - self.stats.tokens

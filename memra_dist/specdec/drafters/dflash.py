@@ -141,10 +141,10 @@ class DFlashDrafter(Drafter):
         self._ingest(start)  # normally a no-op: maintain has ingested every committed row
         kk = min(k, self.B - 1)
         if sp.greedy and self.graph is not None:
-            return Proposal(self.graph.greedy(context[-1], start, kk).cpu())  # argmax in the graph; one readback
+            return Proposal(self.graph.greedy(context[-1], start, kk))  # argmax in the graph; left on the device
         logits = self.block_logits(context[-1], start, kk)  # (kk, V)
         if sp.greedy:
-            return Proposal(logits.argmax(-1).cpu())  # the round's one readback
+            return Proposal(logits.argmax(-1))  # on the device: the accept reads it back with the verify's
         q = probs(logits, sp)  # (kk, V): the distribution each draft is drawn from
         toks = torch.multinomial(q.cpu(), 1, generator=gen)[:, 0]
         return Proposal(toks, q)

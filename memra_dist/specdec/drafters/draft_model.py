@@ -28,13 +28,14 @@ class ModelDrafter(Drafter):
         self.k = k
         self.chain = None  # the greedy chain's CUDA graph (chain_graph.py), when the runner captures its steps
         self.cached: list[int] = []  # the token ids whose rows sit in the draft cache, in order
+        self._fed: torch.Tensor | None = None  # a greedy chain's drafts fed back, on the device until maintain
         self.safe = 0  # cached[:safe] is known to equal the committed context
 
     def alloc(self, capacity: int) -> float:
         if self.chain is not None and self.chain.capacity != capacity:
             self.chain = None  # a new cache comes: drop the graph over the old one first
         self.runner.alloc(capacity)
-        self.cached, self.safe = [], 0
+        self.cached, self.safe, self._fed = [], 0, None
         if self.chain is None or not self.chain.over(self.runner.cache):
             self.chain = None
             self.chain = chain_graph(self.runner, self.k)  # captured here, none inside a round
@@ -49,11 +50,12 @@ class ModelDrafter(Drafter):
     def propose(self, context, k, sp: SamplingParams, gen) -> Proposal:
         if k == 0:
             return EMPTY
+        self._settle()  # a propose with no maintain since the last one (a bench's wrapper)
         feed = context[len(self.cached):]  # >= 1 token: maintain keeps the last one out
         if sp.greedy and self.chain is not None and k == self.chain.k and self.chain.feeds(len(feed)):
-            ids = self.chain.run_feed(feed, len(self.cached)).cpu()  # catch-up + chain: one replay, one readback
+            ids = self.chain.run_feed(feed, len(self.cached))  # catch-up + chain: one replay, no readback
             self.cached.extend(feed)
-            self.cached.extend(ids[:k - 1].tolist())
+            self._fed = ids[:k - 1]
             return Proposal(ids)
         logits = self.runner.forward(torch.tensor(feed), len(self.cached))[-1:]  # (1, V)
         self.cached.extend(feed)
@@ -77,18 +79,27 @@ class ModelDrafter(Drafter):
         start = len(self.cached)
         t = logits[-1].argmax().view(1)  # (1,) int64 on the device
         if self.chain is not None and k == self.chain.k:
-            ids = self.chain.run(t, start).cpu()  # the one readback of the chain
+            ids = self.chain.run(t, start)
         else:
             toks = [t]
             for i in range(k - 1):
                 logits = self.runner.forward(t, start + i)
                 t = logits[-1].argmax().view(1)
                 toks.append(t)
-            ids = torch.cat(toks).cpu()  # the one readback of the chain
-        self.cached.extend(ids[:k - 1].tolist())
+            ids = torch.cat(toks)
+        self._fed = ids[:k - 1]
         return Proposal(ids)
 
+    def _settle(self) -> None:
+        """The greedy chain's fed drafts (rows in the draft cache) into `cached`. They stay on
+        the device through the round (the verify reads them there, the accept reads them back
+        with its own); here, after that readback, the copy waits on nothing."""
+        if self._fed is not None:
+            self.cached.extend(self._fed.tolist())
+            self._fed = None
+
     def maintain(self, context) -> None:
+        self._settle()
         m = self.safe
         lim = min(len(self.cached), len(context) - 1)
         while m < lim and self.cached[m] == context[m]:

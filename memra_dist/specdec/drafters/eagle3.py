@@ -127,7 +127,7 @@ class Eagle3Drafter(Drafter):
                 return picked[-1]
 
             self.step_logits(context, k, pick)
-            return Proposal(torch.cat(picked).cpu())  # the round's one readback
+            return Proposal(torch.cat(picked))  # on the device: the accept reads it back with the verify's
         qs, toks = [], []
 
         def draw(s, logits):

@@ -169,7 +169,7 @@ class MTPDrafter(Drafter):
                 return picked[-1]
 
             self.step_logits(context, k, pick, keep=False)
-            return Proposal(torch.cat(picked).cpu())  # the round's one readback
+            return Proposal(torch.cat(picked))  # on the device: the accept reads it back with the verify's
         qs, toks = [], []
 
         def draw(s, logits):
