@@ -13,7 +13,9 @@ __all__ = ["Drafter", "Proposal", "EMPTY"]
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # (k',) int64 drafted ids, k' <= k (0 = plain decode this round)
+    # (k',) int64 drafted ids, k' <= k (0 = plain decode this round); on the drafter's device for a
+    # graphed greedy drafter (the session reads them back with the verify's argmax), else on the host
+    tokens: torch.Tensor
     q: torch.Tensor | None = None  # (k', V) draft probabilities; None = deterministic (one-hot)
 
 
