@@ -202,3 +202,55 @@ def test_k_one_is_accepted():
     while not s.done:
         s.burst(4)
     assert s.stats.drafted > 0 and s.stats.drafted <= s.stats.rounds
+
+
+# ---- the host part of a phase ---------------------------------------------------------------
+
+HOST_S, DEVICE_S = 0.010, 0.040  # the fake verify: host launch work, then device work until its drain
+
+
+class AsyncTarget(FakeTarget):
+    """A verify that launches work running on a fake device: forward spends HOST_S on the host
+    and returns, the device is busy until DEVICE_S after the launch began; drain() waits for it."""
+
+    def __init__(self):
+        super().__init__(sleeps=False)
+        self.busy_until = 0.0
+
+    def forward(self, ids, start, timer=None):
+        if self.primed:
+            self.busy_until = time.perf_counter() + DEVICE_S
+            time.sleep(HOST_S)
+        return super().forward(ids, start, timer)
+
+    def drain(self) -> None:
+        time.sleep(max(0.0, self.busy_until - time.perf_counter()))
+
+
+def test_a_phase_span_says_how_much_of_it_the_host_took():
+    """memra.host_ms: the verify's host part is its launch work, not the device tail the drain
+    waited for; a host-only phase (the fake draft sleeping on the host) is host nearly whole;
+    the share table carries the same split."""
+    from memra_dist.phase.share import ShareTable
+
+    exp = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exp))
+    sink = RecordSink(SpanSink(provider.get_tracer("memra_dist"), None))
+    s = _session(AsyncTarget(), FakeDrafter(), k=4, sink=sink)
+    s.start([1, 2, 3, 4], max_new=40, capacity=64)
+    s.burst(3)
+    (rec,) = sink.bursts
+    for r in rec.live():
+        verify, host = r.phase_ns(1) / 1e9, r.host_ns(1) / 1e9
+        assert verify >= DEVICE_S and HOST_S <= host < DEVICE_S * 0.75, (verify, host)
+        assert r.host_ns(0) >= SLEEP[0] * 1e9 and r.host_ns(0) <= r.phase_ns(0)
+    spans = {sp.name: sp for sp in exp.get_finished_spans()}
+    v, d = spans[PHASE_SPANS["verify"]], spans[PHASE_SPANS["draft"]]
+    assert HOST_S * 1e3 <= v.attributes["memra.host_ms"] < (v.end_time - v.start_time) / 1e6 * 0.75
+    assert d.attributes["memra.host_ms"] >= SLEEP[0] * 1e3
+    table = ShareTable()
+    table.burst(rec)
+    row = next(ln for ln in table.table().splitlines() if ln.startswith("  verify "))
+    ms_round, host = (float(x) for x in row.split()[2:4])
+    assert HOST_S * 1e3 <= host < ms_round * 0.75, row

@@ -38,6 +38,12 @@ class PhaseClock:
             d()
         return time.perf_counter_ns()
 
+    def boundary(self) -> tuple[int, int]:
+        """(host_ns, end_ns): the time the host reached the boundary, then the stamp after the
+        drains. What lies between is the device finishing the phase's launched work."""
+        host = time.perf_counter_ns()
+        return host, self.stamp()
+
     def lap_ms(self, since_ns: int) -> tuple[int, float]:
         now = self.stamp()
         return now, (now - since_ns) / 1e6

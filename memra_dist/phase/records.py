@@ -13,10 +13,12 @@ PHASE_COUNT = 5  # draft, verify, accept, rollback, maint
 @dataclass
 class RoundRecord:
     """One round: six clock stamps (entry + the five boundaries, perf_counter ns) and the
-    numbers each phase span carries."""
+    numbers each phase span carries. `h[i]`: when the host reached phase i's end boundary,
+    before that boundary's drain (0: not taken, as in a one-step-ahead round)."""
 
     index: int = 0
     t: list[int] = field(default_factory=lambda: [0] * (PHASE_COUNT + 1))
+    h: list[int] = field(default_factory=lambda: [0] * PHASE_COUNT)
     k: int = 0  # drafted tokens that entered the verify
     j: int = 0  # accepted drafts
     ctx: int = 0  # committed target rows at round entry
@@ -27,6 +29,14 @@ class RoundRecord:
 
     def phase_ns(self, i: int) -> int:
         return self.t[i + 1] - self.t[i]
+
+    def host_ns(self, i: int) -> int:
+        """Phase i's host part: from its start until the host reached its end (its launches,
+        its host work and any wait inside it, such as a readback); the rest of the phase is
+        the drain, the device finishing work already launched. 0 where not taken."""
+        if not self.h[i]:
+            return 0
+        return max(0, min(self.h[i], self.t[i + 1]) - self.t[i])
 
     @property
     def wall_ns(self) -> int:
@@ -65,4 +75,12 @@ class BurstRecord:
         for r in self.live():
             for i in range(PHASE_COUNT):
                 out[i] += r.phase_ns(i)
+        return out
+
+    def host_totals_ns(self) -> list[int]:
+        """Per-phase host ns (RoundRecord.host_ns) summed over the live rounds."""
+        out = [0] * PHASE_COUNT
+        for r in self.live():
+            for i in range(PHASE_COUNT):
+                out[i] += r.host_ns(i)
         return out

@@ -12,6 +12,7 @@ __all__ = ["ShareTable"]
 class ShareTable:
     def __init__(self):
         self.ns = [0] * len(PHASES)
+        self.host_ns = [0] * len(PHASES)  # each phase's host part (RoundRecord.host_ns), drained rounds only
         self.sub: dict[str, int] = {}
         self.n_rounds = 0
         self.ahead_rounds = 0  # rounds one step ahead (phases from the step's device events)
@@ -19,6 +20,8 @@ class ShareTable:
     def burst(self, rec: BurstRecord) -> None:
         for i, v in enumerate(rec.totals_ns()):
             self.ns[i] += v
+        for i, v in enumerate(rec.host_totals_ns()):
+            self.host_ns[i] += v
         self.n_rounds += rec.n
         self.ahead_rounds += rec.n if rec.ahead else 0
         if any(r.sub_ns for r in rec.live()):
@@ -44,19 +47,26 @@ class ShareTable:
         """Phase rows are shares of the traced rounds' time (they add up to 100 %). At level 2
         the verify rows below them are shares of verify (they add up to 100 % of verify):
         one row per mixer class the model has, then `rest` (everything else in verify), with
-        the FFN's time shown inside rest and the KDA scan inside kda."""
+        the FFN's time shown inside rest and the KDA scan inside kda. The host column is each
+        phase's part before its drain (ms a drained round): launches, host work and waits inside
+        the phase such as a readback; `-` where no round was drained (one step ahead)."""
         n = max(self.n_rounds, 1)
         total = sum(self.ns) or 1
-        head = f"  {'':<16}{'total ms':>10}{'ms/round':>10}{'share':>8}"
+        drained = self.n_rounds - self.ahead_rounds
+        head = f"  {'':<16}{'total ms':>10}{'ms/round':>10}{'host':>8}{'share':>8}"
         lines = [f"phase shares over {self.n_rounds} speculative rounds: where their time went ({self._how()})", head]
 
-        def row(name: str, ns: int, of: int, bar: bool = True) -> str:
+        def row(name: str, ns: int, of: int, bar: bool = True, host: int | None = None) -> str:
             pct = 100 * ns / (of or 1)
             tail = " " + "#" * int(round(30 * ns / (of or 1))) if bar else ""
-            return f"  {name:<16}{ns / 1e6:>10.2f}{ns / 1e6 / n:>10.3f}{pct:>7.1f}%{tail}"
+            h = "" if host is None else (f"{host / 1e6 / drained:.3f}" if drained else "-")
+            return f"  {name:<16}{ns / 1e6:>10.2f}{ns / 1e6 / n:>10.3f}{h:>8}{pct:>7.1f}%{tail}"
 
-        for name, ns in zip(PHASES, self.ns):
-            lines.append(row(name, ns, total))
+        for name, ns, host in zip(PHASES, self.ns, self.host_ns):
+            lines.append(row(name, ns, total, host=host))
+        if drained:
+            lines.append("  host: ms a round until the phase's drain began (launches, host work, waits such as a "
+                         "readback); the rest of ms/round is the device finishing what was launched")
         if self.sub:
             verify = self.ns[PHASES.index("verify")] or 1
             lines.append("  verify by mixer class (shares of verify):")

@@ -228,9 +228,11 @@ class SpecSession:
         drafts = prop.tokens[:k] if prop is not None else self._no_drafts
         kk = int(drafts.shape[0])
         if rec is not None:
-            r.t[1], r.free_mb[0] = c.stamp(), c.free_mb()
+            (r.h[0], r.t[1]), r.free_mb[0] = c.boundary(), c.free_mb()
         ids = self._verify_ids(drafts)  # (kk+1,): the pending token, then the drafts
         logits = self.target.forward(ids, n - 1, self.timer)  # (kk+1, V)
+        if rec is not None:
+            r.h[1] = time.perf_counter_ns()  # the verify launched (before the tracer's own deferred work)
         if self._pump_in_verify is not None:
             self._pump_in_verify()
         if rec is not None:
@@ -245,14 +247,14 @@ class SpecSession:
             j, nxt, _kind = accept_sampled(probs(logits, self.sp), q, drafts, self.gen)
             new = drafts[:j].tolist() + [nxt]
         if rec is not None:
-            r.t[3], r.free_mb[2] = c.stamp(), c.free_mb()
+            (r.h[2], r.t[3]), r.free_mb[2] = c.boundary(), c.free_mb()
         self.target.rollback(n + j)  # keep the pending token + j accepted drafts
         if rec is not None:
-            r.t[4], r.free_mb[3] = c.stamp(), c.free_mb()
+            (r.h[3], r.t[4]), r.free_mb[3] = c.boundary(), c.free_mb()
         new = self._commit(new)
         self.drafter.maintain(self.tokens)
         if rec is not None:
-            r.t[5], r.free_mb[4] = c.stamp(), c.free_mb()
+            (r.h[4], r.t[5]), r.free_mb[4] = c.boundary(), c.free_mb()
             r.k, r.j = kk, j
             r.draft_forwards = self._draft_fw if kk or self._draft_fw < 0 else 0
             self._profile_round(r)
@@ -323,6 +325,7 @@ class SpecSession:
         t2 = t0 + min(verify_ns, t3 - t0)
         t4 = time.perf_counter_ns()
         r.t[:] = [t0, t0, t2, t3, t4, t4]
+        r.h[:] = [0] * len(r.h)  # no boundary drained: no host / drain split
         fm = self.clock.free_mb()
         for i in range(len(r.free_mb)):
             r.free_mb[i] = fm

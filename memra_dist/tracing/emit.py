@@ -97,6 +97,8 @@ class SpanSink:
         for i, ph in enumerate(PHASES):
             mem = self._mem(r.free_mb[i])
             extra = {ATTR["draft_forwards"]: r.draft_forwards} if ph == "draft" and r.draft_forwards >= 0 else {}
+            if r.h[i]:
+                extra[ATTR["host_ms"]] = r.host_ns(i) / 1e6
             ps = self._span(PHASE_SPANS[ph], rs, r.t[i], r.t[i + 1], {**base, **mem, **extra})
             if ph == "verify" and r.sub_ns:
                 t = r.t[1]

@@ -36,6 +36,10 @@ ATTR_DOC = {
     "seq_rows": ("{row}", "spec.round", "verify rows that took a per-row mixer arm instead of the batched one"),
     "draft_forwards": ("{forward}", "spec.draft", "draft-network forwards in the phase, where the drafter says: dflash "
                        "drafts its whole block in ONE forward (1; 0 in a round that drafted nothing)"),
+    "host_ms": ("ms", "phase spans (not one step ahead)", "the phase from its start until the host reached its end, "
+                "before the drain: its launches, its host work and any wait inside it (the accept's readback); "
+                "the rest of the span is the device finishing work already launched. A phase whose host_ms is "
+                "most of it, with the device idle meanwhile, is bound by the host"),
     "tokens": ("{token}", "spec.burst, memra.request, memra.first_token", "tokens committed (the first-token span: tokens of the first burst, anchor included)"),
     "rounds": ("{round}", "spec.burst, memra.request, memra.first_token", "rounds run"),
     "drafter": ("", "memra.request", "none | ngram | model | dflash | replay"),
