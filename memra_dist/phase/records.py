@@ -71,16 +71,12 @@ class BurstRecord:
 
     def totals_ns(self) -> list[int]:
         """Per-phase ns summed over the live rounds (draft, verify, accept, rollback, maint)."""
-        out = [0] * PHASE_COUNT
-        for r in self.live():
-            for i in range(PHASE_COUNT):
-                out[i] += r.phase_ns(i)
-        return out
+        return self._per_phase(RoundRecord.phase_ns)
 
     def host_totals_ns(self) -> list[int]:
         """Per-phase host ns (RoundRecord.host_ns) summed over the live rounds."""
-        out = [0] * PHASE_COUNT
-        for r in self.live():
-            for i in range(PHASE_COUNT):
-                out[i] += r.host_ns(i)
-        return out
+        return self._per_phase(RoundRecord.host_ns)
+
+    def _per_phase(self, of) -> list[int]:
+        live = self.live()
+        return [sum(of(r, i) for r in live) for i in range(PHASE_COUNT)]
