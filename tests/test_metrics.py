@@ -64,9 +64,13 @@ def test_burst_records_every_instrument(sink):
               _round(1, [1, 4, 0.5, 0.2, 0.3], k=4, j=1, free={"cpu": 800}),
               _round(2, [1, 5, 0.5, 0.2, 0.3], k=4, j=0, free={"cpu": 700}),
               _round(3, [2, 9, 0.5, 0.2, 0.3], k=3, j=3, free={"cpu": 600, "cuda0": 5000})]
+    rounds[1].h = [rounds[1].t[i + 1] - MS // 2 for i in range(len(PHASES))]  # each phase's last 0.5 ms drained
     s.burst(_burst(rounds))
     pts = _points(reader)
     assert set(pts) == set(METRICS.values()) - {METRICS["verify_sub_duration"], METRICS["first_token"]}
+    host = _by(pts[METRICS["phase_host_duration"]], METRIC_ATTR["phase"])
+    assert host["verify"].count == 1 and host["verify"].sum == pytest.approx(3.5)  # only the round that has it
+    assert host["rollback"].sum == pytest.approx(0.0)  # 0.2 ms, all of it drained: clamped at zero
 
     phase = _by(pts[METRICS["phase_duration"]], METRIC_ATTR["phase"])
     assert set(phase) == set(PHASES)

@@ -98,6 +98,7 @@ ROLES = ("driver", "stage", "head")
 # ---- metrics (OpenTelemetry instrument names; Prometheus turns '.' into '_') ----
 METRICS = {
     "phase_duration": "memra.spec.phase.duration",  # histogram, ms, attr memra.phase
+    "phase_host_duration": "memra.spec.phase.host.duration",  # histogram, ms, attr memra.phase
     "verify_sub_duration": "memra.spec.verify.sub.duration",  # histogram, ms, attr memra.bucket
     "drafted": "memra.spec.drafted",  # counter, tokens
     "accepted": "memra.spec.accepted",  # counter, tokens
@@ -113,6 +114,9 @@ METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memr
 # these; the Prometheus form of a name adds the unit word and _total / _bucket suffixes)
 METRIC_META = {
     "phase_duration": ("histogram", "ms", "Phase wall time per round, by phase (memra.phase: draft, verify, accept, rollback, maint)."),
+    "phase_host_duration": ("histogram", "ms", "A phase's host part per round, by phase: until the host reached the "
+                            "phase's end, before its drain (launches, host work, waits such as a readback); rounds "
+                            "run one step ahead record none."),
     "verify_sub_duration": ("histogram", "ms", "Level-2 verify sub-bucket time per round, by memra.bucket (kda, mla, attn, ffn, rest)."),
     "drafted": ("counter", "{token}", "Drafted tokens that entered a verify."),
     "accepted": ("counter", "{token}", "Drafted tokens the verify accepted."),

@@ -106,6 +106,8 @@ class MetricsSink:
         for r in rounds:
             for i, attrs in enumerate(self.a_phase):
                 m["phase_duration"].record(r.phase_ns(i) / 1e6, attrs, context=ctx)
+                if r.h[i]:
+                    m["phase_host_duration"].record(r.host_ns(i) / 1e6, attrs, context=ctx)
             if r.sub_ns:
                 for bucket, ns, _ in verify_sub_layout(r):
                     m["verify_sub_duration"].record(ns / 1e6, {METRIC_ATTR["bucket"]: bucket}, context=ctx)
