@@ -9,8 +9,10 @@ One engine through `open_engine` with the default RunConfig (what `memra-dist ge
   verify  the target's 16-row and 1-row steps (forward + rollback, as a verify / decode);
   round   one more request at level 0 (nothing traced), each piece of the round loop wrapped
           with a host clock: what returns at once is the host's launch cost, what waits on
-          the device (the drafts' readback in propose, accept's) includes that wait; the sum
-          against the device time of the draft and verify says where a round's host time goes;
+          the device (accept's readback) includes that wait; the sum against the device time
+          of the draft and verify says where a round's host time goes. The verify launch is
+          split further (cache.begin, the graph's load, replay_at, the rest of graphs.run),
+          and every CUDA graph replay is counted;
 each timed with CUDA events over many back-to-back calls (device time per call), and the
 kernels of each under torch.profiler, grouped (GEMMs, attention, the rest) with the top ones.
 (Eager F.linear calls timed alone measure the host's launches at these sizes, not the GEMM:
@@ -99,8 +101,8 @@ class _HostClock:
                 self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - t) * 1e3
                 self.calls[label] = self.calls.get(label, 0) + 1
 
+        self._undo.append((obj, name, fn, name in vars(obj)))  # own: the attribute was obj's, not its class's
         setattr(obj, name, timed)
-        self._undo.append((obj, name, fn, name in vars(obj)))
 
     def undo(self) -> None:
         for obj, name, fn, own in reversed(self._undo):
@@ -123,6 +125,18 @@ def _round_host(engine, prompt, cfg) -> dict:
     clock.wrap(sess, "greedy_commit", "accept (wait for verify + argmax + readback)")
     clock.wrap(d.target, "rollback", "rollback")
     clock.wrap(d, "maintain", "maintain (ingest launch)")
+    # inside the verify launch (labels that start with a space: parts of the one above, not summed)
+    t = d.target
+    clock.wrap(t.cache, "begin", "  of it: cache.begin")
+    if t.graphs is not None:
+        clock.wrap(t.graphs, "run", "  of it: graphs.run (load + replay + out.clone)")
+        for rows, g in t.graphs.graphs.items():
+            if rows > 1:
+                clock.wrap(g, "load", "  of it: graph load (the ids into the static row)")
+                clock.wrap(g, "replay_at", "  of it: replay_at (positions + cudaGraphLaunch)")
+        clock.wrap(torch.cuda.CUDAGraph, "replay", "every CUDA graph replay (block, verify, ingest)")
+    if d.graph is not None:
+        clock.wrap(d.graph, "ingest", "  of it: maintain's ingest replay")
     try:
         stamps: list[float] = []
         res = engine.generate(prompt, cfg, stream=lambda t: stamps.append(time.perf_counter()))
@@ -132,14 +146,16 @@ def _round_host(engine, prompt, cfg) -> dict:
     wall = (stamps[-1] - stamps[0]) * 1e3 / max(rounds - 1, 1)
     per = {k: round(v / rounds, 4) for k, v in clock.ms.items()}
     per["round wall (stream to stream)"] = round(wall, 4)
-    per["rest of the loop"] = round(wall - sum(v for k, v in per.items() if k != "round wall (stream to stream)"), 4)
+    top = [v for k, v in per.items() if not k.startswith(" ") and not k.startswith("every") and k != "round wall (stream to stream)"]
+    per["rest of the loop"] = round(wall - sum(top), 4)
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # the host's own ops, per round
         r2 = engine.generate(prompt, cfg.with_(max_new_tokens=48))
     n2 = r2.stats["rounds"]
     top = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[:20]
     ops = [{"op": e.key[:80], "self_us_per_round": round(e.self_cpu_time_total / n2, 1), "calls_per_round": round(e.count / n2, 2)}
            for e in top]
-    return {"rounds": rounds, "ms_per_round": per, "cpu_ops": ops}
+    calls = {k: round(v / rounds, 2) for k, v in clock.calls.items()}
+    return {"rounds": rounds, "ms_per_round": per, "calls_per_round": calls, "cpu_ops": ops}
 
 
 def main() -> int:
@@ -204,8 +220,9 @@ def main() -> int:
             _say(f"   {t['us']:9.2f} us  x{t['count']:<5} {t['kernel']}")
     _say(f"round host ms per round over {res['round_host']['rounds']} rounds (device: block {res['block_ms']}, "
          f"verify(16) {res['verify16_ms']}):")
+    calls = res["round_host"]["calls_per_round"]
     for k, v in res["round_host"]["ms_per_round"].items():
-        _say(f"   {v:8.4f}  {k}")
+        _say(f"   {v:8.4f}  {k}" + (f"  (x{calls[k]} a round)" if k in calls else ""))
     _say("host ops by self time (us per round, one request of 48 tokens, its prime included):")
     for o in res["round_host"]["cpu_ops"]:
         _say(f"   {o['self_us_per_round']:9.1f} us  x{o['calls_per_round']:<6} {o['op']}")
