@@ -39,7 +39,9 @@ ATTR_DOC = {
     "host_ms": ("ms", "phase spans (not one step ahead)", "the phase from its start until the host reached its end, "
                 "before the drain: its launches, its host work and any wait inside it (the accept's readback); "
                 "the rest of the span is the device finishing work already launched. A phase whose host_ms is "
-                "most of it, with the device idle meanwhile, is bound by the host"),
+                "most of it, with the device idle meanwhile, is bound by the host. Waits inside count as host: at level 2 "
+                "the verify drains per layer, and at pp > 1 the head's verify waits for the last stage's rows, so "
+                "there the verify's host part is nearly all of it"),
     "tokens": ("{token}", "spec.burst, memra.request, memra.first_token", "tokens committed (the first-token span: tokens of the first burst, anchor included)"),
     "rounds": ("{round}", "spec.burst, memra.request, memra.first_token", "rounds run"),
     "drafter": ("", "memra.request", "none | ngram | model | dflash | replay"),
