@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .config import RunConfig
+from .specdec.chunks import DEFAULT_PREFILL_CHUNK
 from .env import trace_settings
 from .errors import UserError
 from .model.config import load_config
@@ -55,7 +56,7 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
         pp=args.pp, stage_bounds=_bounds(args.stage_bounds), burst_rounds=args.burst_rounds,
         replay_corrupt=args.replay_corrupt, trace=trace, trace_content=args.trace_content,
         graphs=getattr(args, "graphs", "auto"), compile=getattr(args, "compile", "auto"),
-        kernels=getattr(args, "kernels", "auto"))
+        kernels=getattr(args, "kernels", "auto"), prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK))
 
 
 # ---- the one request path -------------------------------------------------------------

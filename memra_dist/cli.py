@@ -8,6 +8,7 @@ import sys
 
 from . import __version__
 from .errors import UserError
+from .specdec.chunks import DEFAULT_PREFILL_CHUNK
 
 __all__ = ["main", "run", "build_parser"]
 
@@ -70,6 +71,10 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
                         "split-sequence cached attention that reads only the live rows "
                         "(auto = on wherever the graphs are and Triton imports; off = cuBLAS and the reference "
                         "attention)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help="prompt rows per prefill forward (default %(default)s): the prompt runs in chunks, so its "
+                        "working memory is O(N x context) whatever its length; at --pp > 1 the chunks are "
+                        "pipelined across the stages and shrink as the prefix grows (N is their upper bound)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (Ray actors, one device each); 1 = in-process")
     p.add_argument("--stage-bounds", metavar="A,B,..", help="explicit first layer of stages 2..N (default: even split)")
     p.add_argument("--trace-level", type=int, choices=[0, 1, 2], default=None, help="0 off, 1 phases, 2 + verify sub-split (beats MEMRA_SPEC_TRACE)")

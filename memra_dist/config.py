@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from .errors import UserError
 from .phase.levels import TraceSettings
+from .specdec.chunks import DEFAULT_PREFILL_CHUNK
 from .specdec.drafters import DRAFTERS
 from .specdec.sampling import SamplingParams
 
@@ -36,6 +37,7 @@ class RunConfig:
     graphs: str = "auto"  # CUDA graphs for decode/verify steps: auto (= on with CUDA) | on | off
     compile: str = "auto"  # torch.compile the blocks captured in those graphs: auto (= with the graphs) | on | off
     kernels: str = "auto"  # our Triton GEMV / cached-attention kernels in those graphs: auto (= with the graphs) | off
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt rows per prefill forward (specdec/chunks.py)
 
     def __post_init__(self):
         if self.drafter == "mtp" and self.draft_model:
@@ -70,6 +72,8 @@ class RunConfig:
             object.__setattr__(self, "kernels", "auto" if self.kernels else "off")
         if self.kernels not in ("auto", "off"):
             raise UserError(f"--kernels must be auto or off (got {self.kernels!r})")
+        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
+            raise UserError(f"--prefill-chunk must be an integer >= 1 (got {self.prefill_chunk!r})")
         if self.ctx is not None and self.ctx < 2:
             raise UserError(f"--ctx must be >= 2 (got {self.ctx})")
 

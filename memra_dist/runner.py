@@ -136,14 +136,19 @@ class ModelRunner:
         return self.cache.length if self.cache is not None else 0
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, timer=None, last: bool = False) -> torch.Tensor:
+        """`last`: a runner with the head returns only the last row's logits (1, V): a prefill
+        chunk, whose other rows' logits nobody reads, skips their lm_head."""
         rows = x.shape[0]
         self.cache.begin(start, rows)
         if self.graphs is not None and rows <= self._graphed_rows():
-            return self.graphs.run(x, start, timer)  # level 2 too: the graph records its laps
+            out = self.graphs.run(x, start, timer)  # level 2 too: the graph records its laps
+            return out[-1:] if last and self.stage.has_head else out
         pos = torch.arange(start, start + rows, device=self.device)
-        h = self.stage(x.to(self.device), pos, self.cache, timer)
-        return self.stage.logits(h) if self.stage.has_head else h
+        h = self.stage(x.to(self.device), pos, self.cache, timer, start)
+        if not self.stage.has_head:
+            return h
+        return self.stage.logits(h[-1:] if last else h)
 
     def _graphed_rows(self) -> int:
         """Rows that replay a graph: the warmed row counts when graphs are warmed at

@@ -87,7 +87,7 @@ class FakeRunner:
             d.prof.tap_sink_mb = 2.5
         time.sleep(ALLOC_REST)
 
-    def forward(self, ids, start, timer=None):
+    def forward(self, ids, start, timer=None, last=False):
         logits = torch.zeros(ids.shape[0], V)
         logits[:, TOKEN] = 1.0
         return logits
@@ -112,7 +112,7 @@ class FakeTapDrafter(Drafter):
     def __init__(self):
         self.seen_depth = []
 
-    def prime(self, prompt):
+    def prime(self, prompt, chunks=None):
         d = self.ttft_depth
         self.seen_depth.append(d)
         half = len(prompt) // 2
@@ -192,6 +192,7 @@ def _sample_prof() -> FirstTokenProf:
     pf.tap_sink_alloc_ms, pf.tap_sink_mb = 0.25, 3.0
     pf.draft_prime_feat_ms, pf.draft_prime_kv_ms = 1.5, 2.0
     pf.draft_prime_rows, pf.draft_prime_chunks, pf.draft_prime_arm = 13, 1, "device"
+    pf.prime_chunk_rows, pf.prime_chunk_ms = [8, 5], [3.0, 2.0]  # the prime's two chunks
     return pf
 
 
@@ -201,7 +202,8 @@ def test_line_carries_the_seed_names_and_says_device_arm():
     for f in DEPTH_FIELDS:
         assert f" {f}=" in f" {depth}", f
     kv = dict(tok.split("=", 1) for tok in depth.split(" (")[0].split())
-    assert kv == {"tap_sink_alloc_ms": "0.250", "tap_sink_mb": "3.0", "prime_tap_dtoh_ms": "0.000",
+    assert kv == {"tap_sink_alloc_ms": "0.250", "tap_sink_mb": "3.0", "prime_chunks": "2", "prime_rows": "13",
+                  "prime_chunk_mean_ms": "2.500", "prime_chunk_max_ms": "3.000", "prime_tap_dtoh_ms": "0.000",
                   "draft_prime_h2d_ms": "0.000", "draft_prime_feat_ms": "1.500", "draft_prime_kv_ms": "2.000",
                   "draft_prime_rows": "13", "draft_prime_chunks": "1", "draft_prime_arm": "device"}
     assert "(device arm: the taps never leave the device" in depth and "no tap DtoH" in depth

@@ -43,7 +43,7 @@ class FakeTarget:
     def alloc(self, capacity: int) -> None:
         pass
 
-    def forward(self, ids, start, timer=None):
+    def forward(self, ids, start, timer=None, last=False):
         if self.primed and self.sleeps:
             time.sleep(SLEEP[1])
         self.primed = True
@@ -217,7 +217,7 @@ class AsyncTarget(FakeTarget):
         super().__init__(sleeps=False)
         self.busy_until = 0.0
 
-    def forward(self, ids, start, timer=None):
+    def forward(self, ids, start, timer=None, last=False):
         if self.primed:
             self.busy_until = time.perf_counter() + DEVICE_S
             time.sleep(HOST_S)

@@ -27,8 +27,8 @@ class TapReplay(Drafter):
     def alloc(self, capacity: int) -> float:
         return self.real.alloc(capacity)
 
-    def prime(self, prompt: list[int]) -> None:
-        self.real.prime(prompt)
+    def prime(self, prompt: list[int], chunks=None) -> None:
+        self.real.prime(prompt, chunks)
 
     def propose(self, context, k, sp, gen) -> Proposal:
         real = self.real.propose(context, k, sp, gen)  # paid in full: its forward(s) and readback

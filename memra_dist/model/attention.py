@@ -9,6 +9,7 @@ from torch.nn import functional as F
 from ..cache import KVLayer
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope
+from .prefix_attention import prefix_attention
 
 __all__ = ["Attention", "causal_mask", "cached_attention"]
 
@@ -84,6 +85,10 @@ class Attention(nn.Module):
             return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
         state.k.index_copy_(0, pos, k)
         state.v.index_copy_(0, pos, v)
+        if ctx.prefix is not None:  # a prefill chunk: the cache rows up to its end, bottom-right causal
+            S = ctx.prefix + T
+            o = prefix_attention(q, state.k[:S], state.v[:S], ctx.prefix, self.hd ** -0.5)  # (T, nh, hd)
+            return self.o_proj(o.reshape(T, self.nh * self.hd))
         if T <= self.fast_attn_rows:
             return self.o_proj(torch.ops.memra.decode_attention(q, state.k, state.v, pos))
         return self.o_proj(cached_attention(q, state.k, state.v, mask, self.nkv))  # (T, hidden)

@@ -219,15 +219,18 @@ class Eagle3Net(nn.Module):
         """Taps (T, n_taps * H_target) -> the first step's hidden g (T, H)."""
         return self.fc(taps)
 
-    def step(self, emb: torch.Tensor, g: torch.Tensor, pos: torch.Tensor, kv_of, mask: torch.Tensor) -> torch.Tensor:
+    def step(self, emb: torch.Tensor, g: torch.Tensor, pos: torch.Tensor, kv_of, mask: torch.Tensor | None,
+             attend=None) -> torch.Tensor:
         """Rows (emb, g) at positions pos -> pre-norm outputs h (T, H). `kv_of(k, v)` returns
         the full keys / values (N, nkv, hd) given the rows' own; `mask` (T, N) says which
-        of those N each row reads."""
+        of those N each row reads; `attend(q, K, V)` -> (T, nh * hd), when given, replaces
+        the masked reference (a prime chunk's prefix attention)."""
         layer = self.midlayer
         x2, resid = layer.inputs(emb, g)
         q, k, v = layer.self_attn.qkv(x2, self.rope(pos))
         K, V = kv_of(k, v)
-        return layer.finish(resid, cached_attention(q, K, V, mask, layer.self_attn.nkv))
+        o = attend(q, K, V) if attend is not None else cached_attention(q, K, V, mask, layer.self_attn.nkv)
+        return layer.finish(resid, o)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits (T, draft_vocab)."""

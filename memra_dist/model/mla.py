@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from .config import ModelConfig
 from .kimi_config import KimiSpec
 from .layers import RMSNorm
+from .prefix_attention import prefix_attention
 
 __all__ = ["MLA", "MLALayer", "ABSORB_MAX_ROWS"]
 
@@ -96,7 +97,10 @@ class MLA(nn.Module):
             state.latent.index_copy_(0, ctx.pos, latent)
             state.k_shared.index_copy_(0, ctx.pos, k_shared)
             latent, k_shared = state.latent, state.k_shared  # (C, rank), (C, dr)
-        if state is not None and T <= ABSORB_MAX_ROWS:
+        if state is not None and ctx.prefix is not None:  # a prefill chunk over the rows before it
+            S = ctx.prefix + T
+            o = self._prefix(q, latent[:S], k_shared[:S], ctx.prefix)
+        elif state is not None and T <= ABSORB_MAX_ROWS:
             o = self._absorbed(q, latent, k_shared, ctx.mask)
         else:
             o = self._expanded(q, latent, k_shared, ctx.mask)
@@ -119,6 +123,16 @@ class MLA(nn.Module):
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1)  # (T, nh, dv)
+
+    def _prefix(self, q, latent, k_shared, start: int) -> torch.Tensor:
+        """A prefill chunk: per-head K/V of the S = start + T live rows only (not the whole
+        cache), then bottom-right causal attention that never holds the (T, S) scores of all
+        heads at once (model/prefix_attention.py). Returns (T, nh, dv)."""
+        S = latent.shape[0]
+        kv = self.kv_b_proj(latent).view(S, self.nh, self.dn + self.dv)  # (S, nh, dn + dv)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+        k = torch.cat([k_nope, k_shared[:, None, :].expand(S, self.nh, self.dr)], dim=-1)  # (S, nh, dn + dr)
+        return prefix_attention(q, k, v, start, self.scale)
 
     def _absorbed(self, q, latent, k_shared, mask) -> torch.Tensor:
         """scores = (q_nope W_uk) . latent + q_shared . k_shared; out = (P latent) W_uv.

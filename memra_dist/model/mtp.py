@@ -28,6 +28,7 @@ from .layers import RMSNorm, rope_inv_freq, rope_rows, rope_scale
 from .loader import FP32_KEYS, CheckpointReader, hf_name
 from .moe_config import MOE_ARCHS
 from .moe_names import checkpoint_tensor
+from .prefix_attention import PREFIX_MIN_ROWS
 from .transformer import Block, StepCtx
 
 __all__ = ["MTPLayer", "MTPHead", "mtp_layer_count", "check_mtp", "load_mtp"]
@@ -62,9 +63,13 @@ class MTPHead(nn.Module):
     def layer(self, j: int) -> MTPLayer:
         return self.layers[str(self.cfg.num_layers + j)]
 
-    def step_ctx(self, pos: torch.Tensor, capacity: int) -> StepCtx:
-        return StepCtx(pos=pos, mask=causal_mask(pos, capacity),
-                       rope={d: rope_rows(pos, f, rope_scale(self.cfg.rope)) for d, f in self._inv_freq.items()})
+    def step_ctx(self, pos: torch.Tensor, capacity: int, start: int | None = None) -> StepCtx:
+        """`start`: the first of contiguous rows (the prime's chunks): more than
+        PREFIX_MIN_ROWS of them attend as a prefill chunk, with no (rows x capacity) mask."""
+        rope = {d: rope_rows(pos, f, rope_scale(self.cfg.rope)) for d, f in self._inv_freq.items()}
+        if start is not None and pos.shape[0] > PREFIX_MIN_ROWS:
+            return StepCtx(pos=pos, mask=None, rope=rope, prefix=start)
+        return StepCtx(pos=pos, mask=causal_mask(pos, capacity), rope=rope)
 
     def to_device(self, device, dtype) -> "MTPHead":
         self._inv_freq = {d: f.to(device) for d, f in self._inv_freq.items()}

@@ -16,6 +16,7 @@ from torch import nn
 from ..cache import StageCache
 from .attention import Attention, causal_mask
 from .config import ModelConfig
+from .prefix_attention import PREFIX_MIN_ROWS
 from .kimi import kimi_ffn, kimi_mixer
 from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_rows, rope_scale
 from .moe_families import moe_ffn, moe_mixer
@@ -32,6 +33,10 @@ class StepCtx:
     mask: torch.Tensor | None  # (T, C) bool over cache slots; None = plain causal, no cache
     rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # dim -> (T, dim)
     timer: object | None = None  # level-2 sub-split timer (phase/subsplit.py), None = off
+    # a prefill chunk's first position: the rows are [prefix, prefix + T), attention reads cache
+    # rows [0, prefix + T) causal to the bottom right (model/prefix_attention.py) and no mask is
+    # built (it would be T x capacity); None: decode / verify rows under `mask`
+    prefix: int | None = None
 
     def rope_for(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope[dim]
@@ -124,17 +129,23 @@ class Stage(nn.Module):
             cache.layers[int(i)] = blk.self_attn.new_state(capacity, device, dtype)
         return cache
 
-    def step_ctx(self, pos: torch.Tensor, cache: StageCache | None, timer=None) -> StepCtx:
-        mask = causal_mask(pos, cache.capacity) if cache is not None else None
+    def step_ctx(self, pos: torch.Tensor, cache: StageCache | None, timer=None, start: int | None = None) -> StepCtx:
+        """`start`: the first position of contiguous rows (a host int); a forward of more
+        than PREFIX_MIN_ROWS such rows over a cache is a prefill chunk (`StepCtx.prefix`)."""
         rope = {d: rope_rows(pos, f, self._rope_scale) for d, f in self._inv_freq.items()}
+        if cache is not None and start is not None and pos.shape[0] > PREFIX_MIN_ROWS:
+            return StepCtx(pos=pos, mask=None, rope=rope, timer=timer, prefix=start)
+        mask = causal_mask(pos, cache.capacity) if cache is not None else None
         return StepCtx(pos=pos, mask=mask, rope=rope, timer=timer)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: StageCache | None, timer=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: StageCache | None, timer=None,
+                start: int | None = None) -> torch.Tensor:
         """x: token ids (T,) when this stage embeds, else hidden (T, H). Returns hidden (T, H)
-        (the head is separate: `logits`). With a cache the rows land at `pos`."""
+        (the head is separate: `logits`). With a cache the rows land at `pos`; `start` says
+        they are the contiguous rows [start, start + T) (the runner's forwards)."""
         if self.has_embed:
             x = self.embed_tokens(x)  # (T, H)
-        ctx = self.step_ctx(pos, cache, timer)
+        ctx = self.step_ctx(pos, cache, timer, start)
         taps = cache.taps if cache is not None else None
         if taps is not None:  # the tapped walk (model/taps.py): layer outputs written by position
             for i, blk in self.layers.items():

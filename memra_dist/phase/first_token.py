@@ -8,8 +8,11 @@ it sits in (so they sum to at most that bucket):
 - inside `cache_alloc`: `tap_sink_alloc_ms` / `tap_sink_mb`, the target's tap sink (the
   session's sink size; a sink reused from the previous session at the same capacity takes
   ~0 ms);
-- inside `prime`: `prime_tap_dtoh_ms`, the target prime's tap readbacks: 0 on `arm=device`,
-  where the taps never leave the device (the seed's eager arm counted host DtoH copies);
+- inside `prime`: `prime_chunks` prefill forwards over `prime_rows` prompt rows (each chunk's
+  drained time is kept: `prime_chunk_ms`, with its rows in `prime_chunk_rows`, one
+  `ttft.prime.chunk` span each; the line prints their mean and max); `prime_tap_dtoh_ms`,
+  the target prime's tap readbacks: 0 on `arm=device`, where the taps never leave the device
+  (the seed's eager arm counted host DtoH copies);
 - inside `draft_prime`: `draft_prime_h2d_ms` (tap rows host -> device: 0 on `arm=device`),
   `draft_prime_feat_ms` (the feature GEMM: DFlash's fc + hidden_norm over the rows; MTP has
   none), `draft_prime_kv_ms` (per-layer k/v projections + cache writes), over
@@ -32,7 +35,8 @@ __all__ = ["FirstTokenProf", "DepthTimer", "lend", "DEPTH_FIELDS", "DEVICE_ARM",
 DEVICE_ARM = "device"  # the taps stay on the target's device: no DtoH in the prime, no HtoD in the ingest
 DEVICE_ARM_NOTE = " (device arm: the taps never leave the device, so no tap DtoH in the prime and no HtoD in the ingest)"
 # the depth fields in line / attribute order (the seed's names)
-DEPTH_FIELDS = ("tap_sink_alloc_ms", "tap_sink_mb", "prime_tap_dtoh_ms", "draft_prime_h2d_ms", "draft_prime_feat_ms",
+DEPTH_FIELDS = ("tap_sink_alloc_ms", "tap_sink_mb", "prime_chunks", "prime_rows", "prime_chunk_mean_ms",
+                "prime_chunk_max_ms", "prime_tap_dtoh_ms", "draft_prime_h2d_ms", "draft_prime_feat_ms",
                 "draft_prime_kv_ms", "draft_prime_rows", "draft_prime_chunks", "draft_prime_arm")
 
 
@@ -59,6 +63,24 @@ class FirstTokenProf:
     draft_prime_rows: int = 0
     draft_prime_chunks: int = 0
     draft_prime_arm: str = "-"
+    prime_chunk_rows: list[int] = field(default_factory=list)  # the target prime's chunks, in order
+    prime_chunk_ms: list[float] = field(default_factory=list)  # each chunk's drained time (pp > 1: its results' arrival)
+
+    @property
+    def prime_chunks(self) -> int:
+        return len(self.prime_chunk_rows)
+
+    @property
+    def prime_rows(self) -> int:
+        return sum(self.prime_chunk_rows)
+
+    @property
+    def prime_chunk_mean_ms(self) -> float:
+        return sum(self.prime_chunk_ms) / len(self.prime_chunk_ms) if self.prime_chunk_ms else 0.0
+
+    @property
+    def prime_chunk_max_ms(self) -> float:
+        return max(self.prime_chunk_ms, default=0.0)
 
     def depth(self) -> dict[str, float | int | str]:
         return {f: getattr(self, f) for f in DEPTH_FIELDS}

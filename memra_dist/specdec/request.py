@@ -87,7 +87,7 @@ class Request:
                                     target=target)
         gen = torch.Generator().manual_seed(cfg.seed)
         self.session = SpecSession(target, drafter, cfg.sampling, gen, cfg.k, cfg.trace, self.collect,
-                                   plan.model.eos_token_ids)
+                                   plan.model.eos_token_ids, cfg.prefill_chunk)
 
     @property
     def done(self) -> bool:
@@ -99,7 +99,7 @@ class Request:
         if traced is not None:
             self.target.traced = False
         plain = SpecSession(self.target, NoDrafter(), SamplingParams(), torch.Generator(), 1, TraceSettings(),
-                            eos_ids=self.plan.model.eos_token_ids)
+                            eos_ids=self.plan.model.eos_token_ids, prefill_chunk=self.plan.cfg.prefill_chunk)
         out = [plain.start(self.prompt, self.plan.cfg.max_new_tokens, self.plan.capacity)]
         while not plain.done:
             out.extend(plain.burst(RECORD_BURST))

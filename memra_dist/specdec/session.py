@@ -23,6 +23,7 @@ from ..phase.rounds_log import RoundProf, RoundsLog
 from ..phase.subsplit import SubsplitTimer
 from .accept import accept_sampled, greedy_commit
 from .ahead import ahead_steps
+from .chunks import DEFAULT_PREFILL_CHUNK, fixed_chunks, pipeline_chunks
 from .drafters.base import Drafter
 from .sampling import SamplingParams, probs
 
@@ -33,7 +34,7 @@ class Target(Protocol):
     """The verifying engine(s): a local ModelRunner or the head side of a pipeline."""
 
     def alloc(self, capacity: int) -> None: ...
-    def forward(self, ids: torch.Tensor, start: int, timer=None) -> torch.Tensor: ...  # (T, V) fp32
+    def forward(self, ids: torch.Tensor, start: int, timer=None, last: bool = False) -> torch.Tensor: ...  # (T, V) fp32; last: (1, V)
     def rollback(self, new_len: int) -> None: ...
     def drain(self) -> None: ...
     def free_mb(self) -> int: ...
@@ -83,9 +84,12 @@ class SessionStats:
 class SpecSession:
     def __init__(self, target: Target, drafter: Drafter, sp: SamplingParams, gen: torch.Generator,
                  k: int, trace: TraceSettings = TraceSettings(), sink: SessionSink | None = None,
-                 eos_ids: tuple[int, ...] = ()):
+                 eos_ids: tuple[int, ...] = (), prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if k < 1:
             raise UserError(f"-k must be >= 1 (got {k})")
+        if prefill_chunk < 1:
+            raise UserError(f"--prefill-chunk must be >= 1 (got {prefill_chunk})")
+        self.prefill_chunk = prefill_chunk
         self.target, self.drafter, self.sp, self.gen, self.k = target, drafter, sp, gen, k
         self.trace, self.sink, self.eos = trace, sink, set(eos_ids)
         self.clock: PhaseClock | None = None
@@ -148,7 +152,8 @@ class SpecSession:
             self.target.alloc(capacity)
         if pf is not None:
             t, pf.ms["cache_alloc"] = c.lap_ms(t)
-        logits = self.target.forward(torch.tensor(prompt), 0)[-1:]  # (1, V)
+        chunks = self.chunks(len(prompt))
+        logits = self._prefill(torch.tensor(prompt), chunks)  # (1, V): the last prompt row's
         if pf is not None:
             t, pf.ms["prime"] = c.lap_ms(t)
         first = self._draw(logits)
@@ -159,13 +164,44 @@ class SpecSession:
             t, pf.ms["draft_alloc"] = c.lap_ms(t)
             pf.draft_kv_mb, pf.free_mb_after = kv_mb, self._free_mb()
         with lend(self.drafter, depth):
-            self.drafter.prime(prompt)
+            self.drafter.prime(prompt, chunks)
         if pf is not None:
             t, pf.ms["draft_prime"] = c.lap_ms(t)
         self.tokens = list(prompt) + [first]
         self.stats = SessionStats(tokens=1, t_start=self.stats.t_start, t_first=time.perf_counter())
         self._check_stop([first])
         return first
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """The prompt's prefill chunks (specdec/chunks.py): fixed `prefill_chunk` rows on one
+        engine; on a pipeline (the target's `stages` > 1) several per stage, shrinking as the
+        prefix grows so each costs the same."""
+        stages = getattr(self.target, "stages", 1)
+        if stages <= 1:
+            return fixed_chunks(n, self.prefill_chunk)
+        return pipeline_chunks(n, self.prefill_chunk, stages, getattr(self.target, "attention_weight", 0.0))
+
+    def _prefill(self, ids: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """The prompt's rows into the target's cache chunk by chunk; the last row's logits
+        (1, V) (only its lm_head row runs). A pipeline target keeps several chunks in flight
+        across its stages (`prefill`); profiled, each chunk's drained time and rows are kept."""
+        pf, c = self.prof, self.clock
+        run = getattr(self.target, "prefill", None)
+        if run is not None:
+            logits, laps = run(ids, chunks, c.stamp if pf is not None else None)
+        else:
+            logits, laps = None, []
+            t = c.stamp() if pf is not None else 0
+            for lo, hi in chunks:
+                logits = self.target.forward(ids[lo:hi], lo, last=True)
+                if pf is not None:
+                    t1 = c.stamp()
+                    laps.append(t1 - t)
+                    t = t1
+        if pf is not None:
+            pf.prime_chunk_rows = [hi - lo for lo, hi in chunks]
+            pf.prime_chunk_ms = [ns / 1e6 for ns in laps]
+        return logits[-1:]
 
     def _draw(self, logits: torch.Tensor) -> int:
         if self.sp.greedy:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "SPAN_REQUEST", "SPAN_BURST", "SPAN_ROUND", "PHASES", "PHASE_SPANS", "VERIFY_SUB_SPANS",
-    "SPAN_FIRST_TOKEN", "TTFT_BUCKETS", "ttft_span", "SPAN_STAGE_FORWARD", "ATTR", "RESOURCE",
+    "SPAN_FIRST_TOKEN", "SPAN_PRIME_CHUNK", "TTFT_BUCKETS", "ttft_span", "SPAN_STAGE_FORWARD", "ATTR", "RESOURCE",
     "free_mb_attr", "METRICS", "METRIC_ATTR", "METRIC_META", "SPANMETRICS", "SPANMETRICS_NAMESPACE", "TAGS", "MIXER_CLASSES", "SERVICE_NAME_DEFAULT",
 ]
 
@@ -34,6 +34,7 @@ TTFT_BUCKETS = (
     "cache_alloc", "prime", "capture", "anchor", "draft_alloc", "draft_prime",
     "first_draft", "first_verify", "first_accept", "first_roll", "first_maint",
 )
+SPAN_PRIME_CHUNK = "ttft.prime.chunk"  # one prefill chunk of the target's prime (under ttft.prime)
 SPAN_STAGE_FORWARD = "stage.forward"  # a pipeline stage's share of one forward walk
 
 
@@ -69,6 +70,11 @@ ATTR = {
     # first-token depth of the tap-drafter path (on memra.first_token; the seed's names, phase/first_token.py)
     "tap_sink_alloc_ms": "memra.tap_sink_alloc_ms",  # share of ttft.cache_alloc (ms)
     "tap_sink_mb": "memra.tap_sink_mb",  # the target's tap sink (MB)
+    "prime_chunks": "memra.prime_chunks",  # prefill forwards of the target's prime (int)
+    "prime_rows": "memra.prime_rows",  # prompt rows they ran (int)
+    "prime_chunk_mean_ms": "memra.prime_chunk_mean_ms",  # mean drained time of a prime chunk (ms)
+    "prime_chunk_max_ms": "memra.prime_chunk_max_ms",  # the slowest prime chunk (ms)
+    "chunk": "memra.chunk",  # on ttft.prime.chunk: the chunk's index in the prime (int)
     "prime_tap_dtoh_ms": "memra.prime_tap_dtoh_ms",  # share of ttft.prime: 0 on arm=device (ms)
     "draft_prime_h2d_ms": "memra.draft_prime_h2d_ms",  # share of ttft.draft_prime: 0 on arm=device (ms)
     "draft_prime_feat_ms": "memra.draft_prime_feat_ms",  # share of ttft.draft_prime (ms)

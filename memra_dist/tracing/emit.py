@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from ..phase.first_token import FirstTokenProf
 from ..phase.records import BurstRecord, RoundRecord
-from .conventions import (ATTR, PHASE_SPANS, PHASES, SPAN_BURST, SPAN_FIRST_TOKEN, SPAN_ROUND,
+from .conventions import (ATTR, PHASE_SPANS, PHASES, SPAN_BURST, SPAN_FIRST_TOKEN, SPAN_PRIME_CHUNK, SPAN_ROUND,
                           TTFT_BUCKETS, VERIFY_SUB_SPANS, free_mb_attr, ttft_span)
 
 __all__ = ["SpanSink", "verify_sub_layout"]
@@ -123,9 +123,18 @@ class SpanSink:
                 elif b == "draft_alloc":
                     attrs = self._mem(pf.free_mb_after)
                 dt = int(pf.ms[b] * 1e6)
-                self._span(ttft_span(b), ft, t, t + dt, attrs)
+                bs = self._span(ttft_span(b), ft, t, t + dt, attrs)
+                if b == "prime":
+                    self._prime_chunks(pf, bs, t)
                 t += dt
         yield
+
+    def _prime_chunks(self, pf: FirstTokenProf, parent: SpanContext, t: int) -> None:
+        """One span per prefill chunk of the prime, laid end to end from the prime's start."""
+        for i, (rows, ms) in enumerate(zip(pf.prime_chunk_rows, pf.prime_chunk_ms)):
+            dt = int(ms * 1e6)
+            self._span(SPAN_PRIME_CHUNK, parent, t, t + dt, {ATTR["chunk"]: i, ATTR["rows"]: rows})
+            t += dt
 
     def rounds(self, log, final: bool) -> None:
         pass  # the depth log is a line instrument; its rows are the round spans already

@@ -23,7 +23,7 @@ EMPTY = Proposal(torch.zeros(0, dtype=torch.long))
 
 
 class Drafter:
-    """Lifecycle per session: alloc(capacity) -> prime(prompt) -> rounds of
+    """Lifecycle per session: alloc(capacity) -> prime(prompt, chunks) -> rounds of
     propose(context, k) ... maintain(context) (after each round's accept)."""
 
     name = "base"
@@ -33,8 +33,10 @@ class Drafter:
         """Allocate per-session state; returns the MB allocated (the profile's draft_kv_mb)."""
         return 0.0
 
-    def prime(self, prompt: list[int]) -> None:
-        """Ingest the prompt (draft_prime)."""
+    def prime(self, prompt: list[int], chunks: list[tuple[int, int]] | None = None) -> None:
+        """Ingest the prompt (draft_prime), in the target's prefill chunks ([lo, hi) row
+        ranges over the prompt, specdec/chunks.py; None: one chunk), so the drafter's working
+        memory is bounded as the target's is."""
 
     def propose(self, context: list[int], k: int, sp: SamplingParams, gen: torch.Generator) -> Proposal:
         raise NotImplementedError

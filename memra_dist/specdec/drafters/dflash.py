@@ -101,9 +101,10 @@ class DFlashDrafter(Drafter):
             depth.chunk(upto - self.n)  # the taps stay on the device: no HtoD (draft_prime_h2d_ms = 0)
         self.n = upto
 
-    def prime(self, prompt: list[int]) -> None:
+    def prime(self, prompt: list[int], chunks: list[tuple[int, int]] | None = None) -> None:
         self.n = 0
-        self._ingest(len(prompt), self.ttft_depth)
+        for _lo, hi in chunks or [(0, len(prompt))]:  # one ingest per target chunk: bounded feature rows
+            self._ingest(hi, self.ttft_depth)
 
     def maintain(self, context) -> None:
         upto = len(context) - 1

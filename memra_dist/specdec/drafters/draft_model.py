@@ -41,11 +41,15 @@ class ModelDrafter(Drafter):
             self.chain = chain_graph(self.runner, self.k)  # captured here, none inside a round
         return self.runner.cache.nbytes() / 2**20
 
-    def prime(self, prompt: list[int]) -> None:
-        # ingest all but the last prompt token; propose() feeds the pending tail
-        if len(prompt) > 1:
-            self.runner.forward(torch.tensor(prompt[:-1]), 0)
-            self.cached = list(prompt[:-1])
+    def prime(self, prompt: list[int], chunks: list[tuple[int, int]] | None = None) -> None:
+        # ingest all but the last prompt token, chunk by chunk (only each chunk's last row
+        # reaches the lm_head); propose() feeds the pending tail
+        n = len(prompt) - 1
+        ids = torch.tensor(prompt)
+        for lo, hi in chunks or [(0, n)]:
+            if lo < min(hi, n):
+                self.runner.forward(ids[lo:min(hi, n)], lo, last=True)
+        self.cached = list(prompt[:-1])
 
     def propose(self, context, k, sp: SamplingParams, gen) -> Proposal:
         if k == 0:

@@ -28,6 +28,7 @@ import torch
 from ...cache import KVLayer
 from ...model.attention import causal_mask
 from ...model.eagle3 import Eagle3Net, load_eagle3
+from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from ..sampling import SamplingParams, probs
 from .base import EMPTY, Drafter, Proposal
 
@@ -36,6 +37,7 @@ __all__ = ["Eagle3Drafter"]
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
+    ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, net: Eagle3Net, target):
         """`target`: the pp=1 ModelRunner (its tap sink, and its embedding when the
@@ -79,6 +81,14 @@ class Eagle3Drafter(Drafter):
             st.v.index_copy_(0, pos, v)
             return st.k, st.v
 
+        T = tokens.shape[0]
+        if T > PREFIX_MIN_ROWS:  # a prime chunk: the rows before it, bottom-right causal, no (T x capacity) mask
+            hd = self.ec.base.head_dim
+
+            def attend(q, K, V):
+                return prefix_attention(q, K[:lo + T], V[:lo + T], lo, hd ** -0.5).reshape(T, -1)
+
+            return self.net.step(self.embed(tokens), g, pos, kv_of, None, attend)
         return self.net.step(self.embed(tokens), g, pos, kv_of, causal_mask(pos, self.capacity))
 
     @torch.inference_mode()
@@ -89,10 +99,17 @@ class Eagle3Drafter(Drafter):
         self.n = hi
         return out
 
-    def prime(self, prompt: list[int]) -> None:
+    def prime(self, prompt: list[int], chunks: list[tuple[int, int]] | None = None) -> None:
+        """Rows 0 .. P-2 (row p pairs token p + 1 with the taps of p), in the target's chunks."""
         self.n = 0
-        if len(prompt) > 1:
-            self._commit_rows(prompt, 0, len(prompt) - 1)
+        n, d = len(prompt) - 1, self.ttft_depth
+        for lo, hi in chunks or [(0, n)]:
+            if lo < min(hi, n):
+                t = d.stamp() if d is not None else 0
+                self._commit_rows(prompt, lo, min(hi, n))
+                if d is not None:
+                    d.lap("draft_prime_kv_ms", t)
+                    d.chunk(min(hi, n) - lo)
 
     def maintain(self, context) -> None:
         self.n = min(self.n, len(context) - 1)  # a no-op: n never passes the committed rows

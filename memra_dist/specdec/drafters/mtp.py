@@ -90,29 +90,32 @@ class MTPDrafter(Drafter):
         """Layer j over rows [lo, hi): token ids (hi - lo,), hidden (hi - lo, H) -> outputs."""
         pos = torch.arange(lo, hi, device=self.device)
         emb = self.target.stage.embed_tokens(tokens)
-        out = self.head.layer(j).step(emb, hidden, self.head.step_ctx(pos, self.capacity), self.states[j])
+        out = self.head.layer(j).step(emb, hidden, self.head.step_ctx(pos, self.capacity, lo), self.states[j])
         if j < self.n - 1:
             self.outs[j].index_copy_(0, pos, out)
         return out
 
-    def prime(self, prompt: list[int]) -> None:
-        """Ingest the rows the prompt alone settles (layer j: p < P - 1 - j). Profiled
-        (`ttft_depth`): each layer's forward over its rows is one k/v ingest chunk (an MTP
-        layer has no feature GEMM: draft_prime_feat_ms stays 0)."""
+    def prime(self, prompt: list[int], chunks: list[tuple[int, int]] | None = None) -> None:
+        """Ingest the rows the prompt alone settles (layer j: p < P - 1 - j), in the target's
+        chunks: after chunk [lo, hi), layer 0 takes its rows up to hi (their FINAL taps
+        exist) and layer j its rows up to layer j - 1's. Profiled (`ttft_depth`): each
+        layer's forward over a chunk's rows is one k/v ingest chunk (an MTP layer has no
+        feature GEMM: draft_prime_feat_ms stays 0)."""
         self.done = [0] * self.n
         ids = torch.tensor(prompt, device=self.device)
-        d = self.ttft_depth
-        for j in range(self.n):
-            hi = len(prompt) - 1 - j
-            if hi <= 0:
-                break
-            t = d.stamp() if d is not None else 0
-            hidden = self._final()[:hi] if j == 0 else self.outs[j - 1][:hi]
-            self._rows(j, 0, hi, ids[j + 1:j + 1 + hi], hidden)
-            self.done[j] = hi
-            if d is not None:
-                d.lap("draft_prime_kv_ms", t)
-                d.chunk(hi)
+        d, P = self.ttft_depth, len(prompt)
+        for _lo, hi in chunks or [(0, P)]:
+            for j in range(self.n):
+                lo, top = self.done[j], min(P - 1 - j, hi if j == 0 else self.done[j - 1])
+                if top <= lo:
+                    break
+                t = d.stamp() if d is not None else 0
+                hidden = self._final()[lo:top] if j == 0 else self.outs[j - 1][lo:top]
+                self._rows(j, lo, top, ids[lo + j + 1:top + j + 1], hidden)
+                self.done[j] = top
+                if d is not None:
+                    d.lap("draft_prime_kv_ms", t)
+                    d.chunk(top - lo)
 
     # ---- drafting ----
     @torch.inference_mode()
