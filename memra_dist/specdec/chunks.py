@@ -80,7 +80,7 @@ def pipeline_chunks(n: int, max_rows: int, stages: int, ratio: float, start: int
     out, a = [], start
     while a < n:
         rows = first if a == start else int(_equal_cost_rows(cost, a, ratio))
-        rows = max(floor, min(rows, max_rows, n - a))
+        rows = min(max(floor, min(rows, max_rows)), n - a)
         out.append((a, a + rows))
         a += rows
     return out
