@@ -16,9 +16,27 @@ from .kernels import install as install_kernels
 from .graphs import StepGraphs, compile_blocks, compile_supported, graph_rows_limit, graphs_supported, stage_compiles
 from .model.config import ModelConfig, load_config
 from .model.loader import load_stage
+from .model.transformer import Stage
 from .model.taps import FINAL, TapSink
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "check_fits_before_load"]
+
+
+def check_fits_before_load(cfg: ModelConfig, first: int, last: int, has_embed: bool, has_head: bool,
+                           device: torch.device, dtype: torch.dtype, capacity: int, label: str) -> None:
+    """Refuse, before a byte is read, a stage whose weights and cache of `capacity` rows
+    would not fit the device's free memory (host MemAvailable on CPU): one line with the
+    bytes each needs and what is free. Sizes come from the stage built on the meta device."""
+    with torch.device("meta"):
+        stage = Stage(cfg, first, last, has_embed, has_head)
+    size = torch.empty((), dtype=dtype).element_size()
+    weights = sum(p.numel() for p in stage.parameters()) * size
+    cache = stage.new_cache(capacity, torch.device("meta"), dtype).nbytes()
+    free = free_mb(device)
+    if weights + cache > free * (1 << 20):
+        mb = lambda b: f"{b / (1 << 20):,.0f} MB"  # noqa: E731
+        raise UserError(f"out of memory: the weights ({mb(weights)}) and the cache for {capacity} rows "
+                        f"({mb(cache)}) need {mb(weights + cache)} on {label}, free {free:,} MB (lower --ctx)")
 
 
 class ModelRunner:
@@ -38,6 +56,8 @@ class ModelRunner:
         self.cfg = cfg or load_config(model_dir)
         last = self.cfg.num_layers if last is None else last
         self.device, self.dtype = device, dtype
+        self.label = device_label(device)
+        check_fits_before_load(self.cfg, first, last, has_embed, has_head, device, dtype, max_pos, self.label)
         self.stage = load_stage(model_dir, first, last, has_embed, has_head, device, dtype, self.cfg, progress)
         self.max_pos = max_pos
         self.cache: StageCache | None = None
@@ -57,7 +77,6 @@ class ModelRunner:
         self.warm_rows = warm_rows  # capture graphs for 1..warm_rows rows at allocation
         self.warm_timed = warm_timed  # and their level-2 twins (trace level 2)
         self.drain = Drainer(device)
-        self.label = device_label(device)
         self.tap_layers: tuple[int, ...] = ()  # layers whose outputs a forward keeps (keep_taps)
         self.tap_all = False  # a pipeline head's sink holds the remote stages' taps too (they ship them)
         self.ttft_depth = None  # the profile's DepthTimer during a profiled alloc (phase/first_token.py)

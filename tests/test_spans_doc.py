@@ -11,7 +11,7 @@ def test_doc_is_fresh():
 
 def test_every_registry_name_is_documented():
     text = render()
-    names = [C.SPAN_REQUEST, C.SPAN_BURST, C.SPAN_ROUND, C.SPAN_FIRST_TOKEN, C.SPAN_STAGE_FORWARD,
+    names = [C.SPAN_REQUEST, C.SPAN_BURST, C.SPAN_ROUND, C.SPAN_FIRST_TOKEN, C.SPAN_PRIME_CHUNK, C.SPAN_STAGE_FORWARD,
              *C.PHASE_SPANS.values(), *C.VERIFY_SUB_SPANS.values(), *(C.ttft_span(b) for b in C.TTFT_BUCKETS),
              *C.ATTR.values(), *C.RESOURCE.values(), *(f"[{t}]" for t in C.TAGS.values())]
     missing = [n for n in names if f"`{n}`" not in text and n not in text]

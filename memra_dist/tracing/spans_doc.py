@@ -31,7 +31,14 @@ ATTR_DOC = {
     "stage": ("", "stage.forward", "pipeline stage index (0 = the first layers)"),
     "session": ("", "stage.forward", "the session slot the forward served (sessions in flight interleave across the stages)"),
     "phase": ("", "stage.forward", "`prime` or `verify`: what the forward served"),
-    "rows": ("{row}", "stage.forward", "rows in the forward"),
+    "rows": ("{row}", "stage.forward, ttft.prime.chunk", "rows in the forward (a prime chunk: the chunk's rows)"),
+    "chunk": ("", "ttft.prime.chunk", "the chunk's index in the target's prime (0 = the prompt's first rows)"),
+    "prime_chunks": ("", "memra.first_token", "prefill forwards of the target's prime (--prefill-chunk rows at most; "
+                     "pp > 1: pipelined, shrinking as the prefix grows)"),
+    "prime_rows": ("{row}", "memra.first_token", "prompt rows the prime's chunks ran"),
+    "prime_chunk_mean_ms": ("ms", "memra.first_token", "mean drained time of a prime chunk (pp > 1: between "
+                            "successive chunks' arrival at the head)"),
+    "prime_chunk_max_ms": ("ms", "memra.first_token", "the slowest prime chunk"),
     "scan_ms": ("ms", "spec.verify.kda", "the recurrent scan's share inside the KDA mixer bucket"),
     "seq_rows": ("{row}", "spec.round", "verify rows that took a per-row mixer arm instead of the batched one"),
     "draft_forwards": ("{forward}", "spec.draft", "draft-network forwards in the phase, where the drafter says: dflash "
@@ -82,6 +89,8 @@ _SPANS = [
     *[(C.VERIFY_SUB_SPANS[b], C.PHASE_SPANS["verify"], "driver / head", f"level 2: the {b} share of the verify walk (per-layer laps summed: drained, or the graph's device-clock stamps; laid end to end)") for b in C.VERIFY_SUB_SPANS],
     (C.SPAN_FIRST_TOKEN, C.SPAN_REQUEST, "driver / head", "profile on: everything between the session's prime and the first burst's end"),
     *[(C.ttft_span(b), C.SPAN_FIRST_TOKEN, "driver / head", "first-token bucket " + b) for b in C.TTFT_BUCKETS],
+    (C.SPAN_PRIME_CHUNK, C.ttft_span("prime"), "driver / head", "profile on: one prefill chunk of the target's prime "
+     "(laid end to end inside ttft.prime; pp > 1: each stage's own chunk spans are its stage.forward spans)"),
     (C.SPAN_STAGE_FORWARD, C.SPAN_REQUEST, "stage", "pp > 1: a stage actor's share of one forward walk (its layers, drained)"),
 ]
 
@@ -115,6 +124,7 @@ def _lines() -> list[str]:
     pf.tap_sink_alloc_ms, pf.tap_sink_mb = 0.1, 8.0
     pf.draft_prime_feat_ms, pf.draft_prime_kv_ms = 1.9, 3.8
     pf.draft_prime_rows, pf.draft_prime_chunks, pf.draft_prime_arm = 512, 1, "device"
+    pf.prime_chunk_rows, pf.prime_chunk_ms = [512], [41.0]
     loud: list[str] = []
     trace_level_from("2", "1", warn=loud.append)  # the [spec-trace] override line
     return [phase_line(b), phase_v_line(b), f"[{C.TAGS['prof']}] {pf.line()}",
