@@ -52,7 +52,7 @@ class EmulatedSteps:
         return st.logits(h) if st.has_head else h
 
     @torch.inference_mode()
-    def forward(self, x, start, timer=None):
+    def forward(self, x, start, timer=None, last=False):
         rows = x.shape[0]
         self.r.cache.begin(start, rows)
         if rows > self.limit:  # a prefill: eager
@@ -87,7 +87,7 @@ class _Target:
         assert capacity == CAP and self.r.cache is not None
         self.r.cache.rollback(0)
 
-    def forward(self, x, start, timer=None):
+    def forward(self, x, start, timer=None, last=False):
         return self.steps.forward(x, start)
 
     def rollback(self, n):

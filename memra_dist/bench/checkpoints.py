@@ -24,7 +24,7 @@ import torch
 from ..env import environment
 
 __all__ = ["SHAPES", "DRAFT_OF", "chain_perm", "HYBRID_OF", "shape_config", "bench_cache_dir", "ensure_checkpoint",
-           "weight_bytes", "CKPT_VERSION"]
+           "weight_bytes", "CKPT_VERSION", "ensure_variant"]
 
 CKPT_VERSION = "2"  # bump when the writer changes: part of the cache key
 SHARD_BYTES = 4 << 30
@@ -208,4 +208,37 @@ def ensure_checkpoint(name: str, cache: Path, device: torch.device, say: Callabl
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"checkpoint {name}: written in {time.perf_counter() - t0:.1f}s")
+    return out
+
+
+def ensure_variant(base: Path, overrides: dict, tag: str, say: Callable[[str], None]) -> Path:
+    """A checkpoint with the weight files of `base` and its config.json fields overridden (e.g.
+    a longer `max_position_embeddings`): a sibling directory `<base>-<tag>-<key>` holding the
+    new config.json and links to the base's other files (hard links, else symbolic ones, else
+    copies). No weight is rewritten; `base` and its cache key stay as they are, so sections
+    that read it are untouched."""
+    cfg = {**json.loads((base / "config.json").read_text()), **overrides}
+    out = base.parent / f"{base.name}-{tag}-{_key(cfg)}"
+    if (out / "config.json").exists():
+        say(f"checkpoint variant {tag}: reusing {out}")
+        return out
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=base.parent))
+    try:
+        for f in base.iterdir():
+            if f.name == "config.json" or not f.is_file():
+                continue
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:
+                try:
+                    os.symlink(f.resolve(), tmp / f.name)
+                except OSError:
+                    shutil.copy2(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"checkpoint variant {tag}: {out} ({', '.join(f'{k}={v}' for k, v in overrides.items())}; weights linked)")
     return out

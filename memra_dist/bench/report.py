@@ -45,7 +45,21 @@ TARGETS = {
     "model_draft_over_weight_read": Target("<=", 1.5, "model drafter: draft cost per drafted token / its "
                                                       "weight-read time (worst K)"),
     "ngram_propose_us": Target("<=", 50.0, "n-gram propose per round, us (worst K)"),
+    "prefill_ttft_512_ms": Target("<=", 30.0, "time to first token, 512-token prompt, warm engine, ms"),
+    "prefill_ttft_8k_over_sdpa": Target("<=", 1.0, "time to first token at 8k / transformers' SDPA forward of the "
+                                                   "prompt (goal 1 / 1.1)"),
+    "prefill_ttft_32k_over_sdpa": Target("<=", 1.0, "time to first token at 32k / transformers' SDPA forward of the "
+                                                    "prompt (goal 1 / 1.1)"),
+    "prefill_tflops_32k": Target(">=", 650.0, "prefill TFLOP/s at 32k (2 P T + causal attention)",
+                                 ("<=", 1000.0, "impossible", "above the bf16 matrix peak")),
+    "prefill_128k_over_weights_kv_gb": Target("<=", 4.0, "peak memory over weights + KV cache, 128k prompt, GB"),
+    "decode_after_32k_kv_roofline": Target(">=", 0.85, "decode after a 32k prompt / roofline counting the KV reads",
+                                           ("<=", 1.0, "impossible", "faster than the roofline")),
 }
+# targets stated for the 8b shape (the Llama-3-8B figures they were set from)
+SHAPE_8B_ONLY = ("plain_roofline_fraction", "prefill_ttft_512_ms", "prefill_ttft_8k_over_sdpa",
+                 "prefill_ttft_32k_over_sdpa", "prefill_tflops_32k", "prefill_128k_over_weights_kv_gb",
+                 "decode_after_32k_kv_roofline")
 
 RULE = ("pass / miss only when the whole range of the repeats lies on one side of the target, else within "
         "noise; range = min-max of the repeats (10 % trimmed at each end from 10 repeats on), worst case "
@@ -155,10 +169,29 @@ def _figures(res: dict) -> dict:
     f["model_draft_over_weight_read"] = _worst_row(res, "model", "draft_cost_over_weight_read",
                                                    "draft_cost_over_weight_read_repeats")
     f["ngram_propose_us"] = _worst_row(res, "ngram", "ngram_propose_us", "ngram_propose_repeats")
+    f.update(_prefill_figures(res))
     out = {name: (fig, None) for name, fig in f.items()}
     for acc in ("0.6", "0.8", "0.9"):
         out[f"spec_fraction_acc{acc}"] = _spec_figure(res, acc)
     return out
+
+
+def _prefill_figures(res: dict) -> dict:
+    """The prefill section's figures at their prompt lengths (512, 8k, 32k, 128k tokens)."""
+    def ours(n: int, key: str, n_key: str = "repeats"):
+        return Fig.from_json(_get(res, "prefill", "ours", str(n), key), _get(res, "prefill", "ours", str(n), f"{key}_range"),
+                             _get(res, "prefill", "ours", str(n), n_key))
+
+    def peer(n: int):
+        row = _get(res, "prefill", "peer", "lengths", str(n)) or {}
+        return Fig.from_json(row.get("ours_ttft_over_sdpa"), row.get("ours_ttft_over_sdpa_range"), row.get("repeats"))
+
+    mem = _get(res, "prefill", "ours", "131072", "overhead_gb")
+    return {"prefill_ttft_512_ms": ours(512, "ttft_ms"), "prefill_ttft_8k_over_sdpa": peer(8192),
+            "prefill_ttft_32k_over_sdpa": peer(32768), "prefill_tflops_32k": ours(32768, "tflops"),
+            # memory is not a timing: one request gives it exactly
+            "prefill_128k_over_weights_kv_gb": None if mem is None else Fig.exact(mem),
+            "decode_after_32k_kv_roofline": ours(32768, "decode_kv_roofline_fraction")}
 
 
 def _l0_noise_row(res: dict) -> dict:
@@ -183,7 +216,7 @@ def evaluate(res: dict) -> list[dict]:
         t = TARGETS[name]
         if fig is None:
             status = "n/a (not measured)"
-        elif name == "plain_roofline_fraction" and shape != "8b":
+        elif name in SHAPE_8B_ONLY and shape != "8b":
             status = "n/a (target is for the 8b shape)"
         else:
             status = flag or verdict(fig, t.op, t.threshold, t.bound)
@@ -246,9 +279,49 @@ def _info_rows(res: dict) -> list[tuple[str, str]]:
             rows.append((f"pp={pp} decode", f"{r['tok_s']:.1f} tok/s, step x{ratio}"
                                              f"{_rng(_get(res, 'pp', f'pp{pp}_over_pp1_step_range'))} of pp=1, "
                                              f"greedy ids equal pp=1: {r.get('greedy_ids_equal_pp1')}"))
+    rows += _prefill_rows(res)
     for k, h in (_get(res, "hybrid", "k") or {}).items():
         rows.append((f"hybrid {res['hybrid']['shape']} K={k}", f"verify/decode {h['ratio_vs_decode']:.2f}, "
                                                              f"KDA rollback {h['rollback_share_of_verify'] * 100:.2f} % of verify"))
+    return rows
+
+
+def _prefill_rows(res: dict) -> list[tuple[str, str]]:
+    """Per prompt length: our TTFT, tok/s, TFLOP/s, peak memory, decode against the KV roofline
+    and transformers' SDPA forward; the chunk sweep."""
+    pf = res.get("prefill") or {}
+    rows = []
+    for n, o in (pf.get("ours") or {}).items():
+        if not isinstance(o, dict) or "ttft_ms" not in o:
+            rows.append((f"prefill {n} tokens", f"not measured ({(o or {}).get('skipped', 'see the JSON')})"))
+            continue
+        mem = (f"; peak {o['peak_gb']:.2f} GB = weights {o['weights_gb']:.2f} + KV cache {o['kv_cache_gb']:.2f} "
+               f"+ {o['overhead_gb']:.2f}" if o.get("peak_gb") is not None else "")
+        rows.append((f"prefill {n} tokens (ours)",
+                     f"TTFT {o['ttft_ms']:.4g} ms{_rng(o.get('ttft_ms_range'), '.4g')} (n={o['repeats']}), "
+                     f"{o['prefill_tok_s']:.0f} tok/s, {o['tflops']:.4g} TFLOP/s{mem}; decode {o['decode_tok_s']:.1f} "
+                     f"tok/s = {o['decode_kv_roofline_fraction']:.3f} of {o['decode_kv_roofline_tok_s']:.1f} "
+                     f"(KV roofline)"))
+        h = _get(pf, "peer", "lengths", n)
+        if isinstance(h, dict) and h.get("oom"):
+            rows.append((f"prefill {n} tokens (transformers sdpa)", "out of memory"))
+        elif isinstance(h, dict) and "forward_ms" in h:
+            ratio = (f"; ours / sdpa x{h['ours_ttft_over_sdpa']:.3f}{_rng(h.get('ours_ttft_over_sdpa_range'))}"
+                     if h.get("ours_ttft_over_sdpa") is not None else "")
+            rows.append((f"prefill {n} tokens (transformers sdpa)",
+                         f"forward {h['forward_ms']:.4g} ms{_rng(h.get('forward_ms_range'), '.4g')} (n={h['repeats']}), "
+                         f"{h['tflops']:.4g} TFLOP/s" + (f", peak {h['peak_gb']:.2f} GB" if h.get("peak_gb") is not None
+                                                         else "") + ratio))
+    sw = pf.get("sweep") or {}
+    if sw.get("rows"):
+        cells = [f"{c}: {r['ttft_ms']:.4g} ms" + (f", {r['peak_gb']:.2f} GB" if r.get("peak_gb") is not None else "")
+                 if "ttft_ms" in r else f"{c}: {'OOM' if r.get('oom') else r.get('skipped')}"
+                 for c, r in sw["rows"].items()]
+        eq = sw.get("greedy_ids_equal") or {}
+        rows.append((f"prefill chunk sweep at {sw['prompt']} tokens", "; ".join(cells)
+                     + f"; best {sw.get('best_chunk')}" + (f", default / best x{sw['default_over_best']:.3f}"
+                                                           if sw.get("default_over_best") else "")
+                     + f"; greedy ids equal across chunks: {all(eq.values()) if eq else 'n/a'}"))
     return rows
 
 
@@ -300,6 +373,9 @@ def markdown(res: dict) -> str:
         lines += ["", "| measured (no target) | value |", "|---|---|"]
         lines += [f"| {a} | {b} |" for a, b in info]
     lines += ["", f"Spec formula: {res.get('formula', '')}", ""]
+    if isinstance(res.get("prefill"), dict) and res["prefill"].get("flops_formula"):
+        lines[-1:] = [f"Prefill: {res['prefill']['flops_formula']}; {res['prefill']['decode_formula']}; TTFT = "
+                      f"{res['prefill']['ttft']}.", ""]
     return "\n".join(lines)
 
 

@@ -54,14 +54,30 @@ class Params:
     ngram_repeats: int = 5
     ks: tuple[int, ...] = (2, 4, 8)
     accs: tuple[float, ...] = (0.6, 0.8, 0.9)
+    # the prefill section (prefill.py): prompt lengths, decoded tokens after each, the chunk sweep
+    prefill_lens: tuple[int, ...] = (128, 1024, 4096)
+    prefill_new: int = 16
+    prefill_sweep_len: int = 4096
+    prefill_chunks: tuple[int, ...] = (256, 1024, 4096)
+    prefill_sweep_new: int = 16
+    prefill_sweep_repeats: int = 2
+    prefill_long_repeats: int = 3  # timed requests of a prompt past 32k (CUDA: 1, each is seconds)
+
+    def prefill_repeats(self, n: int) -> int:
+        """Timed requests per prompt length: 5 up to 1k tokens, 3 up to 32k, then prefill_long_repeats."""
+        return 5 if n <= 1024 else (3 if n <= 32768 else self.prefill_long_repeats)
 
     @classmethod
     def make(cls, o: Options, cuda: bool) -> "Params":
         if cuda:
             p = cls(ctx=512, max_new=256, step_repeats=30, gen_repeats=3, trace_repeats=3, copy_bytes=2 << 30,
                     copy_repeats=20, hop_iters=200, hybrid_ctx=512, phase_new=128)
+            p.prefill_lens, p.prefill_new, p.prefill_long_repeats = (512, 8192, 32768, 131072), 128, 1
+            p.prefill_sweep_len, p.prefill_chunks = 32768, (2048, 4096, 8192, 16384, 32768)
             if o.quick:
                 p.max_new, p.step_repeats, p.gen_repeats, p.trace_repeats = 96, 10, 3, 3
+                p.prefill_lens, p.prefill_new = (512, 8192), 32
+                p.prefill_sweep_len, p.prefill_chunks = 8192, (2048, 4096, 8192)
         else:
             p = cls(ctx=128, max_new=64, step_repeats=10, gen_repeats=3, trace_repeats=3, copy_bytes=256 << 20,
                     copy_repeats=5, hop_iters=50, hybrid_ctx=64)
@@ -69,6 +85,8 @@ class Params:
                 p.ctx, p.max_new, p.step_repeats, p.gen_repeats, p.trace_repeats = 48, 24, 5, 3, 3
                 p.copy_bytes, p.copy_repeats, p.hop_iters, p.hybrid_ctx = 32 << 20, 3, 20, 24
                 p.ngram_calls = 300
+                p.prefill_lens, p.prefill_new, p.prefill_sweep_new = (48, 256, 1024), 8, 8
+                p.prefill_sweep_len, p.prefill_chunks = 1024, (64, 256, 1024)
         p.ctx = o.ctx or p.ctx
         p.max_new = o.max_new or p.max_new
         p.phase_new = min(p.phase_new or p.max_new, p.max_new)
@@ -139,9 +157,10 @@ def _section_fns() -> dict:
     from .dist_bench import pipeline  # noqa: PLC0415
     from .hybrid import hybrid  # noqa: PLC0415
     from .peer import peer  # noqa: PLC0415
+    from .prefill import prefill  # noqa: PLC0415
 
     return {"bandwidth": sections.bandwidth, "steps": sections.steps, "decode": sections.decode,
-            "trace": sections.trace_levels, "peer": peer, "pp": pipeline, "hybrid": hybrid}
+            "trace": sections.trace_levels, "peer": peer, "pp": pipeline, "hybrid": hybrid, "prefill": prefill}
 
 
 def _meta(s: Suite, root: Path) -> dict:
@@ -170,7 +189,9 @@ def run_suite(opts: Options, root: Path) -> dict:
     for name in SECTIONS:
         if name not in chosen:
             why = {"pp": "not in this machine's default suite (needs >= 2 GPUs; --sections pp forces it)",
-                   "hybrid": "not selected (--hybrid, or the default suite on a GPU, runs it)"}.get(name, "not selected")
+                   "hybrid": "not selected (--hybrid, or the default suite on a GPU, runs it)",
+                   "prefill": "not in the default suite (minutes on a GPU: prompts to 128k, the transformers "
+                              "peer, a chunk sweep; --sections prefill runs it)"}.get(name, "not selected")
             res[name] = {"skipped": why}
             continue
         if s.left() <= 0:

@@ -57,12 +57,16 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
         b = min(T, a + step)
         n, keys = b - a, start + b  # this block sees keys [0, start + b)
         qg = q[a:b].reshape(n, nkv, rep, -1).permute(1, 2, 0, 3).reshape(nkv, rep * n, -1)  # (nkv, rep*n, dqk)
-        s = torch.matmul(qg, kh[:, :keys].transpose(1, 2)).float() * scale  # (nkv, rep*n, keys)
+        # the scores are scaled and masked in place, and each block's scores / probabilities are
+        # freed before the next block's: at most two (budget-sized) score blocks live at once
+        s = torch.matmul(qg, kh[:, :keys].transpose(1, 2)).float().mul_(scale)  # (nkv, rep*n, keys)
         rows = torch.arange(start + a, start + b, device=q.device)  # the block's positions
         hide = torch.arange(keys, device=q.device)[None, :] > rows[:, None]  # (n, keys): key after the row
-        s = s.view(nkv, rep, n, keys).masked_fill(hide, float("-inf")).view(nkv, rep * n, keys)
+        s.view(nkv, rep, n, keys).masked_fill_(hide, float("-inf"))
         p = torch.softmax(s, dim=-1).to(v.dtype)
+        del s
         o = torch.matmul(p, vh[:, :keys])  # (nkv, rep*n, dv)
+        del p
         out[a:b] = o.view(nkv, rep, n, dv).permute(2, 0, 1, 3).reshape(n, nh, dv)
     return out
 
