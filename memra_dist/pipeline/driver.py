@@ -68,12 +68,32 @@ def check_ray_address(addr: str, timeout_s: float = RAY_CONNECT_S) -> None:
         raise UserError(f"RAY_ADDRESS {addr}: no Ray cluster answers there ({why} within {timeout_s:.0f} s)") from None
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def _loopback_only() -> None:
+    """A Ray we start ourselves serves this machine only: its node address is the loopback,
+    so the GCS, raylet, workers and agents listen on 127.0.0.1, not on every interface. Ray
+    resolves a loopback node address to the machine's outward one unless multi-node clusters
+    are off (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read at import, inherited by its processes)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:  # ray imported earlier in this process: the flag was read already
+        from ray._private import ray_constants  # noqa: PLC0415
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):
+        pass
+
+
 def _ray_up():
-    """(ray, started_here). Joins RAY_ADDRESS when set; else a local single-node Ray."""
+    """(ray, started_here). Joins RAY_ADDRESS when set (left as it is); else a local
+    single-node Ray that listens on the loopback only."""
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
         return ray, False
+    if not os.environ.get("RAY_ADDRESS"):
+        _loopback_only()  # before ray.init starts the cluster's processes (they inherit it)
     on_term = signal.getsignal(signal.SIGTERM)
     if os.environ.get("RAY_ADDRESS"):
         check_ray_address(os.environ["RAY_ADDRESS"])
@@ -83,7 +103,7 @@ def _ray_up():
             raise UserError(f"RAY_ADDRESS {os.environ['RAY_ADDRESS']}: {str(e).splitlines()[0][:200]}") from None
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, runtime_env=_runtime_env(),
-                 log_to_driver=True, configure_logging=False)
+                 log_to_driver=True, configure_logging=False, _node_ip_address=LOOPBACK)
     if callable(on_term) and threading.current_thread() is threading.main_thread():
         # ray.init replaces SIGTERM with sys.exit(15) (its C++ core logs and exits too), which
         # skips the CLI's flush-and-teardown path; keep the handler the caller had
