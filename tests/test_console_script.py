@@ -83,3 +83,23 @@ def test_batch_sigterm_exits_130_with_its_summary(llama, tmp_path):
     code, err = _sigterm(p)
     assert code == 130, err[-3000:]
     assert "interrupted at" in err and "Traceback" not in err, err[-3000:]
+
+
+def test_an_interrupt_during_the_trace_write_leaves_the_files_whole(tmp_path, monkeypatch):
+    """Ctrl-C lands while the run directory's files are being written: both files are
+    complete on disk, and the interrupt is delivered after them."""
+    from memra_dist.tracing import files
+
+    real = files.write_merged_perfetto
+
+    def interrupted(run_dir):
+        os.kill(os.getpid(), signal.SIGINT)  # mid-write: the OTLP file done, the Perfetto file next
+        time.sleep(0.05)
+        return real(run_dir)
+
+    monkeypatch.setattr(files, "write_merged_perfetto", interrupted)
+    exp = files.RunDirExporter(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        exp.write()
+    assert json.loads((tmp_path / files.OTLP_NAME).read_text())["resourceSpans"] == []
+    assert "traceEvents" in json.loads((tmp_path / files.PERFETTO_NAME).read_text())

@@ -5,14 +5,18 @@ Each process writes its spans as OTLP JSON: the driver `spans.otlp.json`, a pipe
 Perfetto trace, `trace.perfetto.json` (opens in ui.perfetto.dev), from every OTLP file in the
 directory: driver, head and stages as separate tracks (tracing/perfetto.py). Files are written
 atomically (temp file + rename): a crash leaves complete files or none, never a truncated
-JSON; `remove_partial` clears the temp files of a writer that was killed."""
+JSON; `remove_partial` clears the temp files of a writer that was killed. A Ctrl-C or
+SIGTERM that arrives while the end-of-run files are written is held until they are, then
+delivered (the run still ends as interrupted, with its trace on disk)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -22,7 +26,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from .otlp_json import otlp_document, read_spans
 from .perfetto import perfetto_trace
 
-__all__ = ["RunDirExporter", "write_atomic", "write_merged_perfetto", "remove_partial", "OTLP_NAME", "PERFETTO_NAME"]
+__all__ = ["RunDirExporter", "signals_held", "write_atomic", "write_merged_perfetto", "remove_partial", "OTLP_NAME", "PERFETTO_NAME"]
 
 OTLP_NAME = "spans.otlp.json"
 PERFETTO_NAME = "trace.perfetto.json"
@@ -63,6 +67,25 @@ def write_atomic(path: Path, data: str) -> None:
         raise
 
 
+@contextmanager
+def signals_held(signums=(signal.SIGINT, signal.SIGTERM)):
+    """SIGINT / SIGTERM arriving inside the block are held and delivered again on its exit
+    (their handlers then run as usual). Only the main thread can swap handlers: elsewhere
+    the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    prev = {n: signal.signal(n, lambda num, _frame: got.append(num)) for n in signums}
+    try:
+        yield
+    finally:
+        for n, h in prev.items():
+            signal.signal(n, h)
+        for n in dict.fromkeys(got):
+            signal.raise_signal(n)
+
+
 class RunDirExporter(SpanExporter):
     def __init__(self, run_dir: Path, stem: str = ""):
         self.dir = Path(run_dir)
@@ -84,9 +107,10 @@ class RunDirExporter(SpanExporter):
     def write(self) -> None:
         with self._lock:
             spans = list(self._spans)
-        write_atomic(self.dir / f"{self.stem}{OTLP_NAME}", json.dumps(otlp_document(spans), separators=(",", ":")))
-        if not self.stem:  # the driver's: closes after every actor has written its file
-            write_merged_perfetto(self.dir)
+        with signals_held():
+            write_atomic(self.dir / f"{self.stem}{OTLP_NAME}", json.dumps(otlp_document(spans), separators=(",", ":")))
+            if not self.stem:  # the driver's: closes after every actor has written its file
+                write_merged_perfetto(self.dir)
         self._written = True
 
     def shutdown(self) -> None:
