@@ -134,6 +134,20 @@ def test_chunked_prefill_logits_equal_transformers(ckpts, family):
         torch.testing.assert_close(last[-1][0], want[-1], atol=ATOL, rtol=0)
 
 
+def test_one_engine_takes_each_requests_chunk(ckpts, reference):
+    """The chunk is a request's setting: one loaded engine primes each request in its own
+    chunks (the profile says which), with the same tokens."""
+    from memra_dist.app import open_engine
+
+    d = ckpts["qwen2"][0]
+    cfg = _cfg(d, DEFAULT_PREFILL_CHUNK, trace=TraceSettings(level=0, prof=True))
+    with open_engine(cfg, capacity=P + 32) as eng:
+        for c in (DEFAULT_PREFILL_CHUNK, 37, 7):
+            cap = _Capture()
+            assert eng.generate(PROMPT, cfg.with_(prefill_chunk=c), sink=cap).token_ids == reference["qwen2"]
+            assert cap.prof.prime_chunk_rows == [hi - lo for lo, hi in fixed_chunks(P, c)], c
+
+
 # ---- 2. speculative drafters: the chunked prime drafts what the unchunked one does ----
 
 
@@ -200,6 +214,31 @@ def test_spec_chunked_prime_drafts_the_same_and_output_is_plain_greedy(ckpts, re
         assert got == reference[family], (case, c)
         assert got_drafts == drafts, (case, c)  # the drafter's state after the chunked prime is the same
         assert (got_stats["drafted"], got_stats["accepted"]) == (stats["drafted"], stats["accepted"]), (case, c)
+
+
+def test_eagle3_prime_chunk_rows_equal_one_chunk(ckpts, draft_dirs):
+    """EAGLE-3's prime keeps only its K/V (the drafts above cannot see its rows' outputs), so
+    its prefix-attention arm is checked here: each prime row's output is the same whether
+    the rows ran as one chunk, as chunks over a prefix (> PREFIX_MIN_ROWS rows, lo > 0) or
+    as small masked chunks."""
+    from memra_dist.model.config import load_config
+    from memra_dist.model.eagle3 import load_eagle3_config
+
+    llama, edir = ckpts["llama"][0], draft_dirs["eagle3"]
+    target = ModelRunner(llama, CPU, F32, max_pos=P + 8)
+    d = Eagle3Drafter.load(edir, load_eagle3_config(edir, load_config(llama)), target)
+    target.alloc(P + 8)
+    target.forward(torch.tensor(PROMPT), 0)  # the taps of every prompt row
+
+    def rows(chunks):
+        d.alloc(P + 8)
+        return torch.cat([d._commit_rows(PROMPT, lo, hi) for lo, hi in chunks])
+
+    n = P - 1
+    want = rows([(0, n)])
+    for c in (64, 37, 7):
+        torch.testing.assert_close(rows(fixed_chunks(n, c)), want, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"chunk {c}: {m}")
 
 
 # ---- 3. prefix attention against a dense reference ----
@@ -412,10 +451,47 @@ class _Capture:
         pass
 
 
-def _mtp_draft_chunks(chunks, n_layers):
-    """MTP layer j owns rows p < P - 1 - j; after target chunk [lo, hi) it takes its rows up to
-    min(hi, P - 1 - j): one ingest per chunk that starts below that bound."""
-    return sum(1 for j in range(n_layers) for lo, _hi in chunks if lo < P - 1 - j)
+def _expected_draft_prime(drafter: str, chunks) -> tuple[int, int]:
+    """(chunks, rows) the drafter's prime ingests, from its rule: DFlash every prompt row, one
+    ingest per target chunk; EAGLE-3 rows p < P - 1, one per chunk that starts below that;
+    MTP layer j (deepseek_v3 here: two) rows p < P - 1 - j, after target chunk [lo, hi) its
+    rows up to min(hi, P - 1 - j): one ingest per chunk that starts below that bound."""
+    if drafter == "dflash":
+        return len(chunks), P
+    bounds = {"eagle3": [P - 1], "mtp": [P - 1, P - 2]}.get(drafter, [])
+    return sum(1 for b in bounds for lo, _hi in chunks if lo < b), sum(bounds)
+
+
+# the method each tap drafter's prime ingests through: counted while its prime runs
+_INGESTS = {"dflash": (DFlashDrafter, "_ingest"), "mtp": (MTPDrafter, "_rows"), "eagle3": (Eagle3Drafter, "_commit_rows")}
+
+
+def _count_prime_ingests(mp, drafter: str) -> list[int]:
+    """Patches the drafter class: returns a list that collects the rows of each ingest call
+    made inside its prime (DFlash's _ingest counts only calls that ingest a row)."""
+    if drafter not in _INGESTS:
+        return []
+    cls, name = _INGESTS[drafter]
+    real_prime, real = cls.prime, getattr(cls, name)
+    rows, inside = [], [False]
+
+    def prime(self, prompt, chunks=None):
+        inside[0] = True
+        try:
+            return real_prime(self, prompt, chunks)
+        finally:
+            inside[0] = False
+
+    def ingest(self, *a):
+        if inside[0] and drafter == "dflash":  # _ingest(upto, depth): rows [n, upto)
+            rows.extend([a[0] - self.n] if a[0] > self.n else [])
+        elif inside[0]:  # _rows(j, lo, hi, ...) / _commit_rows(context, lo, hi)
+            rows.append(a[2] - a[1])
+        return real(self, *a)
+
+    mp.setattr(cls, "prime", prime)
+    mp.setattr(cls, name, ingest)
+    return rows
 
 
 # id -> (family, drafter, draft dir key, chunk); P = 130
@@ -424,13 +500,15 @@ PROF = {
     "plain-whole": ("llama", "none", None, DEFAULT_PREFILL_CHUNK),
     "dflash-64": ("llama", "dflash", "dflash", 64),  # 64, 64, 2
     "dflash-7": ("llama", "dflash", "dflash", 7),
+    "eagle3-37": ("llama", "eagle3", "eagle3", 37),
+    "eagle3-129": ("llama", "eagle3", "eagle3", P - 1),  # its rows end on the first chunk's end: one ingest
     "mtp-37": ("deepseek_v3", "mtp", None, 37),
     "mtp-129": ("deepseek_v3", "mtp", None, P - 1),  # layer 0's last row is the first chunk's last
 }
 
 
 @pytest.mark.parametrize("case", list(PROF))
-def test_first_token_profile_and_spans_report_the_chunks(ckpts, draft_dirs, case):
+def test_first_token_profile_and_spans_report_the_chunks(ckpts, draft_dirs, monkeypatch, case):
     family, drafter, ddir, C = PROF[case]
     cap = _Capture()
     exp = InMemorySpanExporter()
@@ -438,6 +516,7 @@ def test_first_token_profile_and_spans_report_the_chunks(ckpts, draft_dirs, case
     prov.add_span_processor(SimpleSpanProcessor(exp))
     cfg = _cfg(ckpts[family][0], C, drafter=drafter, k=3, draft_model=str(draft_dirs[ddir]) if ddir else None,
                trace=TraceSettings(level=0, prof=True))
+    ingests = _count_prime_ingests(monkeypatch, drafter)
     generate(cfg, PROMPT, sink=FanOut(cap, SpanSink(prov.get_tracer("t"), None)))
     pf = cap.prof
     chunks = fixed_chunks(P, C)
@@ -446,14 +525,9 @@ def test_first_token_profile_and_spans_report_the_chunks(ckpts, draft_dirs, case
     assert pf.prime_rows == P and len(pf.prime_chunk_ms) == len(sizes) and all(ms > 0 for ms in pf.prime_chunk_ms)
     assert sum(pf.prime_chunk_ms) <= pf.ms["prime"]
     assert f"prime_chunks={len(sizes)} prime_rows={P} " in pf.line()
-    if drafter == "dflash":  # one ingest of the taps per target chunk, every prompt row
-        assert (pf.draft_prime_chunks, pf.draft_prime_rows) == (len(sizes), P)
-    elif drafter == "mtp":
-        n = 2  # deepseek_v3's MTP layers
-        assert pf.draft_prime_chunks == _mtp_draft_chunks(chunks, n)
-        assert pf.draft_prime_rows == sum(P - 1 - j for j in range(n))
-    else:
-        assert (pf.draft_prime_chunks, pf.draft_prime_rows) == (0, 0)
+    want = _expected_draft_prime(drafter, chunks)
+    assert (pf.draft_prime_chunks, pf.draft_prime_rows) == want
+    assert (len(ingests), sum(ingests)) == want  # the profile counts the calls that ran
 
     spans = exp.get_finished_spans()
     (prime,) = [s for s in spans if s.name == ttft_span("prime")]

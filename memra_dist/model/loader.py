@@ -139,7 +139,7 @@ def load_stage(
         if progress is not None:
             progress(done, total)
     stage.load_state_dict(state, assign=True, strict=True)
-    return stage.to_device(device).eval()
+    return stage.to_device(device).eval().requires_grad_(False)  # inference only: compile traces no backward
 
 
 def load_embedding(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Embedding:
