@@ -239,6 +239,14 @@ def test_eagle3_prime_chunk_rows_equal_one_chunk(ckpts, draft_dirs):
     for c in (64, 37, 7):
         torch.testing.assert_close(rows(fixed_chunks(n, c)), want, atol=1e-5, rtol=1e-5,
                                    msg=lambda m: f"chunk {c}: {m}")
+    # the prime writes only these rows' K/V: the same K/V the full rows leave
+    full_k, full_v = d.state.k[:n].clone(), d.state.v[:n].clone()
+    for c in (64, 7):
+        d.alloc(P + 8)
+        d.prime(PROMPT, fixed_chunks(P, c))
+        assert d.n == n
+        torch.testing.assert_close(d.state.k[:n], full_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(d.state.v[:n], full_v, atol=1e-5, rtol=1e-5)
 
 
 # ---- 3. prefix attention against a dense reference ----
@@ -463,7 +471,7 @@ def _expected_draft_prime(drafter: str, chunks) -> tuple[int, int]:
 
 
 # the method each tap drafter's prime ingests through: counted while its prime runs
-_INGESTS = {"dflash": (DFlashDrafter, "_ingest"), "mtp": (MTPDrafter, "_rows"), "eagle3": (Eagle3Drafter, "_commit_rows")}
+_INGESTS = {"dflash": (DFlashDrafter, "_ingest"), "mtp": (MTPDrafter, "_rows"), "eagle3": (Eagle3Drafter, "_prime_kv")}
 
 
 def _count_prime_ingests(mp, drafter: str) -> list[int]:
@@ -485,7 +493,7 @@ def _count_prime_ingests(mp, drafter: str) -> list[int]:
     def ingest(self, *a):
         if inside[0] and drafter == "dflash":  # _ingest(upto, depth): rows [n, upto)
             rows.extend([a[0] - self.n] if a[0] > self.n else [])
-        elif inside[0]:  # _rows(j, lo, hi, ...) / _commit_rows(context, lo, hi)
+        elif inside[0]:  # _rows(j, lo, hi, ...) / _prime_kv(context, lo, hi)
             rows.append(a[2] - a[1])
         return real(self, *a)
 

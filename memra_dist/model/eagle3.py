@@ -166,6 +166,11 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=c.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, h, bias=c.o_bias)
 
+    def kv(self, x2: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 2H) -> k, v (T, nkv, hd): what a context row leaves in the cache."""
+        k = apply_rope(self.k_proj(x2).view(-1, self.nkv, self.hd), *rope)
+        return k, self.v_proj(x2).view(-1, self.nkv, self.hd)
+
     def qkv(self, x2: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, 2H) -> q (T, nh, hd), k, v (T, nkv, hd); rotary at the rows' positions."""
         q = apply_rope(self.q_proj(x2).view(-1, self.nh, self.hd), *rope)
@@ -231,6 +236,13 @@ class Eagle3Net(nn.Module):
         K, V = kv_of(k, v)
         o = attend(q, K, V) if attend is not None else cached_attention(q, K, V, mask, layer.self_attn.nkv)
         return layer.finish(resid, o)
+
+    def context_kv(self, emb: torch.Tensor, g: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows whose outputs nobody reads (the prompt's, before the last): only their k, v
+        (T, nkv, hd), no attention, o_proj or MLP."""
+        layer = self.midlayer
+        x2, _resid = layer.inputs(emb, g)
+        return layer.self_attn.kv(x2, self.rope(pos))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits (T, draft_vocab)."""

@@ -99,14 +99,26 @@ class Eagle3Drafter(Drafter):
         self.n = hi
         return out
 
+    @torch.inference_mode()
+    def _prime_kv(self, context, lo: int, hi: int) -> None:
+        """Committed rows [lo, hi) whose outputs nobody reads: only their K/V into the cache
+        (the first propose recomputes the last committed row, whose output gives d_1)."""
+        pos = torch.arange(lo, hi, device=self.device)
+        tokens = torch.tensor(context[lo + 1:hi + 1], dtype=torch.long, device=self.device)
+        k, v = self.net.context_kv(self.embed(tokens), self.net.features(self._taps().rows(lo, hi)), pos)
+        self.state.k.index_copy_(0, pos, k)
+        self.state.v.index_copy_(0, pos, v)
+        self.n = hi
+
     def prime(self, prompt: list[int], chunks: list[tuple[int, int]] | None = None) -> None:
-        """Rows 0 .. P-2 (row p pairs token p + 1 with the taps of p), in the target's chunks."""
+        """Rows 0 .. P-2 (row p pairs token p + 1 with the taps of p), in the target's chunks:
+        their K/V only (`_prime_kv`)."""
         self.n = 0
         n, d = len(prompt) - 1, self.ttft_depth
         for lo, hi in chunks or [(0, n)]:
             if lo < min(hi, n):
                 t = d.stamp() if d is not None else 0
-                self._commit_rows(prompt, lo, min(hi, n))
+                self._prime_kv(prompt, lo, min(hi, n))
                 if d is not None:
                     d.lap("draft_prime_kv_ms", t)
                     d.chunk(min(hi, n) - lo)
