@@ -159,9 +159,11 @@ class StepGraphs:
             graph.copied.record()
         return graph
 
-    def warm(self, rows_list, timed: bool = False) -> None:
+    def warm(self, rows_list, timed: bool = False, depth=None) -> None:
         """Capture the graphs for these row counts now (at position 0 of a fresh cache);
-        `timed`: their level-2 twins too, so no capture lands inside the request's rounds."""
+        `timed`: their level-2 twins too, so no capture lands inside the request's rounds.
+        `depth` (the first-token profile's DepthTimer): each capture is a drained lap, the
+        first apart (it pays torch.compile and the kernels' JIT, or reads their caches)."""
         st = self.runner.stage
         tables = [(self.graphs, False)] + ([(self.timed, True)] if timed else [])
         for rows in rows_list:
@@ -171,7 +173,12 @@ class StepGraphs:
                 x = torch.zeros(rows, st.cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
             for table, t in tables:
                 if rows not in table:
+                    t0 = depth.stamp() if depth is not None else 0
                     table[rows] = self._capture(x, 0, timed=t)
+                    if depth is not None:
+                        first = depth.prof.graph_captures == 0
+                        depth.lap("graph_first_capture_ms" if first else "graph_capture_ms", t0)
+                        depth.prof.graph_captures += 1
 
     def run(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:
         """Replay the step graph of x's row count (captured on first use). With a level-2

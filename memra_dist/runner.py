@@ -91,13 +91,16 @@ class ModelRunner:
         if capacity > self.max_pos:
             raise UserError(f"context {capacity} exceeds this runner's limit ({self.max_pos} rows)")
         self._check_fits(capacity)
+        d = self.ttft_depth  # profiled: each part below is a drained share of cache_alloc
         try:
             self.cache = None
             if self.graphs is not None:
                 self.graphs.reset()
+            t = d.stamp() if d is not None else 0
             self.cache = self.stage.new_cache(capacity, self.device, self.dtype)
+            if d is not None:
+                d.lap("cache_kv_alloc_ms", t)
             if self._local_taps():  # before any capture: the graphs then write the taps too
-                d = self.ttft_depth  # profiled: the sink's allocation is a drained share of cache_alloc
                 t = d.stamp() if d is not None else 0
                 self.cache.taps = TapSink.alloc(self._local_taps(), capacity, self.cfg.hidden_size, self.device,
                                                 self.dtype)
@@ -109,7 +112,7 @@ class ModelRunner:
                 # ever lands inside a round
                 # (the captures' warm-ups leave the cache empty: length 0, and every step is
                 # idempotent at its positions, graphs.py)
-                self.graphs.warm(range(1, min(self.warm_rows, capacity, self.graph_rows) + 1), self.warm_timed)
+                self.graphs.warm(range(1, min(self.warm_rows, capacity, self.graph_rows) + 1), self.warm_timed, d)
         except torch.OutOfMemoryError:
             raise UserError(
                 f"out of memory allocating the cache for {capacity} rows on {self.label} "

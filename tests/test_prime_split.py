@@ -20,7 +20,7 @@ from memra_dist.model import taps as taps_mod
 from memra_dist.model.config import load_config
 from memra_dist.model.dflash import load_dflash_config
 from memra_dist.model.tiny_dflash import random_dflash
-from memra_dist.phase.first_token import DEPTH_FIELDS, FirstTokenProf
+from memra_dist.phase.first_token import DepthTimer, DEPTH_FIELDS, FirstTokenProf
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.runner import ModelRunner
 from memra_dist.specdec.drafters.base import Drafter, Proposal
@@ -193,6 +193,7 @@ def _sample_prof() -> FirstTokenProf:
     pf.draft_prime_feat_ms, pf.draft_prime_kv_ms = 1.5, 2.0
     pf.draft_prime_rows, pf.draft_prime_chunks, pf.draft_prime_arm = 13, 1, "device"
     pf.prime_chunk_rows, pf.prime_chunk_ms = [8, 5], [3.0, 2.0]  # the prime's two chunks
+    pf.cache_kv_alloc_ms, pf.graph_captures, pf.graph_first_capture_ms, pf.graph_capture_ms = 0.125, 5, 40.0, 2.5
     return pf
 
 
@@ -202,7 +203,8 @@ def test_line_carries_the_seed_names_and_says_device_arm():
     for f in DEPTH_FIELDS:
         assert f" {f}=" in f" {depth}", f
     kv = dict(tok.split("=", 1) for tok in depth.split(" (")[0].split())
-    assert kv == {"tap_sink_alloc_ms": "0.250", "tap_sink_mb": "3.0", "prime_chunks": "2", "prime_rows": "13",
+    assert kv == {"cache_kv_alloc_ms": "0.125", "graph_captures": "5", "graph_first_capture_ms": "40.000",
+                  "graph_capture_ms": "2.500", "tap_sink_alloc_ms": "0.250", "tap_sink_mb": "3.0", "prime_chunks": "2", "prime_rows": "13",
                   "prime_chunk_mean_ms": "2.500", "prime_chunk_max_ms": "3.000", "prime_tap_dtoh_ms": "0.000",
                   "draft_prime_h2d_ms": "0.000", "draft_prime_feat_ms": "1.500", "draft_prime_kv_ms": "2.000",
                   "draft_prime_rows": "13", "draft_prime_chunks": "1", "draft_prime_arm": "device"}
@@ -338,3 +340,36 @@ def test_mtp_prime_split(tmp_path):
     H = load_config(d).hidden_size
     assert pf.tap_sink_mb == pytest.approx(CAP * H * 4 / 2**20)  # the FINAL tap only
     assert 0 < pf.tap_sink_alloc_ms <= pf.ms["cache_alloc"]
+
+
+def test_graph_captures_are_laps_of_cache_alloc():
+    """StepGraphs.warm with the profile's timer: one drained lap per capture, the first
+    (compile, kernel JIT) apart from the rest, and the count."""
+    from types import SimpleNamespace
+
+    from memra_dist.graphs import StepGraphs
+
+    runner = SimpleNamespace(stage=SimpleNamespace(has_embed=True), device=torch.device("cpu"))
+    g = StepGraphs.__new__(StepGraphs)
+    g.runner, g.graphs, g.timed = runner, {}, {}
+    g._capture = lambda x, start, timed=False: ("graph", x.shape[0], timed)
+    clock = iter(range(0, 10**9, 1_000_000))  # each stamp 1 ms after the last
+    pf = FirstTokenProf()
+    g.warm(range(1, 4), timed=True, depth=DepthTimer(pf, lambda: next(clock)))
+    assert sorted(g.graphs) == sorted(g.timed) == [1, 2, 3]
+    assert pf.graph_captures == 6
+    assert pf.graph_first_capture_ms == 1.0 and pf.graph_capture_ms == 5.0
+    g.warm(range(1, 4), timed=True, depth=DepthTimer(pf, lambda: next(clock)))  # all captured: nothing more
+    assert pf.graph_captures == 6
+
+
+def test_a_profiled_cpu_alloc_times_the_cache(llama):
+    """The real runner on CPU: the cache states are a lap of cache_alloc; no graph, no capture."""
+    from memra_dist.runner import ModelRunner
+
+    r = ModelRunner(llama, torch.device("cpu"), torch.float32, max_pos=256)
+    pf = FirstTokenProf()
+    clock = iter(range(0, 10**9, 1_000_000))
+    r.ttft_depth = DepthTimer(pf, lambda: next(clock))
+    r.alloc(256)
+    assert pf.cache_kv_alloc_ms == 1.0 and pf.graph_captures == 0 and pf.graph_first_capture_ms == 0.0

@@ -5,6 +5,10 @@ stays 0.0 (e.g. `capture`: there is no prompt-boundary prefix capture here).
 
 Depth fields of the tap-drafter path (the seed's names), each a drained SHARE of the bucket
 it sits in (so they sum to at most that bucket):
+- inside `cache_alloc`: `cache_kv_alloc_ms`, the target's cache states; `graph_captures` step
+  graphs captured (one per decode / verify row count, and their level-2 twins), the first in
+  `graph_first_capture_ms` (it pays torch.compile and the kernels' JIT, or reads their
+  on-disk caches), the rest in `graph_capture_ms` (0 captures: an engine reusing its cache);
 - inside `cache_alloc`: `tap_sink_alloc_ms` / `tap_sink_mb`, the target's tap sink (the
   session's sink size; a sink reused from the previous session at the same capacity takes
   ~0 ms);
@@ -35,7 +39,7 @@ __all__ = ["FirstTokenProf", "DepthTimer", "lend", "DEPTH_FIELDS", "DEVICE_ARM",
 DEVICE_ARM = "device"  # the taps stay on the target's device: no DtoH in the prime, no HtoD in the ingest
 DEVICE_ARM_NOTE = " (device arm: the taps never leave the device, so no tap DtoH in the prime and no HtoD in the ingest)"
 # the depth fields in line / attribute order (the seed's names)
-DEPTH_FIELDS = ("tap_sink_alloc_ms", "tap_sink_mb", "prime_chunks", "prime_rows", "prime_chunk_mean_ms",
+DEPTH_FIELDS = ("cache_kv_alloc_ms", "graph_captures", "graph_first_capture_ms", "graph_capture_ms", "tap_sink_alloc_ms", "tap_sink_mb", "prime_chunks", "prime_rows", "prime_chunk_mean_ms",
                 "prime_chunk_max_ms", "prime_tap_dtoh_ms", "draft_prime_h2d_ms", "draft_prime_feat_ms",
                 "draft_prime_kv_ms", "draft_prime_rows", "draft_prime_chunks", "draft_prime_arm")
 
@@ -54,6 +58,10 @@ class FirstTokenProf:
     free_mb_before: dict[str, int] = field(default_factory=dict)
     free_mb_after: dict[str, int] = field(default_factory=dict)
     # ---- depth (the module doc) ----
+    cache_kv_alloc_ms: float = 0.0
+    graph_captures: int = 0
+    graph_first_capture_ms: float = 0.0
+    graph_capture_ms: float = 0.0
     tap_sink_alloc_ms: float = 0.0
     tap_sink_mb: float = 0.0
     prime_tap_dtoh_ms: float = 0.0

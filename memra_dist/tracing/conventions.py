@@ -68,6 +68,10 @@ ATTR = {
     "output": "memra.output",  # only with --trace-content
     "kv_mb": "memra.draft_kv_mb",
     # first-token depth of the tap-drafter path (on memra.first_token; the seed's names, phase/first_token.py)
+    "cache_kv_alloc_ms": "memra.cache_kv_alloc_ms",  # share of ttft.cache_alloc: the cache states (ms)
+    "graph_captures": "memra.graph_captures",  # step graphs captured in ttft.cache_alloc (int)
+    "graph_first_capture_ms": "memra.graph_first_capture_ms",  # share of ttft.cache_alloc: the first capture (ms)
+    "graph_capture_ms": "memra.graph_capture_ms",  # share of ttft.cache_alloc: the other captures (ms)
     "tap_sink_alloc_ms": "memra.tap_sink_alloc_ms",  # share of ttft.cache_alloc (ms)
     "tap_sink_mb": "memra.tap_sink_mb",  # the target's tap sink (MB)
     "prime_chunks": "memra.prime_chunks",  # prefill forwards of the target's prime (int)

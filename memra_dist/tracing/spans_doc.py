@@ -59,6 +59,14 @@ ATTR_DOC = {
     "prompt": ("", "memra.request", "the prompt text: ONLY with --trace-content"),
     "output": ("", "memra.request", "the generated text: ONLY with --trace-content"),
     "kv_mb": ("MB", "memra.first_token", "the drafter state allocated for the session"),
+    "cache_kv_alloc_ms": ("ms", "memra.first_token", "the target's cache states (KV, latents, recurrent "
+                          "snapshots), a drained share of ttft.cache_alloc"),
+    "graph_captures": ("", "memra.first_token", "step graphs captured while allocating (one per decode / verify "
+                       "row count, and their level-2 twins; 0 when the engine reuses its cache)"),
+    "graph_first_capture_ms": ("ms", "memra.first_token", "the first capture, a drained share of ttft.cache_alloc: "
+                               "it pays torch.compile and the Triton kernels' JIT (or reads their on-disk caches)"),
+    "graph_capture_ms": ("ms", "memra.first_token", "every later capture together, a drained share of "
+                         "ttft.cache_alloc"),
     "tap_sink_alloc_ms": ("ms", "memra.first_token", "the target's tap sink allocation (pp>1: the head's sink), "
                           "a drained share of ttft.cache_alloc; ~0 when the previous session's sink is reused"),
     "tap_sink_mb": ("MB", "memra.first_token", "the target's tap sink for the session (0: no taps kept)"),
