@@ -324,7 +324,7 @@ def test_bad_sections_is_one_line_exit_2():
     p = _cli("bench", "--sections", "decode,bogus")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["memra-dist: error: --sections: unknown bogus "
-                                             "(choose from bandwidth, steps, decode, trace, peer, pp, hybrid)"]
+                                             "(choose from bandwidth, steps, decode, trace, peer, pp, hybrid, prefill)"]
 
 
 @pytest.mark.slow  # the whole bench on tiny checkpoints
@@ -343,7 +343,8 @@ def test_tiny_cpu_run_writes_every_key(tmp_path):
     assert (md.read_text() if md.exists() else None) == before  # no --record: BENCHMARKS.md untouched
     assert "section decode: start" in p.stderr and "section decode: done" in p.stderr  # progress on stderr
     res = json.loads(out.read_text())
-    for key in ("meta", "formula", "bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid", "targets"):
+    for key in ("meta", "formula", "bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid", "prefill",
+                "targets"):
         assert key in res, key
     m = res["meta"]
     assert m["device"] == "cpu" and m["shape"] == "tiny" and m["commit"] and m["graphs"]["active"] is False

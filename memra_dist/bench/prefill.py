@@ -31,11 +31,14 @@ so the other sections' checkpoints and results are untouched.
 from __future__ import annotations
 
 import gc
+import json
 import math
+import os
 import time
 
 import torch
 
+from ..errors import UserError
 from .checkpoints import ensure_checkpoint, ensure_variant, shape_config, weight_bytes
 from .noise import Fig
 
@@ -133,6 +136,11 @@ def _free(dev) -> None:
         torch.cuda.empty_cache()
 
 
+def _sig(x: float, n: int = 4) -> float:
+    """x to n significant digits (TFLOP/s of a tiny CPU model are 1e-3)."""
+    return float(f"{x:.{n}g}")
+
+
 def _gb(x) -> float | None:
     return None if x is None else round(x / 1e9, 3)
 
@@ -172,10 +180,18 @@ def _ours(s, engine, cfg, prompts: dict, flops: dict, weights: int, kvpt: int, c
             continue
         reps = s.p.prefill_repeats(L)
         runs = []
-        for _ in range(reps):
-            runs.append(_timed_request(engine, prompt, cfg, dev))
-            if s.left() <= 0:
-                break
+        try:
+            for _ in range(reps):
+                runs.append(_timed_request(engine, prompt, cfg, dev))
+                if s.left() <= 0:
+                    break
+        except (torch.OutOfMemoryError, UserError) as e:  # recorded as such; the next length still runs
+            oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
+            out[key] = {"oom": oom, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                        "timed_before": len(runs), "peak_gb": _gb(_peak(dev))}
+            s.say(f"  ours {_len_label(L)}: {out[key]['error']}")
+            _free(dev)
+            continue
         ttft = Fig.of([r["ttft_s"] for r in runs])
         new = runs[0]["tokens"]
         dec = Fig.of([(r["tokens"] - 1) / r["decode_s"] for r in runs if r["tokens"] > 1 and r["decode_s"] > 0] or [0.0])
@@ -184,13 +200,13 @@ def _ours(s, engine, cfg, prompts: dict, flops: dict, weights: int, kvpt: int, c
         roof = bwf.map(lambda b: decode_roofline_tok_s(b, weights, kvpt, ctx))
         frac = dec / roof
         # TFLOP/s falls as TTFT grows: its range is [F / hi, F / lo]
-        tfl_rng = [round(flops[L] / ttft.hi / 1e12, 2), round(flops[L] / ttft.lo / 1e12, 2)] if ttft.known else None
+        tfl_rng = [_sig(flops[L] / ttft.hi / 1e12), _sig(flops[L] / ttft.lo / 1e12)] if ttft.known else None
         peaks = [r["peak"] for r in runs if r["peak"] is not None]
         row = {"prompt": L, "repeats": len(runs), "ttft_ms": round(ttft.value * 1e3, 3),
                "ttft_ms_range": ttft.map(lambda x: x * 1e3).rng(3),
                "ttft_ms_all": [round(r["ttft_s"] * 1e3, 3) for r in runs],
                "ttft_stats_ms_all": [r["ttft_stats_ms"] for r in runs],
-               "prefill_tok_s": round(L / ttft.value, 1), "flops": flops[L], "tflops": round(flops[L] / ttft.value / 1e12, 2),
+               "prefill_tok_s": round(L / ttft.value, 1), "flops": flops[L], "tflops": _sig(flops[L] / ttft.value / 1e12),
                "tflops_range": tfl_rng, "new_tokens": new, "decode_tok_s": round(dec.value, 2),
                "decode_tok_s_range": dec.rng(2), "decode_stats_tok_s_all": [r["stats_tok_s"] for r in runs],
                "decode_context_mean": ctx, "decode_kv_roofline_tok_s": round(roof.value, 2),
@@ -225,8 +241,8 @@ def _sweep(s, engine, cfg, prompt: list[int], flops: float, chunks: tuple[int, .
         try:
             for _ in range(s.p.prefill_sweep_repeats):
                 runs.append(_timed_request(engine, prompt, cc, dev))
-        except torch.OutOfMemoryError as e:
-            out[str(c)] = {"oom": True, "error": str(e).splitlines()[0][:200]}
+        except (torch.OutOfMemoryError, UserError) as e:
+            out[str(c)] = {"oom": True, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             _free(dev)
             s.say(f"  sweep chunk {c}: OOM")
             continue
@@ -234,7 +250,7 @@ def _sweep(s, engine, cfg, prompt: list[int], flops: float, chunks: tuple[int, .
         ids[c] = runs[0]["ids"]
         row = {"chunk": c, "chunks": math.ceil(len(prompt) / c), "repeats": len(runs),
                "ttft_ms": round(t.value * 1e3, 3), "ttft_ms_range": t.map(lambda x: x * 1e3).rng(3),
-               "ttft_ms_all": [round(r["ttft_s"] * 1e3, 3) for r in runs], "tflops": round(flops / t.value / 1e12, 2),
+               "ttft_ms_all": [round(r["ttft_s"] * 1e3, 3) for r in runs], "tflops": _sig(flops / t.value / 1e12),
                "peak_gb": _gb(max((r["peak"] for r in runs if r["peak"] is not None), default=None))}
         out[str(c)] = row
         s.say(f"  sweep chunk {c}: TTFT {row['ttft_ms']:.1f} ms {row['ttft_ms_all']}, {row['tflops']:.1f} TFLOP/s, "
@@ -319,7 +335,7 @@ def _peer(s, path: str, prompts: dict, flops: dict, ours: dict) -> dict:
         f = Fig.of(xs)
         row = {"prompt": L, "repeats": len(xs), "forward_ms": round(f.value * 1e3, 3),
                "forward_ms_range": f.map(lambda x: x * 1e3).rng(3), "forward_ms_all": [round(x * 1e3, 3) for x in xs],
-               "tflops": round(flops[L] / f.value / 1e12, 2), "peak_gb": _gb(peak), "allocated_before_gb": _gb(base),
+               "tflops": _sig(flops[L] / f.value / 1e12), "peak_gb": _gb(peak), "allocated_before_gb": _gb(base),
                "first_token": first}
         o = ours.get(str(L), {})
         if o.get("ttft_ms"):
@@ -336,6 +352,24 @@ def _peer(s, path: str, prompts: dict, flops: dict, ours: dict) -> dict:
     del model
     _free(dev)
     return out
+
+
+def _partial(out: dict) -> None:
+    """The section's figures so far, to $MEMRA_PREFILL_PARTIAL when set (a run killed at a wall
+    limit keeps what it measured)."""
+    path = os.environ.get("MEMRA_PREFILL_PARTIAL")
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+
+
+def _guarded(s, what: str, fn) -> dict:
+    """fn() or {"error": ...}: one part failing keeps the others' figures."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        s.say(f"  {what}: ERROR {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -391,22 +425,26 @@ def prefill(s) -> dict:
         out["warmup"] = {"prompt": warm_len, "s": round(time.perf_counter() - t, 2)}
         out["allocated_idle_gb"] = _gb(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
         s.say(f"  engine open in {out['open_s']:.1f}s, warm-up ({warm_len} tokens) {out['warmup']['s']:.1f}s")
-        out["ours"] = _ours(s, engine, cfg, prompts, flops, weights, kvpt, capacity, bw)
+        _partial(out)
+        out["ours"] = _guarded(s, "ours", lambda: _ours(s, engine, cfg, prompts, flops, weights, kvpt, capacity, bw))
+        _partial(out)
         if s.left() > 0:
             sp = make_prompt(p.prefill_sweep_len, vocab, seed=p.prefill_sweep_len)
-            out["sweep"] = _sweep(s, engine, cfg, sp, fl(p.prefill_sweep_len), p.prefill_chunks)
-            bc = out["sweep"].get("best_chunk")
-            rows = out["sweep"]["rows"]
+            out["sweep"] = _guarded(s, "sweep", lambda: _sweep(s, engine, cfg, sp, fl(p.prefill_sweep_len),
+                                                               p.prefill_chunks))
+            bc, rows = out["sweep"].get("best_chunk"), out["sweep"].get("rows") or {}
             dc = str(DEFAULT_PREFILL_CHUNK)
             if bc is not None and rows.get(dc, {}).get("ttft_ms"):
                 out["sweep"]["default_over_best"] = round(rows[dc]["ttft_ms"] / rows[str(bc)]["ttft_ms"], 4)
         else:
             out["sweep"] = {"skipped": "budget"}
+        _partial(out)
         del engine
     _free(dev)
     out["allocated_after_close_gb"] = _gb(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
     if s.left() > 0:
-        out["peer"] = _peer(s, str(path), prompts, flops, out["ours"])
+        out["peer"] = _guarded(s, "transformers peer", lambda: _peer(s, str(path), prompts, flops, out["ours"]))
     else:
         out["peer"] = {"skipped": "budget"}
+    _partial(out)
     return out

@@ -292,16 +292,12 @@ def _prefill_rows(res: dict) -> list[tuple[str, str]]:
     pf = res.get("prefill") or {}
     rows = []
     for n, o in (pf.get("ours") or {}).items():
-        if not isinstance(o, dict) or "ttft_ms" not in o:
-            rows.append((f"prefill {n} tokens", f"not measured ({(o or {}).get('skipped', 'see the JSON')})"))
-            continue
-        mem = (f"; peak {o['peak_gb']:.2f} GB = weights {o['weights_gb']:.2f} + KV cache {o['kv_cache_gb']:.2f} "
-               f"+ {o['overhead_gb']:.2f}" if o.get("peak_gb") is not None else "")
-        rows.append((f"prefill {n} tokens (ours)",
-                     f"TTFT {o['ttft_ms']:.4g} ms{_rng(o.get('ttft_ms_range'), '.4g')} (n={o['repeats']}), "
-                     f"{o['prefill_tok_s']:.0f} tok/s, {o['tflops']:.4g} TFLOP/s{mem}; decode {o['decode_tok_s']:.1f} "
-                     f"tok/s = {o['decode_kv_roofline_fraction']:.3f} of {o['decode_kv_roofline_tok_s']:.1f} "
-                     f"(KV roofline)"))
+        try:
+            rows.append((f"prefill {n} tokens (ours)", _prefill_ours(o)))
+        except (KeyError, TypeError, ValueError):
+            rows.append((f"prefill {n} tokens (ours)", "not measured" + (
+                f" ({o.get('skipped') or o.get('error')})" if isinstance(o, dict) and (o.get("skipped") or o.get("error"))
+                else "")))
         h = _get(pf, "peer", "lengths", n)
         if isinstance(h, dict) and h.get("oom"):
             rows.append((f"prefill {n} tokens (transformers sdpa)", "out of memory"))
@@ -309,20 +305,28 @@ def _prefill_rows(res: dict) -> list[tuple[str, str]]:
             ratio = (f"; ours / sdpa x{h['ours_ttft_over_sdpa']:.3f}{_rng(h.get('ours_ttft_over_sdpa_range'))}"
                      if h.get("ours_ttft_over_sdpa") is not None else "")
             rows.append((f"prefill {n} tokens (transformers sdpa)",
-                         f"forward {h['forward_ms']:.4g} ms{_rng(h.get('forward_ms_range'), '.4g')} (n={h['repeats']}), "
-                         f"{h['tflops']:.4g} TFLOP/s" + (f", peak {h['peak_gb']:.2f} GB" if h.get("peak_gb") is not None
-                                                         else "") + ratio))
+                         f"forward {h['forward_ms']:.4g} ms{_rng(h.get('forward_ms_range'), '.4g')} (n={h.get('repeats')}), "
+                         f"{h.get('tflops', 0):.4g} TFLOP/s" + (f", peak {h['peak_gb']:.2f} GB" if h.get("peak_gb") is not None
+                                                                else "") + ratio))
     sw = pf.get("sweep") or {}
     if sw.get("rows"):
         cells = [f"{c}: {r['ttft_ms']:.4g} ms" + (f", {r['peak_gb']:.2f} GB" if r.get("peak_gb") is not None else "")
-                 if "ttft_ms" in r else f"{c}: {'OOM' if r.get('oom') else r.get('skipped')}"
+                 if "ttft_ms" in r else f"{c}: {'OOM' if r.get('oom') else r.get('skipped') or r.get('error')}"
                  for c, r in sw["rows"].items()]
         eq = sw.get("greedy_ids_equal") or {}
-        rows.append((f"prefill chunk sweep at {sw['prompt']} tokens", "; ".join(cells)
+        rows.append((f"prefill chunk sweep at {sw.get('prompt')} tokens", "; ".join(cells)
                      + f"; best {sw.get('best_chunk')}" + (f", default / best x{sw['default_over_best']:.3f}"
                                                            if sw.get("default_over_best") else "")
                      + f"; greedy ids equal across chunks: {all(eq.values()) if eq else 'n/a'}"))
     return rows
+
+
+def _prefill_ours(o: dict) -> str:
+    mem = (f"; peak {o['peak_gb']:.2f} GB = weights {o['weights_gb']:.2f} + KV cache {o['kv_cache_gb']:.2f} "
+           f"+ {o['overhead_gb']:.2f}" if o.get("peak_gb") is not None else "")
+    return (f"TTFT {o['ttft_ms']:.4g} ms{_rng(o.get('ttft_ms_range'), '.4g')} (n={o['repeats']}), "
+            f"{o['prefill_tok_s']:.0f} tok/s, {o['tflops']:.4g} TFLOP/s{mem}; decode {o['decode_tok_s']:.1f} "
+            f"tok/s = {o['decode_kv_roofline_fraction']:.3f} of {o['decode_kv_roofline_tok_s']:.1f} (KV roofline)")
 
 
 def _draft_cost(r: dict) -> str:
