@@ -1,8 +1,9 @@
 """CUDA check of chunked prefill's attention (what the CPU tests cannot show: the flash arm runs
 on CUDA half types only).
 
-attention  `prefix_attention` (which must take the flash arm: torch's FlashAttention-2 kernel
-           with is_causal=True, BELIEVED bottom-right aligned when keys > queries) against
+attention  `prefix_attention` (GQA must take the cudnn arm, MLA the flash arm: torch's
+           FlashAttention-2 kernel with is_causal=True, bottom-right aligned when keys > queries;
+           the flash arm is also checked alone on the GQA shapes) against
            `blocked_attention` (the query-blocked reference arm) and a float64 dense reference
            with an explicit bottom-right mask (row t at position start + t sees keys
            0 .. start + t), for start = 0 and start > 0, on GQA 32/8 heads hd 128 and an MLA
@@ -73,7 +74,12 @@ def attention_case(name, T, start, nh, nkv, dqk, dv, dtype=torch.bfloat16, cap_e
     e_blk = float((blk.double() - ref).abs().max())
     e_top = float((o.double() - top).abs().max())
     e_fb = float((o.float() - blk.float()).abs().max())
-    ok = arm == "flash" and tuple(o.shape) == (T, nh, dv) and e_flash <= max(TOL_REL * e_blk, e_blk + TOL_ABS)
+    want = "cudnn" if dqk == dv and dqk <= 128 else "flash"  # the registry's first fast arm for the shape
+    ok = arm == want and tuple(o.shape) == (T, nh, dv) and e_flash <= max(TOL_REL * e_blk, e_blk + TOL_ABS)
+    if dqk == dv and dqk <= 128:  # the flash arm alone too (it stays the MLA arm and the fallback)
+        e_fa = float((pa._flash(q, k, v, start, scale).double() - ref).abs().max())
+        ok = ok and e_fa <= max(TOL_REL * e_blk, e_blk + TOL_ABS)
+        print(f"        flash arm alone |flash-fp64|={e_fa:.3e}", flush=True)
     row = {"case": name, "T": T, "start": start, "S": S, "nh": nh, "nkv": nkv, "dqk": dqk, "dv": dv, "arm": arm,
            "err_flash_vs_fp64": e_flash, "err_blocked_vs_fp64": e_blk, "err_flash_vs_blocked": e_fb,
            "err_flash_vs_topleft_fp64": e_top, "ok": ok}
@@ -89,7 +95,7 @@ def time_arm(T: int, start: int, nh=32, nkv=8, d=128, n=20) -> dict:
     k = torch.randn(start + T, nkv, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     out = {}
-    for name, fn in (("flash", pa.prefix_attention), ("blocked", pa.blocked_attention)):
+    for name, fn in (("cudnn", pa._cudnn), ("flash", pa._flash), ("blocked", pa.blocked_attention)):
         fn(q, k, v, start, d ** -0.5)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -101,7 +107,8 @@ def time_arm(T: int, start: int, nh=32, nkv=8, d=128, n=20) -> dict:
         ms = e0.elapsed_time(e1) / n
         flops = 4 * nh * d * T * (start + T / 2)
         out[name] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
-    print(f"  timing T={T} start={start}: flash {out['flash']['ms']:.3f} ms ({out['flash']['tflops']} TFLOP/s), "
+    print(f"  timing T={T} start={start}: cudnn {out['cudnn']['ms']:.3f} ms ({out['cudnn']['tflops']} TFLOP/s), "
+          f"flash {out['flash']['ms']:.3f} ms ({out['flash']['tflops']} TFLOP/s), "
           f"blocked {out['blocked']['ms']:.3f} ms ({out['blocked']['tflops']} TFLOP/s)", flush=True)
     return {"T": T, "start": start, **out}
 

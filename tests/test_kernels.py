@@ -98,6 +98,24 @@ def test_rope_kv_write_equals_the_reference_rotary_and_cache_writes(rows, nh, nk
     assert torch.equal(out, rq) and torch.equal(kc, rk) and torch.equal(vc, rv)  # fp32: the same roundings
 
 
+@pytest.mark.parametrize("live", [1, 70, 1000, 2049])
+def test_split_attention_spreads_a_short_context_of_a_large_cache(live):
+    """A cache far larger than its live rows (a long-context engine on a short request): the
+    kernel's programs share the LIVE slots (BC-slot steps), any of them may hold none."""
+    from memra_dist.kernels.decode_attention import decode_attention
+
+    C, hd, nh, nkv, rows = 8192, 16, 4, 2, 2
+    g = torch.Generator().manual_seed(live)
+    kc, vc = torch.randn(C, nkv, hd, generator=g), torch.randn(C, nkv, hd, generator=g)
+    kc[live:] = float("nan")
+    vc[live:] = float("nan")
+    q = torch.randn(rows, nh, hd, generator=g)
+    pos = torch.arange(max(0, live - rows), live)[-rows:] if live >= rows else torch.tensor([0])
+    q = q[: pos.shape[0]]
+    ref = cached_attention(q, kc.nan_to_num(), vc.nan_to_num(), causal_mask(pos, C), nkv)
+    torch.testing.assert_close(decode_attention(q, kc, vc, pos), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_chunking_bounds_the_grid():
     from memra_dist.kernels.decode_attention import chunking
 

@@ -4,8 +4,15 @@
 A prefill chunk of T rows at positions [start, start + T) attends to the cache rows
 [0, start + T): row t sees keys 0 .. start + t, i.e. the causal mask aligned to the BOTTOM
 RIGHT of the (T, start + T) score block (a chunk with no prefix, start = 0, is the plain
-causal square). Two arms, picked by a registry on (device, dtype), not by scattered checks:
+causal square). Three arms, picked by a registry on (device, dtype), not by scattered checks:
 
+  cudnn    CUDA, fp16 / bf16, one head dim <= 128 (not MLA), cuDNN 9: a chunk with no prefix is
+           the causal square on torch's SDPA (enable_gqa; ~585-610 TFLOP/s measured on an
+           H200 at 8k-32k rows); a chunk over a prefix is cuDNN's fused attention in two calls,
+           the chunk against its prefix (every key visible) and against itself (the causal
+           square, where top-left and bottom-right alignment agree), merged by their
+           log-sum-exps, grouped K/V heads read in place (~530-540 TFLOP/s at 8k rows over a
+           24k-120k prefix, against FlashAttention-2's ~345; BENCHMARKS.md).
   flash    CUDA, fp16 / bf16, head dims <= 256: torch's FlashAttention-2 kernel
            (`aten::_scaled_dot_product_flash_attention`), whose causal flag is bottom-right
            aligned when there are more keys than queries, with grouped K/V heads read in
@@ -88,8 +95,36 @@ def _flash_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and q.shape[1] % k.shape[1] == 0)
 
 
+def _cudnn_part(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """qh (1, nh, T, d) against k, v (S, nkv, d) -> (out (1, nh, T, d), log-sum-exp (1, nh, T) fp32)."""
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, 0.0, causal, False, scale=scale)[:2]
+    return o, lse.reshape(o.shape[:3]).float()
+
+
+def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    qh = q.transpose(0, 1)[None]  # (1, nh, T, d)
+    if start == 0:  # no prefix: the plain causal square, on the kernel torch's SDPA picks (the fastest measured)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)  # (T, nh, d)
+    o2, l2 = _cudnn_part(qh, k[start:], v[start:], True, scale)  # the chunk's own rows: the causal square
+    o1, l1 = _cudnn_part(qh, k[:start], v[:start], False, scale)  # the prefix: every key visible
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
+    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)  # the softmax over both key sets
+    return o.to(q.dtype)[0].transpose(0, 1)
+
+
+def _cudnn_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] == v.shape[-1] <= 128 and q.shape[-1] % 8 == 0 and q.shape[1] % k.shape[1] == 0
+            and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000)
+
+
 # arm name -> (applies, fn); the first that applies runs (the blocked arm always does)
-_ARMS = (("flash", _flash_ok, _flash), ("blocked", lambda q, k, v: True, blocked_attention))
+_ARMS = (("cudnn", _cudnn_ok, _cudnn), ("flash", _flash_ok, _flash),
+         ("blocked", lambda q, k, v: True, blocked_attention))
 
 
 def prefix_arm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
