@@ -121,7 +121,8 @@ def load_stage(
     reader = CheckpointReader(model_dir)
     state = {}
     metas = stage.state_dict()
-    total = sum(m.numel() * m.element_size() for m in metas.values())
+    size = {k: 4 if k.endswith(FP32_KEYS) else torch.empty((), dtype=dtype).element_size() for k in metas}
+    total = sum(m.numel() * size[k] for k, m in metas.items())  # the bytes as loaded (the meta stage is fp32)
     done = 0
     for key, meta in metas.items():
         name = hf_name(key)
@@ -135,7 +136,7 @@ def load_stage(
                 f"{model_dir}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(meta.shape)}"
             )
         state[key] = t.to(device=device, dtype=torch.float32 if key.endswith(FP32_KEYS) else dtype)
-        done += meta.numel() * meta.element_size()
+        done += meta.numel() * size[key]
         if progress is not None:
             progress(done, total)
     stage.load_state_dict(state, assign=True, strict=True)
