@@ -31,7 +31,9 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
+def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) -> None:
+    """generate's flags (demo: no --model / --prompt); metrics=False leaves out --metrics-port
+    and --metrics-hold (a batch job serves no metrics)."""
     if not demo:
         p.add_argument("--model", required=True, metavar="DIR", help="HF checkpoint directory (config.json + *.safetensors + tokenizer.json)")
         p.add_argument("--prompt", required=True, help="prompt text")
@@ -85,6 +87,8 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool) -> None:
                                                     "(default ./runs/<time>-<pid>; the path is printed)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object: token_ids, text, stats, "
                                                        "run_dir (null when nothing was written), capped")
+    if not metrics:
+        return
     p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus metrics on 127.0.0.1:N (0 = any free port)")
     p.add_argument("--metrics-hold", type=float, default=0.0, metavar="S",
                    help="keep the metrics endpoint up S seconds after the run, for a last scrape (default 0)")

@@ -3,13 +3,14 @@ once. Environment flags (MEMRA_*) are read once in phase/levels.py; OTEL_* stay 
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 
 from .errors import UserError
 from .phase.levels import TraceSettings
 from .specdec.chunks import DEFAULT_PREFILL_CHUNK
 from .specdec.drafters import DRAFTERS
-from .specdec.sampling import SamplingParams
+from .specdec.sampling import SamplingParams, sampling_rule
 
 __all__ = ["RunConfig", "MAX_K"]
 
@@ -74,6 +75,11 @@ class RunConfig:
             raise UserError(f"--kernels must be auto or off (got {self.kernels!r})")
         if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
             raise UserError(f"--prefill-chunk must be an integer >= 1 (got {self.prefill_chunk!r})")
+        if isinstance(self.seed, numbers.Integral) and not isinstance(self.seed, bool):
+            object.__setattr__(self, "seed", int(self.seed))  # a numpy integer from the Python API
+        bad_seed = sampling_rule("seed", self.seed)  # the batch lines' and the server's rule too
+        if bad_seed:
+            raise UserError(f"--seed must be {bad_seed} (got {self.seed!r})")
         if self.ctx is not None and self.ctx < 2:
             raise UserError(f"--ctx must be >= 2 (got {self.ctx})")
 

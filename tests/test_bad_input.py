@@ -225,8 +225,14 @@ def test_junk_spec_trace_is_off_subprocess(llama, tmp_path):
 
 
 def test_main_is_the_entry_point():
-    """Guard: the in-process cases above call the same function the console script does."""
+    """Guard: the in-process cases above call the function the console script runs: `cli.run`
+    (SIGTERM handled as Ctrl-C) calls `main` with the process's arguments."""
+    import inspect
+
     from importlib.metadata import entry_points
 
+    from memra_dist.cli import run
+
     eps = [e for e in entry_points(group="console_scripts") if e.name == "memra-dist"]
-    assert eps and eps[0].value == "memra_dist.cli:main" and main.__module__ == "memra_dist.cli"
+    assert eps and eps[0].value == "memra_dist.cli:run" and main.__module__ == "memra_dist.cli"
+    assert "main()" in inspect.getsource(run)

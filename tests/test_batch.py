@@ -23,7 +23,8 @@ import pytest
 
 from memra_dist.config import RunConfig
 from memra_dist.errors import UserError
-from memra_dist.serve.batch import Output, Progress, Refused, Request, choose_capacity, parse_input, run_job
+from memra_dist.serve.batch import (Output, Progress, Refused, Request, choose_capacity, parse_input, prompt_hash,
+                                    run_job)
 from memra_dist.specdec.request import Result
 from memra_dist.specdec.sampling import SamplingParams
 
@@ -195,7 +196,7 @@ def test_fake_job_interrupted_then_resumed_equals_one_run(tmp_path):
     recs = _records(ref)
     assert len(recs) == 17
     assert {"line": 8, "error": recs[0]["error"]} == recs[0] and recs[1]["line"] == 17  # refused first, at once
-    assert {"id": 5, "error": "the engine refuses this one"} in recs
+    assert {"id": 5, "error": "the engine refuses this one", "prompt_sha256": prompt_hash("refuse me")} in recs
     assert next(r for r in recs if r.get("id") == 3)["stats"]["tokens"] == 9
 
     out = tmp_path / "out.jsonl"

@@ -5,15 +5,25 @@ optionally `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed` (null or ab
 job's flag). Blank lines are skipped; line numbers count every line from 1.
 
 Output, one line per input line, appended as each request ends (write, flush, fsync):
-  {"id", "token_ids", "text", "stats"}   a finished request
-  {"id", "error"}                        a request refused: a bad field, an unknown field, a
-                                         prompt too long for the context, an engine refusal
+  {"id", "token_ids", "text", "stats", "prompt_sha256"}   a finished request
+  {"id", "error"[, "prompt_sha256"]}     a request refused or failed: a bad field, an unknown
+                                         field, a prompt too long for the context, an engine
+                                         refusal, a failure inside the engine ("the engine
+                                         failed: ..."): the job goes on with the next request
   {"line", "error"}                      a line with no usable id: not UTF-8, malformed JSON,
                                          not an object, no id, a bad id, a duplicate id (the
                                          id belongs to the line that used it first)
+`prompt_sha256` (the first 16 hex digits of the SHA-256 of the prompt's UTF-8) is on every
+record of a request the engine ran: a result, an engine's refusal or failure.
 
-Resume: the same command skips every id (and numbered line) already in the output. A last
-line without its newline (a crash mid-write) is cut off first and its request runs again.
+Resume: the same command skips every id (and numbered line) already in the output, error
+records included: a request that failed is not run again (delete its line to retry it), so
+a request that fails every time cannot stop a job's resumes. An id whose record holds
+another prompt's hash than its input line (the output of another input) is refused before
+anything runs, in one line naming the id. ENGINE_FAILURES_TO_STOP failures inside the engine
+in a row (an engine that is down, not one bad request) stop the job, exit 1, with the rest
+left to a resume. A last line without its newline (a crash mid-write) is cut off first and
+its request runs again.
 Each line is written with SIGINT / SIGTERM held and cut back if the write fails, so a job
 stopped any way leaves complete lines only; one job at a time holds the output (flock).
 
@@ -22,10 +32,15 @@ Requests run in as many threads as the engine has sessions (pp>1: one per stage 
 results are appended in the order requests finish.
 
 Progress goes to stderr, at most one line a second, then one summary line.
+
+Traced (--trace-level >= 1 or --prof, as `generate`): each request gets its memra.request
+span and its bursts' spans, in the job's run directory (--run-dir, else ./runs/<time>-<pid>)
+or over OTLP when an endpoint is set.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -36,13 +51,27 @@ from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
 from ..errors import UserError
+from ..specdec.sampling import sampling_rule
 from .results_file import Output, id_key, is_int, line_key, record_key, valid_id
 
 __all__ = ["Request", "Refused", "Output", "Progress", "parse_input", "read_input", "record_key", "run_job",
-           "choose_capacity", "FIELDS"]
+           "choose_capacity", "FIELDS", "prompt_hash", "EngineFailing", "ENGINE_FAILURES_TO_STOP"]
 
 OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 FIELDS = ("id", "prompt", *OPTIONAL)
+ENGINE_FAILURES_TO_STOP = 3  # failures inside the engine in a row that stop the job (the engine is down)
+
+
+def prompt_hash(prompt: str) -> str:
+    """The first 16 hex digits of the SHA-256 of the prompt's UTF-8 (a lone surrogate from
+    the JSON input kept as is): what a record says its request's prompt was."""
+    return hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+class EngineFailing(UserError):
+    """ENGINE_FAILURES_TO_STOP requests in a row failed inside the engine: the job stops."""
+
+    exit_code = 1
 
 
 # ---- input ---------------------------------------------------------------------------
@@ -104,17 +133,13 @@ _KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
 
 
 def _check_field(name: str, v) -> str | None:
-    """None when `v` is a good value of the optional field `name`, else the error."""
+    """None when `v` is a good value of the optional field `name`, else the error. The
+    sampling fields follow specdec/sampling.py's rules (the CLI's and the server's too)."""
     if name == "max_new_tokens":
         ok, want = is_int(v) and v >= 1, "an integer >= 1"
-    elif name == "top_k":
-        ok, want = is_int(v) and v >= 0, "an integer >= 0 (0 = off)"
-    elif name == "seed":
-        ok, want = is_int(v) and 0 <= v < 2 ** 64, "an integer in [0, 2^64)"
-    elif name == "temperature":
-        ok, want = _is_num(v) and v >= 0, "a number >= 0 (0 = greedy)"
-    else:  # top_p
-        ok, want = _is_num(v) and 0 < v <= 1, "a number in (0, 1]"
+    else:  # temperature, top_p, top_k, seed
+        want = sampling_rule(name, v)
+        ok = want is None
     return None if ok else f"'{name}' must be {want} (got {_show(v)})"
 
 
@@ -297,11 +322,16 @@ def _request_cfg(cfg, req: Request):
 
 def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engine, ctx: int | None = None,
             err: TextIO | None = None, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-            sessions: int | None = None) -> int:
-    """The whole job; 0 when it ran (refused lines included), 130 when interrupted. Bad
-    arguments raise UserError before the engine opens. `open_engine(cfg, capacity,
-    sessions=)` is a context manager giving an object with `sessions` and
-    `generate(ids, cfg, stream) -> Result` (callable from that many threads at once)."""
+            sessions: int | None = None, tracing=None, lost: list | None = None) -> int:
+    """The whole job; 0 when it ran (refused and failed requests included), 130 when
+    interrupted. Bad arguments (and an output holding other prompts' results) raise UserError
+    before the engine opens; EngineFailing (exit 1) when the engine fails on
+    ENGINE_FAILURES_TO_STOP requests in a row. `open_engine(cfg, capacity, sessions=)` is a
+    context manager giving an object with `sessions` and `generate(ids, cfg, stream) -> Result`
+    (callable from that many threads at once). `tracing`: an enabled tracing.otel.TracingSession
+    gives each request its memra.request span (and span sink, carrier); open_engine then also
+    gets `run_dir=` and `lost=` (the pipeline actors' spans: `lost` gets a line per role whose
+    spans did not all arrive)."""
     def say(line: str) -> None:
         _say(line, err)
 
@@ -316,16 +346,32 @@ def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engin
     out = Output(output_path)
     try:
         return _run(cfg, out, parse_input(data), tokenizer, max_pos, open_engine, ctx, say, err, every_s, clock,
-                    sessions)
+                    sessions, tracing if tracing is not None and tracing.enabled else None, lost)
     finally:
         out.close()
 
 
-def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, every_s, clock, sessions) -> int:
+def _check_same_prompts(entries, out: Output) -> None:
+    """Refuse an output whose records hold another prompt for an id of this input (a result
+    of another input's would be kept as this one's): one line naming the first such id."""
+    stale = [e for e in entries
+             if isinstance(e, Request) and out.hashes.get(e.key) not in (None, prompt_hash(e.prompt))]
+    if not stale:
+        return
+    e = stale[0]
+    more = f" (and {len(stale) - 1} more id{'s' if len(stale) > 2 else ''})" if len(stale) > 1 else ""
+    raise UserError(f"--output {out.path}: the record of id {_show(e.id)} is for another prompt than line {e.line} "
+                    f"of the input{more}: it holds another input's results (use a new --output, or delete those "
+                    "records to run them again)")
+
+
+def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, every_s, clock, sessions,
+         tracing=None, lost: list | None = None) -> int:
     if out.cut:
         say(f"[batch] {out.path}: cut off an unfinished last line ({out.cut} bytes); its request runs again")
     if out.unreadable:
         say(f"[batch] {out.path}: {out.unreadable} line(s) are not records of this job; left as they are")
+    _check_same_prompts(entries, out)
     todo = [e for e in entries if e.key not in out.done]
     before = len(entries) - len(todo)
     before_err = sum(1 for e in entries if out.done.get(e.key))
@@ -347,10 +393,14 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
                     f"a request needing more (up to {most}) ends when it is full")
             stop = threading.Event()
             workers: list[threading.Thread] = []
-            with open_engine(cfg, cap, sessions=sessions) as engine:
+            traced = {}
+            if tracing is not None:  # the pipeline actors' spans go where the driver's do
+                traced = {"run_dir": str(tracing.run_dir) if tracing.run_dir else None,
+                          "lost": lost if lost is not None else []}
+            with open_engine(cfg, cap, sessions=sessions, **traced) as engine:
                 prog.start()
                 try:
-                    _serve_all(engine, runnable, out, prog, tok, stop, workers)
+                    _serve_all(engine, runnable, out, prog, tok, stop, workers, tracing)
                 finally:
                     stop.set()  # Ctrl-C or an error: requests in flight end at their next tokens
                     for w in workers:  # before the engine closes: none is left computing on it
@@ -397,15 +447,34 @@ class _Stopped(Exception):
     (it runs again on resume)."""
 
 
+class _Failures:
+    """Requests in a row that failed inside the engine (any thread); a success resets it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.in_a_row = 0
+
+    def ok(self) -> None:
+        with self.lock:
+            self.in_a_row = 0
+
+    def failed(self) -> int:
+        with self.lock:
+            self.in_a_row += 1
+            return self.in_a_row
+
+
 def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threading.Event,
-               workers: list[threading.Thread]) -> None:
+               workers: list[threading.Thread], tracing=None) -> None:
     """Run every request on `engine.sessions` worker threads (appended to `workers`) and
-    wait for them, in short joins so Ctrl-C reaches the main thread at once. A worker's
-    unexpected error stops the others from starting new requests; it is kept on the thread
+    wait for them, in short joins so Ctrl-C reaches the main thread at once. A request that
+    fails gets its error record and the job goes on; a worker's unexpected error (or
+    EngineFailing) stops the others from starting new requests; it is kept on the thread
     (`error`) and raised by the caller after the engine is closed."""
     todo = iter(runnable)
     take = threading.Lock()
     lock = threading.Lock()  # progress counters and lines
+    fails = _Failures()
 
     def work(me: threading.Thread) -> None:
         while not stop.is_set():
@@ -414,7 +483,7 @@ def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threadi
             if item is None:
                 return
             try:
-                _one(engine, out, prog, tok, *item, stop=stop, lock=lock)
+                _one(engine, out, prog, tok, *item, stop=stop, lock=lock, tracing=tracing, fails=fails)
             except _Stopped:
                 return
             except BaseException as e:  # noqa: BLE001 (handed to the main thread)
@@ -425,7 +494,7 @@ def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threadi
     n = max(1, min(getattr(engine, "sessions", 1), len(runnable)))
     if n == 1:  # one session: the requests run on this thread (no torch work in another thread)
         for item in todo:
-            _one(engine, out, prog, tok, *item)
+            _one(engine, out, prog, tok, *item, tracing=tracing, fails=fails)
         return
     for i in range(n):
         t = threading.Thread(target=lambda: work(threading.current_thread()), name=f"batch-{i}", daemon=True)
@@ -437,10 +506,27 @@ def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threadi
             t.join(0.2)
 
 
+def _generate(engine, ids: list[int], rcfg, stream, req: Request, tok, tracing):
+    """engine.generate, inside the request's memra.request span when the job is traced."""
+    if tracing is None:
+        return engine.generate(ids, rcfg, stream=stream)
+    with tracing.request(rcfg, req.prompt, len(ids)) as treq:
+        res = engine.generate(ids, rcfg, stream=stream, span_sink=treq.sink, carrier=treq.carrier())
+        treq.finish(res, tok.decode(res.token_ids) if rcfg.trace_content else "")
+    return res
+
+
 def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int], rcfg,
-         stop: threading.Event | None = None, lock=None) -> None:
+         stop: threading.Event | None = None, lock=None, tracing=None, fails: _Failures | None = None) -> None:
+    """One request, its record appended: a result, or {"id", "error", "prompt_sha256"} when the
+    engine refused it (a UserError) or failed on it (any other error: "the engine failed:
+    <type>: <message>", said on stderr too). A failing request fails alone, unless it is the
+    ENGINE_FAILURES_TO_STOP-th in a row (EngineFailing). Nothing is written for a request the
+    stopping job abandoned (it runs again on resume)."""
     streamed = [0]
     lock = lock or threading.Lock()
+    fails = fails if fails is not None else _Failures()
+    sha = prompt_hash(req.prompt)
 
     def stream(new) -> None:
         if stop is not None and stop.is_set():
@@ -449,26 +535,38 @@ def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int],
         with lock:
             prog.add_tokens(len(new))
 
+    def failed(msg: str) -> None:
+        out.append({"id": req.id, "error": msg, "prompt_sha256": sha})
+        with lock:
+            prog.finished(error=True)
+        n = fails.failed()
+        if n >= ENGINE_FAILURES_TO_STOP:
+            raise EngineFailing(f"the engine failed on {n} requests in a row (the last, id {_show(req.id)}: "
+                                f"{msg[:200]}): the job stops; their error records are in {out.path} (delete them "
+                                "to run those requests again), the same command resumes the rest")
+
     try:
-        res = engine.generate(ids, rcfg, stream=stream)
+        res = _generate(engine, ids, rcfg, stream, req, tok, tracing)
+    except (KeyboardInterrupt, _Stopped):
+        raise
     except UserError as x:  # the engine refused this request: the job goes on
         if stop is not None and stop.is_set():
             return
-        out.append({"id": req.id, "error": _one_line(x)})
-        with lock:
-            prog.finished(error=True)
+        failed(_one_line(x))
         return
-    except (KeyboardInterrupt, _Stopped):
-        raise
-    except Exception as x:
+    except Exception as x:  # noqa: BLE001 (a failure inside the engine: this request fails alone)
         if stop is not None and stop.is_set():
             return  # the job is being stopped: the engine went away under this request
-        _say(f"[batch] request {_show(req.id)} (line {req.line}) failed: {_one_line(x)[:300]}; finished requests "
-             f"are in {out.path}, the same command resumes", prog.out)
-        raise
+        msg = f"the engine failed: {type(x).__name__}: {_one_line(x)[:300]}"
+        _say(f"[batch] request {_show(req.id)} (line {req.line}): {msg}; its error record is written, the job goes "
+             "on", prog.out)
+        failed(msg)
+        return
+    fails.ok()
     token_ids = [int(t) for t in res.token_ids]
     if len(token_ids) > streamed[0]:
         prog.tokens += len(token_ids) - streamed[0]  # an engine that streamed less than it returned
-    out.append({"id": req.id, "token_ids": token_ids, "text": tok.decode(token_ids), "stats": res.stats})
+    out.append({"id": req.id, "token_ids": token_ids, "text": tok.decode(token_ids), "stats": res.stats,
+                "prompt_sha256": sha})
     with lock:
         prog.finished()

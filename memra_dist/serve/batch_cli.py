@@ -19,15 +19,20 @@ every request of --input runs on it. --input holds one JSON object a line: "id" 
 integer, unique) and "prompt" (string), optionally "max_new_tokens", "temperature", "top_p",
 "top_k", "seed" (else the flags below). --output gets one line per request as it finishes:
 {"id", "token_ids", "text", "stats"}, or {"id", "error"} for a request refused (the job goes
-on), or {"line", "error"} for a line without a usable id. Run the same command again to
-resume: ids already in --output are skipped. Progress on stderr. Exit 0 when the job ran
-(refused lines included), 2 for bad arguments, 130 when interrupted (Ctrl-C, SIGTERM)."""
+on; a request that fails inside the engine gets one too: "the engine failed: ..."), or
+{"line", "error"} for a line without a usable id. Run the same command again to resume: ids
+already in --output are skipped, error records included (delete a record to run its request
+again); an --output whose records hold other prompts for this input's ids is refused.
+--temperature (and a line's "temperature") below 1e-5 is greedy. With --trace-level >= 1 (or
+--prof) every request's spans go to the run directory (--run-dir) or OTLP, as generate's.
+Progress on stderr. Exit 0 when the job ran (refused and failed requests included), 2 for
+bad arguments, 1 when the engine failed on 3 requests in a row, 130 when interrupted
+(Ctrl-C, SIGTERM)."""
 
 
-# generate's flags that a batch accepts and does not use (it writes no spans or metrics of its own)
-IGNORED = (("--json", "json", False), ("--metrics-port", "metrics_port", None), ("--metrics-hold", "metrics_hold", 0.0),
-           ("--run-dir", "run_dir", None), ("--traceparent", "traceparent", None),
-           ("--trace-content", "trace_content", False))
+# generate's flags that a batch accepts and does not use (its output is always JSON lines);
+# --metrics-port / --metrics-hold are not a batch's flags at all
+IGNORED = (("--json", "json", False),)
 
 
 def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> None:
@@ -36,7 +41,7 @@ def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
     b.add_argument("--input", required=True, metavar="JSONL", help="requests, one JSON object a line")
     b.add_argument("--output", required=True, metavar="JSONL",
                    help="results, one JSON object a line, appended as requests finish (created if absent)")
-    add_run_args(b, demo=True)  # generate's flag set; demo=True leaves out --model / --prompt
+    add_run_args(b, demo=True, metrics=False)  # generate's flag set but --model / --prompt and the metrics endpoint
     b.add_argument("--sessions", type=int, default=None, metavar="S",
                    help="requests in flight at once (--pp > 1; default: one per stage, so every stage "
                         "works; each is a cache slot of --ctx rows on every stage); --pp 1 runs one at a time")
@@ -90,5 +95,19 @@ def _run(args) -> int:
     tok = load_tokenizer(cfg.model)
     if tok.vocab_size > mcfg.vocab_size:
         raise UserError(f"{cfg.model}: tokenizer has {tok.vocab_size} tokens, the model only {mcfg.vocab_size}")
-    return run_job(cfg, args.input, args.output, tokenizer=tok, max_pos=mcfg.max_position_embeddings,
-                   open_engine=open_engine, ctx=args.ctx, sessions=args.sessions)
+    from ..tracing.otel import TracingSession  # noqa: PLC0415 (OTel only once the input is good)
+
+    # traced (--trace-level >= 1 or --prof): one memra.request span per request, as generate's
+    tracing = TracingSession.open(cfg, run_dir=args.run_dir, traceparent=args.traceparent)
+    lost: list[str] = []
+    try:
+        code = run_job(cfg, args.input, args.output, tokenizer=tok, max_pos=mcfg.max_position_embeddings,
+                       open_engine=open_engine, ctx=args.ctx, sessions=args.sessions, tracing=tracing, lost=lost)
+    finally:  # a normal end, an error or Ctrl-C: spans flushed within the bound
+        if tracing.close(metrics_follow=False):
+            lost.append("driver")
+    if tracing.run_dir is not None:
+        where = (f"INCOMPLETE trace in {tracing.run_dir}: spans were lost (see the warnings above)" if lost else
+                 f"spans written to {tracing.run_dir}/: trace.perfetto.json and *spans.otlp.json")
+        print(f"[batch] {where}", file=sys.stderr)
+    return code

@@ -31,12 +31,15 @@ class ApiError(Exception):
                  type_: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error",
-                              429: "rate_limit_error", 503: "server_error"}.get(status, "server_error")
+        self.type = type_ or ("rate_limit_error" if status == 429 else "invalid_request_error" if status < 500
+                              else "server_error")
 
     @property
     def outcome(self) -> str:
-        return {429: "rejected"}.get(self.status, "bad_request" if self.status < 500 else "error")
+        """429 / 503 rejected (busy), 408 / 499 aborted (the client did not finish), other 4xx
+        bad_request, 5xx error."""
+        return {429: "rejected", 503: "rejected", 408: "aborted", 499: "aborted"}.get(
+            self.status, "bad_request" if self.status < 500 else "error")
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -93,6 +96,32 @@ _NEUTRAL = {
 KNOWN_FIELDS = ("model", "prompt", "stream", "stream_options", *_ENGINE, *_NEUTRAL)
 
 
+def _lone_surrogate(text: str) -> int | None:
+    """The index of a lone surrogate (JSON's "\\ud800" decodes to one; it is no character and
+    has no UTF-8 form), or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
+
+
+def _check_text(v, where: str, depth: int = 0) -> None:
+    """Every string in the body (keys included) valid Unicode; a 400 naming the field otherwise."""
+    if isinstance(v, str):
+        at = _lone_surrogate(v)
+        if at is not None:
+            raise ApiError(400, f"'{where}' is not valid Unicode: a lone surrogate (\\u{ord(v[at]):04x}) at "
+                                f"character {at}", where, "invalid_encoding")
+    elif isinstance(v, dict) and depth < 8:
+        for k, x in v.items():
+            _check_text(k, where, depth + 1)
+            _check_text(x, where, depth + 1)
+    elif isinstance(v, list) and depth < 8:
+        for x in v:
+            _check_text(x, where, depth + 1)
+
+
 def _parse_json(raw: bytes | str):
     try:
         return json.loads(raw)
@@ -110,14 +139,20 @@ def parse_completion(raw: bytes | str, served: str) -> CompletionRequest:
     if not isinstance(obj, dict):
         raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
     for k in obj:
+        if _lone_surrogate(k) is not None:
+            raise ApiError(400, "a field name is not valid Unicode (a lone surrogate)", None, "invalid_encoding")
         if k not in KNOWN_FIELDS:
-            raise ApiError(400, f"unrecognized request argument '{k}' (known: {', '.join(KNOWN_FIELDS)})", k,
+            shown = k if len(k) <= 40 else k[:37] + "..."
+            raise ApiError(400, f"unrecognized request argument '{shown}' (known: {', '.join(KNOWN_FIELDS)})", shown,
                            "unknown_parameter")
+    for k, v in obj.items():
+        _check_text(v, k)
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", "a string", model)
     if model and model != served:
-        raise ApiError(404, f"the model '{model}' does not exist: this server serves '{served}'", "model",
+        shown = model if len(model) <= 60 else model[:57] + "..."
+        raise ApiError(404, f"the model '{shown}' does not exist: this server serves '{served}'", "model",
                        "model_not_found")
     if "prompt" not in obj or obj["prompt"] is None:
         raise ApiError(400, "'prompt' is required", "prompt", "missing_parameter")
@@ -129,6 +164,8 @@ def parse_completion(raw: bytes | str, served: str) -> CompletionRequest:
         raise _bad("prompt", "a string", prompt)
     if not prompt:
         raise ApiError(400, "'prompt' is empty", "prompt", "invalid_value")
+    from ..specdec.sampling import SAMPLING_FIELDS, sampling_rule  # noqa: PLC0415 (torch-free)
+
     fields = {}
     for name, (engine_name, ok, want) in _ENGINE.items():
         v = obj.get(name)
@@ -136,6 +173,10 @@ def parse_completion(raw: bytes | str, served: str) -> CompletionRequest:
             continue  # absent or null: the server's flag
         if not ok(v):
             raise _bad(name, want, v)
+        # the sampling values' one rule (the CLI's and the batch lines'), under the API's own range
+        shared = sampling_rule(engine_name, v) if engine_name in SAMPLING_FIELDS else None
+        if shared:
+            raise _bad(name, shared, v)
         fields[engine_name] = v
     for name, (ok, want) in _NEUTRAL.items():
         v = obj.get(name)

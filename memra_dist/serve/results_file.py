@@ -1,7 +1,8 @@
 """The batch job's output file: one complete JSON line per request, appended with a write,
 a flush and an fsync while SIGINT / SIGTERM wait, cut back if the write fails; one job at a
 time holds it (flock); a last line without its newline (a crash mid-write) is cut off on
-open; the ids already there are what a resumed job skips."""
+open; the ids already there are what a resumed job skips (and the prompt hashes their records
+hold, what it checks its input against)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ class Output:
             raise UserError(f"--output {path}: cannot write ({e.strerror or e})") from None
         try:
             self._lock()
-            self.done, self.cut, self.unreadable = self._load()
+            self.done, self.cut, self.unreadable, self.hashes = self._load()
         except BaseException:
             os.close(self.fd)
             raise
@@ -106,9 +107,9 @@ class Output:
         except OSError:
             pass  # a file system without locks: go on unlocked
 
-    def _load(self) -> tuple[dict[str, bool], int, int]:
+    def _load(self) -> tuple[dict[str, bool], int, int, dict[str, str]]:
         """({key of each complete record: is it an error}, bytes cut off the end, complete
-        lines not ours)."""
+        lines not ours, {key: the prompt_sha256 its record holds, where it holds one})."""
         chunks = []
         pos = 0
         while True:
@@ -125,6 +126,7 @@ class Output:
                 os.ftruncate(self.fd, keep)
                 os.fsync(self.fd)
         done: dict[str, bool] = {}
+        hashes: dict[str, str] = {}
         unreadable = 0
         for raw in data[:keep].split(b"\n")[:-1]:
             if not raw.strip():
@@ -138,7 +140,9 @@ class Output:
                 unreadable += 1
             else:
                 done[key] = "error" in rec
-        return done, cut, unreadable
+                if isinstance(rec.get("prompt_sha256"), str):
+                    hashes[key] = rec["prompt_sha256"]
+        return done, cut, unreadable, hashes
 
     def append(self, rec: dict) -> None:
         try:

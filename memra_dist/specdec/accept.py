@@ -15,9 +15,11 @@ accept with probability p_i(d_i), recover from p_i with d_i removed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["accept_greedy", "greedy_commit", "accept_sampled", "RECOVERED", "BONUS"]
+__all__ = ["accept_greedy", "greedy_commit", "accept_sampled", "NonFiniteRow", "RECOVERED", "BONUS"]
 
 RECOVERED, BONUS = "recovered", "bonus"
 
@@ -26,18 +28,45 @@ def greedy_commit(target_logits: torch.Tensor, drafts: torch.Tensor) -> list[int
     """target_logits (K+1, V), drafts (K,) -> the round's committed tokens: the j accepted
     drafts, then the argmax of row j (j + 1 ids; accepted drafts equal the target's argmax, so
     they are row 0 .. j's argmax). Drafts on the logits' device (a graphed drafter's device
-    output) come back with the argmax in ONE readback, the round's only one."""
+    output) come back with the argmax in ONE readback, the round's only one.
+
+    Non-finite logits: argmax picks a NaN (or +inf) wherever a row holds one, so the logit AT
+    each argmax is finite exactly when the row has neither (nor is all -inf). Those K+1 logits
+    are gathered on the device (one tiny kernel, no pass over the vocabulary) and ride in the
+    same readback (the row is then float: token ids are exact below 2^24, float64 past that);
+    a row the round uses (0 .. j) whose logit is not finite raises NonFiniteRow."""
     pred = target_logits.argmax(-1)  # (K+1,)
+    val = target_logits.gather(-1, pred.unsqueeze(-1)).view(-1)  # (K+1,): the logit at each argmax
+    if target_logits.shape[-1] >= 1 << 24 or val.dtype not in (torch.float32, torch.float64):
+        val = val.double()  # ids past float32's integers (or half-precision logits): read exactly
     k = int(drafts.shape[0])
     if k and drafts.device == pred.device:
-        row = torch.cat((pred, drafts)).tolist()
-        p, d = row[:k + 1], row[k + 1:]
+        row = torch.cat((pred, drafts, val)).tolist()
+        p, d, f = row[:k + 1], row[k + 1:2 * k + 1], row[2 * k + 1:]
     else:
-        p, d = pred.tolist(), drafts.tolist()
+        row = torch.cat((pred, val)).tolist()
+        p, f = row[:k + 1], row[k + 1:]
+        d = drafts.tolist()
     j = 0
     while j < k and p[j] == d[j]:  # the longest prefix the target agrees with
         j += 1
-    return p[:j + 1]
+    _check_rows(f, j)
+    return [int(t) for t in p[:j + 1]]
+
+
+class NonFiniteRow(Exception):
+    """Row `row` of a verify's logits is not finite (NaN / inf): the session names the layer."""
+
+    def __init__(self, row: int):
+        super().__init__(f"non-finite logits in verify row {row}")
+        self.row = row
+
+
+def _check_rows(values: list, j: int) -> None:
+    """Rows 0 .. j: each one's value (the logit at its argmax, its probabilities' sum) must be finite."""
+    for i in range(j + 1):
+        if not math.isfinite(values[i]):
+            raise NonFiniteRow(i)
 
 
 def accept_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
@@ -59,10 +88,13 @@ def accept_sampled(
         rows = torch.arange(k)
         p_d = p[rows, drafts]  # (K,)
         q_d = q.cpu()[rows, drafts] if q is not None else torch.ones(k)
-        ok = (u * q_d <= p_d).int()  # u <= p/q without dividing by a zero q
+        ok = (u * q_d <= p_d).int()  # u <= p/q without dividing by a zero q (a NaN p rejects)
         j = int(ok.cumprod(0).sum())
     else:
         j = 0
+    # the rows the round draws from, on the host already: a NaN / inf logit makes its row's
+    # softmax NaN, and a row's sum (<= 1, never overflowing) is NaN exactly then
+    _check_rows(p[:j + 1].sum(-1).tolist(), j)
     if j == k:
         return j, int(torch.multinomial(p[k], 1, generator=gen)), BONUS
     if q is not None:

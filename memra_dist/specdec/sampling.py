@@ -1,29 +1,89 @@
-"""Sampling parameters and logits -> probabilities (temperature, top-k, top-p). Pure."""
+"""Sampling parameters and logits -> probabilities (temperature, top-k, top-p). Pure.
+
+The rules for every sampling value live here, once; the CLI (SamplingParams, RunConfig's
+seed), the batch job's lines and the server's request bodies all ask `sampling_rule`:
+
+  temperature  a finite number >= 0. 0 is greedy, and so is any temperature below
+               GREEDY_BELOW (1e-5): it is stored as 0. Dividing fp32 logits by a smaller one
+               overflows to inf (1e-38 does for any logit above 3.4), and at 1e-5 a logit gap
+               of 1e-3 already weighs e^-100, so greedy is the limit the sampler was heading to.
+  top_p        a number in (0, 1] (1 = off)
+  top_k        an integer >= 0 (0 = off)
+  seed         an integer in [0, 2^64) (what the sampling generator takes)
+
+NaN and +-inf are refused wherever a number is asked for. `NonFiniteLogits` is what a
+session raises when the target's logits hold NaN / inf (a broken checkpoint or an overflow):
+one line, never a token drawn from them."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 
-__all__ = ["SamplingParams", "probs"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SamplingParams", "probs", "sampling_rule", "SAMPLING_FIELDS", "RULES", "GREEDY_BELOW", "MAX_SEED",
+           "NonFiniteLogits"]
+
+GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) act as (and are stored as) 0 = greedy
+MAX_SEED = 2 ** 64
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v) -> bool:
+    return _int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+# name -> (check, what a value must be)
+RULES = {
+    "temperature": (lambda v: _num(v) and v >= 0,
+                    f"a finite number >= 0 (0 = greedy; below {GREEDY_BELOW:g} acts as 0)"),
+    "top_p": (lambda v: _num(v) and 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+    "top_k": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "seed": (lambda v: _int(v) and 0 <= v < MAX_SEED, "an integer in [0, 2^64)"),
+}
+SAMPLING_FIELDS = tuple(RULES)
+
+
+def sampling_rule(name: str, v) -> str | None:
+    """None when `v` is a good value of the sampling field `name` (temperature, top_p, top_k,
+    seed), else what it must be ("a number in (0, 1] (1 = off)"): each front end words the
+    error its own way (--top-p, 'top_p') around the same rule."""
+    ok, want = RULES[name]
+    return None if ok(v) else want
+
+
+class NonFiniteLogits(UserError):
+    """The target's logits hold NaN or inf: the checkpoint (or an overflow in its dtype) is
+    broken. The message names the first layer whose output is not finite when it can be found."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy (and any value below GREEDY_BELOW)
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise UserError(f"--temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
-        if self.top_k < 0:
-            raise UserError(f"--top-k must be >= 0 (got {self.top_k})")
+        for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--top-k", "top_k")):
+            v = getattr(self, name)
+            if isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy scalars from the Python API
+                v = int(v) if name == "top_k" and isinstance(v, numbers.Integral) else \
+                    float(v) if name != "top_k" else v
+                object.__setattr__(self, name, v)
+            want = sampling_rule(name, v)
+            if want:
+                raise UserError(f"{flag} must be {want} (got {v})")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)  # below the fp32 logits' resolution: greedy
 
     @property
     def greedy(self) -> bool:
@@ -32,6 +92,8 @@ class SamplingParams:
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """(T, V) fp32 logits -> (T, V) probabilities of the filtered, tempered distribution."""
+    import torch  # noqa: PLC0415 (the rules above are read by torch-free front ends: the server's parsing)
+
     x = logits.float() / sp.temperature
     if sp.top_k and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]  # (T, 1)

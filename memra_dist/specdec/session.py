@@ -21,13 +21,13 @@ from ..phase.levels import TraceSettings
 from ..phase.records import BurstRecord
 from ..phase.rounds_log import RoundProf, RoundsLog
 from ..phase.subsplit import SubsplitTimer
-from .accept import accept_sampled, greedy_commit
+from .accept import NonFiniteRow, accept_sampled, greedy_commit
 from .ahead import ahead_steps
 from .chunks import DEFAULT_PREFILL_CHUNK, fixed_chunks, pipeline_chunks
 from .drafters.base import Drafter
-from .sampling import SamplingParams, probs
+from .sampling import NonFiniteLogits, SamplingParams, probs
 
-__all__ = ["SpecSession", "SessionStats", "Target", "SessionSink"]
+__all__ = ["SpecSession", "SessionStats", "Target", "SessionSink", "locate_non_finite"]
 
 
 class Target(Protocol):
@@ -156,7 +156,7 @@ class SpecSession:
         logits = self._prefill(torch.tensor(prompt), chunks)  # (1, V): the last prompt row's
         if pf is not None:
             t, pf.ms["prime"] = c.lap_ms(t)
-        first = self._draw(logits)
+        first = self._draw(logits, torch.tensor(prompt[-1:]), len(prompt) - 1)
         if pf is not None:
             t, pf.ms["anchor"] = c.lap_ms(t)
         kv_mb = self.drafter.alloc(capacity)
@@ -203,10 +203,29 @@ class SpecSession:
             pf.prime_chunk_ms = [ns / 1e6 for ns in laps]
         return logits[-1:]
 
-    def _draw(self, logits: torch.Tensor) -> int:
+    def _draw(self, logits: torch.Tensor, last_id: torch.Tensor, pos: int) -> int:
+        """The anchor from the prompt's last row, whose logits are checked first (the request's
+        only full check: each round's rides in its readback, accept.py). Greedy: the logit at
+        the argmax comes back with it (NaN / +inf are where argmax lands); sampled: the host's
+        probabilities sum to NaN exactly when a logit is not finite."""
         if self.sp.greedy:
-            return int(logits[0].argmax())
-        return int(torch.multinomial(probs(logits, self.sp)[0].cpu(), 1, generator=self.gen))
+            a = logits[0].argmax()
+            tok, ok = torch.stack((a, torch.isfinite(logits[0, a]).long())).tolist()
+        else:
+            p = probs(logits, self.sp)[0].cpu()
+            ok = bool(torch.isfinite(p.sum()))
+            tok = int(torch.multinomial(p, 1, generator=self.gen)) if ok else 0
+        if not ok:
+            raise self._non_finite(last_id, pos, 0, "the prompt's last row")
+        return int(tok)
+
+    def _non_finite(self, ids: torch.Tensor, start: int, row: int, what: str) -> NonFiniteLogits:
+        """One line for logits that hold NaN / inf at position start + row: the first layer
+        whose output is not finite, found by re-running rows start .. start + row layer by
+        layer (only now, after the failure), and a weight holding NaN / inf where one does."""
+        where = locate_non_finite(self.target, ids[: row + 1], start)
+        return NonFiniteLogits(f"non-finite logits (NaN/inf) from the target at position {start + row} ({what}): "
+                               f"{where}")
 
     def _check_stop(self, new: list[int]) -> list[int]:
         for i, t in enumerate(new):
@@ -275,13 +294,16 @@ class SpecSession:
             r.t[2], r.free_mb[1] = c.stamp(), c.free_mb()
             if self.timer is not None:
                 r.sub_ns, r.seq_rows = self.timer.take()
-        if self.sp.greedy:
-            new = greedy_commit(logits, drafts)  # the accepted drafts + the next token: one readback
-            j = len(new) - 1
-        else:
-            q = prop.q[:kk] if prop is not None and prop.q is not None else None
-            j, nxt, _kind = accept_sampled(probs(logits, self.sp), q, drafts, self.gen)
-            new = drafts[:j].tolist() + [nxt]
+        try:
+            if self.sp.greedy:
+                new = greedy_commit(logits, drafts)  # the accepted drafts + the next token: one readback
+                j = len(new) - 1
+            else:
+                q = prop.q[:kk] if prop is not None and prop.q is not None else None
+                j, nxt, _kind = accept_sampled(probs(logits, self.sp), q, drafts, self.gen)
+                new = drafts[:j].tolist() + [nxt]
+        except NonFiniteRow as e:  # rows 0 .. j of this verify hold NaN / inf
+            raise self._non_finite(ids, n - 1, e.row, f"round {self.stats.rounds}, verify row {e.row}") from None
         if rec is not None:
             (r.h[2], r.t[3]), r.free_mb[2] = c.boundary(), c.free_mb()
         self.target.rollback(n + j)  # keep the pending token + j accepted drafts
@@ -337,7 +359,13 @@ class SpecSession:
                 a.launch(n)  # the row of the token about to be read: kept if the request goes on
             if pump is not None:
                 pump()  # deferred span work while the device runs
-            new = self._commit([a.take()])
+            try:
+                tok = a.take()
+            except NonFiniteRow:  # the step at n - 1 (its input: the pending token) read NaN / inf
+                a.drop()
+                raise self._non_finite(torch.tensor(self.tokens[-1:]), n - 1, 0,
+                                       f"round {self.stats.rounds}, one step ahead") from None
+            new = self._commit([tok])
             t3 = time.perf_counter_ns() if rec is not None else 0
             if self.done and a.pending:  # launched past the end: its row is rolled back
                 a.drop()
@@ -414,3 +442,90 @@ class SpecSession:
         pf.first_burst_rounds, pf.first_burst_tokens = rec.n, ntok + 1  # + the anchor
         if self.sink is not None:
             self.sink.first_token(pf)
+
+
+# ---- non-finite logits: where they come from (only after a failure) ----
+
+
+def _bad_weight(module) -> str | None:
+    """The first parameter (in the module's order: embedding, layers, head) holding NaN / inf;
+    a reduction per tensor (amax / amin propagate NaN), no copy of any weight."""
+    for name, p in module.named_parameters():
+        if not p.is_floating_point() or p.numel() == 0:
+            continue
+        try:
+            if not (torch.isfinite(p.amax()) and torch.isfinite(p.amin())):
+                return name
+        except RuntimeError:  # a dtype without the reductions (fp8): not checked
+            continue
+    return None
+
+
+def _layer_of(name: str) -> str:
+    """'layers.3.mlp.down_proj.weight' -> 'layer 3'; 'embed_tokens.weight' -> 'embed_tokens'."""
+    parts = name.split(".")
+    if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
+        return f"layer {parts[1]}"
+    return parts[0]
+
+
+@torch.inference_mode()
+def _first_non_finite_output(runner, ids: torch.Tensor, start: int) -> str | None:
+    """Re-run `ids` at `start` on a local runner holding the whole model, eagerly (its step
+    graphs set aside: hooks do not fire inside a replay), with a hook on the embedding, each
+    layer, the final norm and the lm_head; the first whose output is not finite."""
+    stage = runner.stage
+    mods = [("embed_tokens", getattr(stage, "embed_tokens", None))]
+    mods += [(f"layer {i}", blk) for i, blk in getattr(stage, "layers", {}).items()]
+    mods += [("the final norm", getattr(stage, "norm", None)), ("the lm_head", getattr(stage, "lm_head", None))]
+    found: list[str] = []
+
+    def hook(label):
+        def h(_mod, _inp, out):
+            o = out[0] if isinstance(out, (tuple, list)) else out
+            if not found and torch.is_tensor(o) and o.is_floating_point() and not bool(torch.isfinite(o).all()):
+                found.append(label)
+        return h
+
+    handles = [m.register_forward_hook(hook(label)) for label, m in mods if m is not None]
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        runner.rollback(start)
+        runner.forward(ids.to(runner.device), start)
+    finally:
+        runner.graphs = graphs
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+def locate_non_finite(target, ids: torch.Tensor, start: int) -> str:
+    """Where non-finite logits come from, in words: the first layer whose output is not finite
+    (a local runner holding the whole model: pp = 1), and the first weight holding NaN / inf
+    among the weights this process holds (at pp > 1 the head's own stage only). Best effort: a
+    failure to locate says so and never hides the error itself."""
+    runner = target if hasattr(target, "stage") else getattr(target, "runner", None)
+    stage = getattr(runner, "stage", None)
+    if stage is None:
+        return "the logits are not finite (the layer could not be located)"
+    whole = getattr(stage, "has_embed", False) and getattr(stage, "has_head", False)
+    layer = None
+    if whole:
+        try:
+            layer = _first_non_finite_output(runner, ids, start)
+        except Exception:  # noqa: BLE001 (locating is best effort)
+            layer = None
+    try:
+        weight = _bad_weight(stage)
+    except Exception:  # noqa: BLE001
+        weight = None
+    if weight is not None:
+        held = f"the weight {weight} holds NaN/inf (a broken checkpoint)"
+        return f"{layer} is the first to output NaN/inf; {held}" if layer is not None else \
+            f"{held}, in {_layer_of(weight)}"
+    if layer is not None:
+        return f"{layer} is the first to output NaN/inf (its weights are finite: an overflow in {runner.dtype}?)"
+    if not whole:
+        return ("the logits are not finite (the head's own layers and weights are finite; the layer is on another "
+                "pipeline stage: run at --pp 1 to name it)")
+    return "the logits are not finite (no layer's output was, re-run alone: a nondeterministic fault?)"

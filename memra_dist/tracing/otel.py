@@ -29,7 +29,7 @@ from .emit import SpanSink
 from .files import RunDirExporter
 
 __all__ = ["TracingSession", "default_run_dir", "make_provider", "otlp_endpoint", "parse_traceparent",
-           "flush_timeout_s"]
+           "flush_timeout_s", "flush_words"]
 _PROP = TraceContextTextMapPropagator()
 
 
@@ -125,6 +125,7 @@ def _otlp_exporter() -> SpanExporter:
     return OTLPSpanExporter()  # endpoint, headers, TLS and timeout from the OTEL_* variables
 
 
+ABANDON_WAIT_S = 1.0  # after the flush bound: the wait for an abandoned exporter's thread to end
 GIL_SWITCH_S = 5e-4
 OTLP_QUEUE = 1 << 16  # spans the batch processor holds before it drops (a long run's end builds many at once)
 
@@ -178,7 +179,7 @@ def shutdown_bounded(provider: TracerProvider, counting: CountingExporter, ended
     t.join(timeout_s)
     if t.is_alive():  # collector down or stalling: stop trying, so the process can exit now
         counting.abandon()
-        t.join(min(1.0, timeout_s))
+        t.join(min(ABANDON_WAIT_S, timeout_s))
     if files is None:
         return max(0, ended - counting.sent)
     try:
@@ -201,8 +202,9 @@ def parse_traceparent(tp: str | None):
 
 
 class _Request:
-    def __init__(self, span, trace_content: bool):
+    def __init__(self, span, trace_content: bool, sink=None):
         self.span, self.trace_content = span, trace_content
+        self.sink = sink  # this request's span sink (DeferredSink), None when tracing is off
 
     def carrier(self) -> dict:
         """The W3C context of this request, to carry in every command to an actor."""
@@ -232,9 +234,11 @@ class TracingSession:
     def __init__(self, enabled: bool, run_dir: Path | None, parent):
         self.enabled, self.run_dir, self.parent = enabled, run_dir, parent
         self.provider = self.counting = self.files = None
-        self._sink: SpanSink | None = None
+        self._sink: SpanSink | None = None  # the latest request's (the CLI's one request)
         self._req: _Request | None = None
-        self.ended = 0
+        self.ended = 0  # request spans made
+        self.burst_spans = 0  # spans made by the requests' sinks, once each request has ended
+        self._count = threading.Lock()  # requests may run on several threads (a batch job at pp > 1)
         self._switch_before = sys.getswitchinterval()  # put back at close (open() lowers it)
 
     @classmethod
@@ -263,33 +267,60 @@ class TracingSession:
         if cfg.trace_content:
             attrs[ATTR["prompt"]] = prompt
         span = self.tracer.start_span(SPAN_REQUEST, context=self.parent, attributes=attrs)
-        self.ended += 1
-        self._req = _Request(span, cfg.trace_content)
-        self._sink = DeferredSink(SpanSink(self.tracer, self._req.context()))
+        with self._count:
+            self.ended += 1
+        req = _Request(span, cfg.trace_content)
+        req.sink = sink = DeferredSink(SpanSink(self.tracer, req.context()))
+        self._req, self._sink = req, sink
         try:
-            yield self._req
+            yield req
         except BaseException as e:
             span.set_status(trace.Status(trace.StatusCode.ERROR, type(e).__name__))
             raise
         finally:
-            self._sink.close()  # every burst's spans built before the request span ends
+            sink.close()  # every burst's spans built before the request span ends
             span.end()
+            with self._count:
+                self.burst_spans += sink.count
 
     def sink(self):
         return _LazySink(self)
 
-    def close(self) -> int:
-        """Flush within the bound; returns the driver's spans not delivered (said on stderr)."""
+    def close(self, metrics_follow: bool | None = None) -> int:
+        """Flush within the bound; returns the driver's spans not delivered (said on stderr, with
+        what the flushes at exit cost: `metrics_follow`, whether a metrics flush over OTLP comes
+        next; None: wherever an OTLP endpoint is set, as the CLI's MetricsSession does)."""
         if not self.enabled:
             return 0
-        made = self.ended + (self._sink.count if self._sink else 0)
+        made = self.ended + self.burst_spans
         bound = flush_timeout_s()
+        t0 = time.monotonic()
         dropped = shutdown_bounded(self.provider, self.counting, made, bound)
+        took = time.monotonic() - t0
         sys.setswitchinterval(self._switch_before)
         if dropped:
-            print(f"memra-dist: warning: {dropped} of {made} spans were not delivered "
-                  f"(exporter unreachable or slow; flush bounded at {bound:.0f}s)", file=sys.stderr)
+            print(f"memra-dist: warning: {dropped} of {made} spans were not delivered (exporter unreachable or slow): "
+                  f"{flush_words(bound, took, metrics_flush_follows() if metrics_follow is None else metrics_follow)}",
+                  file=sys.stderr)
         return dropped
+
+
+def metrics_flush_follows() -> bool:
+    """Whether a driver's metrics flush over OTLP follows its span flush at exit (the CLI's
+    MetricsSession exports over OTLP wherever an endpoint is set)."""
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or otlp_endpoint())
+
+
+def flush_words(bound: float, took: float, metrics: bool) -> str:
+    """What the exit's flushes cost, truly: the span flush waits up to the bound
+    (MEMRA_FLUSH_TIMEOUT_S) and then up to ABANDON_WAIT_S more for an abandoned exporter to
+    stop (shutdown_bounded); the metrics flush that follows waits up to the bound again."""
+    extra = min(ABANDON_WAIT_S, bound)
+    s = (f"the span flush took {took:.1f} s (bounded by MEMRA_FLUSH_TIMEOUT_S={bound:g} s, plus up to {extra:g} s "
+         "to stop a stalled exporter)")
+    if metrics:
+        s += f"; the metrics flush that follows waits up to {bound:g} s more"
+    return s
 
 
 class _LazySink:
