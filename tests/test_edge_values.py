@@ -423,3 +423,21 @@ def test_the_one_ahead_path_reports_a_later_nan_instead_of_token_0(llama, tmp_pa
             s.burst(4, got.extend)  # the tokens as they commit
     assert s.ran_ahead and got == clean[:i + 1] and 0 not in got[1:]  # nothing drawn from the NaN row
     assert "one step ahead" in str(e.value) and "embed_tokens" in str(e.value), str(e.value)
+
+
+def test_the_largest_seed_runs_with_the_replay_drafter(llama):
+    """The replay drafter draws from its own generator seeded one past the request's: the
+    largest accepted seed wraps instead of overflowing."""
+    from memra_dist.app import generate
+
+    cfg = RunConfig(model=str(llama), drafter="replay", max_new_tokens=6, device="cpu", seed=2**64 - 1)
+    plain = RunConfig(model=str(llama), drafter="none", max_new_tokens=6, device="cpu")
+    assert generate(cfg, [5, 9, 17, 5]).token_ids == generate(plain, [5, 9, 17, 5]).token_ids
+
+
+def test_a_nan_draft_checkpoint_is_one_line_when_sampling(llama, draft_llama, tmp_path, capsys):
+    """The drafter's own distribution is non-finite (a NaN in the draft checkpoint): the
+    sampled path refuses it in one line instead of sampling into a traceback."""
+    bad = _poisoned(draft_llama, tmp_path / "draft", "model.layers.0.mlp.down_proj.weight")
+    _one_line_error(*run_main(_gen(llama, "--draft-model", str(bad), "--temperature", "0.8"), capsys),
+                    "non-finite logits", "model drafter")

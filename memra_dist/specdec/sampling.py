@@ -27,7 +27,7 @@ from ..errors import UserError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SamplingParams", "probs", "sampling_rule", "SAMPLING_FIELDS", "RULES", "GREEDY_BELOW", "MAX_SEED",
+__all__ = ["SamplingParams", "probs", "draw_drafts", "sampling_rule", "SAMPLING_FIELDS", "RULES", "GREEDY_BELOW", "MAX_SEED",
            "NonFiniteLogits"]
 
 GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) act as (and are stored as) 0 = greedy
@@ -104,3 +104,18 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         drop = (cum - torch.softmax(sorted_x, dim=-1)) >= sp.top_p  # keep the token that crosses p
         x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     return torch.softmax(x, dim=-1)
+
+
+def draw_drafts(q, gen, drafter: str):
+    """One draft per row of the drafter's probabilities q (T, V), drawn on the host with the
+    request's generator -> (T,) int64. Non-finite rows (NaN / inf in the drafter's logits: a
+    broken draft checkpoint) are refused in one line instead of sampled into a traceback."""
+    import torch  # noqa: PLC0415
+
+    from ..errors import UserError  # noqa: PLC0415
+
+    q = q.cpu()
+    if not bool(torch.isfinite(q.sum(-1)).all()):
+        raise UserError(f"non-finite logits (NaN/inf) from the {drafter} drafter: its sampling distribution "
+                        "is undefined (a broken draft checkpoint?)")
+    return torch.multinomial(q, 1, generator=gen)[:, 0]

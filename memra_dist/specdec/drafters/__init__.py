@@ -70,5 +70,5 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int,
     if cfg.drafter == "replay":
         if record is None:
             raise ValueError("the replay drafter needs the target's recorded continuation")
-        return ReplayDrafter(record(), prompt_len, plan.model.vocab_size, cfg.replay_corrupt, seed=cfg.seed + 1)
+        return ReplayDrafter(record(), prompt_len, plan.model.vocab_size, cfg.replay_corrupt, seed=(cfg.seed + 1) % 2**64)
     raise ValueError(f"unknown drafter {cfg.drafter!r}")

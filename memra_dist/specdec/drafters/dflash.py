@@ -30,7 +30,7 @@ import torch
 
 from ...cache import KVLayer
 from ...model.dflash import DFlashNet, load_dflash
-from ..sampling import SamplingParams, probs
+from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
 from .dflash_graph import block_graphs
 
@@ -147,7 +147,7 @@ class DFlashDrafter(Drafter):
         if sp.greedy:
             return Proposal(logits.argmax(-1))  # on the device: the accept reads it back with the verify's
         q = probs(logits, sp)  # (kk, V): the distribution each draft is drawn from
-        toks = torch.multinomial(q.cpu(), 1, generator=gen)[:, 0]
+        toks = draw_drafts(q, gen, self.name)
         return Proposal(toks, q)
 
     def drain(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...runner import ModelRunner
-from ..sampling import SamplingParams, probs
+from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
 from .chain_graph import chain_graph
 
@@ -68,7 +68,7 @@ class ModelDrafter(Drafter):
         toks, qs = [], []
         for i in range(k):
             q = probs(logits, sp)  # (1, V)
-            t = int(torch.multinomial(q[0].cpu(), 1, generator=gen))
+            t = int(draw_drafts(q[:1], gen, self.name)[0])
             qs.append(q[0])
             toks.append(t)
             if i + 1 < k:

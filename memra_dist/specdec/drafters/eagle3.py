@@ -29,7 +29,7 @@ from ...cache import KVLayer
 from ...model.attention import causal_mask
 from ...model.eagle3 import Eagle3Net, load_eagle3
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
-from ..sampling import SamplingParams, probs
+from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
 
 __all__ = ["Eagle3Drafter"]
@@ -162,7 +162,7 @@ class Eagle3Drafter(Drafter):
         def draw(s, logits):
             q = probs(self.net.target_logits(logits), sp)  # (1, V): over the target vocabulary
             qs.append(q)
-            toks.append(int(torch.multinomial(q[0].cpu(), 1, generator=gen)))
+            toks.append(int(draw_drafts(q[:1], gen, self.name)[0]))
             return torch.tensor([toks[-1]], device=self.device)
 
         self.step_logits(context, k, draw)

@@ -29,7 +29,7 @@ import torch
 
 from ...model.mtp import MTPHead, check_mtp, load_mtp
 from ...model.taps import FINAL
-from ..sampling import SamplingParams, probs
+from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
 from .mtp_graph import mtp_graphs
 
@@ -178,7 +178,7 @@ class MTPDrafter(Drafter):
         def draw(s, logits):
             q = probs(logits, sp)  # (1, V): the distribution this draft is drawn from
             qs.append(q)
-            toks.append(int(torch.multinomial(q[0].cpu(), 1, generator=gen)))
+            toks.append(int(draw_drafts(q[:1], gen, self.name)[0]))
             return torch.tensor([toks[-1]], device=self.device)
 
         self.step_logits(context, k, draw, keep=False)
