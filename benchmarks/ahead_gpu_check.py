@@ -21,7 +21,7 @@ import torch
 
 from memra_dist.app import generate
 from memra_dist.config import RunConfig
-from memra_dist.model.tiny import build_checkpoint, llama_config, train_tokenizer
+from memra_dist.demo.tiny import build_checkpoint, llama_config, train_tokenizer
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.phase.share import ShareTable
 

@@ -13,7 +13,7 @@ import torch
 
 from memra_dist.config import RunConfig
 from memra_dist.runner import ModelRunner
-from memra_dist.model.tiny import build_checkpoint, llama_config, train_tokenizer
+from memra_dist.demo.tiny import build_checkpoint, llama_config, train_tokenizer
 from memra_dist.app import generate
 
 from memra_dist.bench.checkpoints import ensure_checkpoint  # noqa: E402

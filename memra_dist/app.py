@@ -233,7 +233,7 @@ def generate(cfg: RunConfig, prompt: list[int], stream=None, sink=None, span_sin
 
 def _demo_args(args):
     from .env import environment  # noqa: PLC0415
-    from .model.tiny import demo_checkpoints  # noqa: PLC0415
+    from .demo.tiny import demo_checkpoints  # noqa: PLC0415
 
     say = (lambda s: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr, flush=True))
     target, draft = demo_checkpoints(say)
@@ -241,15 +241,15 @@ def _demo_args(args):
         args.trace_level = 1  # the demo shows the phase shares unless told otherwise
     draft_model = args.draft_model or (str(draft) if args.drafter in (None, "model") else None)
     if args.drafter == "dflash" and not args.draft_model:  # the tiny DFlash drafter over the demo target
-        from .model.tiny import demo_dflash  # noqa: PLC0415
+        from .demo.tiny import demo_dflash  # noqa: PLC0415
 
         draft_model = str(demo_dflash(say))
-    if args.drafter == "eagle3" and not args.draft_model:  # the tiny EAGLE-3 drafter (model/tiny_eagle3.py)
-        from .model.tiny_eagle3 import demo_eagle3_dir  # noqa: PLC0415
+    if args.drafter == "eagle3" and not args.draft_model:  # the tiny EAGLE-3 drafter (demo/tiny_eagle3.py)
+        from .demo.tiny_eagle3 import demo_eagle3_dir  # noqa: PLC0415
 
         draft_model = str(demo_eagle3_dir(target, say))
-    if args.drafter == "mtp":  # a tiny glm4_moe target with a trained MTP layer (model/tiny_mtp.py), built once
-        from .model.tiny_mtp import demo_mtp_dir  # noqa: PLC0415
+    if args.drafter == "mtp":  # a tiny glm4_moe target with a trained MTP layer (demo/tiny_mtp.py), built once
+        from .demo.tiny_mtp import demo_mtp_dir  # noqa: PLC0415
 
         target = demo_mtp_dir(target.parent, say)
     say(f"tiny target + draft llamas trained on the embedded text, cached in {target.parent}")

@@ -22,7 +22,7 @@ def save_hf(path, arch: str, seed: int = 0, **kw):
     """A tiny random `arch` checkpoint (llama | qwen2 | qwen3) + tokenizer.json at `path`."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    from memra_dist.model.tiny import train_tokenizer
+    from memra_dist.demo.tiny import train_tokenizer
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     shape = {**SHAPE, **kw}
@@ -89,9 +89,9 @@ def tiny_mtp(tmp_path_factory):
     without an MTP layer). Tests that train or edit it take a copy."""
     import shutil
 
-    from memra_dist.model.corpus import CORPUS
-    from memra_dist.model.tiny import DEMO_INIT_STD, build_checkpoint, train_tokenizer
-    from memra_dist.model.tiny_mtp import TARGET_RECIPE, glm_config, train_mtp
+    from memra_dist.demo.corpus import CORPUS
+    from memra_dist.demo.tiny import DEMO_INIT_STD, build_checkpoint, train_tokenizer
+    from memra_dist.demo.tiny_mtp import TARGET_RECIPE, glm_config, train_mtp
 
     root = tmp_path_factory.mktemp("tiny-mtp")
     tok = train_tokenizer()

@@ -69,7 +69,7 @@ def save_moe(path: Path, arch: str, layers: int = 2, n_mtp: int = 1, seed: int =
     c["num_hidden_layers"] = layers
     (path / "config.json").write_text(json.dumps(c, indent=2))
     if tokenizer:
-        from memra_dist.model.tiny import train_tokenizer
+        from memra_dist.demo.tiny import train_tokenizer
 
         train_tokenizer(vocab_size=shape["vocab_size"]).save(str(path / "tokenizer.json"))
     return path, load_hf(path)

@@ -260,7 +260,7 @@ def test_tiny_kimi_checkpoint_loads():
 
 
 def test_the_demo_builder_still_builds_from_a_dict(tmp_path):
-    from memra_dist.model.tiny import build_checkpoint, llama_config, train_tokenizer
+    from memra_dist.demo.tiny import build_checkpoint, llama_config, train_tokenizer
 
     tok = train_tokenizer(vocab_size=64)
     out = build_checkpoint(tmp_path / "demo", llama_config(tok.get_vocab_size(), hidden_size=16,

@@ -12,8 +12,8 @@ import torch
 
 from memra_dist.app import DEMO_PROMPT
 from memra_dist.cli import main
-from memra_dist.model.corpus import CORPUS
-from memra_dist.model.tiny import DEMO_RECIPE, DEMO_VERSION, demo_checkpoints
+from memra_dist.demo.corpus import CORPUS
+from memra_dist.demo.tiny import DEMO_RECIPE, DEMO_VERSION, demo_checkpoints
 
 
 @pytest.fixture

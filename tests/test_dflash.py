@@ -20,7 +20,7 @@ from memra_dist.cli import main
 from memra_dist.config import RunConfig
 from memra_dist.errors import UserError
 from memra_dist.model.dflash import default_tap_ids, load_dflash_config
-from memra_dist.model.tiny_dflash import random_dflash
+from memra_dist.demo.tiny_dflash import random_dflash
 from memra_dist.runner import ModelRunner
 from memra_dist.specdec.drafters.dflash import DFlashDrafter
 from memra_dist.specdec.sampling import SamplingParams
@@ -212,10 +212,10 @@ def test_sampled_follows_target(ckpt_factory, tmp_path):
 @pytest.mark.slow  # trains the demo target (~8 s) and its DFlash drafter (~17 s)
 def test_trained_tiny_drafter_accepts_and_miswiring_costs_it(tmp_path):
     from memra_dist.app import DEMO_PROMPT
-    from memra_dist.model.corpus import CORPUS
-    from memra_dist.model.tiny import (DEMO_INIT_STD, DEMO_RECIPE, DEMO_SHAPES, build_checkpoint, llama_config,
+    from memra_dist.demo.corpus import CORPUS
+    from memra_dist.demo.tiny import (DEMO_INIT_STD, DEMO_RECIPE, DEMO_SHAPES, build_checkpoint, llama_config,
                                        train_tokenizer)
-    from memra_dist.model.tiny_dflash import TINY_DFLASH, train_dflash
+    from memra_dist.demo.tiny_dflash import TINY_DFLASH, train_dflash
     from memra_dist.model.tokenizer import load_tokenizer
 
     tok = train_tokenizer()

@@ -23,7 +23,7 @@ from memra_dist.config import RunConfig
 from memra_dist.errors import UserError
 from memra_dist.model.config import load_config
 from memra_dist.model.eagle3 import default_eagle3_taps, load_eagle3_config, parse_eagle3_config
-from memra_dist.model.tiny_eagle3 import random_eagle3
+from memra_dist.demo.tiny_eagle3 import random_eagle3
 from memra_dist.runner import ModelRunner
 from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
 from memra_dist.specdec.sampling import SamplingParams
@@ -296,10 +296,10 @@ def test_sampled_follows_target(ckpt_factory, tmp_path):
 @pytest.mark.slow  # trains the demo target (~8 s) and its EAGLE-3 drafter (~16 s)
 def test_trained_tiny_drafter_accepts_and_miswiring_costs_it(tmp_path):
     from memra_dist.app import DEMO_PROMPT
-    from memra_dist.model.corpus import CORPUS
-    from memra_dist.model.tiny import (DEMO_INIT_STD, DEMO_RECIPE, DEMO_SHAPES, build_checkpoint, llama_config,
+    from memra_dist.demo.corpus import CORPUS
+    from memra_dist.demo.tiny import (DEMO_INIT_STD, DEMO_RECIPE, DEMO_SHAPES, build_checkpoint, llama_config,
                                        train_tokenizer)
-    from memra_dist.model.tiny_eagle3 import TINY_EAGLE3, train_eagle3
+    from memra_dist.demo.tiny_eagle3 import TINY_EAGLE3, train_eagle3
     from memra_dist.model.tokenizer import load_tokenizer
 
     tok = train_tokenizer()

@@ -1,5 +1,5 @@
 """Acceptance off the training text: the tiny MTP layer, trained on the target's own greedy
-continuations (self-distillation, model/distill.py) as the demo's recipe does, against the
+continuations (self-distillation, demo/distill.py) as the demo's recipe does, against the
 same layer trained on corpus windows only (the former recipe), measured through the engine
 as tests/test_mtp.py measures it (greedy, 64 new tokens, accepted / drafted).
 
@@ -20,7 +20,7 @@ The issue's 0.5 at k = 1 on novel text holds at the recipe, with little to spare
 recipe trained with 2 threads instead of 1 (other float rounding, another target) gives
 0.54, other target seeds 0.46 / 0.52; a target of 200 steps (the former recipe) 0.31-0.42.
 The floor below is 0.45 so that a machine whose rounding differs does not fail it. The
-DFlash drafter, by its distilled recipe over the same target (model/tiny_dflash.py
+DFlash drafter, by its distilled recipe over the same target (demo/tiny_dflash.py
 DISTILLED), accepts 0.52 at k = 1 on the novel sentences (its corpus-only recipe 0.08), with
 the same floor.
 """
@@ -83,9 +83,9 @@ def _contains(seq: list[int], part: list[int]) -> bool:
 def test_self_distilled_mtp_follows_the_target_off_its_corpus(tiny_mtp, tmp_path):
     from tokenizers import Tokenizer
 
-    from memra_dist.model.corpus import CORPUS
-    from memra_dist.model.distill import distill_prompts
-    from memra_dist.model.tiny_mtp import MTP_RECIPE, train_mtp
+    from memra_dist.demo.corpus import CORPUS
+    from memra_dist.demo.distill import distill_prompts
+    from memra_dist.demo.tiny_mtp import MTP_RECIPE, train_mtp
     from memra_dist.model.tokenizer import load_tokenizer
 
     d = tiny_mtp[0]  # the demo's recipe, the last paragraph withheld
@@ -117,14 +117,14 @@ def test_self_distilled_mtp_follows_the_target_off_its_corpus(tiny_mtp, tmp_path
 
 @pytest.mark.slow  # the session's `tiny_mtp` target (~45 s once) and a DFlash drafter by the distilled recipe
 def test_self_distilled_dflash_drafts_off_its_corpus(tiny_mtp, tmp_path):
-    """The DFlash drafter by its distilled recipe (model/tiny_dflash.py DISTILLED: the target's
+    """The DFlash drafter by its distilled recipe (demo/tiny_dflash.py DISTILLED: the target's
     own continuations, the loss leaning on the block's first rows) over the better-trained
     glm4_moe target, measured through the engine on the same held-out prompts as the MTP
     layer: the first draft of each block is the target's token on novel sentences at least
     half the time, where the corpus-only recipe (the demo's, against its memorizing target's
     text) stays near the unigram level."""
-    from memra_dist.model.corpus import CORPUS
-    from memra_dist.model.tiny_dflash import DISTILLED, RECIPE, train_dflash
+    from memra_dist.demo.corpus import CORPUS
+    from memra_dist.demo.tiny_dflash import DISTILLED, RECIPE, train_dflash
     from memra_dist.model.tokenizer import load_tokenizer
 
     target = tiny_mtp[1]  # the MTP demo's target without its MTP layer

@@ -235,7 +235,7 @@ def ray_head(tmp_path_factory):
     build_log = base / "build.log"
     with open(build_log, "w") as log:
         build = subprocess.Popen(
-            [sys.executable, "-c", "from memra_dist.model.tiny import demo_checkpoints; demo_checkpoints()"],
+            [sys.executable, "-c", "from memra_dist.demo.tiny import demo_checkpoints; demo_checkpoints()"],
             env=_clean_env(MEMRA_CACHE_DIR=str(cache), TOKENIZERS_PARALLELISM="false"),
             stdout=log, stderr=subprocess.STDOUT)
 

@@ -13,7 +13,7 @@ import torch
 
 from memra_dist.runner import ModelRunner
 from memra_dist.model import loader as loader_mod
-from memra_dist.model.tiny import train_tokenizer
+from memra_dist.demo.tiny import train_tokenizer
 
 ATOL = 1e-4
 CPU, F32 = torch.device("cpu"), torch.float32

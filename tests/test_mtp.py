@@ -263,7 +263,7 @@ def test_sampled_follows_target(tmp_path):
 @pytest.mark.slow  # the tiny glm4_moe target and its MTP layer (the session's `tiny_mtp`, ~45 s once)
 def test_trained_tiny_mtp_accepts_and_miswiring_costs_it(tiny_mtp):
     from memra_dist.app import DEMO_PROMPT
-    from memra_dist.model.corpus import CORPUS
+    from memra_dist.demo.corpus import CORPUS
     from memra_dist.model.tokenizer import load_tokenizer
 
     d = tiny_mtp[0]  # its MTP layer trained with the corpus's last paragraph withheld
@@ -280,7 +280,7 @@ def test_trained_tiny_mtp_accepts_and_miswiring_costs_it(tiny_mtp):
     chained = acceptance(3)
     assert chained >= 0.5, chained  # measured 0.69: steps 2 and 3 reuse the one layer
     # a paragraph left out of the MTP's corpus: followed, since the layer also trains on the
-    # target's continuations (model/distill.py), which run into it (tests/test_heldout_acceptance.py)
+    # target's continuations (demo/distill.py), which run into it (tests/test_heldout_acceptance.py)
     assert acceptance(1, [enc(paras[-1])[:12]]) >= 0.5  # measured 1.0; corpus windows only: 0.07
     # the hidden of the row before (h_{p-1} with t_{p+1}) collapses it
     with pytest.MonkeyPatch.context() as mp:

@@ -13,7 +13,7 @@ import pytest
 from memra_dist.app import generate, open_engine
 from memra_dist.config import RunConfig
 from memra_dist.model.taps import FINAL, shipped_before, stage_taps
-from memra_dist.model.tiny_dflash import random_dflash
+from memra_dist.demo.tiny_dflash import random_dflash
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [40, 41, 42, 43, 40, 41, 42], [3, 9, 27]]
 N_NEW = 24
@@ -71,8 +71,8 @@ def test_trained_drafter_accepts_as_much_through_the_pipeline(ray_local):
     """A drafter that really accepts (0.9+): a wrong shipped column, order or position would
     change its drafts and so the accepted count; the pipeline's counts equal pp=1's."""
     from memra_dist.app import DEMO_PROMPT
-    from memra_dist.model.tiny import demo_checkpoints
-    from memra_dist.model.tiny_dflash import demo_dflash_dir
+    from memra_dist.demo.tiny import demo_checkpoints
+    from memra_dist.demo.tiny_dflash import demo_dflash_dir
     from memra_dist.model.tokenizer import load_tokenizer
 
     target, _ = demo_checkpoints()
@@ -118,8 +118,8 @@ def test_eagle3_through_the_pipeline_drafts_as_at_pp1(ray_local):
     """EAGLE-3's three taps (low / mid / high layers) split over the stages: the same drafts
     as pp=1, with sessions in flight."""
     from memra_dist.app import DEMO_PROMPT
-    from memra_dist.model.tiny import demo_checkpoints
-    from memra_dist.model.tiny_eagle3 import demo_eagle3_dir
+    from memra_dist.demo.tiny import demo_checkpoints
+    from memra_dist.demo.tiny_eagle3 import demo_eagle3_dir
     from memra_dist.model.tokenizer import load_tokenizer
 
     target, _ = demo_checkpoints()

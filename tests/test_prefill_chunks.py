@@ -28,8 +28,8 @@ from memra_dist.config import RunConfig
 from memra_dist.errors import UserError
 from memra_dist.model.prefix_attention import (PREFIX_MIN_ROWS, block_rows, blocked_attention, prefix_arm,
                                                prefix_attention)
-from memra_dist.model.tiny_dflash import random_dflash
-from memra_dist.model.tiny_eagle3 import random_eagle3
+from memra_dist.demo.tiny_dflash import random_dflash
+from memra_dist.demo.tiny_eagle3 import random_eagle3
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.phase.report import FanOut
 from memra_dist.runner import ModelRunner

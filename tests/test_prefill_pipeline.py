@@ -13,7 +13,7 @@ import pytest
 
 from memra_dist.app import generate, open_engine
 from memra_dist.config import RunConfig
-from memra_dist.model.tiny_dflash import random_dflash
+from memra_dist.demo.tiny_dflash import random_dflash
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.specdec.chunks import pipeline_chunks
 

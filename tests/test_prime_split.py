@@ -19,7 +19,7 @@ from memra_dist import device as device_mod
 from memra_dist.model import taps as taps_mod
 from memra_dist.model.config import load_config
 from memra_dist.model.dflash import load_dflash_config
-from memra_dist.model.tiny_dflash import random_dflash
+from memra_dist.demo.tiny_dflash import random_dflash
 from memra_dist.phase.first_token import DepthTimer, DEPTH_FIELDS, FirstTokenProf
 from memra_dist.phase.levels import TraceSettings
 from memra_dist.runner import ModelRunner

@@ -3,7 +3,9 @@ slow engine (queue, 429, 400s, disconnects, S sessions at once, the engine close
 shutdown). Slow: the tiny llama behind a real local Ray Serve, started once for the module:
 a streamed completion equals the non-streamed one and the engine's greedy output, a
 traceparent parents the request span at an OTLP receiver, 400 / 429 / a disconnect leave the
-request in flight undisturbed, and /v1/models, /health, /metrics answer."""
+request in flight undisturbed, /v1/models, /health, /metrics answer, and the app's limits
+hold behind Serve's proxy (stalled uploads, a 20 MB body, text/plain, disconnects at every
+stage: counted, no traceback in the replica's log). More hostile clients: test_serve_hostile.py."""
 
 from __future__ import annotations
 
@@ -83,20 +85,20 @@ class FakeTok:
 class FakeMcfg:
     vocab_size = 100
     eos_token_ids = (1,)
-    max_position_embeddings = 64
+    max_position_embeddings = 4096
 
 
 class FakeEngine:
     """One token per 'round', `delay` s apart; a raising stream aborts, as the contract says."""
 
     def __init__(self, sessions: int, delay: float):
-        self.sessions, self.capacity, self.delay = sessions, 64, delay
+        self.sessions, self.capacity, self.delay = sessions, 4096, delay
         self.lock = threading.Lock()
         self.running = self.most = 0
         self.aborted = 0
 
     def plan(self, n, cfg):
-        if cfg.max_new_tokens > 1000:
+        if cfg.max_new_tokens == 777:
             raise UserError("the engine refuses\nthis request")
 
     def generate(self, ids, cfg, stream=None, span_sink=None, carrier=None):
@@ -203,11 +205,11 @@ def test_fake_queue_429_400_and_disconnect_leave_the_running_request_alone():
             r = client.post(f"{base}/v1/completions", json={"prompt": "third"})
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_full" and "--max-queue 1" in r.json()["error"]["message"]
-            for body, param in (({"prompt": "x", "top_p": 3}, "top_p"), ({"prompt": "x" * 64}, "prompt"),
+            for body, param in (({"prompt": "x", "top_p": 3}, "top_p"), ({"prompt": "x" * 4096}, "prompt"),
                                 ({"prompt": "x", "bogus": 1}, "bogus")):
                 r = client.post(f"{base}/v1/completions", json=body)
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-            r = client.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 5000})  # the engine's refusal
+            r = client.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 777})  # the engine's refusal
             assert r.status_code == 400 and "\n" not in r.json()["error"]["message"]
             more = [next(a) for _ in range(3)]  # A went on undisturbed
             assert all(e["id"] == first[0]["id"] for e in first + more)
@@ -389,7 +391,8 @@ def test_400_429_and_a_disconnect_leave_the_request_in_flight_alone(served):
         _until(lambda: client.get(f"{base}/health").json()["queued"] == 1, what="B queued")
         r = client.post(f"{base}/v1/completions", json={"prompt": "one too many"})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-        r = client.post(f"{base}/v1/completions", content=b'{"prompt": "x", "temperature": "hot"}')
+        r = client.post(f"{base}/v1/completions", content=b'{"prompt": "x", "temperature": "hot"}',
+                        headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
         r = client.post(f"{base}/v1/completions", json={"prompt": "word " * 5000})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -421,3 +424,115 @@ def test_models_health_and_metrics_answer(served):
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
     for name in ("memra_api_in_flight", "memra_api_queue_depth", "memra_api_requests_total", "memra_api_tokens_total"):
         assert name in m.text
+
+
+@pytest.mark.slow
+def test_stalled_uploads_huge_bodies_and_wrong_types_behind_ray_serves_proxy(served):
+    """The app's limits hold behind Serve's proxy: 64 stalled uploads (more than the replica's
+    old max_ongoing_requests) leave /health answering; each gets its 408 and its connection
+    closed after the read timeout; a 20 MB body is a 413 at once; text/plain is a 415."""
+    from memra_dist.serve.limits import READ_TIMEOUT_S
+
+    base, client, _, _, _ = served
+    host, port = base.removeprefix("http://").split(":")
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n")
+    t0 = time.monotonic()
+    stalled = []
+    for _ in range(64):
+        s = socket.create_connection((host, int(port)), timeout=READ_TIMEOUT_S + 20)
+        s.sendall(head % 100 + b'{"prompt": ')
+        stalled.append(s)
+    worst = 0.0
+    while time.monotonic() - t0 < 3:
+        t = time.monotonic()
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        worst = max(worst, time.monotonic() - t)
+        time.sleep(0.1)
+    assert worst < 1.0, worst
+    big = socket.create_connection((host, int(port)), timeout=10)
+    t = time.monotonic()
+    big.sendall(head % (20 * 1024 * 1024) + b"x" * 65536)
+    answer = b""
+    while b"}}" not in answer:  # the JSON error ends the answer; the proxy closes the connection
+        part = big.recv(65536)
+        if not part:
+            break
+        answer += part
+    assert answer.startswith(b"HTTP/1.1 413") and b"body_too_large" in answer and time.monotonic() - t < 1.0, answer
+    big.close()
+    r = client.post(f"{base}/v1/completions", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    for s in stalled:  # each: a 408, then the proxy closes the connection
+        got = b""
+        while True:
+            part = s.recv(65536)
+            if not part:
+                break
+            got += part
+        assert got.startswith(b"HTTP/1.1 408") and b"request_timeout" in got, got[:300]
+        s.close()
+    assert time.monotonic() - t0 < READ_TIMEOUT_S + 15
+    ok = client.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+    assert ok.status_code == 200
+
+
+def _replica_tracebacks() -> tuple[int, list[str]]:
+    """(files read, those with a traceback): the Serve replicas' logs of this Ray session
+    (their stderr files and Serve's own)."""
+    import glob
+    import os
+
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")  # noqa: SLF001
+    read, found = 0, []
+    for path in glob.glob(os.path.join(logs, "worker-*.err")) + glob.glob(os.path.join(logs, "serve", "replica_*.log")):
+        with open(path, errors="replace") as f:
+            text = f.read()
+        if "ServeReplica" in text[:2000] or "/replica_" in path:
+            read += 1
+            found += [path for marker in ("Traceback", "never retrieved") if marker in text]
+    return read, found
+
+
+@pytest.mark.slow
+def test_disconnects_at_every_stage_behind_ray_are_counted_and_leave_no_traceback(served):
+    base, client, _, _, _ = served
+    host, port = base.removeprefix("http://").split(":")
+
+    def aborted() -> float:
+        text = client.get(f"{base}/metrics").text
+        return float(text.split('memra_api_requests_total{outcome="aborted"} ')[1].split()[0])
+
+    def raw(body: bytes, cut: int | None = None) -> socket.socket:
+        s = socket.create_connection((host, int(port)), timeout=30)
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n")
+        s.sendall(head % len(body) + (body if cut is None else body[:cut]))
+        return s
+
+    before = aborted()
+    plain = json.dumps({"prompt": "Hello there", "max_tokens": 3000}).encode()
+    streamed = json.dumps({"prompt": "Hello there", "max_tokens": 3000, "stream": True}).encode()
+    for cut in (0, 5):  # head only, mid-body (held long enough to reach the replica)
+        s = raw(plain, cut)
+        time.sleep(0.5)
+        s.close()
+    held = raw(streamed)
+    held.recv(300)  # it holds the one session, streaming
+    queued = raw(plain)
+    _until(lambda: client.get(f"{base}/health").json()["queued"] == 1, 20, "queued")
+    queued.close()
+    _until(lambda: client.get(f"{base}/health").json()["queued"] == 0, 20, "left the queue")
+    held.close()  # mid-stream
+    for body in (plain, streamed):  # gone while generating (not streamed; streamed, nothing read)
+        _until(lambda: client.get(f"{base}/health").json()["in_flight"] == 0, 30, "the session free")
+        s = raw(body)
+        _until(lambda: client.get(f"{base}/health").json()["in_flight"] == 1, 20, "generating")
+        s.close()
+    _until(lambda: client.get(f"{base}/health").json()["in_flight"] == 0, 30, "the session free")
+    _until(lambda: aborted() - before == 6, 20, "six aborted requests counted")
+    time.sleep(1)  # the replica's log reaches its files
+    read, found = _replica_tracebacks()
+    assert read >= 2 and found == [], found

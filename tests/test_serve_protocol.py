@@ -190,6 +190,53 @@ def test_rayservice_args_are_the_cli_flags():
         spec_argv({"model": ["/a"]})
 
 
+def test_body_limit_and_request_defaults_are_checked_as_requests_are():
+    from memra_dist.cli import _add_run_args
+    from memra_dist.errors import UserError
+    from memra_dist.serve.limits import DEFAULT_MAX_BODY_BYTES, parse_size
+    from memra_dist.serve.serve_cli import parse_serve_argv
+
+    assert parse_serve_argv(["--model", "/m"], _add_run_args).max_body_bytes == DEFAULT_MAX_BODY_BYTES == 4 << 20
+    for text, n in (("4194304", 4 << 20), ("4MiB", 4 << 20), ("4mb", 4 << 20), ("512k", 512 << 10), ("1 GiB", 1 << 30)):
+        assert parse_size(text) == n
+        assert parse_serve_argv(["--model", "/m", "--max-body-bytes", text], _add_run_args).max_body_bytes == n
+    for bad, word in ((["--max-body-bytes", "lots"], "byte count"), (["--max-body-bytes", "-5"], "byte count"),
+                      (["--max-body-bytes", "100"], "1KiB"), (["--max-body-bytes", "2GiB"], "1GiB"),
+                      (["--temperature", "5"], "--temperature 5.0: expected 0..2"),
+                      (["--temperature", "nan"], "--temperature"), (["--top-p", "0"], "--top-p"),
+                      (["--top-p", "1.5"], "--top-p"), (["--top-k", "-1"], "--top-k"), (["--seed", "-1"], "--seed")):
+        with pytest.raises(UserError, match=word) as e:
+            parse_serve_argv(["--model", "/m", *bad], _add_run_args)
+        assert "\n" not in str(e.value)
+
+
+def test_error_outcomes_and_lone_surrogates():
+    assert [ApiError(s, "m").outcome for s in (400, 404, 408, 413, 415, 429, 499, 500, 503)] == \
+        ["bad_request", "bad_request", "aborted", "bad_request", "bad_request", "rejected", "aborted", "error",
+         "rejected"]
+    e = _err(b'{"prompt": "ok \\ud83d then"}')  # half of a surrogate pair: no character
+    assert (e.status, e.param, e.code) == (400, "prompt", "invalid_encoding") and "\\ud83d" in e.message
+    e = _err({"prompt": "x", "bogus" * 100: 1})
+    assert e.code == "unknown_parameter" and len(e.message) < 300
+    assert parse_completion(b'{"prompt": "\\ud83d\\ude00"}', "llama").prompt == "\U0001f600"  # a pair is fine
+
+
+def test_serve_deployment_never_keeps_health_behind_open_requests():
+    pytest.importorskip("ray.serve")
+    import argparse
+
+    from memra_dist.serve.deployment import HEADROOM, deployment_options, http_options
+    from memra_dist.serve.limits import OPEN_HEADROOM
+
+    args = argparse.Namespace(pp=1, sessions=None, max_queue=4, device="cpu", host="127.0.0.1", port=8000)
+    opts = deployment_options(args)
+    # the app answers 503 past sessions + queue + OPEN_HEADROOM open requests; Serve hands it that many
+    # and HEADROOM more, so stalled uploads never leave GET /health waiting at Serve's router
+    assert opts["max_ongoing_requests"] == 1 + 4 + OPEN_HEADROOM + HEADROOM
+    assert opts["graceful_shutdown_timeout_s"] < 30  # within the 30 s serve.shutdown gives the controller
+    assert http_options(args) == {"host": "127.0.0.1", "port": 8000, "keep_alive_timeout_s": 5}
+
+
 def _main(argv, capsys):
     from memra_dist.cli import main
 
@@ -210,6 +257,8 @@ def test_bad_serve_input_is_one_line_and_exit_2(llama, tmp_path, capsys):
                        (["--model", str(llama), "--sessions", "0"], "--sessions"),
                        (["--model", str(llama), "--port", "99999"], "--port"),
                        (["--model", str(llama), "--ctx", "100000"], "--ctx"),
+                       (["--model", str(llama), "--temperature", "5"], "--temperature"),
+                       (["--model", str(llama), "--max-body-bytes", "huge"], "--max-body-bytes"),
                        (["--model", str(llama), "--trace-level", "1"], "OTEL_EXPORTER_OTLP_ENDPOINT")):
         code, err = _main(["serve", *argv], capsys)
         assert code == 2 and len(err) == 1, (argv, err)

@@ -8,7 +8,7 @@ import torch
 
 from memra_dist import threads
 from memra_dist.model.config import parse_config
-from memra_dist.model.tiny import DEMO_SHAPES, llama_config
+from memra_dist.demo.tiny import DEMO_SHAPES, llama_config
 from memra_dist.threads import PARAMS_PER_THREAD, apply_cpu_threads, choose_threads, model_params
 
 NO_ENV: dict[str, str] = {}

@@ -180,7 +180,7 @@ def _write(out: Path, name: str, cfg: dict, device: torch.device, dtype: torch.d
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     try:
-        from ..model.tiny import train_tokenizer  # noqa: PLC0415 (needs `tokenizers`; the bench itself does not)
+        from ..demo.tiny import train_tokenizer  # noqa: PLC0415 (needs `tokenizers`; the bench itself does not)
     except ImportError:
         say("  no `tokenizers` here: checkpoint written without tokenizer.json (the bench feeds ids)")
         return

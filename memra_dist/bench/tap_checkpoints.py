@@ -190,7 +190,7 @@ def _ensure(out: Path, cfg: dict, shapes: dict, special_fn, device, dtype, say, 
 
 
 def dflash_config(target_cfg: dict, shape: str) -> dict:
-    from ..model.tiny_dflash import dflash_config_dict  # noqa: PLC0415
+    from ..demo.tiny_dflash import dflash_config_dict  # noqa: PLC0415
 
     return {**dflash_config_dict(target_cfg, **DFLASH_SHAPES[shape]), "torch_dtype": "bfloat16"}
 

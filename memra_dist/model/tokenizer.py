@@ -25,6 +25,14 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    # the same, with the GIL released while `tokenizers` works (its batch calls), so a server's
+    # event loop runs on while a worker thread tokenizes
+    def encode_released(self, text: str) -> list[int]:
+        return self.tok.encode_batch([text], add_special_tokens=True)[0].ids
+
+    def decode_released(self, ids: list[int]) -> str:
+        return self.tok.decode_batch([list(ids)], skip_special_tokens=True)[0]
+
 
 class StreamDecoder:
     """Turns a growing id list into text deltas (decode-all-and-diff: exact for any merges).

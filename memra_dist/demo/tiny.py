@@ -12,11 +12,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..threads import apply_cpu_threads
-from .config import parse_config
+from ..model.config import parse_config
 from .corpus import CORPUS
 from .demo_cache import write_checkpoint
-from .loader import hf_name
-from .transformer import Stage
+from ..model.loader import hf_name
+from ..model.transformer import Stage
 
 __all__ = ["train_tokenizer", "llama_config", "build_checkpoint", "demo_checkpoints", "demo_dflash", "DEMO_SHAPES"]
 
@@ -140,7 +140,7 @@ def demo_checkpoints(progress: Callable[[str], None] | None = None) -> tuple[Pat
 
 
 def demo_dflash(progress: Callable[[str], None] | None = None) -> Path:
-    """The demo's DFlash drafter over the demo target (model/tiny_dflash.py), built once."""
+    """The demo's DFlash drafter over the demo target (demo/tiny_dflash.py), built once."""
     from .tiny_dflash import demo_dflash_dir  # noqa: PLC0415
 
     target, _ = demo_checkpoints(progress)

@@ -1,5 +1,5 @@
 """A tiny DFlash drafter for the demo and the tests, trained on the CPU in seconds against the
-demo's tiny target (model/tiny.py) on the embedded corpus, saved in the public checkpoint
+demo's tiny target (demo/tiny.py) on the embedded corpus, saved in the public checkpoint
 format (model/dflash.py).
 
 Training follows the drafter's inference exactly, many blocks per step: the target (frozen)
@@ -14,8 +14,8 @@ acceptance 0.95-1.0 at k = 4 on the demo prompt and on each paragraph's opening;
 never saw ~0.1 (the tiny drafter, like the demo's tiny target, memorizes its text).
 
 DISTILLED drafts off the corpus: against the better-trained glm4_moe target of the MTP demo
-(model/tiny_mtp.py, 1000 steps: it writes steadier text off its corpus), three steps in four
-read the target's own greedy continuations of 2048 prompts (model/distill.py), the loss
+(demo/tiny_mtp.py, 1000 steps: it writes steadier text off its corpus), three steps in four
+read the target's own greedy continuations of 2048 prompts (demo/distill.py), the loss
 weighs block row i by 0.3 ** (i - 1), 64 blocks a step, 3000 steps (~40 s of continuations
 and ~150 s of training on 2 cores). Through the engine on 24 novel sentences: acceptance 0.52
 at k = 1 (the corpus-only recipe over the same target: 0.08); on a paragraph left out of its
@@ -42,12 +42,12 @@ import torch
 from torch.nn import functional as F
 
 from ..threads import apply_cpu_threads
-from .config import load_config
+from ..model.config import load_config
 from .corpus import CORPUS
 from .demo_cache import build_once, write_checkpoint
 from .distill import distill_sequences
-from .dflash import ARCH, DFlashNet, parse_dflash_config
-from .loader import load_stage
+from ..model.dflash import ARCH, DFlashNet, parse_dflash_config
+from ..model.loader import load_stage
 
 __all__ = ["dflash_config_dict", "save_dflash", "random_dflash", "train_dflash", "demo_dflash_dir",
            "TINY_DFLASH", "DFLASH_VERSION"]
@@ -57,7 +57,7 @@ DFLASH_VERSION = "1"  # bump when the recipe changes: the demo cache key
 TINY_DFLASH = dict(layers=2, block_size=8, taps=(1, 3), mask_token_id=0, heads=4, kv_heads=2, head_dim=32,
                    intermediate_size=256)
 RECIPE = dict(steps=500, lr=5e-3, seq=160, anchors=24, seed=5, distill=0, corpus_every=1, row_decay=0.8)  # ~18 s
-# the recipe that drafts off the corpus: against the better-trained glm4_moe target (model/tiny_mtp.py),
+# the recipe that drafts off the corpus: against the better-trained glm4_moe target (demo/tiny_mtp.py),
 # mostly on the target's own continuations of 2048 prompts, the loss leaning on the first rows
 DISTILLED = dict(steps=3000, lr=3e-3, seq=160, anchors=64, seed=5, distill=2048, corpus_every=4, row_decay=0.3)
 
@@ -76,7 +76,7 @@ def dflash_config_dict(target: dict, layers: int, block_size: int, taps, mask_to
 
 
 def save_dflash(out: str | Path, net: DFlashNet, cfg: dict) -> Path:
-    """config.json + model.safetensors, atomically (model/demo_cache.py)."""
+    """config.json + model.safetensors, atomically (demo/demo_cache.py)."""
     return write_checkpoint(out, net.state_dict(), cfg)
 
 
@@ -151,7 +151,7 @@ def train_dflash(target_dir: str | Path, out: str | Path, steps: int = RECIPE["s
                  corpus_every: int = RECIPE["corpus_every"], row_decay: float = RECIPE["row_decay"],
                  **shape) -> Path:
     """Train a DFlash drafter against the (frozen) target in `target_dir` and save it to `out`.
-    `distill` prompts drawn from `corpus` are continued by the target (model/distill.py; 0:
+    `distill` prompts drawn from `corpus` are continued by the target (demo/distill.py; 0:
     corpus windows only), and every `corpus_every`-th step reads a corpus window instead of one
     of those sequences. Block row i's loss weighs row_decay ** (i - 1): earlier rows gate the
     later ones."""

@@ -6,7 +6,7 @@ target's behaviour, not the corpus: trained only on the corpus it accepts ~0 on 
 saw. Here the (frozen) target continues a few hundred training prompts: windows of the corpus
 (from any word, not only a paragraph's start), shuffles of the corpus's words and random
 strings of the corpus's characters. A trainer reads these sequences, teacher forced, with the
-target's argmax at each row as its label, as on the corpus (model/tiny_mtp.py mixes the two).
+target's argmax at each row as its label, as on the corpus (demo/tiny_mtp.py mixes the two).
 The target memorized the corpus, so its continuations often run into corpus text, including
 paragraphs left out of `corpus`: such a paragraph is absent from the prompts, not from the
 sequences.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .transformer import Stage, StepCtx
+from ..model.transformer import Stage, StepCtx
 
 __all__ = ["greedy_continuations", "distill_prompts", "distill_sequences", "DISTILL"]
 

@@ -2,13 +2,13 @@
 corpus: the demo's `--drafter mtp` model and the tests' wiring check.
 
 The target (4 layers, the first dense, then MoE with a shared expert and sigmoid routing) is
-trained like the demo's llama (model/tiny.py `build_checkpoint`). Then, target frozen, one
+trained like the demo's llama (demo/tiny.py `build_checkpoint`). Then, target frozen, one
 MTP layer is trained exactly as the drafter runs it: over a sequence from position 0, row p
 takes the target's final-normed hidden h_p and the token t_{p+1}; its output's logits
 (through the target's lm_head) are trained towards the target's greedy token after p + 1, so
 greedy acceptance is the goal. One step in `corpus_every` reads a window of the corpus; the
 others read the target's own greedy continuation of a training prompt (self-distillation,
-model/distill.py), so the layer learns the target's behaviour beyond the corpus's text. The
+demo/distill.py), so the layer learns the target's behaviour beyond the corpus's text. The
 layer is stored the released checkpoints' way (`model.layers.{L}.*`,
 `num_nextn_predict_layers: 1`), in the same model.safetensors.
 Measured (2 cores, ~42 s with the target): greedy acceptance 1.0 / 0.79 at k = 1 / 3 on the
@@ -32,12 +32,12 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 from ..threads import apply_cpu_threads
-from .config import load_config, parse_config
+from ..model.config import load_config, parse_config
 from .corpus import CORPUS
 from .distill import DISTILL, distill_sequences
-from .loader import hf_name, load_stage
-from .mtp import MTPHead
-from .transformer import StepCtx
+from ..model.loader import hf_name, load_stage
+from ..model.mtp import MTPHead
+from ..model.transformer import StepCtx
 
 __all__ = ["glm_config", "train_mtp", "build_mtp_target", "demo_mtp_dir", "MTP_VERSION", "TARGET_RECIPE", "MTP_RECIPE"]
 

@@ -1,5 +1,5 @@
 """A tiny EAGLE-3 drafter for the demo and the tests, trained on the CPU in seconds against the
-demo's tiny target (model/tiny.py) on the embedded corpus, saved in the public checkpoint
+demo's tiny target (demo/tiny.py) on the embedded corpus, saved in the public checkpoint
 format (model/eagle3.py): no embed_tokens (the target's is reused), a draft vocabulary of the
 corpus's most frequent tokens with its d2t / t2d maps.
 
@@ -25,11 +25,11 @@ import torch
 from torch.nn import functional as F
 
 from ..threads import apply_cpu_threads
-from .config import load_config
+from ..model.config import load_config
 from .corpus import CORPUS
 from .demo_cache import build_once, write_checkpoint
-from .eagle3 import Eagle3Net, parse_eagle3_config
-from .loader import load_stage
+from ..model.eagle3 import Eagle3Net, parse_eagle3_config
+from ..model.loader import load_stage
 
 __all__ = ["eagle3_config_dict", "save_eagle3", "random_eagle3", "train_eagle3", "demo_eagle3_dir",
            "TINY_EAGLE3", "EAGLE3_VERSION", "RECIPE"]
@@ -57,7 +57,7 @@ def eagle3_config_dict(target: dict, taps, heads: int, kv_heads: int, head_dim: 
 def save_eagle3(out: str | Path, net: Eagle3Net, cfg: dict, hot: torch.Tensor, embed: torch.Tensor | None = None
                 ) -> Path:
     """config.json + model.safetensors (the net, d2t, t2d, optionally embed_tokens),
-    atomically (model/demo_cache.py)."""
+    atomically (demo/demo_cache.py)."""
     tensors = dict(net.state_dict())
     tensors["d2t"] = hot - torch.arange(hot.numel())
     tensors["t2d"] = torch.zeros(cfg["vocab_size"], dtype=torch.bool).index_fill_(0, hot, True)
