@@ -236,3 +236,17 @@ def test_main_is_the_entry_point():
     eps = [e for e in entry_points(group="console_scripts") if e.name == "memra-dist"]
     assert eps and eps[0].value == "memra_dist.cli:run" and main.__module__ == "memra_dist.cli"
     assert "main()" in inspect.getsource(run)
+
+
+def test_every_command_builds_without_the_serve_extra():
+    """A core install (no `serve` extra: no starlette / fastapi / uvicorn) still parses every
+    command, `serve --help` included: the server's web stack is imported only when it runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfor m in ('starlette', 'fastapi', 'uvicorn'):\n    sys.modules[m] = None\n"
+            "from memra_dist.cli import build_parser\np = build_parser()\n"
+            "for cmd in ('generate', 'demo', 'batch', 'serve', 'bench'):\n"
+            "    try:\n        p.parse_args([cmd, '--help'])\n    except SystemExit as e:\n        assert e.code == 0, cmd\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]

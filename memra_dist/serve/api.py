@@ -5,20 +5,27 @@
     GET  /health           200 while the engine is loaded
     GET  /metrics          Prometheus text (serve/api_metrics.py)
 
-A request is validated (400 naming the field), tokenized and checked against the context
-(400) before it queues; it then waits for one of the engine's sessions (429 at once when
---max-queue requests already wait). The engine runs on a worker thread; its tokens cross to
-the event loop and go out as SSE chunks (or one JSON object). When the client goes away the
-handler is cancelled, the stream callback raises at the engine's next round, the request is
-aborted and its session freed for the next waiter. A `traceparent` header parents the
-request's `memra.request` span.
+The body arrives through serve/limits.py (JSON only, size and time bounded, at most so many
+requests open). It is parsed, tokenized and checked against the context (400 naming the
+field) on a worker thread, never on the event loop; the request then waits for one of the
+engine's sessions (429 at once when --max-queue requests already wait). The engine runs on a
+worker thread; its tokens cross to the event loop and go out as SSE chunks (or one JSON
+object), decoded on a worker thread. The client is watched from its body on: when it goes
+away (queued, generating or streaming) the stream callback raises at the engine's next
+round, the request is aborted, counted `aborted`, and its session freed for the next waiter.
+A request that fails in the engine fails alone: a 500 (a stream: an error event, then
+[DONE]), counted `error`. A `traceparent` header parents the request's `memra.request` span
+(a malformed one is ignored, with a short warning a minute at most).
 
 Ray Serve runs this app in a replica (serve/deployment.py); `uvicorn` can run it directly
-(tests do, over a fake engine)."""
+(serve/uvicorn_guard.py; tests do, over a fake engine)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -30,12 +37,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .admission import Admission, QueueFull
 from .api_metrics import CONTENT_TYPE, ApiMetrics
 from .host import ClientGone
+from .limits import DEFAULT_MAX_BODY_BYTES, OPEN_HEADROOM, READ_TIMEOUT_S, WRITE_TIMEOUT_S, Limits, LimitState
 from .protocol import (SSE_DONE, ApiError, chunk, completion, finish_reason, models_list, parse_completion, sse,
                        usage)
 
-__all__ = ["build_app"]
+__all__ = ["build_app", "CPU_THREADS"]
 
 _END = object()
+CPU_THREADS = 2  # parsing and tokenizing (detokenizing has a thread of its own): never on the event loop
+_log = logging.getLogger("memra_dist.serve")
 
 
 class _Run:
@@ -72,31 +82,43 @@ class _Run:
         exc = fut.exception() if not fut.cancelled() else None
         if exc is None:
             self.api.metrics.outcome("ok")
+        elif self.cancelled or isinstance(exc, ClientGone):
+            self.api.metrics.outcome("aborted")
         else:
-            self.api.metrics.outcome("aborted" if self.cancelled or isinstance(exc, ClientGone) else "error")
+            self.api.metrics.outcome("error")
+            _log.error("request %s failed in the engine (the server goes on): %s: %s", self.id,
+                       type(exc).__name__, " ".join(str(exc).split())[:300], exc_info=exc)
         self.q.put_nowait(_END)
 
     def abort(self) -> None:
         self.cancelled = True
 
-    async def result(self):
-        try:
-            return await asyncio.shield(self.fut)
-        finally:
-            self.abort()  # cancelled (client gone): the engine stops at its next round
+    async def text(self, out: list[int]) -> str:
+        """The completion's text so far, decoded on a worker thread."""
+        prep = self.prep
+        return await self.loop.run_in_executor(self.api.texts, self.api.host.text, prep.ids, tuple(out), prep.base)
 
     async def events(self):
-        """SSE chunks: text deltas, a last chunk with the finish_reason, [DONE]."""
+        """SSE chunks: text deltas, a last chunk with the finish_reason, [DONE]. An engine
+        failure ends the stream with an error event, then [DONE]."""
         host, prep, model = self.api.host, self.prep, self.api.host.model_name
         out: list[int] = []
         sent = ""
         try:
-            while True:
-                ids = await self.q.get()
-                if ids is _END:
-                    break
-                out.extend(ids)
-                text = host.text(prep.ids, out)
+            ended = False
+            while not ended:
+                got = [await self.q.get()]
+                while not self.q.empty():  # all that came meanwhile: one decode for them
+                    got.append(self.q.get_nowait())
+                before = len(out)
+                for ids in got:
+                    if ids is _END:
+                        ended = True
+                    else:
+                        out.extend(ids)
+                if len(out) == before:
+                    continue
+                text = await self.text(out)
                 if text.endswith("\ufffd") or not text.startswith(sent) or len(text) == len(sent):
                     continue  # an incomplete character (or nothing new) waits for the next tokens
                 yield sse(chunk(self.id, self.created, model, text[len(sent):]))
@@ -105,8 +127,9 @@ class _Run:
                 res = self.fut.result()
             except Exception as e:  # noqa: BLE001 (the engine failed mid-stream: say so in the stream)
                 yield sse(_server_error(e).body())
+                yield SSE_DONE
                 return
-            final = host.text(prep.ids, res.token_ids)
+            final = await self.text(res.token_ids)
             rest = final[len(sent):] if final.startswith(sent) else ""
             yield sse(chunk(self.id, self.created, model, rest, finish_reason(res.token_ids, host.eos_ids)))
             if self.include_usage:
@@ -130,8 +153,8 @@ class _SSEResponse(StreamingResponse):
 
 
 def _server_error(e: BaseException) -> ApiError:
-    msg = " ".join(str(e).split())[:300] or type(e).__name__
-    return ApiError(500, f"the engine failed: {msg}", None, "engine_error")
+    return ApiError(500, f"the engine failed on this request ({type(e).__name__}); the server goes on", None,
+                    "engine_error")
 
 
 class _Api:
@@ -140,46 +163,93 @@ class _Api:
         self.admission = Admission(host.sessions, max_queue)
         self.metrics = ApiMetrics(lambda: self.admission.active, lambda: self.admission.waiting)
         self.pool = ThreadPoolExecutor(max_workers=host.sessions, thread_name_prefix="memra-session")
+        self.cpu = ThreadPoolExecutor(max_workers=CPU_THREADS, thread_name_prefix="memra-cpu")  # parse, tokenize
+        self.texts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memra-text")  # streams never wait on them
         self.started = int(time.time())
+        self.traceparents = _Traceparents()
+        self.limits = LimitState()
+
+    def prepare(self, raw: bytes):
+        """(parsed body, prepared request); ApiError when refused. Blocking: a cpu-pool thread."""
+        req = parse_completion(raw, self.host.model_name)
+        return req, self.host.prepare(req)
 
     def close(self) -> None:
+        self.cpu.shutdown(wait=True)
+        self.texts.shutdown(wait=True)
         self.pool.shutdown(wait=True)
 
 
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[!-~]*)?")
+WARN_EVERY_S = 60.0
+
+
+class _Traceparents:
+    """A malformed `traceparent` header is ignored (the request gets a trace of its own), with
+    one short warning line a minute at most, counting those ignored since the last one."""
+
+    def __init__(self):
+        self.ignored = self._unsaid = 0
+        self._said = -WARN_EVERY_S
+
+    def check(self, tp: str | None) -> str | None:
+        if tp is None or (len(tp) <= 256 and _TRACEPARENT.fullmatch(tp) and not tp.startswith("ff")
+                          and tp[3:35] != "0" * 32 and tp[36:52] != "0" * 16):
+            return tp
+        self.ignored += 1
+        self._unsaid += 1
+        now = time.monotonic()
+        if now - self._said >= WARN_EVERY_S:
+            shown = repr(tp[:60]) + ("..." if len(tp) > 60 else "")
+            print(f"memra-dist: warning: ignoring a malformed traceparent header {shown} ({self._unsaid} ignored "
+                  f"since the last warning)", file=sys.stderr, flush=True)
+            self._said, self._unsaid = now, 0
+        return None
+
+
 def _error(e: ApiError):
-    headers = {"Retry-After": "1"} if e.status == 429 else None
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-async def _admit(api: _Api, request) -> tuple[object, object]:
-    """(parsed body, prepared request) with a session held; ApiError otherwise."""
-    req = parse_completion(await request.body(), api.host.model_name)
-    prep = api.host.prepare(req)
-    try:
-        ticket = api.admission.enter()
-    except QueueFull as e:
-        raise ApiError(429, str(e), None, "queue_full") from None
-    try:
-        await _queued(ticket, request)
-    except (asyncio.CancelledError, ClientGone):  # the client went away while queued: it left the queue
-        api.metrics.outcome("aborted")
-        raise
-    return req, prep
+class _Watch:
+    """Ends when the client closes its connection (reads `receive` after the body: the
+    server's http.disconnect). The server does not cancel a handler whose client left."""
+
+    def __init__(self, receive):
+        self.task = asyncio.ensure_future(self._run(receive))
+
+    @staticmethod
+    async def _run(receive) -> None:
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 (a receive that broke: the client is gone all the same)
+            return
+
+    @property
+    def gone(self) -> bool:
+        return self.task.done() and not self.task.cancelled()
+
+    async def close(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
 
 
-QUEUED_POLL_S = 0.1  # how often a queued request checks that its client is still there
-
-
-async def _queued(ticket, request) -> None:
-    """Wait for a session. The server does not cancel a handler whose client closed its
-    connection, so a queued request asks every QUEUED_POLL_S; a client gone raises ClientGone,
-    and the cancelled wait leaves the queue (or passes on a session handed to it just then)."""
+async def _queued(ticket, watch: _Watch) -> None:
+    """Wait for a session, or for the client to go away (ClientGone); the cancelled wait
+    leaves the queue (or passes on a session handed to it just then)."""
     wait = asyncio.ensure_future(ticket.wait())
     try:
-        while not wait.done():
-            await asyncio.wait({wait}, timeout=QUEUED_POLL_S)
-            if not wait.done() and await request.is_disconnected():
-                raise ClientGone("the client went away while queued")
+        await asyncio.wait({wait, watch.task}, return_when=asyncio.FIRST_COMPLETED)
+        if not wait.done():
+            raise ClientGone("the client went away while queued")
         wait.result()
     finally:
         if not wait.done():
@@ -190,9 +260,68 @@ async def _queued(ticket, request) -> None:
                 pass
 
 
-def build_app(host, max_queue: int, close_host: bool = True):
+async def _completion(api: _Api, request: Request):
+    """POST /v1/completions, with the client watched from the body on. Each request is
+    counted once: refused here, gone before its run started (here), or by its run."""
+    host, loop = api.host, asyncio.get_running_loop()
+    raw = await request.body()  # whole and within its limits (serve/limits.py)
+    watch = _Watch(request.receive)
+    run = None
+    try:
+        try:
+            req, prep = await loop.run_in_executor(api.cpu, api.prepare, raw)
+            try:
+                ticket = api.admission.enter()
+            except QueueFull as e:
+                raise ApiError(429, str(e), None, "queue_full") from None
+        except ApiError as e:
+            api.metrics.outcome(e.outcome)
+            return _error(e)
+        await _queued(ticket, watch)  # the client gone while queued: it left the queue
+        run = _Run(api, prep, api.traceparents.check(request.headers.get("traceparent")))
+        try:
+            run.start()
+        except BaseException:
+            api.admission.release()
+            raise
+        if req.stream:
+            run.include_usage = req.include_usage
+            await watch.close()  # the streaming response watches the client itself
+            return _SSEResponse(run)
+        try:
+            await asyncio.wait({run.fut, watch.task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not run.fut.done():  # the client went away (or the handler was cancelled): stop the engine
+                run.abort()
+        if not run.fut.done():
+            raise ClientGone("the client went away")
+        try:
+            res = run.fut.result()
+        except ClientGone:
+            raise
+        except Exception as e:  # noqa: BLE001 (this request failed in the engine; the server goes on)
+            return _error(_server_error(e))
+        text = await run.text(res.token_ids)
+        return JSONResponse(completion(run.id, run.created, host.model_name, text,
+                                       finish_reason(res.token_ids, host.eos_ids), len(prep.ids),
+                                       len(res.token_ids)))
+    except (asyncio.CancelledError, ClientGone) as e:  # the client went away (Serve cancels the handler)
+        if run is None:
+            api.metrics.outcome("aborted")  # before its run started (a run counts itself)
+        if isinstance(e, ClientGone):  # nobody reads this answer
+            return _error(ApiError(499, "the client went away", None, "client_closed"))
+        raise
+    finally:
+        await watch.close()
+
+
+def build_app(host, max_queue: int, close_host: bool = True, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              read_timeout_s: float = READ_TIMEOUT_S, write_timeout_s: float = WRITE_TIMEOUT_S,
+              max_open: int | None = None):
     """The ASGI app. The app's shutdown (lifespan) closes the host: Ray Serve runs it when
-    the replica stops, uvicorn when it exits."""
+    the replica stops, uvicorn when it exits. The limits (serve/limits.py): bodies of at most
+    `max_body_bytes`, whole within `read_timeout_s`; a write blocked `write_timeout_s` drops
+    its client; at most `max_open` requests open (default sessions + queue + OPEN_HEADROOM)."""
     api = _Api(host, max_queue)
 
     @asynccontextmanager
@@ -206,35 +335,13 @@ def build_app(host, max_queue: int, close_host: bool = True):
 
     app = FastAPI(title="memra-dist", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
+    app.add_middleware(Limits, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,
+                       write_timeout_s=write_timeout_s, count=api.metrics.outcome, state=api.limits,
+                       max_open=max_open or host.sessions + max_queue + OPEN_HEADROOM)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            req, prep = await _admit(api, request)
-        except ApiError as e:
-            api.metrics.outcome(e.outcome)
-            return _error(e)
-        except ClientGone:  # counted as aborted; nobody reads this answer
-            return _error(ApiError(499, "the client went away while queued", None, "client_closed"))
-        run = _Run(api, prep, request.headers.get("traceparent"))
-        try:
-            run.start()
-        except BaseException:
-            api.admission.release()
-            raise
-        if req.stream:
-            run.include_usage = req.include_usage
-            return _SSEResponse(run)
-        try:
-            res = await run.result()
-        except ClientGone:
-            return _error(ApiError(499, "the client went away", None, "client_closed"))
-        except Exception as e:  # noqa: BLE001
-            return _error(_server_error(e))
-        text = host.text(prep.ids, res.token_ids)
-        return JSONResponse(completion(run.id, run.created, host.model_name, text,
-                                       finish_reason(res.token_ids, host.eos_ids), len(prep.ids),
-                                       len(res.token_ids)))
+        return await _completion(api, request)
 
     @app.get("/v1/models")
     async def models():
@@ -243,7 +350,8 @@ def build_app(host, max_queue: int, close_host: bool = True):
     @app.get("/health")
     async def health():
         return JSONResponse({"status": "ok", "model": host.model_name, "sessions": host.sessions,
-                             "in_flight": api.admission.active, "queued": api.admission.waiting})
+                             "in_flight": api.admission.active, "queued": api.admission.waiting,
+                             "open_requests": api.limits.open})
 
     @app.get("/metrics")
     async def metrics():
@@ -251,12 +359,17 @@ def build_app(host, max_queue: int, close_host: bool = True):
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc):
-        return _error(ApiError(404, f"no route {request.method} {request.url.path} (try POST /v1/completions, "
+        path = request.url.path if len(request.url.path) <= 80 else request.url.path[:77] + "..."
+        return _error(ApiError(404, f"no route {request.method} {path} (try POST /v1/completions, "
                                     "GET /v1/models, /health, /metrics)", None, "not_found"))
 
     @app.exception_handler(405)
     async def not_allowed(request: Request, exc):
-        return _error(ApiError(405, f"{request.method} is not allowed on {request.url.path}", None,
+        return _error(ApiError(405, f"{request.method[:16]} is not allowed on {request.url.path[:80]}", None,
                                "method_not_allowed", "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc):  # a bug: the server logs its traceback, the client gets JSON
+        return _error(ApiError(500, f"internal error ({type(exc).__name__})", None, "internal_error"))
 
     return app

@@ -15,17 +15,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ray import serve
 
 from ..errors import UserError
 from .api import build_app
 from .host import EngineHost
+from .limits import DEFAULT_MAX_BODY_BYTES, OPEN_HEADROOM, parse_size
 
-__all__ = ["MemraServer", "build", "deploy", "undeploy", "APP_NAME", "deployment_options", "engine_sessions"]
+__all__ = ["MemraServer", "build", "deploy", "undeploy", "APP_NAME", "deployment_options", "engine_sessions",
+           "http_options"]
 
 APP_NAME = "memra-dist"
-HEADROOM = 32  # requests beyond sessions + queue that reach the replica (health, metrics, the 429s themselves)
+HEADROOM = 32  # beyond the app's open-request cap: GET /health, /metrics, /v1/models, which never wait
+GCS_PROBE_S = 2.0  # undeploy: a GCS silent this long is not waited for
+KEEP_ALIVE_S = 5  # the proxy closes a connection idle this long between requests (Ray's default: 90 s)
 _PASS_ENV = ("OTEL_", "MEMRA_")
 
 
@@ -41,9 +46,11 @@ class MemraServer:
         cfg = config_from_args(args, args.model, args.draft_model)
         self.host = EngineHost(cfg, args.sessions)  # the model loads (the pipeline is placed) here, once
         self.max_queue = args.max_queue
+        body = getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
+        self.max_body_bytes = body if isinstance(body, int) else parse_size(body)
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.host, self.max_queue)  # its shutdown exits the engine
+        return build_app(self.host, self.max_queue, max_body_bytes=self.max_body_bytes)  # its shutdown exits the engine
 
 
 def engine_sessions(args) -> int:
@@ -65,14 +72,25 @@ def deployment_options(args) -> dict:
     env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV)}
     return {
         "num_replicas": 1,
-        # the replica decides who waits and who gets a 429: Serve must hand every request to it
-        "max_ongoing_requests": engine_sessions(args) + args.max_queue + HEADROOM,
+        # the replica decides who waits and who gets a 429 / 503: Serve must hand every request to it, and
+        # requests it holds open (stalled uploads included, up to the app's cap) never keep /health waiting
+        "max_ongoing_requests": engine_sessions(args) + args.max_queue + OPEN_HEADROOM + HEADROOM,
         "ray_actor_options": {"num_cpus": 1, "num_gpus": _gpus_for_replica(args), "runtime_env": {"env_vars": env}},
         "max_constructor_retry_count": 1,  # a model that does not load fails the deploy, not 20 retries
         "graceful_shutdown_wait_loop_s": 0.5,
-        "graceful_shutdown_timeout_s": 60,  # in-flight requests end, then the engine (and its actors) go
+        # in-flight requests get this long to end, then the engine (and its actors) go: within the 30 s
+        # serve.shutdown gives the controller, so a stop never ends in "Controller failed to shut down"
+        "graceful_shutdown_timeout_s": 20,
         "health_check_period_s": 10,
     }
+
+
+def http_options(args) -> dict:
+    """Serve's proxy: where it listens, and idle keep-alive connections closed after KEEP_ALIVE_S.
+    It has no header-read timeout and no connection cap (serve/uvicorn_guard.py has both for
+    plain uvicorn); no end-to-end `request_timeout_s` either, which would cut long streams.
+    The app enforces the rest itself (serve/limits.py)."""
+    return {"host": args.host, "port": args.port, "keep_alive_timeout_s": KEEP_ALIVE_S}
 
 
 def build(args):
@@ -91,7 +109,7 @@ def deploy(args) -> str:
     ray, started = _ray_up()
     _STATE["ray"] = ray if started else None
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options=http_options(args))
         serve.run(build(args), name=APP_NAME, route_prefix="/")
     except (RuntimeError, ValueError) as e:
         undeploy()
@@ -112,10 +130,35 @@ def _first_reason(e: BaseException) -> str:
     return (lines[-1] if lines else type(e).__name__)[:300]
 
 
-def undeploy() -> None:
-    """Serve down (replicas drain, engines exit), then Ray if this process started it."""
+def _gcs_answers(timeout_s: float = GCS_PROBE_S) -> bool:
+    """Whether the cluster's GCS answers within timeout_s. A SIGTERM to the whole process group
+    (a service manager's stop, `kill -- -PGID`) also stops the local Ray this process started;
+    Serve's controller can then never finish, and waiting for it would cost 30 s."""
+    import ray  # noqa: PLC0415
+
     try:
-        serve.shutdown()
+        client = ray._private.worker.global_worker.gcs_client  # noqa: SLF001
+        probe = client.get_all_node_info
+    except AttributeError:  # another Ray's internals: assume it answers (the graceful way)
+        return True
+    try:
+        probe(timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 (RpcError, a timeout: the GCS is gone or going)
+        return False
+
+
+def undeploy() -> None:
+    """Serve down (replicas drain, engines exit), then Ray if this process started it. A
+    cluster that no longer answers (stopped with this process) is not waited for."""
+    try:
+        import ray  # noqa: PLC0415
+
+        if not ray.is_initialized() or _gcs_answers():
+            serve.shutdown()
+        else:
+            print("[serve] the Ray cluster no longer answers (stopped with this process?): not draining",
+                  file=sys.stderr, flush=True)
     finally:
         ray = _STATE.pop("ray", None)
         if ray is not None:

@@ -28,19 +28,26 @@ class ClientGone(Exception):
     """Raised from the stream callback when the client went away: the engine aborts the request."""
 
 
+PIECE_CHARS = 32768  # a prompt longer than the context is first counted in pieces of this many characters
+PIECE_SLACK = 16  # tokens a cut between two pieces may add (special tokens, merges lost at the cut)
+
+
 @dataclass
 class Prepared:
     prompt: str
     ids: list[int]
     cfg: object  # the request's RunConfig
+    base: str | None = None  # the prompt's text, decoded (completion_text's prefix)
 
 
-def completion_text(tok, prompt_ids: list[int], out_ids: list[int]) -> str:
+def completion_text(tok, prompt_ids: list[int], out_ids: list[int], base: str | None = None) -> str:
     """The continuation's text as the stream delivers it: decoded after the prompt, so the
-    space between prompt and continuation is kept (memra_dist.model.tokenizer.StreamDecoder)."""
-    base = tok.decode(prompt_ids)
-    full = tok.decode(list(prompt_ids) + list(out_ids))
-    return full[len(base):] if full.startswith(base) else tok.decode(out_ids)
+    space between prompt and continuation is kept (memra_dist.model.tokenizer.StreamDecoder).
+    `base`: tok.decode(prompt_ids), when the caller has it already."""
+    decode = getattr(tok, "decode_released", tok.decode)  # a worker thread's decode lets the event loop run
+    base = decode(prompt_ids) if base is None else base
+    full = decode(list(prompt_ids) + list(out_ids))
+    return full[len(base):] if full.startswith(base) else decode(out_ids)
 
 
 class RequestTracing:
@@ -124,24 +131,53 @@ class EngineHost:
     # ---- before a request queues: everything that can be refused with a 400 ----
 
     def prepare(self, req: CompletionRequest) -> Prepared:
+        """Tokenize and check; blocking and CPU-bound (the API runs it on a worker thread)."""
         from .batch import Request, _request_cfg  # noqa: PLC0415 (the batch job's per-request config)
 
-        try:
-            ids = self.tok.encode(req.prompt)
-        except Exception as e:  # noqa: BLE001 (tokenizers raises bare exceptions)
-            raise ApiError(400, f"cannot tokenize the prompt ({str(e)[:200]})", "prompt") from None
+        ids = self._tokens(req.prompt)
         if not ids:
             raise ApiError(400, "the prompt is empty after tokenizing", "prompt", "invalid_value")
         if len(ids) >= self.capacity:
             raise ApiError(400, f"the prompt ({len(ids)} tokens) is too long for this server's context "
                                 f"({self.capacity} tokens, prompt and completion together)", "prompt",
                            "context_length_exceeded")
+        room = self.capacity - len(ids)
+        asked = req.fields.get("max_new_tokens")
+        if asked is not None and asked > room:
+            raise ApiError(400, f"'max_tokens' ({asked}) and the prompt ({len(ids)} tokens) do not fit this "
+                                f"server's context ({self.capacity} tokens): at most {room} for this prompt",
+                           "max_tokens", "context_length_exceeded")
         try:
             cfg = _request_cfg(self.cfg, Request(0, "api", req.prompt, req.fields))
             self.engine.plan(len(ids), cfg)  # what the engine itself would refuse, refused now
         except UserError as e:
             raise ApiError(400, " ".join(str(e).split()), None, "invalid_value") from None
-        return Prepared(req.prompt, ids, cfg)
+        return Prepared(req.prompt, ids, cfg, self._decode(ids))
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return getattr(self.tok, "encode_released", self.tok.encode)(text)
+        except Exception as e:  # noqa: BLE001 (tokenizers raises bare exceptions)
+            print(f"[serve] a prompt could not be tokenized: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr,
+                  flush=True)
+            raise ApiError(400, "the prompt cannot be tokenized", "prompt", "invalid_value") from None
+
+    def _tokens(self, prompt: str) -> list[int]:
+        """The prompt's ids. A prompt longer (in characters) than the context is first counted
+        piece by piece, and refused as soon as it is sure not to fit: one far over the context
+        costs about the context's worth of tokenizing, never its whole length."""
+        if len(prompt) > max(2 * PIECE_CHARS, self.capacity):
+            n = 0
+            for i, start in enumerate(range(0, len(prompt), PIECE_CHARS), 1):
+                n += len(self._encode(prompt[start:start + PIECE_CHARS]))
+                if n - i * PIECE_SLACK >= self.capacity:
+                    raise ApiError(400, f"the prompt (at least {self.capacity} tokens) is too long for this server's "
+                                        f"context ({self.capacity} tokens, prompt and completion together)",
+                                   "prompt", "context_length_exceeded")
+        return self._encode(prompt)
+
+    def _decode(self, ids: list[int]) -> str:
+        return getattr(self.tok, "decode_released", self.tok.decode)(ids)
 
     # ---- one request, on a worker thread ----
 
@@ -154,13 +190,13 @@ class EngineHost:
                 self.tracing.made += 1 if self.tracing.enabled else 0
                 res = self.engine.generate(prep.ids, prep.cfg, stream=on_tokens, span_sink=ts.sink(),
                                            carrier=req.carrier())
-                req.finish(res, self.text(prep.ids, res.token_ids) if prep.cfg.trace_content else "")
+                req.finish(res, self.text(prep.ids, res.token_ids, prep.base) if prep.cfg.trace_content else "")
             if ts._sink is not None:  # noqa: SLF001 (the burst spans built for this request)
                 self.tracing.made += ts._sink.count  # noqa: SLF001
             return res
 
-    def text(self, prompt_ids: list[int], out_ids: list[int]) -> str:
-        return completion_text(self.tok, prompt_ids, out_ids)
+    def text(self, prompt_ids: list[int], out_ids: list[int], base: str | None = None) -> str:
+        return completion_text(self.tok, prompt_ids, out_ids, base)
 
     def close(self) -> None:
         """Exit the engine (the pipeline's actors stop, pp > 1), then flush the spans."""

@@ -16,6 +16,7 @@ import time
 from typing import Callable
 
 from ..errors import UserError
+from .body_size import DEFAULT_MAX_BODY_BYTES, parse_size
 
 __all__ = ["add_serve_parser", "run_serve", "parse_serve_argv", "spec_argv", "check_serve_deps", "INSTALL_HINT"]
 
@@ -31,9 +32,11 @@ once, --pp > 1) in one Serve replica, which answers
 
 Up to --sessions requests generate at once; up to --max-queue more wait for a session, and a
 request beyond that is answered 429 at once. A bad body is a 400 naming the field; a prompt
-that does not fit the context (--ctx) is a 400. A client that disconnects frees its session
-at the engine's next round. A `traceparent` header makes the request's memra.request span a
-child of the caller's trace (spans need --trace-level >= 1 and OTEL_EXPORTER_OTLP_ENDPOINT).
+that does not fit the context (--ctx) is a 400; a body that is not JSON, a 415; one over
+--max-body-bytes, a 413; one not whole within 10 s, a 408. A client that disconnects frees
+its session at the engine's next round. A `traceparent` header makes the request's
+memra.request span a child of the caller's trace (spans need --trace-level >= 1 and
+OTEL_EXPORTER_OTLP_ENDPOINT).
 The generation flags below are the defaults of requests that leave a field out.
 Listens on 127.0.0.1 unless --host says otherwise. Ctrl-C / SIGTERM stop it cleanly.
 With RAY_ADDRESS set, the application is deployed on that cluster's Serve."""
@@ -58,6 +61,9 @@ def _add_args(p: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
                         "pipeline stage, --pp; at --pp 1 requests run one at a time)")
     g.add_argument("--max-queue", type=int, default=16, metavar="Q",
                    help="requests that may wait for a session; one more is answered 429 (default 16)")
+    g.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES), metavar="N",
+                   help="largest request body, in bytes (4194304, 4MiB, 512k); a larger one is answered 413 before "
+                        "it is read (default 4MiB)")
     for a in p._actions:  # noqa: SLF001 (helps that read differently for a server)
         if a.dest == "ctx":
             a.help = ("context rows of each session: prompt + completion (default: the model's positions, at "
@@ -108,6 +114,9 @@ def spec_argv(spec: dict) -> list[str]:
     return argv
 
 
+MIN_BODY_BYTES, MAX_BODY_BYTES = 1 << 10, 1 << 30
+
+
 def check_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port}: expected 0..65535")
@@ -117,6 +126,23 @@ def check_args(args) -> None:
         raise UserError(f"--max-queue {args.max_queue}: expected >= 0")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
+    if not isinstance(args.max_body_bytes, int):
+        try:
+            n = parse_size(args.max_body_bytes)
+        except ValueError as e:
+            raise UserError(f"--max-body-bytes: {e}") from None
+        if not MIN_BODY_BYTES <= n <= MAX_BODY_BYTES:
+            raise UserError(f"--max-body-bytes {args.max_body_bytes}: expected {MIN_BODY_BYTES} bytes (1KiB) to "
+                            f"{MAX_BODY_BYTES} (1GiB)")
+        args.max_body_bytes = n
+    # the defaults of requests that leave a field out: only what a request itself may ask for
+    for flag, value, ok, want in (("--temperature", args.temperature, 0 <= args.temperature <= 2, "0..2 (0 = greedy)"),
+                                  ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+                                  ("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0 = off)"),
+                                  ("--seed", args.seed, 0 <= args.seed < 2 ** 64, "0..2^64-1")):
+        if not ok:
+            raise UserError(f"{flag} {value}: expected {want} (a request may not ask for more, so neither may "
+                            "the server's default)")
 
 
 def check_serve_deps() -> None:
