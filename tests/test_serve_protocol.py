@@ -251,8 +251,14 @@ def test_missing_ray_serve_is_one_line_naming_the_extra(monkeypatch, capsys, tmp
     assert err[0].startswith("memra-dist: error:") and "pip install 'memra_dist[serve]'" in err[0]
 
 
-def test_bad_serve_input_is_one_line_and_exit_2(llama, tmp_path, capsys):
+def test_bad_serve_input_is_one_line_and_exit_2(llama, tmp_path, capsys, monkeypatch):
     pytest.importorskip("ray.serve")
+    from memra_dist.serve import deployment
+
+    def slipped(args):  # a case past validation must fail here, not start a real server and hang
+        raise AssertionError("serve started: validation let the input through")
+
+    monkeypatch.setattr(deployment, "deploy", slipped)
     for argv, word in ((["--model", str(tmp_path / "nope")], "not found"),
                        (["--model", str(llama), "--sessions", "0"], "--sessions"),
                        (["--model", str(llama), "--port", "99999"], "--port"),
