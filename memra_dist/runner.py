@@ -34,9 +34,9 @@ def check_fits_before_load(cfg: ModelConfig, first: int, last: int, has_embed: b
     cache = stage.new_cache(capacity, torch.device("meta"), dtype).nbytes()
     free = free_mb(device)
     if weights + cache > free * (1 << 20):
-        mb = lambda b: f"{b / (1 << 20):,.0f} MB"  # noqa: E731
-        raise UserError(f"out of memory: the weights ({mb(weights)}) and the cache for {capacity} rows "
-                        f"({mb(cache)}) need {mb(weights + cache)} on {label}, free {free:,} MB (lower --ctx)")
+        mb = lambda b: f"{b / (1 << 20):.0f} MB"  # noqa: E731
+        raise UserError(f"out of memory: the cache for {capacity} rows needs {mb(cache)} on {label}, free {free} MB, "
+                        f"and the weights need {mb(weights)} of it (lower --ctx)")
 
 
 class ModelRunner:

@@ -149,8 +149,11 @@ class Pipeline:
             plan, 0, world, cfg.pp - 1, run_dir)
         self.stages = [ray.remote(**groups)(StageWorker).options(**opts[r]).remote(plan, r, world, r - 1, run_dir)
                        for r in range(1, world)]
-        addr, port = ray.get(self.head.address.remote())
-        ray.get([a.connect.remote(addr, port, pg_timeout_s()) for a in [self.head, *self.stages]])
+        try:
+            addr, port = ray.get(self.head.address.remote())
+            ray.get([a.connect.remote(addr, port, pg_timeout_s()) for a in [self.head, *self.stages]])
+        except ray.exceptions.ActorDiedError as e:  # an actor refused its stage (e.g. a cache that does not fit)
+            raise _creation_error(e) from None
         self.serving = [s.serve.remote() for s in self.stages]  # one serve loop per stage, every request
         ray.get(self.head.prepare.remote(sessions, plan.capacity))  # every slot allocated before any request
         self._free: queue.Queue = queue.Queue()
@@ -262,6 +265,16 @@ def _why(e: BaseException) -> str:
     lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
     msg = lines[0][:300] if lines else ""
     return msg if isinstance(e, UserError) else f"{type(e).__name__}: {msg}"
+
+
+_USER_ERROR = re.compile(r"UserError: (.+)")
+
+
+def _creation_error(e: BaseException) -> BaseException:
+    """An actor whose constructor raised a UserError (its stage refused before loading): that
+    one line; anything else as it came."""
+    found = _USER_ERROR.findall(_ANSI.sub("", str(e)))
+    return UserError(found[-1].strip()) if found else e
 
 
 def _stage_failure(ray, serving) -> str | None:
