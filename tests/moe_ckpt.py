@@ -11,67 +11,22 @@ default init.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-DEEPSEEK = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-                kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8,
-                n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
-                max_position_embeddings=512, routed_scaling_factor=2.5)
-GLM = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4,
-           num_key_value_heads=2, head_dim=16, n_shared_experts=1, n_routed_experts=8, n_group=2, topk_group=1,
-           num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=512,
-           partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5)
-SHAPES = {"deepseek_v3": DEEPSEEK, "glm4_moe": GLM}
+from memra_dist.bench.tiny_families import MOE_SHAPES
+from memra_dist.bench.tiny_families import save_moe as _save_moe
 
-
-def _config_cls(arch: str):
-    from transformers import DeepseekV3Config, Glm4MoeConfig
-
-    return {"deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig}[arch]
+SHAPES = MOE_SHAPES
+DEEPSEEK, GLM = SHAPES["deepseek_v3"], SHAPES["glm4_moe"]
 
 
 def save_moe(path: Path, arch: str, layers: int = 2, n_mtp: int = 1, seed: int = 0, std: float = 0.2,
              tokenizer: bool = True, **kw):
-    """A tiny `arch` checkpoint at `path` with `n_mtp` MTP layers; returns (path, the HF model
-    of the decoder, loaded back from the files)."""
-    from transformers import AutoModelForCausalLM
-
-    shape = {**SHAPES[arch], **kw}
-    torch.manual_seed(seed)
-    full = AutoModelForCausalLM.from_config(
-        _config_cls(arch)(num_hidden_layers=layers + n_mtp, num_nextn_predict_layers=n_mtp, **shape)).float().eval()
-    with torch.no_grad():
-        for p in full.parameters():
-            p.copy_(torch.randn_like(p) * std if p.dim() >= 2 else p + torch.randn_like(p) * 0.1)
-        for name, b in full.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand_like(b) * 0.2)
-    path.mkdir(parents=True, exist_ok=True)
-    full.save_pretrained(str(path))
-    f = path / "model.safetensors"
-    W = load_file(str(f))
-    H = shape["hidden_size"]
-    g = torch.Generator().manual_seed(seed + 100)
-    for j in range(n_mtp):
-        pre = f"model.layers.{layers + j}."
-        for norm in ("enorm", "hnorm", "shared_head.norm"):
-            W[f"{pre}{norm}.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
-        W[pre + "eh_proj.weight"] = std * torch.randn(H, 2 * H, generator=g)
-        W[pre + "shared_head.head.weight"] = W["lm_head.weight"].clone()
-        W[pre + "embed_tokens.weight"] = W["model.embed_tokens.weight"].clone()
-    save_file(W, str(f), metadata={"format": "pt"})
-    c = json.loads((path / "config.json").read_text())
-    c["num_hidden_layers"] = layers
-    (path / "config.json").write_text(json.dumps(c, indent=2))
-    if tokenizer:
-        from memra_dist.demo.tiny import train_tokenizer
-
-        train_tokenizer(vocab_size=shape["vocab_size"]).save(str(path / "tokenizer.json"))
+    """A tiny `arch` checkpoint at `path` with `n_mtp` MTP layers (memra_dist/bench/tiny_families.py);
+    returns (path, the HF model of the decoder, loaded back from the files)."""
+    _save_moe(Path(path), arch, layers=layers, n_mtp=n_mtp, seed=seed, std=std, tokenizer=tokenizer, **kw)
     return path, load_hf(path)
 
 

@@ -3,8 +3,8 @@
 tokenizer.json, and the drafters each family takes: a smaller checkpoint of the same family
 (`--drafter model`), a random DFlash and EAGLE-3 drafter over it, and for deepseek_v3 /
 glm4_moe the target's own MTP layers. Used by benchmarks/smoke_commands.py; the builders
-follow tests/conftest.py `save_hf`, tests/moe_ckpt.py and tests/kimi_ckpt.py (the tests keep
-their own copies). Needs `transformers` (the `test` extra; kimi_linear: >= 4.57).
+follow tests/conftest.py `save_hf` and tests/kimi_ckpt.py; tests/moe_ckpt.py builds its MoE
+checkpoints with `save_moe` here. Needs `transformers` (the `test` extra; kimi_linear: >= 4.57).
 
     build_family("glm4_moe", Path("/tmp/w/glm4_moe"))
     # -> {"target": .../target, "draft": .../draft, "dflash": .../dflash, "eagle3": .../eagle3}
@@ -82,7 +82,8 @@ def save_dense(path: Path, arch: str, seed: int = 0, **kw) -> Path:
     return path
 
 
-def save_moe(path: Path, arch: str, layers: int = 4, n_mtp: int = 1, seed: int = 0, std: float = 0.2, **kw) -> Path:
+def save_moe(path: Path, arch: str, layers: int = 4, n_mtp: int = 1, seed: int = 0, std: float = 0.2,
+             tokenizer: bool = True, **kw) -> Path:
     """A tiny deepseek_v3 / glm4_moe checkpoint with `n_mtp` MTP layers + tokenizer.json.
     transformers saves only the decoder, so `layers + n_mtp` decoder layers are saved and the
     config cut to `layers`: the trailing layers become the MTP layers' blocks, each given its
@@ -114,7 +115,8 @@ def save_moe(path: Path, arch: str, layers: int = 4, n_mtp: int = 1, seed: int =
     c = json.loads((path / "config.json").read_text())
     c["num_hidden_layers"] = layers
     (path / "config.json").write_text(json.dumps(c, indent=2))
-    save_tokenizer(path, shape["vocab_size"])
+    if tokenizer:
+        save_tokenizer(path, shape["vocab_size"])
     return path
 
 
