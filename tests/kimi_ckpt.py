@@ -15,23 +15,11 @@ import tempfile
 
 import torch
 
+from memra_dist.bench.tiny_families import kimi_config  # one config for the tests and the smoke run
+
 VOCAB = 128
 PROMPT = [5, 9, 17, 5, 9, 23, 40, 5, 9, 17, 5, 9]
 _LATE_SCALE = 0.3
-
-
-def kimi_config(kda: list[int], full: list[int]):
-    from transformers import KimiLinearConfig
-
-    return KimiLinearConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-        num_hidden_layers=len(kda) + len(full), num_attention_heads=4, num_key_value_heads=4,
-        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
-        num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.2, first_k_dense_replace=1,
-        linear_attn_config={"head_dim": 8, "num_heads": 4, "short_conv_kernel_size": 4,
-                            "kda_layers": kda, "full_attn_layers": full},
-    )
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,8 +23,10 @@ import pytest
 
 from memra_dist.config import RunConfig
 from memra_dist.errors import UserError
-from memra_dist.serve.batch import (Output, Progress, Refused, Request, choose_capacity, parse_input, prompt_hash,
-                                    run_job)
+from memra_dist.serve.batch import choose_capacity, run_job
+from memra_dist.serve.batch_input import Refused, Request, parse_input, prompt_hash
+from memra_dist.serve.batch_progress import Progress
+from memra_dist.serve.results_file import Output
 from memra_dist.specdec.request import Result
 from memra_dist.specdec.sampling import SamplingParams
 

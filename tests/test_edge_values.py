@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 from memra_dist.cli import main
 from memra_dist.config import RunConfig
 from memra_dist.errors import UserError
-from memra_dist.serve.batch import (ENGINE_FAILURES_TO_STOP, EngineFailing, Request, _request_cfg, prompt_hash,
-                                    run_job)
+from memra_dist.serve.batch import ENGINE_FAILURES_TO_STOP, EngineFailing, run_job
+from memra_dist.serve.batch_input import Request, prompt_hash, request_cfg
 from memra_dist.serve.protocol import ApiError, parse_completion
 from memra_dist.specdec.accept import NonFiniteRow, accept_sampled, greedy_commit
 from memra_dist.specdec.request import Result
@@ -114,7 +114,7 @@ def test_cli_refuses_non_finite_and_out_of_range_in_one_line(llama, argv, flag, 
 def test_protocol_takes_a_tiny_temperature_as_greedy_and_refuses_non_finite():
     r = parse_completion(b'{"prompt": "x", "temperature": 1e-38}', "llama")
     assert r.fields == {"temperature": 1e-38}
-    cfg = _request_cfg(RunConfig(model="m"), Request(0, "api", r.prompt, r.fields))
+    cfg = request_cfg(RunConfig(model="m"), Request(0, "api", r.prompt, r.fields))
     assert cfg.sampling.greedy
     for body in (b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "temperature": Infinity}',
                  b'{"prompt": "x", "temperature": 1e999}', b'{"prompt": "x", "top_p": NaN}'):

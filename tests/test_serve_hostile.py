@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_serve_api import FakeEngine, FakeMcfg, FakeOpen, FakeTok, _events, _text, _until  # noqa: E402
+from test_serve_api import FakeMcfg, FakeOpen, FakeTok, _events, _text, _until  # noqa: E402
 
 from memra_dist.config import RunConfig  # noqa: E402
 from memra_dist.serve.api import build_app  # noqa: E402

@@ -35,7 +35,7 @@ def test_summary_line_as_the_cli_prints_it():
 
 
 def test_batch_summary_as_the_job_prints_it():
-    from memra_dist.serve.batch import Progress
+    from memra_dist.serve.batch_progress import Progress
 
     t = [0.0]
     p = Progress(total=3, done=1, errors=0, out=io.StringIO(), clock=lambda: t[0])

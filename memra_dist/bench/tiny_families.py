@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["FAMILIES", "DRAFTERS", "DENSE_SHAPE", "MOE_SHAPES", "save_dense", "save_moe", "save_kimi",
-           "build_family", "save_tokenizer"]
+           "build_family", "save_tokenizer", "kimi_config"]
 
 VOCAB = 128
 DENSE_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -120,7 +120,8 @@ def save_moe(path: Path, arch: str, layers: int = 4, n_mtp: int = 1, seed: int =
     return path
 
 
-def _kimi_config(kda: list[int], full: list[int]):
+def kimi_config(kda: list[int], full: list[int]):
+    """The tiny kimi_linear config: KDA layers `kda`, MLA layers `full` (1-based, as transformers)."""
     from transformers import KimiLinearConfig  # noqa: PLC0415
 
     return KimiLinearConfig(
@@ -149,13 +150,13 @@ def save_kimi(target: Path, draft: Path, seed: int = 0) -> tuple[Path, Path]:
     from transformers import KimiLinearForCausalLM  # noqa: PLC0415
 
     torch.manual_seed(seed)
-    m = KimiLinearForCausalLM(_kimi_config([1, 3, 4], [2])).float().eval()
+    m = KimiLinearForCausalLM(kimi_config([1, 3, 4], [2])).float().eval()
     with torch.no_grad():
         for n, b in m.named_buffers():  # a non-zero correction bias, so routing depends on it
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)
     _save_pretrained(m, target)
-    d = KimiLinearForCausalLM(_kimi_config([1], [2])).float().eval()
+    d = KimiLinearForCausalLM(kimi_config([1], [2])).float().eval()
     d.load_state_dict({k: v for k, v in m.state_dict().items()
                        if not k.startswith(("model.layers.2.", "model.layers.3."))}, strict=True)
     _save_pretrained(d, draft)

@@ -40,32 +40,19 @@ or over OTLP when an endpoint is set.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
 from ..errors import UserError
-from ..specdec.sampling import sampling_rule
-from .results_file import Output, id_key, is_int, line_key, record_key, valid_id
+from .batch_input import Refused, Request, parse_input, prompt_hash, read_input, request_cfg, show
+from .batch_progress import Progress, say as say_to
+from .results_file import Output
 
-__all__ = ["Request", "Refused", "Output", "Progress", "parse_input", "read_input", "record_key", "run_job",
-           "choose_capacity", "FIELDS", "prompt_hash", "EngineFailing", "ENGINE_FAILURES_TO_STOP"]
+__all__ = ["run_job", "choose_capacity", "EngineFailing", "ENGINE_FAILURES_TO_STOP"]
 
-OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
-FIELDS = ("id", "prompt", *OPTIONAL)
 ENGINE_FAILURES_TO_STOP = 3  # failures inside the engine in a row that stop the job (the engine is down)
-
-
-def prompt_hash(prompt: str) -> str:
-    """The first 16 hex digits of the SHA-256 of the prompt's UTF-8 (a lone surrogate from
-    the JSON input kept as is): what a record says its request's prompt was."""
-    return hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 class EngineFailing(UserError):
@@ -74,226 +61,9 @@ class EngineFailing(UserError):
     exit_code = 1
 
 
-# ---- input ---------------------------------------------------------------------------
-
-
-@dataclass
-class Request:
-    line: int
-    id: str | int
-    prompt: str
-    fields: dict = field(default_factory=dict)  # the optional fields given (validated), by name
-
-    @property
-    def key(self) -> str:
-        return id_key(self.id)
-
-
-@dataclass
-class Refused:
-    line: int
-    error: str
-    id: str | int | None = None  # None: the line has no usable id (the record names the line)
-    has_id: bool = False
-
-    @property
-    def key(self) -> str:
-        return id_key(self.id) if self.has_id else line_key(self.line)
-
-    def record(self) -> dict:
-        return {"id": self.id, "error": self.error} if self.has_id else {"line": self.line, "error": self.error}
-
-
-
-
-def _is_num(v) -> bool:
-    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and math.isfinite(v))
-
-
-
-
-
-
-
-
-def _show(v, n: int = 40) -> str:
-    s = json.dumps(v)
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
 def _one_line(msg) -> str:
     s = " ".join(str(msg).split())
     return s if len(s) <= 500 else s[:497] + "..."
-
-
-
-
-_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true/false",
-          type(None): "null"}
-
-
-def _check_field(name: str, v) -> str | None:
-    """None when `v` is a good value of the optional field `name`, else the error. The
-    sampling fields follow specdec/sampling.py's rules (the CLI's and the server's too)."""
-    if name == "max_new_tokens":
-        ok, want = is_int(v) and v >= 1, "an integer >= 1"
-    else:  # temperature, top_p, top_k, seed
-        want = sampling_rule(name, v)
-        ok = want is None
-    return None if ok else f"'{name}' must be {want} (got {_show(v)})"
-
-
-def _parse_line(n: int, raw: bytes, seen: dict) -> Request | Refused:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return Refused(n, "the line is not UTF-8 text")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return Refused(n, f"malformed JSON: {e.msg} (column {e.colno})")
-    except (ValueError, RecursionError):
-        return Refused(n, "malformed JSON")
-    if not isinstance(obj, dict):
-        return Refused(n, f"expected a JSON object, got {_KINDS.get(type(obj), 'something else')}")
-    if "id" not in obj:
-        return Refused(n, "missing 'id'")
-    rid = obj["id"]
-    if not valid_id(rid):
-        return Refused(n, f"'id' must be a string or an integer (got {_show(rid)})")
-    key = id_key(rid)
-    if key in seen:
-        return Refused(n, f"duplicate id {_show(rid)} (first on line {seen[key]})")
-    seen[key] = n
-
-    def refuse(msg: str) -> Refused:
-        return Refused(n, msg, rid, True)
-
-    unknown = [k for k in obj if k not in FIELDS]
-    if unknown:
-        return refuse(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(repr(k) for k in unknown)} "
-                      f"(a request has {', '.join(FIELDS)})")
-    if "prompt" not in obj:
-        return refuse("missing 'prompt'")
-    prompt = obj["prompt"]
-    if not isinstance(prompt, str):
-        return refuse(f"'prompt' must be a string (got {_KINDS.get(type(prompt), 'something else')})")
-    if not prompt:
-        return refuse("the prompt is empty")
-    fields = {}
-    for name in OPTIONAL:
-        v = obj.get(name)
-        if v is None:
-            continue  # absent or null: the job's value
-        bad = _check_field(name, v)
-        if bad:
-            return refuse(bad)
-        fields[name] = v
-    return Request(n, rid, prompt, fields)
-
-
-def parse_input(data: bytes) -> list[Request | Refused]:
-    """Every non-blank line, in order, as a request or a refusal."""
-    seen: dict[str, int] = {}
-    out: list[Request | Refused] = []
-    for n, raw in enumerate(data.split(b"\n"), 1):
-        if raw.strip():
-            out.append(_parse_line(n, raw.rstrip(b"\r"), seen))
-    return out
-
-
-def read_input(path) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise UserError(f"--input {path}: no such file") from None
-    except IsADirectoryError:
-        raise UserError(f"--input {path}: is a directory") from None
-    except OSError as e:
-        raise UserError(f"--input {path}: cannot read ({e.strerror or e})") from None
-
-
-def _say(line: str, out: TextIO | None = None) -> None:
-    """One stderr line; a closed stderr (`... 2>&1 | head`) never stops the job."""
-    try:
-        print(line, file=out or sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
-
-
-def _clock_text(s: float) -> str:
-    s = int(round(s))
-    h, rem = divmod(s, 3600)
-    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
-
-
-class Progress:
-    """'[batch] 7/12 done, 1 error | 412.3 tok/s | ETA 0:09' on `out`, at most one line every
-    `every_s` seconds; rates count this run only (not the requests done before it)."""
-
-    def __init__(self, total: int, done: int, errors: int, out: TextIO | None = None, every_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.total, self.done, self.errors = total, done, errors
-        self.before = done
-        self.out, self.every_s, self.clock = out, every_s, clock
-        self.tokens = 0
-        self.ran = 0  # requests the engine ran in this run (what the ETA is made of)
-        self.t0 = clock()
-        self.t_run: float | None = None  # when the first request started (the engine is up)
-        self.last: float | None = None
-
-    def _say(self, line: str) -> None:
-        _say(line, self.out)
-
-    def start(self) -> None:
-        if self.t_run is None:
-            self.t_run = self.clock()
-
-    def add_tokens(self, n: int) -> None:
-        self.tokens += n
-        self.tick()
-
-    def finished(self, error: bool = False, ran: bool = True) -> None:
-        self.done += 1
-        self.errors += error
-        self.ran += ran
-        self.tick()
-
-    def rate(self) -> float:
-        el = self.clock() - self.t_run if self.t_run is not None else 0.0
-        return self.tokens / el if el > 0 else 0.0
-
-    def line(self) -> str:
-        errs = f", {self.errors} error{'s' if self.errors != 1 else ''}" if self.errors else ""
-        s = f"[batch] {self.done}/{self.total} done{errs}"
-        if self.t_run is None:
-            return s
-        el = self.clock() - self.t_run
-        eta = _clock_text(el / self.ran * (self.total - self.done)) if self.ran and el > 0 else "--"
-        return f"{s} | {self.rate():.1f} tok/s | ETA {eta}"
-
-    def tick(self) -> None:
-        now = self.clock()
-        if self.last is not None and now - self.last < self.every_s:
-            return
-        if self.last is None and now - self.t0 < self.every_s:
-            return  # a job that ends within a second prints its summary only
-        self.last = now
-        self._say(self.line())
-
-    def summary(self, output: str, interrupted: bool = False) -> str:
-        errs = f", {self.errors} error{'s' if self.errors != 1 else ''}" if self.errors else ""
-        before = f" ({self.before} before this run)" if self.before else ""
-        el = self.clock() - self.t_run if self.t_run is not None else 0.0
-        rate = f", {self.tokens} tokens in {el:.1f} s ({self.rate():.1f} tok/s)" if self.t_run is not None else ""
-        if interrupted:
-            return (f"[batch] interrupted at {self.done}/{self.total} done{errs}{rate}: every finished request is "
-                    f"in {output}; the same command resumes")
-        return f"[batch] done: {self.done}/{self.total}{before}{errs}{rate} -> {output}"
-
-
-# ---- the job -------------------------------------------------------------------------
 
 
 def choose_capacity(ctx: int | None, max_pos: int, prompt_lens: list[int], max_news: list[int], k: int) -> int:
@@ -302,22 +72,6 @@ def choose_capacity(ctx: int | None, max_pos: int, prompt_lens: list[int], max_n
     if ctx is not None:
         return ctx
     return min(max_pos, max(prompt_lens) + max(max_news) + k + 1)
-
-
-def _request_cfg(cfg, req: Request):
-    from ..specdec.sampling import SamplingParams  # noqa: PLC0415
-
-    f = req.fields
-    sp = cfg.sampling
-    kw = {}
-    if "max_new_tokens" in f:
-        kw["max_new_tokens"] = f["max_new_tokens"]
-    if "seed" in f:
-        kw["seed"] = f["seed"]
-    if any(x in f for x in ("temperature", "top_k", "top_p")):
-        kw["sampling"] = SamplingParams(float(f.get("temperature", sp.temperature)), int(f.get("top_k", sp.top_k)),
-                                        float(f.get("top_p", sp.top_p)))
-    return cfg.with_(**kw) if kw else cfg
 
 
 def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engine, ctx: int | None = None,
@@ -333,7 +87,7 @@ def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engin
     gets `run_dir=` and `lost=` (the pipeline actors' spans: `lost` gets a line per role whose
     spans did not all arrive)."""
     def say(line: str) -> None:
-        _say(line, err)
+        say_to(line, err)
 
     if ctx is not None and ctx > max_pos:
         raise UserError(f"--ctx {ctx} exceeds the model's max_position_embeddings ({max_pos})")
@@ -360,7 +114,7 @@ def _check_same_prompts(entries, out: Output) -> None:
         return
     e = stale[0]
     more = f" (and {len(stale) - 1} more id{'s' if len(stale) > 2 else ''})" if len(stale) > 1 else ""
-    raise UserError(f"--output {out.path}: the record of id {_show(e.id)} is for another prompt than line {e.line} "
+    raise UserError(f"--output {out.path}: the record of id {show(e.id)} is for another prompt than line {e.line} "
                     f"of the input{more}: it holds another input's results (use a new --output, or delete those "
                     "records to run them again)")
 
@@ -424,7 +178,7 @@ def _prepare(cfg, todo, tok, max_pos: int, ctx: int | None):
             refused.append(e)
             continue
         try:
-            rcfg = _request_cfg(cfg, e)
+            rcfg = request_cfg(cfg, e)
         except UserError as x:
             refused.append(Refused(e.line, _one_line(x), e.id, True))
             continue
@@ -541,7 +295,7 @@ def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int],
             prog.finished(error=True)
         n = fails.failed()
         if n >= ENGINE_FAILURES_TO_STOP:
-            raise EngineFailing(f"the engine failed on {n} requests in a row (the last, id {_show(req.id)}: "
+            raise EngineFailing(f"the engine failed on {n} requests in a row (the last, id {show(req.id)}: "
                                 f"{msg[:200]}): the job stops; their error records are in {out.path} (delete them "
                                 "to run those requests again), the same command resumes the rest")
 
@@ -558,7 +312,7 @@ def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int],
         if stop is not None and stop.is_set():
             return  # the job is being stopped: the engine went away under this request
         msg = f"the engine failed: {type(x).__name__}: {_one_line(x)[:300]}"
-        _say(f"[batch] request {_show(req.id)} (line {req.line}): {msg}; its error record is written, the job goes "
+        say_to(f"[batch] request {show(req.id)} (line {req.line}): {msg}; its error record is written, the job goes "
              "on", prog.out)
         failed(msg)
         return

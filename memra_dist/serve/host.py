@@ -132,7 +132,7 @@ class EngineHost:
 
     def prepare(self, req: CompletionRequest) -> Prepared:
         """Tokenize and check; blocking and CPU-bound (the API runs it on a worker thread)."""
-        from .batch import Request, _request_cfg  # noqa: PLC0415 (the batch job's per-request config)
+        from .batch_input import Request, request_cfg  # noqa: PLC0415 (the batch job's per-request config)
 
         ids = self._tokens(req.prompt)
         if not ids:
@@ -148,7 +148,7 @@ class EngineHost:
                                 f"server's context ({self.capacity} tokens): at most {room} for this prompt",
                            "max_tokens", "context_length_exceeded")
         try:
-            cfg = _request_cfg(self.cfg, Request(0, "api", req.prompt, req.fields))
+            cfg = request_cfg(self.cfg, Request(0, "api", req.prompt, req.fields))
             self.engine.plan(len(ids), cfg)  # what the engine itself would refuse, refused now
         except UserError as e:
             raise ApiError(400, " ".join(str(e).split()), None, "invalid_value") from None

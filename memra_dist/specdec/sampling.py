@@ -73,11 +73,13 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self):
-        for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--top-k", "top_k")):
+        for flag, name, cast in (("--temperature", "temperature", float), ("--top-p", "top_p", float),
+                                 ("--top-k", "top_k", int)):
             v = getattr(self, name)
-            if isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy scalars from the Python API
-                v = int(v) if name == "top_k" and isinstance(v, numbers.Integral) else \
-                    float(v) if name != "top_k" else v
+            # numpy scalars from the Python API become Python numbers (a float top_k stays, to be refused)
+            wanted = numbers.Integral if cast is int else numbers.Real
+            if isinstance(v, wanted) and not isinstance(v, bool):
+                v = cast(v)
                 object.__setattr__(self, name, v)
             want = sampling_rule(name, v)
             if want:
@@ -111,8 +113,6 @@ def draw_drafts(q, gen, drafter: str):
     request's generator -> (T,) int64. Non-finite rows (NaN / inf in the drafter's logits: a
     broken draft checkpoint) are refused in one line instead of sampled into a traceback."""
     import torch  # noqa: PLC0415
-
-    from ..errors import UserError  # noqa: PLC0415
 
     q = q.cpu()
     if not bool(torch.isfinite(q.sum(-1)).all()):
