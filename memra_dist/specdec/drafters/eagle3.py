@@ -19,6 +19,9 @@ device; one readback per round. Sampled: q is the drafter's distribution over th
 vocabulary (draft-vocabulary logits placed at their d2t ids, -inf elsewhere, then the
 request's temperature / top-k / top-p), the draft drawn from it, so rejection sampling
 keeps the target's distribution. Runs beside the target's head (at pp > 1 the stages ship its taps).
+Where the target captures its own steps (CUDA, graphs on), a round replays CUDA graphs captured
+at allocation (eagle3_graph.py: the first forward per row count, the chained step, the greedy
+pick inside them); the eager steps here stay the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ...model.eagle3 import Eagle3Net, load_eagle3
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
+from .eagle3_graph import eagle3_graphs
 
 __all__ = ["Eagle3Drafter"]
 
@@ -49,6 +53,7 @@ class Eagle3Drafter(Drafter):
         self.capacity = 0
         self.n = 0  # committed rows in the cache: positions 0 .. n-1
         self.embed = net.embed_tokens if net.embed_tokens is not None else target.stage.embed_tokens
+        self.graph = None  # the round's CUDA graphs, captured at alloc, when the target captures its own (eagle3_graph.py)
         target.keep_taps(self.ec.tap_ids)
 
     @classmethod
@@ -61,6 +66,11 @@ class Eagle3Drafter(Drafter):
             c = self.ec.base
             self.state = KVLayer.alloc(capacity, c.num_kv_heads, c.head_dim, self.device, self.target.dtype)
             self.capacity = capacity
+            self.graph = eagle3_graphs(self)
+            if self.graph is not None:
+                self.graph.warm()  # every graph of the run's K captured here, none inside a round
+        elif self.graph is not None and self.graph.sink is not self.target.cache.taps:
+            self.graph.warm()  # the target reallocated its tap sink: recaptured here, not in a round
         self.n = 0
         return self.state.nbytes() / 2**20
 
@@ -70,10 +80,8 @@ class Eagle3Drafter(Drafter):
             raise RuntimeError("the target keeps no taps for this drafter (keep_taps before alloc)")
         return taps
 
-    def _run(self, tokens: torch.Tensor, g: torch.Tensor, lo: int) -> torch.Tensor:
-        """Rows at positions lo .. lo + T - 1 (tokens (T,), hidden (T, H)) -> pre-norm
-        outputs (T, H); their K/V land in the cache at those positions."""
-        pos = torch.arange(lo, lo + tokens.shape[0], device=self.device)
+    def _kv_of(self, pos: torch.Tensor):
+        """The K/V writer of rows at `pos`: their own k, v into the cache -> the whole cache."""
         st = self.state
 
         def kv_of(k, v):
@@ -81,15 +89,26 @@ class Eagle3Drafter(Drafter):
             st.v.index_copy_(0, pos, v)
             return st.k, st.v
 
+        return kv_of
+
+    def _rows(self, tokens: torch.Tensor, g: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rows at positions pos (a device tensor: the graphs pass theirs) under the causal mask
+        over the whole cache -> pre-norm outputs (T, H); their K/V land at those positions."""
+        return self.net.step(self.embed(tokens), g, pos, self._kv_of(pos), causal_mask(pos, self.capacity))
+
+    def _run(self, tokens: torch.Tensor, g: torch.Tensor, lo: int) -> torch.Tensor:
+        """Rows at positions lo .. lo + T - 1 (tokens (T,), hidden (T, H)) -> pre-norm
+        outputs (T, H); their K/V land in the cache at those positions."""
         T = tokens.shape[0]
+        pos = torch.arange(lo, lo + T, device=self.device)
         if T > PREFIX_MIN_ROWS:  # a prime chunk: the rows before it, bottom-right causal, no (T x capacity) mask
             hd = self.ec.base.head_dim
 
             def attend(q, K, V):
                 return prefix_attention(q, K[:lo + T], V[:lo + T], lo, hd ** -0.5).reshape(T, -1)
 
-            return self.net.step(self.embed(tokens), g, pos, kv_of, None, attend)
-        return self.net.step(self.embed(tokens), g, pos, kv_of, causal_mask(pos, self.capacity))
+            return self.net.step(self.embed(tokens), g, pos, self._kv_of(pos), None, attend)
+        return self._rows(tokens, g, pos)
 
     @torch.inference_mode()
     def _commit_rows(self, context, lo: int, hi: int) -> torch.Tensor:
@@ -134,6 +153,10 @@ class Eagle3Drafter(Drafter):
         logits (1, Vd)."""
         N = len(context)
         lo = min(self.n, N - 2)  # at least the last committed row: its output gives d_1
+        g = self.graph
+        if g is not None and g.replays(N, lo, k):
+            self.n = N - 1
+            return g.step_logits(context, lo, k, pick)
         last = self._commit_rows(context, lo, N - 1)[-1:]  # (1, H)
         out = []
         for s in range(k):
@@ -148,6 +171,11 @@ class Eagle3Drafter(Drafter):
         if k == 0:
             return EMPTY
         hot = self.net.hot
+        g, N = self.graph, len(context)
+        lo = min(self.n, N - 2)
+        if sp.greedy and g is not None and g.replays(N, lo, k):
+            self.n = N - 1
+            return Proposal(g.greedy(context, lo, k))  # the picks inside the graphs; left on the device
         if sp.greedy:
             picked: list[torch.Tensor] = []
 
