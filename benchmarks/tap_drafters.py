@@ -1,4 +1,4 @@
-"""The tap drafters (DFlash, MTP) on the default path, timed from the outside (issue 16).
+"""The tap drafters (DFlash, MTP, EAGLE-3) on the default path, timed from the outside (issue 16).
 
 Every run goes through `memra_dist.app.open_engine` / `Engine.generate` with a default RunConfig
 (what `memra-dist generate` runs: CUDA graphs + compile on CUDA, no bench-only switch); each
@@ -15,13 +15,18 @@ same request at trace level 1 with a ShareTable sink (ms per round of each phase
           memra_dist/bench/tap_checkpoints.py), K = 1, 2, 3: draft ms per drafted token
           (level-1 draft per round / K) over the time to read what one MTP step reads
           (tap_checkpoints.mtp_step_read_bytes at the measured copy bandwidth) (<= 1.5).
-  replay  both: the real drafter's propose runs in full, its drafts replaced by a recorded
+  eagle3  the bench's 8B Llama target + a random bf16 EAGLE-3 head (the public Llama-3.1-8B
+          EAGLE-3 layout: one decoder layer, 4096 hidden, 32k draft vocabulary,
+          memra_dist/bench/tap_checkpoints.py), K = 3, 7: draft ms per drafted token (level-1
+          draft per round / K) over the time to read what a round reads per drafted token
+          (tap_checkpoints.eagle3_read_bytes at the measured copy bandwidth) (<= 1.5).
+  replay  each: the real drafter's propose runs in full, its drafts replaced by a recorded
           greedy continuation corrupted to the acceptance whose expected tokens per round
           is the published tau (memra_dist/bench/tap_replay.py): tok/s, acceptance, tokens per
           round, the bench's ideal speedup and the fraction of it (>= 0.9), and the projected
           speedup at tau (the output states the formulas).
 
-    python benchmarks/tap_drafters.py OUT_DIR [--case dflash|mtp|all] [--shape 8b|tiny] [--free-disk]
+    python benchmarks/tap_drafters.py OUT_DIR [--case dflash|mtp|eagle3|all] [--shape 8b|tiny] [--free-disk]
 Results: OUT_DIR/tap_drafters.json and stdout (one JSON object), one line per figure on stderr."""
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ import sys
 import time
 from pathlib import Path
 
-DFLASH_K, MTP_KS = 15, (1, 2, 3)
-TAU = {"dflash": 6.5, "mtp": 3.2}  # published accepted lengths: DFlash b16 (Llama-3.1-8B), DeepSeek-V3 MTP K=3
-TAU_K = {"dflash": DFLASH_K, "mtp": 3}
+DFLASH_K, MTP_KS, EAGLE3_KS = 15, (1, 2, 3), (3, 7)
+FAMILIES = ("dflash", "eagle3", "mtp")  # eagle3 before mtp: --free-disk then drops the 8B target
+# published accepted lengths: DFlash b16 (Llama-3.1-8B), DeepSeek-V3 MTP K=3; EAGLE-3 chain k = 7: ~4 a round
+TAU = {"dflash": 6.5, "mtp": 3.2, "eagle3": 4.0}
+TAU_K = {"dflash": DFLASH_K, "mtp": 3, "eagle3": 7}
+KS = {"dflash": (DFLASH_K,), "mtp": MTP_KS, "eagle3": EAGLE3_KS}
 SIZES = {"8b": dict(prompt=512, new=256, repeats=3), "tiny": dict(prompt=48, new=40, repeats=2)}
 PHASES = ("draft", "verify", "accept", "rollback", "maint")
 FORMULAS = {
@@ -55,6 +63,7 @@ FORMULAS = {
                          "replay run's decode wall / its rounds (level 0, median run), measured at the acceptance "
                          "whose E(a, K) = tau; tau = tokens committed per round (accepted drafts + the bonus)",
     "mtp_draft_over_read": "(level-1 draft ms per round / K) / (mtp_step_read_bytes / copy bandwidth)",
+    "eagle3_draft_over_read": "(level-1 draft ms per round / K) / (eagle3_read_bytes(K) / copy bandwidth)",
 }
 
 
@@ -118,12 +127,12 @@ def child(spec: dict) -> dict:
     from memra_dist.specdec.drafters.replay import ReplayDrafter  # noqa: PLC0415
 
     prompt, new, reps, fam = spec["prompt"], spec["new"], spec["repeats"], spec["family"]
-    ks = [1] if spec["role"] == "plain" else ([DFLASH_K] if fam == "dflash" else list(MTP_KS))
+    ks = [1] if spec["role"] == "plain" else list(KS[fam])
     kw = dict(model=spec["target"], max_new_tokens=new, k=max(ks))
     if spec["role"] == "plain":
         kw["drafter"] = "none"
-    elif fam == "dflash":
-        kw.update(drafter="dflash", draft_model=spec["draft"])
+    elif fam in ("dflash", "eagle3"):
+        kw.update(drafter=fam, draft_model=spec["draft"])
     else:
         kw["drafter"] = "mtp"
     cfg = RunConfig(**kw)
@@ -143,6 +152,7 @@ def child(spec: dict) -> dict:
             out["real"][str(k)] = _slim(_measure(engine, prompt, cfg.with_(k=k), reps))
         local = engine._backend  # the pp=1 backend keeps the drafter loaded between requests
         real = local.drafter
+        out["drafter_graphs"] = getattr(real, "graph", None) is not None  # its round on CUDA graphs
         k = TAU_K[fam]
         a = per_token_acceptance(TAU[fam] - 1, k)  # E(a, K) = tau
         local.drafter = TapReplay(real, ReplayDrafter(spec["recorded"], len(prompt), engine.model.vocab_size,
@@ -207,6 +217,8 @@ def run_family(fam: str, a, dev, cache: Path, env: dict) -> tuple[dict, list[dic
     t0 = time.perf_counter()
     if fam == "dflash":
         target, draft = tc.ensure_dflash(a.shape, cache, dev, _say)
+    elif fam == "eagle3":
+        target, draft = tc.ensure_eagle3(a.shape, cache, dev, _say)
     else:
         target, draft = tc.ensure_dsv3_mtp(a.shape, cache, dev, _say), None
     ckpt_s = round(time.perf_counter() - t0, 1)
@@ -220,7 +232,8 @@ def run_family(fam: str, a, dev, cache: Path, env: dict) -> tuple[dict, list[dic
     p = plain["plain"]
     res = {"target": str(target), "draft": base["draft"], "checkpoint_s": ckpt_s, "plain": p,
            "plain_process_s": plain["process_s"], "spec_process_s": spec["process_s"], "real": spec["real"],
-           "device": spec["device"], "graphs": spec["graphs"], "compile": spec["compile"]}
+           "device": spec["device"], "graphs": spec["graphs"], "compile": spec["compile"],
+           "drafter_graphs": spec.get("drafter_graphs")}
     figs = []
     if fam == "dflash":
         r = spec["real"][str(DFLASH_K)]["phase_ms_per_round"]
@@ -228,6 +241,8 @@ def run_family(fam: str, a, dev, cache: Path, env: dict) -> tuple[dict, list[dic
         res["decode_ms_per_round"] = round(p["phase_ms_per_round"]["verify"], 4)
         figs += [_fig("dflash draft / verify(16) per round", r["draft"] / r["verify"], "<=", 0.25),
                  _fig("dflash verify(16) / decode step", r["verify"] / p["phase_ms_per_round"]["verify"], "<=", 1.15)]
+    elif fam == "eagle3":
+        figs += _eagle3_figs(spec, dev, res, json.loads((Path(draft) / "config.json").read_text()))
     else:
         from memra_dist.bench.roofline import roofline_tok_s  # noqa: PLC0415
         from memra_dist.bench.timing import copy_bandwidth  # noqa: PLC0415
@@ -253,6 +268,27 @@ def run_family(fam: str, a, dev, cache: Path, env: dict) -> tuple[dict, list[dic
     return res, figs
 
 
+def _eagle3_figs(spec: dict, dev, res: dict, cfg: dict) -> list[dict]:
+    """Draft ms per drafted token over the weight read per drafted token, at each K."""
+    from memra_dist.bench import tap_checkpoints as tc  # noqa: PLC0415
+    from memra_dist.bench.roofline import roofline_tok_s  # noqa: PLC0415
+    from memra_dist.bench.timing import copy_bandwidth  # noqa: PLC0415
+
+    bw = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (64 << 20))
+    res.update(bandwidth_tb_s=round(bw["bandwidth_tb_s"], 4), eagle3_read={}, draft_per_token={})
+    figs = []
+    for k, r in spec["real"].items():
+        rb = tc.eagle3_read_bytes(cfg, int(k))
+        read_ms = 1e3 / roofline_tok_s(bw["bandwidth_bytes_s"], rb["bytes"])
+        per_tok = r["phase_ms_per_round"]["draft"] / int(k)
+        res["eagle3_read"][k] = {**rb, "ms": round(read_ms, 5)}
+        res["draft_per_token"][k] = {"ms": round(per_tok, 5), "over_read": round(per_tok / read_ms, 4),
+                                     "draft_ms_per_round": round(r["phase_ms_per_round"]["draft"], 4)}
+        figs.append(_fig(f"eagle3 K={k} draft ms per drafted token / weight read per drafted token",
+                         per_tok / read_ms, "<=", 1.5))
+    return figs
+
+
 def _free_disk(cache: Path, keep: str) -> None:
     """Remove the checkpoints in `cache` but those named `keep*` (the MTP slice needs ~51 GB)."""
     for d in cache.iterdir() if cache.exists() else ():
@@ -264,7 +300,7 @@ def _free_disk(cache: Path, keep: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--case", default="all", choices=("dflash", "mtp", "all"))
+    ap.add_argument("--case", default="all", choices=(*FAMILIES, "all"))
     ap.add_argument("--shape", default="8b", choices=tuple(SIZES))
     ap.add_argument("--cache", default=os.environ.get("MEMRA_BENCH_CACHE", "/tmp/memra-bench-ckpt"))
     ap.add_argument("--free-disk", action="store_true",
@@ -283,7 +319,7 @@ def main() -> int:
     res: dict = {"shape": a.shape, "case": a.case, "sizes": SIZES[a.shape], "formulas": FORMULAS,
                  "tau": TAU, "figures": []}
     t0 = time.perf_counter()
-    for fam in ("dflash", "mtp"):
+    for fam in FAMILIES:
         if a.case not in (fam, "all"):
             continue
         if fam == "mtp" and a.free_disk:
@@ -297,7 +333,7 @@ def main() -> int:
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     (out / "tap_drafters.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res))
-    return 0 if all("error" not in res.get(f, {}) for f in ("dflash", "mtp")) else 1
+    return 0 if all("error" not in res.get(f, {}) for f in FAMILIES) else 1
 
 
 if __name__ == "__main__":

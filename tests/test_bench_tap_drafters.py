@@ -1,6 +1,7 @@
-"""benchmarks/tap_drafters.py: its tiny path end to end (slow: two families, four fresh
+"""benchmarks/tap_drafters.py: its tiny path end to end (slow: three families, six fresh
 processes), and its parts: the bench-only TapReplay drafter pays the real propose and returns
-the replay's tokens; the MTP step's read bytes; the checkpoints load into the engine."""
+the replay's tokens; the MTP step's and the EAGLE-3 round's read bytes; the checkpoints load
+into the engine."""
 
 from __future__ import annotations
 
@@ -53,6 +54,19 @@ def test_mtp_step_read_bytes_counts_top_k_of_the_routed_experts():
     assert 3.0e9 < real["bytes"] < 3.5e9
 
 
+def test_eagle3_read_bytes_per_drafted_token():
+    from memra_dist.bench.checkpoints import shape_config
+
+    cfg = tc.eagle3_config(shape_config("8b"), "8b")  # the public Llama-3.1-8B EAGLE-3 layout
+    assert cfg["draft_vocab_size"] == 32000 and cfg["hidden_size"] == 4096 and cfg["num_hidden_layers"] == 1
+    r7, r1 = tc.eagle3_read_bytes(cfg, 7), tc.eagle3_read_bytes(cfg, 1)
+    H, I, Vd = 4096, 14336, 32000
+    layer = (32 * 128 + 2 * 8 * 128) * 2 * H + 32 * 128 * H + 3 * H * I + 3 * H  # q/k/v [*, 2H], o, mlp, norms
+    assert r7["parts"]["layer"] == layer * 2 and r7["parts"]["lm_head"] == Vd * H * 2
+    assert r1["parts"]["fc_over_k"] == 3 * H * H * 2 and r7["parts"]["fc_over_k"] == 3 * H * H * 2 // 7
+    assert r7["bytes"] == sum(r7["parts"].values()) and 0.7e9 < r7["bytes"] < 0.8e9
+
+
 def test_tiny_checkpoints_load_as_engine_drafters(tmp_path):
     from memra_dist.model.config import load_config
     from memra_dist.model.dflash import check_dflash, load_dflash_config
@@ -65,6 +79,15 @@ def test_tiny_checkpoints_load_as_engine_drafters(tmp_path):
     assert dc.block_size == 16 and dc.tap_ids == (0, 1)
     m = tc.ensure_dsv3_mtp("tiny", tmp_path, cpu, lambda s: None)
     assert check_mtp(load_config(m), m) == 1
+    from memra_dist.model.eagle3 import check_eagle3, load_eagle3, load_eagle3_config
+
+    t2, e = tc.ensure_eagle3("tiny", tmp_path, cpu, lambda s: None)
+    assert t2 == target  # beside the same target
+    ec = load_eagle3_config(e, load_config(target))
+    check_eagle3(load_config(target), ec)
+    net = load_eagle3(e, ec, cpu, torch.float32)
+    assert ec.tap_ids == (0, 1) and ec.draft_vocab_size == 256 and net.embed_tokens is None
+    assert net.hot.unique().numel() == 256 and int(net.hot.max()) < ec.base.vocab_size
 
 
 @pytest.mark.slow
@@ -75,12 +98,13 @@ def test_tiny_run_end_to_end(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res == json.loads((tmp_path / "out" / "tap_drafters.json").read_text())
-    assert len(res["figures"]) == 2 + 1 + 3 + 1
-    for fam, k in (("dflash", 15), ("mtp", 3)):
+    assert len(res["figures"]) == 2 + 1 + 3 + 1 + 2 + 1
+    for fam, k in (("dflash", 15), ("mtp", 3), ("eagle3", 7)):
         rep = res[fam]["replay"]
         assert rep["k"] == k and rep["replay_follows_recording"]
         assert abs(rep["acceptance_measured"] - rep["acceptance_set"]) < 0.1
         assert rep["fraction_of_ideal"] > 0 and rep["projected_speedup_at_tau"] > 0
     assert res["dflash"]["real"]["15"]["drafted"] > 0
     assert set(res["mtp"]["draft_per_token"]) == {"1", "2", "3"}
+    assert set(res["eagle3"]["draft_per_token"]) == {"3", "7"} and res["eagle3"]["real"]["7"]["drafted"] > 0
     assert "dflash draft / verify(16) per round" in p.stderr

@@ -4,6 +4,10 @@ with random bf16 weights at real shapes, never downloaded:
   a DFlash drafter over the bench's Llama target (the public Llama-3.1-8B DFlash layout:
     5 layers, hidden 4096, 32 / 8 heads, head_dim 128, intermediate 14336, block 16,
     taps [1, 8, 15, 22, 29]), cached BESIDE the target checkpoint;
+  an EAGLE-3 head over the same target (the public Llama-3.1-8B EAGLE-3 layout: one decoder
+    layer, hidden 4096, 32 / 8 heads, head_dim 128, intermediate 14336, a 32000-token draft
+    vocabulary with its d2t / t2d maps, the target's embedding reused, the default taps
+    (1, 15, 28)), cached beside it too;
   a DeepSeek-V3-shaped slice with one MTP layer: real widths (hidden 7168, MLA q_lora 1536 /
     kv_lora 512 / nope 128 / rope 64 / v 128 over 128 heads, 256 routed experts top-8 in
     8 groups of which 4 are kept, 1 shared expert, moe_intermediate 2048, dense intermediate
@@ -33,14 +37,20 @@ import torch
 
 from .checkpoints import SHARD_BYTES, _chain_head, _draw, _key, _param_shapes, ensure_checkpoint
 
-__all__ = ["DFLASH_SHAPES", "DSV3_SHAPES", "dflash_config", "ensure_dflash", "dsv3_config", "ensure_dsv3_mtp",
-           "mtp_step_read_bytes", "planned_bytes"]
+__all__ = ["DFLASH_SHAPES", "DSV3_SHAPES", "EAGLE3_SHAPES", "dflash_config", "ensure_dflash", "eagle3_config",
+           "ensure_eagle3", "eagle3_read_bytes", "dsv3_config", "ensure_dsv3_mtp", "mtp_step_read_bytes",
+           "planned_bytes"]
 
 DFLASH_SHAPES = {  # target shape -> the drafter's shape (model/tiny_dflash.dflash_config_dict's arguments)
     "8b": dict(layers=5, block_size=16, taps=(1, 8, 15, 22, 29), mask_token_id=128002, heads=32, kv_heads=8,
                head_dim=128, intermediate_size=14336),
     "tiny": dict(layers=2, block_size=16, taps=(0, 1), mask_token_id=2, heads=4, kv_heads=2, head_dim=16,
                  intermediate_size=128),
+}
+
+EAGLE3_SHAPES = {  # target shape -> the head's shape (demo/tiny_eagle3.eagle3_config_dict's arguments)
+    "8b": dict(taps=(1, 15, 28), heads=32, kv_heads=8, head_dim=128, intermediate_size=14336, draft_vocab=32000),
+    "tiny": dict(taps=(0, 1), heads=4, kv_heads=2, head_dim=16, intermediate_size=128, draft_vocab=256),
 }
 
 
@@ -91,6 +101,40 @@ def _dflash_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], bool]]:
     return {k: (tuple(v.shape), False) for k, v in net.state_dict().items()}
 
 
+def _eagle3_shapes(cfg: dict, num_target_layers: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """The EAGLE-3 head's tensors (checkpoint names, d2t and t2d included) -> (shape, fp32)."""
+    from ..model.eagle3 import Eagle3Net, parse_eagle3_config  # noqa: PLC0415
+
+    with torch.device("meta"):
+        net = Eagle3Net(parse_eagle3_config(cfg, num_target_layers))
+    shapes = {k: (tuple(v.shape), False) for k, v in net.state_dict().items()}
+    return {**shapes, "d2t": ((cfg["draft_vocab_size"],), False), "t2d": ((cfg["vocab_size"],), False)}
+
+
+def eagle3_read_bytes(cfg: dict, k: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Bytes an EAGLE-3 round of k drafts reads per drafted token: each step reads the decoder
+    layer, the final norm, the draft lm_head and one embedding row; the round's first forward
+    also reads fc once (counted as fc / k a token). The K/V and tap rows are not counted."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    parts = {"layer": 0, "lm_head": 0, "norm": 0}
+    fc = 0
+    for name, (shape, _f32) in _eagle3_shapes(cfg, max(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) + 1
+                                              ).items():
+        b = math.prod(shape) * size
+        if name.startswith("midlayer."):
+            parts["layer"] += b
+        elif name == "lm_head.weight":
+            parts["lm_head"] += b
+        elif name == "norm.weight":
+            parts["norm"] += b
+        elif name == "fc.weight":
+            fc = b
+    parts["embed_row"] = cfg["hidden_size"] * size
+    parts["fc_over_k"] = fc // k
+    return {"bytes": sum(parts.values()), "parts": parts, "k": k,
+            "formula": "decoder layer + final norm + draft lm_head + one embedding row, + fc / k (one fc a round)"}
+
+
 def mtp_step_read_bytes(cfg: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Bytes ONE MTP step (one row) reads: every tensor of MTP layer 0 (eh_proj, norms, MLA,
     router, shared expert) but the routed experts, of which top_k / n_routed_experts, plus the
@@ -116,8 +160,13 @@ def mtp_step_read_bytes(cfg: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
 
 
 def planned_bytes(kind: str, shape: str) -> int:
-    """Disk bytes the checkpoint(s) of one case write (bf16): 'dflash' = the drafter alone
-    (the target is the bench's shape checkpoint), 'dsv3' = the target with its MTP layer."""
+    """Disk bytes the checkpoint(s) of one case write (bf16): 'dflash' / 'eagle3' = the drafter
+    alone (the target is the bench's shape checkpoint), 'dsv3' = the target with its MTP layer."""
+    if kind == "eagle3":
+        from .checkpoints import shape_config  # noqa: PLC0415
+
+        t = shape_config(shape)
+        return _nbytes(_eagle3_shapes(eagle3_config(t, shape), t["num_hidden_layers"]), torch.bfloat16)
     if kind == "dflash":
         from .checkpoints import shape_config  # noqa: PLC0415
 
@@ -203,6 +252,31 @@ def ensure_dflash(shape: str, cache: Path, device: torch.device, say: Callable[[
     cfg = dflash_config(json.loads((target / "config.json").read_text()), shape)
     out = target.parent / f"{target.name}-dflash-b{cfg['block_size']}-{_key(cfg)}"
     return target, _ensure(out, cfg, _dflash_shapes(cfg), dict, device, dtype, say, f"dflash over {shape}")
+
+
+def eagle3_config(target_cfg: dict, shape: str) -> dict:
+    from ..demo.tiny_eagle3 import eagle3_config_dict  # noqa: PLC0415
+
+    return {**eagle3_config_dict(target_cfg, **EAGLE3_SHAPES[shape]), "torch_dtype": "bfloat16"}
+
+
+def ensure_eagle3(shape: str, cache: Path, device: torch.device, say: Callable[[str], None],
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[Path, Path]:
+    """(target dir, EAGLE-3 head dir): the bench's `shape` Llama target and a random EAGLE-3 head
+    over it, cached beside it (keyed by its config). The draft vocabulary is a fixed random set
+    of target ids (d2t = its ids - the draft ids, t2d its membership); no embed_tokens."""
+    target = ensure_checkpoint(shape, cache, device, say, dtype)
+    tcfg = json.loads((target / "config.json").read_text())
+    cfg = eagle3_config(tcfg, shape)
+    out = target.parent / f"{target.name}-eagle3-{_key(cfg)}"
+
+    def special() -> dict:
+        V, Vd = cfg["vocab_size"], cfg["draft_vocab_size"]
+        hot = torch.randperm(V, generator=torch.Generator().manual_seed(7))[:Vd].sort().values
+        return {"d2t": hot - torch.arange(Vd), "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, hot, True)}
+
+    shapes = _eagle3_shapes(cfg, tcfg["num_hidden_layers"])
+    return target, _ensure(out, cfg, shapes, special, device, dtype, say, f"eagle3 over {shape}")
 
 
 def dsv3_config(shape: str) -> dict:

@@ -1,4 +1,4 @@
-"""A bench-only drafter: a real tap drafter (dflash, mtp) runs its propose in full, so its cost is
+"""A bench-only drafter: a real tap drafter (dflash, mtp, eagle3) runs its propose in full, so its cost is
 paid on the device as in any round, and its drafts are then replaced by a replay proposal (a
 recorded greedy continuation corrupted to a chosen acceptance, specdec/drafters/replay.py).
 The engine therefore runs at a controlled acceptance with the real drafter's cost. Not in the
@@ -6,7 +6,8 @@ engine's drafter registry: the benchmark installs it on an open engine (benchmar
 
 The real drafter's state stays its own: dflash's context K/V is ingested from the target's taps
 of the verified rows (whatever was proposed), mtp recomputes its draft rows from the verified
-tokens each round, so replacing the proposals leaves both consistent.
+tokens each round, eagle3's first forward of a round starts at its committed rows (its chain rows are
+rewritten before any row reads them), so replacing the proposals leaves each consistent.
 """
 
 from __future__ import annotations
