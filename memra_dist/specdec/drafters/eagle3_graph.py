@@ -2,7 +2,7 @@
 per row count and the chained one-row step, all captured when the drafter allocates (`warm`),
 replayed every round after: no capture ever lands inside a round.
 
-Two graphs kinds (eagle3.py's module docstring has the rows):
+Two graph kinds (eagle3.py's module docstring has the rows):
   ("first", rows)  the committed rows [lo, lo + rows) not yet in the drafter's cache plus the
                    last committed one (rows = a + 1 after a round that committed a + 1 tokens,
                    1 in the first round after the prime): token ids and the start `lo` in one
@@ -64,7 +64,8 @@ class Eagle3Graphs:
         dev, h = d.device, d.ec.hidden_size
         self.k = run_k(d.target)  # every round of up to k drafts replays graphs captured by `warm`
         self.max_rows = min(max_rows, PREFIX_MIN_ROWS)  # more rows: the eager prefix attention
-        self.row = HostRow(self.max_rows, dev)  # [the first forward's token ids ..., its start row]
+        # [the first forward's token ids ..., its start row] (an even length keeps the start aligned)
+        self.row = HostRow(self.max_rows + self.max_rows % 2, dev)
         self.base = torch.arange(self.max_rows, device=dev)
         # the chain's static inputs, which every graph leaves for the next
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
@@ -103,7 +104,7 @@ class Eagle3Graphs:
         """The step's logits and greedy draft into the static outputs; returns the draft (1,)."""
         net = self.d.net
         lg = net.logits(h)  # (1, Vd) fp32
-        t = net.hot[lg.argmax(-1)]  # (1,) target id
+        t = net.hot.index_select(0, lg.argmax(-1))  # (1,) target id (d2t)
         self.logits.copy_(lg)
         self.hid.copy_(h)
         self.tok.copy_(t)
