@@ -64,9 +64,10 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) 
     p.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
                    help="CUDA graphs + fused projections for decode/verify steps (auto = on with CUDA)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="torch.compile the blocks captured in those graphs, so norms, rotary and gating fuse "
-                        "(auto = on wherever the graphs are, for the attention families; the first run on a "
-                        "machine compiles for ~10-40 s, later runs read the cache in ~/.cache/memra_dist/inductor)")
+                   help="torch.compile inside those graphs, so norms, rotary and gating fuse (auto = only where "
+                        "a benchmark showed it gains >= 3 %% in decode: the DFlash drafter's block, not the target's "
+                        "blocks; on = everywhere it is supported: a machine's first compile takes ~10-60 s, later "
+                        "runs read the cache in ~/.cache/memra_dist/inductor)")
     p.add_argument("--kernels", choices=["auto", "off"], default="auto",
                    help="our Triton kernels inside those graphs: one-row GEMVs and 2-16-row GEMMs with the "
                         "block's norms, gating and residual adds folded in, per-slot MoE expert GEMVs, and "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field, replace
 
+from .compile_policy import compiles
 from .errors import UserError
 from .phase.levels import TraceSettings
 from .specdec.chunks import DEFAULT_PREFILL_CHUNK
@@ -36,7 +37,7 @@ class RunConfig:
     trace: TraceSettings = field(default_factory=TraceSettings)
     trace_content: bool = False
     graphs: str = "auto"  # CUDA graphs for decode/verify steps: auto (= on with CUDA) | on | off
-    compile: str = "auto"  # torch.compile the blocks captured in those graphs: auto (= with the graphs) | on | off
+    compile: str = "auto"  # torch.compile inside those graphs: auto (= where it pays, compile_policy.py) | on | off
     kernels: str = "auto"  # our Triton GEMV / cached-attention kernels in those graphs: auto (= with the graphs) | off
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt rows per prefill forward (specdec/chunks.py)
 
@@ -89,7 +90,8 @@ class RunConfig:
     def runner_kwargs(self, device) -> dict:
         """The fast-path switches every ModelRunner of this run gets."""
         on = self.use_graphs(device)
-        return {"graphs": on, "compile": on and self.compile != "off", "kernels": on and self.kernels != "off",
+        return {"graphs": on, "compile": on and compiles(self.compile, "target"),
+                "compile_drafter": on and compiles(self.compile, "dflash"), "kernels": on and self.kernels != "off",
                 "warm_rows": self.k + 1 if on else 0, "warm_timed": on and self.trace.level >= 2}
 
     def capacity(self, prompt_len: int) -> int:

@@ -14,7 +14,7 @@ OTEL_* variables stay the OpenTelemetry SDK's and are read where the SDK's habit
 | MEMRA_PG_TIMEOUT_S | bound on the pipeline's process-group bootstrap and on a stalled peer | 60 |
 | MEMRA_KDA_KERNELS | CUDA KDA scans: auto, torch (the reference), fla (fla or an error) | auto |
 | MEMRA_BENCH_CACHE | `memra-dist bench` checkpoint cache | ~/.cache/memra_dist/bench |
-| MEMRA_BENCH_COMPILE | 0 = the bench's graphed runs skip torch.compile (shown in the result's metadata) | 1 |
+| MEMRA_BENCH_COMPILE | the bench's `--compile` for its graphed runs: auto (the default path's: compile_policy.py), 1 / on, 0 / off (shown in the result's metadata) | auto |
 | MEMRA_COMMIT | the commit a bench result names when the tree has no .git | from git |
 
 Junk values of the trace and profile flags mean off (a typo never turns tracing on), and are
@@ -47,7 +47,7 @@ class Env:
     pg_timeout_s: float = 60.0
     kda_kernels: str = "auto"
     bench_cache: str | None = None
-    bench_compile: bool = True
+    bench_compile: str = "auto"
     commit: str | None = None
 
 
@@ -88,7 +88,7 @@ def environment() -> Env:
                cache_dir=e.get("MEMRA_CACHE_DIR") or None,
                flush_timeout_s=_seconds("MEMRA_FLUSH_TIMEOUT_S", 5.0),
                pg_timeout_s=_seconds("MEMRA_PG_TIMEOUT_S", 60.0), kda_kernels=_kda(),
-               bench_cache=e.get("MEMRA_BENCH_CACHE") or None, bench_compile=e.get("MEMRA_BENCH_COMPILE", "1") == "1",
+               bench_cache=e.get("MEMRA_BENCH_CACHE") or None, bench_compile={"1": "on", "0": "off"}.get(e.get("MEMRA_BENCH_COMPILE", "auto"), e.get("MEMRA_BENCH_COMPILE", "auto")),
                commit=e.get("MEMRA_COMMIT") or None)
 
 

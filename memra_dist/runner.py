@@ -52,7 +52,7 @@ class ModelRunner:
                  first: int = 0, last: int | None = None, has_embed: bool = True,
                  has_head: bool = True, cfg: ModelConfig | None = None, max_pos: int = 4096,
                  graphs: bool = False, compile: bool = False, kernels: bool = False, warm_rows: int = 0,
-                 warm_timed: bool = False, progress=None):
+                 warm_timed: bool = False, progress=None, compile_drafter: bool = False):
         self.cfg = cfg or load_config(model_dir)
         last = self.cfg.num_layers if last is None else last
         self.device, self.dtype = device, dtype
@@ -74,6 +74,7 @@ class ModelRunner:
             if compile and compile_supported(self.stage):
                 compile_blocks(self.stage)
         self.graph_rows = graph_rows_limit(self.stage)
+        self.compile_drafter = bool(graphs and compile_drafter)  # a tap drafter's graphs compile their pieces (compile_policy.py)
         self.warm_rows = warm_rows  # capture graphs for 1..warm_rows rows at allocation
         self.warm_timed = warm_timed  # and their level-2 twins (trace level 2)
         self.drain = Drainer(device)

@@ -56,6 +56,10 @@ def test_pieces_follow_the_targets_compile_switch():
     blocks["1"]._compiled = object()  # graphs.compile_blocks ran
     assert target_compiles(target)
     assert not target_compiles(SimpleNamespace())  # a pipeline head without a local stage object
+    # a runner built by the engine carries the run's --compile for the dflash path, which wins
+    # over its own blocks (auto: the pieces compile while the target's blocks do not)
+    assert target_compiles(SimpleNamespace(stage=SimpleNamespace(layers={}), compile_drafter=True))
+    assert not target_compiles(SimpleNamespace(stage=target.stage, compile_drafter=False))
 
 
 def test_a_piece_that_fails_to_compile_leaves_the_graphs_eager(tmp_path, monkeypatch, capsys):

@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 MODULES = ["memra_dist.pipeline.partition", "memra_dist.specdec.drafters.ngram", "memra_dist.bench.roofline",
-           "memra_dist.model.prefetch", "memra_dist.specdec.chunks", "memra_dist.model.prefix_attention"]
+           "memra_dist.model.prefetch", "memra_dist.specdec.chunks", "memra_dist.model.prefix_attention",
+           "memra_dist.compile_policy"]
 
 
 @pytest.mark.parametrize("name", MODULES)

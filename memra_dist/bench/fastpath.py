@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compile_policy import compiles
 from ..env import environment
 from ..kernels import available as kernels_available
 
@@ -14,9 +15,11 @@ __all__ = ["resolve_graphs", "runner_kwargs", "config_kwargs", "graphs_status"]
 
 
 
-def _compile() -> bool:
-    """The bench compiles the captured blocks unless told not to (MEMRA_BENCH_COMPILE=0)."""
-    return environment().bench_compile
+def _compile(path: str = "target") -> bool:
+    """Whether the bench's graphed runs compile `path`: as `--compile auto` does on the default
+    path (compile_policy.py) unless MEMRA_BENCH_COMPILE says on / off."""
+    setting = environment().bench_compile
+    return compiles(setting if setting in ("on", "off") else "auto", path)
 
 
 WARM_ROWS = 9  # K up to 8: every verify row count captured before anything is timed
@@ -31,12 +34,15 @@ def resolve_graphs(flag: str, device: torch.device) -> bool:
 
 def runner_kwargs(on: bool) -> dict:
     """Keyword arguments for every ModelRunner the bench builds."""
-    return {"graphs": on, "compile": on and _compile(), "kernels": on, "warm_rows": WARM_ROWS if on else 0}
+    return {"graphs": on, "compile": on and _compile(), "compile_drafter": on and _compile("dflash"), "kernels": on,
+            "warm_rows": WARM_ROWS if on else 0}
 
 
 def config_kwargs(on: bool) -> dict:
     """Keyword arguments for every RunConfig the bench builds."""
-    return {"graphs": "on" if on else "off", "compile": on and _compile(), "kernels": "auto" if on else "off"}
+    setting = environment().bench_compile
+    return {"graphs": "on" if on else "off", "compile": (setting if setting in ("on", "off") else "auto") if on else "off",
+            "kernels": "auto" if on else "off"}
 
 
 def graphs_status(on: bool) -> dict:

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import autotune
+
 __all__ = ["gemm_rows", "ROW_CONFIGS", "MAX_ROWS"]
 
 MAX_ROWS = 16
@@ -91,9 +93,9 @@ def _rows_kernel(X, W, B, NW, R, Y, M, N, K, stride_xm, stride_w, eps,
 ROW_CONFIGS = [(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)] + \
     [(64, 128, 8, 4), (128, 128, 8, 4), (32, 512, 4, 3), (16, 512, 4, 3)]
 _even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BN"] == 0 and a["K"] % a["BK"] == 0})(_rows_kernel)
-_tuned = triton.autotune(
-    configs=[triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in ROW_CONFIGS],
-    key=["N", "K", "SILU_MUL", "NORM", "GLU"])(_even)
+_tuned = autotune(
+    [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in ROW_CONFIGS],
+    ["N", "K", "SILU_MUL", "NORM", "GLU"])(_even)
 
 
 def gemm_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,

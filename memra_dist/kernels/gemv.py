@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tuning import autotune
+
 __all__ = ["gemv", "CONFIGS"]
 
 
@@ -79,9 +81,9 @@ def _gemv_kernel(X, W, B, NW, R, Y, N, K, stride_w, eps,
 CONFIGS = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 1), (16, 1024, 8, 3), (8, 512, 4, 1),
            (32, 512, 8, 3)]
 _even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BN"] == 0 and a["K"] % a["BK"] == 0})(_gemv_kernel)
-_tuned = triton.autotune(
-    configs=[triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in CONFIGS],
-    key=["N", "K", "SILU_MUL", "NORM"])(_even)
+_tuned = autotune(
+    [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in CONFIGS],
+    ["N", "K", "SILU_MUL", "NORM"])(_even)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,

@@ -11,7 +11,7 @@ SwiGLU, residual; its folded twin is three of our kernels, nothing to fuse). `DF
 itself stays Python: its `kv_of` callback (which training shares) writes the drafter's K/V
 between the pieces.
 
-On only where the target compiles its own blocks (`--compile`, CUDA). A piece that fails to
+On where `--compile` compiles the dflash path (compile_policy.py: auto does; CUDA only). A piece that fails to
 compile (at the capture's eager warm-up, before any capture starts) turns the swap off for the
 drafter with one warning line; the eager pieces are the reference either way.
 """
@@ -41,7 +41,12 @@ def _fns() -> dict[str, object]:
 
 
 def target_compiles(target) -> bool:
-    """Whether the target runner compiles its blocks (graphs.compile_blocks ran on its stage)."""
+    """Whether the drafter's pieces compile: what the run's `--compile` means for the dflash path
+    (compile_policy.py, handed over as the target runner's `compile_drafter`); a runner built
+    without it (tests, older callers) follows its own blocks (graphs.compile_blocks ran)."""
+    flag = getattr(target, "compile_drafter", None)
+    if flag is not None:
+        return bool(flag)
     stage = getattr(target, "stage", None)
     return stage is not None and stage_compiles(stage)
 

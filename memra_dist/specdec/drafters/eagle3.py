@@ -53,7 +53,7 @@ class Eagle3Drafter(Drafter):
         self.capacity = 0
         self.n = 0  # committed rows in the cache: positions 0 .. n-1
         self.embed = net.embed_tokens if net.embed_tokens is not None else target.stage.embed_tokens
-        self.graph = None  # the round's CUDA graphs, captured at alloc, when the target captures its own (eagle3_graph.py)
+        self.graph = None  # the round's CUDA graphs (eagle3_graph.py), when the target captures its own steps
         target.keep_taps(self.ec.tap_ids)
 
     @classmethod

@@ -3,9 +3,9 @@ per row count and the chained one-row step, all captured when the drafter alloca
 replayed every round after: no capture ever lands inside a round.
 
 Two graph kinds (eagle3.py's module docstring has the rows):
-  ("first", rows)  the committed rows [lo, lo + rows) not yet in the drafter's cache plus the
-                   last committed one (rows = a + 1 after a round that committed a + 1 tokens,
-                   1 in the first round after the prime): token ids and the start `lo` in one
+  ("first", rows)  the committed rows [lo, N - 1) not yet in the drafter's cache (rows = a + 1
+                   after a round that committed a + 1 tokens; 1 in the first round after the
+                   prime, which recomputes row N - 2): token ids and the start `lo` in one
                    pinned host-to-device copy (host_row.py), positions `base[:rows] + start` ON
                    the device, the hidden rows fc(taps) index_selected from the target's tap
                    sink at those positions; its last row gives draft 1.
@@ -38,7 +38,9 @@ would step past the round's rows.
 Behind the runner's graph switch, as mtp_graph.py: built only when the target captures its
 steps (CUDA, graphs on); the eager steps stay the reference (CPU, tests:
 tests/test_eagle3_graph_emulated.py). The graphs bake in the tap sink's buffers: a new sink (the
-target reallocated) drops them until the next alloc recaptures them.
+target reallocated) drops them until the next alloc recaptures them. The captured forward is
+the eager one (its fp32 norms and rotary as small kernels, the attention over the whole K/V
+allocation under a mask): no compiled pieces yet (dflash_compile.py's pattern would fuse them).
 """
 
 from __future__ import annotations

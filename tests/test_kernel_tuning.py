@@ -1,0 +1,37 @@
+"""Our Triton kernels' autotuners keep their timings on disk and bench briefly
+(kernels/tuning.py): a fresh process reads the winners instead of re-benchmarking every
+config at its first capture (most of a tiny model's first-token wait before)."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from memra_dist.kernels import gemm_rows, gemv, moe_gemv, tuning  # noqa: E402
+
+
+def _tuners():
+    return {"gemv": gemv._tuned, "gemm_rows": gemm_rows._tuned, "moe_up": moe_gemv._up_tuned,
+            "moe_down": moe_gemv._down_tuned}
+
+
+def test_every_tuner_uses_the_disk_cache_and_the_short_bench():
+    kw = tuning.tune_kwargs()
+    if "cache_results" not in kw:
+        pytest.skip("this Triton's autotune has no on-disk cache")
+    for name, t in _tuners().items():
+        assert isinstance(t, triton.runtime.Autotuner), name
+        assert t._do_bench is tuning._bench, f"{name} benchmarks with Triton's default 25 + 100 ms"
+        if not triton.knobs.runtime.interpret:
+            assert t.cache_results, f"{name} re-tunes in every process"
+
+
+def test_the_listener_tallies_tunings_and_cache_hits(monkeypatch):
+    monkeypatch.setattr(tuning, "TALLY", {"tunes": 0, "tune_s": 0.0, "cached": 0})
+    tuning._listen(duration=0.25, cache_hit=False)
+    tuning._listen(duration=None, cache_hit=True)
+    assert tuning.TALLY == {"tunes": 1, "tune_s": 0.25, "cached": 1}
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs.autotuning, "listener"):
+        assert knobs.autotuning.listener is tuning._listen
