@@ -123,8 +123,11 @@ class StepGraphs:
             h = st(x, pos, self.runner.cache, timer)
         return st.logits(h) if st.has_head else h
 
-    def _capture(self, x: torch.Tensor, start: int, timed: bool = False) -> _Graph:
+    def _capture(self, x: torch.Tensor, start: int, timed: bool = False, depth=None) -> _Graph:
+        """`depth` (the first-token profile's DepthTimer): the eager warm-up runs (where kernel
+        JIT, autotuning and torch.compile land) and the recording are drained laps apart."""
         dev = self.runner.device
+        t = depth.stamp() if depth is not None else 0
         marks = (lambda: _event_marks(dev)) if timed else (lambda: None)
         rows = x.shape[0]
         sx = x.to(dev).clone()
@@ -136,6 +139,8 @@ class StepGraphs:
             for _ in range(2):
                 self._eager(sx, pos, marks())
         torch.cuda.current_stream(dev).wait_stream(side)
+        if depth is not None:
+            t = depth.lap("graph_warmup_ms", t)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
@@ -152,6 +157,8 @@ class StepGraphs:
         finally:
             if was_on:
                 gc.enable()
+        if depth is not None:
+            depth.lap("graph_record_ms", t)
         graph = _Graph(g, sx, base, pos, out, marks=kept)
         if not sx.is_floating_point():
             graph.host = torch.zeros(sx.shape, dtype=sx.dtype, pin_memory=True)
@@ -163,7 +170,8 @@ class StepGraphs:
         """Capture the graphs for these row counts now (at position 0 of a fresh cache);
         `timed`: their level-2 twins too, so no capture lands inside the request's rounds.
         `depth` (the first-token profile's DepthTimer): each capture is a drained lap, the
-        first apart (it pays torch.compile and the kernels' JIT, or reads their caches)."""
+        first apart (it pays torch.compile and the kernels' JIT, or reads their caches), kept
+        per row count too, and split into its warm-up runs and its recording."""
         st = self.runner.stage
         tables = [(self.graphs, False)] + ([(self.timed, True)] if timed else [])
         for rows in rows_list:
@@ -174,10 +182,11 @@ class StepGraphs:
             for table, t in tables:
                 if rows not in table:
                     t0 = depth.stamp() if depth is not None else 0
-                    table[rows] = self._capture(x, 0, timed=t)
+                    table[rows] = self._capture(x, 0, timed=t, depth=depth)
                     if depth is not None:
                         first = depth.prof.graph_captures == 0
-                        depth.lap("graph_first_capture_ms" if first else "graph_capture_ms", t0)
+                        t1 = depth.lap("graph_first_capture_ms" if first else "graph_capture_ms", t0)
+                        depth.prof.graph_row_ms[rows] = depth.prof.graph_row_ms.get(rows, 0.0) + (t1 - t0) / 1e6
                         depth.prof.graph_captures += 1
 
     def run(self, x: torch.Tensor, start: int, timer=None) -> torch.Tensor:

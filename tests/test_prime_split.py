@@ -194,6 +194,8 @@ def _sample_prof() -> FirstTokenProf:
     pf.draft_prime_rows, pf.draft_prime_chunks, pf.draft_prime_arm = 13, 1, "device"
     pf.prime_chunk_rows, pf.prime_chunk_ms = [8, 5], [3.0, 2.0]  # the prime's two chunks
     pf.cache_kv_alloc_ms, pf.graph_captures, pf.graph_first_capture_ms, pf.graph_capture_ms = 0.125, 5, 40.0, 2.5
+    pf.graph_warmup_ms, pf.graph_record_ms, pf.graph_row_ms = 30.0, 12.5, {2: 2.5, 1: 40.0}
+    pf.kernel_tunes, pf.kernel_tune_ms, pf.kernel_tune_cached = 3, 25.0, 2
     return pf
 
 
@@ -204,7 +206,9 @@ def test_line_carries_the_seed_names_and_says_device_arm():
         assert f" {f}=" in f" {depth}", f
     kv = dict(tok.split("=", 1) for tok in depth.split(" (")[0].split())
     assert kv == {"cache_kv_alloc_ms": "0.125", "graph_captures": "5", "graph_first_capture_ms": "40.000",
-                  "graph_capture_ms": "2.500", "tap_sink_alloc_ms": "0.250", "tap_sink_mb": "3.0", "prime_chunks": "2", "prime_rows": "13",
+                  "graph_capture_ms": "2.500", "graph_warmup_ms": "30.000", "graph_record_ms": "12.500",
+                  "graph_rows_ms": "1:40.0/2:2.5", "kernel_tunes": "3", "kernel_tune_ms": "25.000",
+                  "kernel_tune_cached": "2", "tap_sink_alloc_ms": "0.250", "tap_sink_mb": "3.0", "prime_chunks": "2", "prime_rows": "13",
                   "prime_chunk_mean_ms": "2.500", "prime_chunk_max_ms": "3.000", "prime_tap_dtoh_ms": "0.000",
                   "draft_prime_h2d_ms": "0.000", "draft_prime_feat_ms": "1.500", "draft_prime_kv_ms": "2.000",
                   "draft_prime_rows": "13", "draft_prime_chunks": "1", "draft_prime_arm": "device"}
@@ -352,13 +356,14 @@ def test_graph_captures_are_laps_of_cache_alloc():
     runner = SimpleNamespace(stage=SimpleNamespace(has_embed=True), device=torch.device("cpu"))
     g = StepGraphs.__new__(StepGraphs)
     g.runner, g.graphs, g.timed = runner, {}, {}
-    g._capture = lambda x, start, timed=False: ("graph", x.shape[0], timed)
+    g._capture = lambda x, start, timed=False, depth=None: ("graph", x.shape[0], timed)
     clock = iter(range(0, 10**9, 1_000_000))  # each stamp 1 ms after the last
     pf = FirstTokenProf()
     g.warm(range(1, 4), timed=True, depth=DepthTimer(pf, lambda: next(clock)))
     assert sorted(g.graphs) == sorted(g.timed) == [1, 2, 3]
     assert pf.graph_captures == 6
     assert pf.graph_first_capture_ms == 1.0 and pf.graph_capture_ms == 5.0
+    assert pf.graph_rows_ms == "1:2.0/2:2.0/3:2.0"  # each row count: its graph and its level-2 twin
     g.warm(range(1, 4), timed=True, depth=DepthTimer(pf, lambda: next(clock)))  # all captured: nothing more
     assert pf.graph_captures == 6
 

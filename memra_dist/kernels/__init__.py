@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 
-__all__ = ["available", "install"]
+__all__ = ["available", "install", "tuning_tally"]
 
 _PROBED: dict[str, bool] = {}  # device -> whether the probe kernel ran there
 
@@ -65,3 +65,11 @@ def install(stage) -> int:
     from .ops import install_stage  # noqa: PLC0415
 
     return install_stage(stage)
+
+
+def tuning_tally() -> dict:
+    """What Triton autotuning has cost this process so far (kernels/tuning.py's TALLY: keys
+    benchmarked, their seconds, keys read from disk); zeros when no kernel module is loaded
+    (nothing imports Triton for this)."""
+    mod = sys.modules.get(__name__ + ".tuning")
+    return dict(mod.TALLY) if mod is not None else {"tunes": 0, "tune_s": 0.0, "cached": 0}

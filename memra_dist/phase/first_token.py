@@ -9,6 +9,12 @@ it sits in (so they sum to at most that bucket):
   graphs captured (one per decode / verify row count, and their level-2 twins), the first in
   `graph_first_capture_ms` (it pays torch.compile and the kernels' JIT, or reads their
   on-disk caches), the rest in `graph_capture_ms` (0 captures: an engine reusing its cache);
+  the same captures split into their eager warm-up runs, `graph_warmup_ms` (kernel JIT,
+  Triton autotuning and torch.compile land there), and their recordings, `graph_record_ms`;
+  per row count in `graph_rows_ms` (`rows:ms/...`);
+- `kernel_tunes` / `kernel_tune_ms` / `kernel_tune_cached`: Triton autotuner keys benchmarked
+  (and their ms) or read from the on-disk cache between the session's start and the first
+  token (kernels/tuning.py; inside the captures' warm-ups, the drafter's included);
 - inside `cache_alloc`: `tap_sink_alloc_ms` / `tap_sink_mb`, the target's tap sink (the
   session's sink size; a sink reused from the previous session at the same capacity takes
   ~0 ms);
@@ -39,7 +45,8 @@ __all__ = ["FirstTokenProf", "DepthTimer", "lend", "DEPTH_FIELDS", "DEVICE_ARM",
 DEVICE_ARM = "device"  # the taps stay on the target's device: no DtoH in the prime, no HtoD in the ingest
 DEVICE_ARM_NOTE = " (device arm: the taps never leave the device, so no tap DtoH in the prime and no HtoD in the ingest)"
 # the depth fields in line / attribute order (the seed's names)
-DEPTH_FIELDS = ("cache_kv_alloc_ms", "graph_captures", "graph_first_capture_ms", "graph_capture_ms", "tap_sink_alloc_ms", "tap_sink_mb", "prime_chunks", "prime_rows", "prime_chunk_mean_ms",
+DEPTH_FIELDS = ("cache_kv_alloc_ms", "graph_captures", "graph_first_capture_ms", "graph_capture_ms", "graph_warmup_ms",
+                "graph_record_ms", "graph_rows_ms", "kernel_tunes", "kernel_tune_ms", "kernel_tune_cached", "tap_sink_alloc_ms", "tap_sink_mb", "prime_chunks", "prime_rows", "prime_chunk_mean_ms",
                 "prime_chunk_max_ms", "prime_tap_dtoh_ms", "draft_prime_h2d_ms", "draft_prime_feat_ms",
                 "draft_prime_kv_ms", "draft_prime_rows", "draft_prime_chunks", "draft_prime_arm")
 
@@ -62,6 +69,12 @@ class FirstTokenProf:
     graph_captures: int = 0
     graph_first_capture_ms: float = 0.0
     graph_capture_ms: float = 0.0
+    graph_warmup_ms: float = 0.0  # the captures' eager warm-up runs (kernel JIT, autotuning, compile land here)
+    graph_record_ms: float = 0.0  # the captures' recordings
+    graph_row_ms: dict[int, float] = field(default_factory=dict)  # rows -> its captures' ms (graph_rows_ms)
+    kernel_tunes: int = 0  # Triton autotuner keys benchmarked between the session's start and its first token
+    kernel_tune_ms: float = 0.0  # their benchmarking (kernels/tuning.py), inside the captures' warm-ups
+    kernel_tune_cached: int = 0  # keys read from the on-disk tuning cache instead
     tap_sink_alloc_ms: float = 0.0
     tap_sink_mb: float = 0.0
     prime_tap_dtoh_ms: float = 0.0
@@ -90,11 +103,17 @@ class FirstTokenProf:
     def prime_chunk_max_ms(self) -> float:
         return max(self.prime_chunk_ms, default=0.0)
 
+    @property
+    def graph_rows_ms(self) -> str:
+        """Each captured row count's ms, as `rows:ms` joined by `/` (`-` when nothing was captured)."""
+        return "/".join(f"{r}:{ms:.1f}" for r, ms in sorted(self.graph_row_ms.items())) or "-"
+
     def depth(self) -> dict[str, float | int | str]:
         return {f: getattr(self, f) for f in DEPTH_FIELDS}
 
     def depth_line(self) -> str:
-        fmt = lambda f, v: f"{v:.3f}" if f.endswith("_ms") else f"{v:.1f}" if f.endswith("_mb") else f"{v}"  # noqa: E731
+        fmt = lambda f, v: (f"{v}" if isinstance(v, str) else f"{v:.3f}" if f.endswith("_ms")  # noqa: E731
+                            else f"{v:.1f}" if f.endswith("_mb") else f"{v}")
         line = " ".join(f"{f}={fmt(f, v)}" for f, v in self.depth().items())
         return line + (DEVICE_ARM_NOTE if self.draft_prime_arm == DEVICE_ARM else "")
 

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import UserError
 from ..phase.clock import PhaseClock
+from ..kernels import tuning_tally
 from ..phase.first_token import DepthTimer, FirstTokenProf, lend
 from ..phase.levels import TraceSettings
 from ..phase.records import BurstRecord
@@ -148,6 +149,7 @@ class SpecSession:
         if pf is not None:
             pf.free_mb_before = self._free_mb()
             depth = DepthTimer(pf, c.stamp)
+            tally0 = tuning_tally()
             t = pf.t0_ns = c.stamp()
         with lend(getattr(self.target, "runner", self.target), depth):  # pp>1: the head's runner
             self.target.alloc(capacity)
@@ -168,6 +170,10 @@ class SpecSession:
             self.drafter.prime(prompt, chunks)
         if pf is not None:
             t, pf.ms["draft_prime"] = c.lap_ms(t)
+            tally = tuning_tally()
+            pf.kernel_tunes = tally["tunes"] - tally0["tunes"]
+            pf.kernel_tune_ms = (tally["tune_s"] - tally0["tune_s"]) * 1e3
+            pf.kernel_tune_cached = tally["cached"] - tally0["cached"]
         self.tokens = list(prompt) + [first]
         self.stats = SessionStats(tokens=1, t_start=self.stats.t_start, t_first=time.perf_counter())
         self._check_stop([first])
