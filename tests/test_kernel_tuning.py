@@ -27,11 +27,16 @@ def test_every_tuner_uses_the_disk_cache_and_the_short_bench():
             assert t.cache_results, f"{name} re-tunes in every process"
 
 
-def test_the_listener_tallies_tunings_and_cache_hits(monkeypatch):
-    monkeypatch.setattr(tuning, "TALLY", {"tunes": 0, "tune_s": 0.0, "cached": 0})
-    tuning._listen(duration=0.25, cache_hit=False)
+def test_the_tally_counts_benchmarked_configs_and_cache_hits(monkeypatch):
+    import triton.testing
+
+    monkeypatch.setattr(tuning, "TALLY", {"configs": 0, "tune_s": 0.0, "cached": 0})
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, quantiles: (warmup, rep))
+    assert tuning._bench(lambda: None, None) == (tuning.WARMUP_MS, tuning.REP_MS)
+    assert tuning._bench(lambda: None, None) == (5, 20)
+    tuning._listen(duration=0.25, cache_hit=False)  # a key benchmarked: its configs are counted by _bench
     tuning._listen(duration=None, cache_hit=True)
-    assert tuning.TALLY == {"tunes": 1, "tune_s": 0.25, "cached": 1}
+    assert tuning.TALLY["configs"] == 2 and tuning.TALLY["cached"] == 1 and tuning.TALLY["tune_s"] >= 0.0
     knobs = getattr(triton, "knobs", None)
     if knobs is not None and hasattr(knobs.autotuning, "listener"):
         assert knobs.autotuning.listener is tuning._listen

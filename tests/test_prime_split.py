@@ -195,7 +195,7 @@ def _sample_prof() -> FirstTokenProf:
     pf.prime_chunk_rows, pf.prime_chunk_ms = [8, 5], [3.0, 2.0]  # the prime's two chunks
     pf.cache_kv_alloc_ms, pf.graph_captures, pf.graph_first_capture_ms, pf.graph_capture_ms = 0.125, 5, 40.0, 2.5
     pf.graph_warmup_ms, pf.graph_record_ms, pf.graph_row_ms = 30.0, 12.5, {2: 2.5, 1: 40.0}
-    pf.kernel_tunes, pf.kernel_tune_ms, pf.kernel_tune_cached = 3, 25.0, 2
+    pf.kernel_tune_configs, pf.kernel_tune_ms, pf.kernel_tune_cached = 3, 25.0, 2
     return pf
 
 
@@ -207,7 +207,7 @@ def test_line_carries_the_seed_names_and_says_device_arm():
     kv = dict(tok.split("=", 1) for tok in depth.split(" (")[0].split())
     assert kv == {"cache_kv_alloc_ms": "0.125", "graph_captures": "5", "graph_first_capture_ms": "40.000",
                   "graph_capture_ms": "2.500", "graph_warmup_ms": "30.000", "graph_record_ms": "12.500",
-                  "graph_rows_ms": "1:40.0/2:2.5", "kernel_tunes": "3", "kernel_tune_ms": "25.000",
+                  "graph_rows_ms": "1:40.0/2:2.5", "kernel_tune_configs": "3", "kernel_tune_ms": "25.000",
                   "kernel_tune_cached": "2", "tap_sink_alloc_ms": "0.250", "tap_sink_mb": "3.0", "prime_chunks": "2", "prime_rows": "13",
                   "prime_chunk_mean_ms": "2.500", "prime_chunk_max_ms": "3.000", "prime_tap_dtoh_ms": "0.000",
                   "draft_prime_h2d_ms": "0.000", "draft_prime_feat_ms": "1.500", "draft_prime_kv_ms": "2.000",

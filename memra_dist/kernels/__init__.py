@@ -68,8 +68,8 @@ def install(stage) -> int:
 
 
 def tuning_tally() -> dict:
-    """What Triton autotuning has cost this process so far (kernels/tuning.py's TALLY: keys
+    """What Triton autotuning has cost this process so far (kernels/tuning.py's TALLY: configs
     benchmarked, their seconds, keys read from disk); zeros when no kernel module is loaded
     (nothing imports Triton for this)."""
     mod = sys.modules.get(__name__ + ".tuning")
-    return dict(mod.TALLY) if mod is not None else {"tunes": 0, "tune_s": 0.0, "cached": 0}
+    return dict(mod.TALLY) if mod is not None else {"configs": 0, "tune_s": 0.0, "cached": 0}

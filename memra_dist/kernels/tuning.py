@@ -10,9 +10,10 @@
   repetitions is still thousands of launches per config, which is what the cold (first ever)
   tuning costs.
 
-`TALLY` counts what tuning cost this process (`tunes` keys benchmarked, their seconds in
-`tune_s`, `cached` keys read from disk) through Triton's autotuning listener where this
-Triton has one; the first-token profile reports it (phase/first_token.py). Older Triton
+`TALLY` counts what tuning cost this process: `configs` benchmarked and their seconds in
+`tune_s` (timed in our bench function, so on every Triton that takes one), and `cached`
+keys read from disk (through Triton's autotuning listener, where this Triton has one; 0
+otherwise); the first-token profile reports them (phase/first_token.py). Older Triton
 without `cache_results` / `do_bench` keeps its own behaviour (the arguments it lacks are
 not passed)."""
 
@@ -25,21 +26,26 @@ import triton
 __all__ = ["autotune", "TALLY", "WARMUP_MS", "REP_MS", "tune_kwargs"]
 
 WARMUP_MS, REP_MS = 5, 20
-TALLY = {"tunes": 0, "tune_s": 0.0, "cached": 0}
+TALLY = {"configs": 0, "tune_s": 0.0, "cached": 0}
 
 
 def _bench(kernel_call, quantiles):
+    """One config's benchmark (Triton calls it per config of a key it tunes), counted."""
+    import time  # noqa: PLC0415
+
     import triton.testing  # noqa: PLC0415
 
-    return triton.testing.do_bench(kernel_call, warmup=WARMUP_MS, rep=REP_MS, quantiles=quantiles)
+    t0 = time.perf_counter()
+    try:
+        return triton.testing.do_bench(kernel_call, warmup=WARMUP_MS, rep=REP_MS, quantiles=quantiles)
+    finally:
+        TALLY["configs"] += 1
+        TALLY["tune_s"] += time.perf_counter() - t0
 
 
 def _listen(fn=None, key=None, best_config=None, configs_timings=None, duration=None, cache_hit=False, **_):
     if cache_hit:
         TALLY["cached"] += 1
-    else:
-        TALLY["tunes"] += 1
-        TALLY["tune_s"] += float(duration or 0.0)
 
 
 def _install_listener() -> None:

@@ -12,9 +12,10 @@ it sits in (so they sum to at most that bucket):
   the same captures split into their eager warm-up runs, `graph_warmup_ms` (kernel JIT,
   Triton autotuning and torch.compile land there), and their recordings, `graph_record_ms`;
   per row count in `graph_rows_ms` (`rows:ms/...`);
-- `kernel_tunes` / `kernel_tune_ms` / `kernel_tune_cached`: Triton autotuner keys benchmarked
-  (and their ms) or read from the on-disk cache between the session's start and the first
-  token (kernels/tuning.py; inside the captures' warm-ups, the drafter's included);
+- `kernel_tune_configs` / `kernel_tune_ms`: Triton autotuner configs benchmarked (and their
+  ms) between the session's start and the first token, `kernel_tune_cached` keys read from
+  the on-disk cache instead (kernels/tuning.py; inside the captures' warm-ups, the
+  drafter's included);
 - inside `cache_alloc`: `tap_sink_alloc_ms` / `tap_sink_mb`, the target's tap sink (the
   session's sink size; a sink reused from the previous session at the same capacity takes
   ~0 ms);
@@ -46,7 +47,7 @@ DEVICE_ARM = "device"  # the taps stay on the target's device: no DtoH in the pr
 DEVICE_ARM_NOTE = " (device arm: the taps never leave the device, so no tap DtoH in the prime and no HtoD in the ingest)"
 # the depth fields in line / attribute order (the seed's names)
 DEPTH_FIELDS = ("cache_kv_alloc_ms", "graph_captures", "graph_first_capture_ms", "graph_capture_ms", "graph_warmup_ms",
-                "graph_record_ms", "graph_rows_ms", "kernel_tunes", "kernel_tune_ms", "kernel_tune_cached", "tap_sink_alloc_ms", "tap_sink_mb", "prime_chunks", "prime_rows", "prime_chunk_mean_ms",
+                "graph_record_ms", "graph_rows_ms", "kernel_tune_configs", "kernel_tune_ms", "kernel_tune_cached", "tap_sink_alloc_ms", "tap_sink_mb", "prime_chunks", "prime_rows", "prime_chunk_mean_ms",
                 "prime_chunk_max_ms", "prime_tap_dtoh_ms", "draft_prime_h2d_ms", "draft_prime_feat_ms",
                 "draft_prime_kv_ms", "draft_prime_rows", "draft_prime_chunks", "draft_prime_arm")
 
@@ -72,7 +73,7 @@ class FirstTokenProf:
     graph_warmup_ms: float = 0.0  # the captures' eager warm-up runs (kernel JIT, autotuning, compile land here)
     graph_record_ms: float = 0.0  # the captures' recordings
     graph_row_ms: dict[int, float] = field(default_factory=dict)  # rows -> its captures' ms (graph_rows_ms)
-    kernel_tunes: int = 0  # Triton autotuner keys benchmarked between the session's start and its first token
+    kernel_tune_configs: int = 0  # Triton autotuner configs benchmarked between the session's start and its first token
     kernel_tune_ms: float = 0.0  # their benchmarking (kernels/tuning.py), inside the captures' warm-ups
     kernel_tune_cached: int = 0  # keys read from the on-disk tuning cache instead
     tap_sink_alloc_ms: float = 0.0

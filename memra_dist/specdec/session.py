@@ -171,7 +171,7 @@ class SpecSession:
         if pf is not None:
             t, pf.ms["draft_prime"] = c.lap_ms(t)
             tally = tuning_tally()
-            pf.kernel_tunes = tally["tunes"] - tally0["tunes"]
+            pf.kernel_tune_configs = tally["configs"] - tally0["configs"]
             pf.kernel_tune_ms = (tally["tune_s"] - tally0["tune_s"]) * 1e3
             pf.kernel_tune_cached = tally["cached"] - tally0["cached"]
         self.tokens = list(prompt) + [first]

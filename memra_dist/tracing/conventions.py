@@ -75,7 +75,7 @@ ATTR = {
     "graph_warmup_ms": "memra.graph_warmup_ms",  # share of ttft.cache_alloc: the captures' warm-up runs (ms)
     "graph_record_ms": "memra.graph_record_ms",  # share of ttft.cache_alloc: the captures' recordings (ms)
     "graph_rows_ms": "memra.graph_rows_ms",  # each captured row count's ms, rows:ms/... (str)
-    "kernel_tunes": "memra.kernel_tunes",  # Triton autotuner keys benchmarked before the first token (int)
+    "kernel_tune_configs": "memra.kernel_tune_configs",  # Triton autotuner configs benchmarked before the first token (int)
     "kernel_tune_ms": "memra.kernel_tune_ms",  # their benchmarking (ms)
     "kernel_tune_cached": "memra.kernel_tune_cached",  # keys read from the on-disk tuning cache (int)
     "tap_sink_alloc_ms": "memra.tap_sink_alloc_ms",  # share of ttft.cache_alloc (ms)

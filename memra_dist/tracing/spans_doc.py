@@ -73,10 +73,11 @@ ATTR_DOC = {
                         "ttft.cache_alloc"),
     "graph_rows_ms": ("", "memra.first_token", "each captured row count's ms as rows:ms joined by / (- when "
                       "nothing was captured)"),
-    "kernel_tunes": ("", "memra.first_token", "Triton autotuner keys benchmarked between the session's start and "
-                     "its first token (0 once their timings are in the on-disk cache)"),
+    "kernel_tune_configs": ("", "memra.first_token", "Triton autotuner configs benchmarked between the session's start "
+                            "and its first token (0 once their timings are in the on-disk cache)"),
     "kernel_tune_ms": ("ms", "memra.first_token", "those keys' benchmarking, inside the captures' warm-ups"),
-    "kernel_tune_cached": ("", "memra.first_token", "autotuner keys read from the on-disk cache instead"),
+    "kernel_tune_cached": ("", "memra.first_token", "autotuner keys read from the on-disk cache instead (counted "
+                           "where Triton reports it, 0 otherwise)"),
     "tap_sink_alloc_ms": ("ms", "memra.first_token", "the target's tap sink allocation (pp>1: the head's sink), "
                           "a drained share of ttft.cache_alloc; ~0 when the previous session's sink is reused"),
     "tap_sink_mb": ("MB", "memra.first_token", "the target's tap sink for the session (0: no taps kept)"),
