@@ -18,10 +18,35 @@ import torch
 
 from .phase.subsplit import EventMarks, StampMarks
 
-__all__ = ["StepGraphs", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
+__all__ = ["StepGraphs", "hold_collector", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
            "compiled_blocks", "stage_compiles", "MAX_GRAPH_ROWS"]
 
 MAX_GRAPH_ROWS = 64  # decode and verify rows; a prefill runs eager (one graph per prompt length would not pay)
+
+_held = {"depth": 0, "was_on": False}  # hold_collector's nesting
+
+
+@contextmanager
+def hold_collector():
+    """Collect once, then keep Python's cyclic collector off until the outermost block exits.
+
+    Graphs of a runner dropped earlier sit in reference cycles until the collector runs;
+    collected mid-capture, their teardown is an illegal call on a capturing stream (and
+    invalidates the capture). So every capture runs inside this block. A warm-up of many
+    captures wraps them all in one (nested blocks neither collect nor switch anything): one
+    collection per warm-up instead of one per capture, which cost ~0.1 s each in a process
+    holding torch, Ray and transformers (a DFlash drafter captures 31 graphs)."""
+    if _held["depth"] == 0:
+        gc.collect()
+        _held["was_on"] = gc.isenabled()
+        gc.disable()
+    _held["depth"] += 1
+    try:
+        yield
+    finally:
+        _held["depth"] -= 1
+        if _held["depth"] == 0 and _held["was_on"]:
+            gc.enable()
 
 
 def _timing_event():
@@ -144,19 +169,9 @@ class StepGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        # Graphs of a runner dropped earlier sit in reference cycles until the collector runs;
-        # collected mid-capture, their teardown is an illegal call on a capturing stream (and
-        # invalidates the capture). Collect now, and keep the collector off while capturing.
-        gc.collect()
-        was_on = gc.isenabled()
-        gc.disable()
         kept = marks()  # the events this graph records at every replay
-        try:
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self._eager(sx, pos, kept)
-        finally:
-            if was_on:
-                gc.enable()
+        with hold_collector(), torch.cuda.graph(g, pool=self.pool):
+            out = self._eager(sx, pos, kept)
         if depth is not None:
             depth.lap("graph_record_ms", t)
         graph = _Graph(g, sx, base, pos, out, marks=kept)
@@ -172,6 +187,10 @@ class StepGraphs:
         `depth` (the first-token profile's DepthTimer): each capture is a drained lap, the
         first apart (it pays torch.compile and the kernels' JIT, or reads their caches), kept
         per row count too, and split into its warm-up runs and its recording."""
+        with hold_collector():
+            self._warm(rows_list, timed, depth)
+
+    def _warm(self, rows_list, timed: bool, depth) -> None:
         st = self.runner.stage
         tables = [(self.graphs, False)] + ([(self.timed, True)] if timed else [])
         for rows in rows_list:

@@ -378,3 +378,34 @@ def test_a_profiled_cpu_alloc_times_the_cache(llama):
     r.ttft_depth = DepthTimer(pf, lambda: next(clock))
     r.alloc(256)
     assert pf.cache_kv_alloc_ms == 1.0 and pf.graph_captures == 0 and pf.graph_first_capture_ms == 0.0
+
+
+def test_a_warm_up_collects_once_and_holds_the_collector_over_every_capture(monkeypatch):
+    """StepGraphs.warm: one gc.collect for all its captures (each cost ~0.1 s in a process
+    holding torch and Ray), the collector off during each capture, back on after."""
+    import gc
+    from types import SimpleNamespace
+
+    from memra_dist import graphs as G
+
+    collects = []
+    monkeypatch.setattr(G.gc, "collect", lambda *a: collects.append(1) or 0)
+    runner = SimpleNamespace(stage=SimpleNamespace(has_embed=True), device=torch.device("cpu"))
+    g = G.StepGraphs.__new__(G.StepGraphs)
+    g.runner, g.graphs, g.timed = runner, {}, {}
+    seen = []
+
+    def capture(x, start, timed=False, depth=None):
+        with G.hold_collector():  # as the real capture does around its recording
+            seen.append(gc.isenabled())
+        return ("graph", x.shape[0], timed)
+
+    g._capture = capture
+    assert gc.isenabled()
+    g.warm(range(1, 6), timed=True)
+    assert len(seen) == 10 and not any(seen), "a capture ran with the collector on"
+    assert len(collects) == 1, f"{len(collects)} collections for one warm-up"
+    assert gc.isenabled()
+    with G.hold_collector():  # a lone capture (first use) still collects first
+        pass
+    assert len(collects) == 2 and gc.isenabled()

@@ -43,7 +43,7 @@ import weakref
 
 import torch
 
-from ...graphs import compiled_blocks
+from ...graphs import compiled_blocks, hold_collector
 from .dflash_graph import _CudaGraph
 from .host_row import HostRow
 
@@ -74,7 +74,7 @@ class ChainGraph:
         self.row = HostRow(max(FEEDS), dev)
         self.base = torch.arange(max(FEEDS), device=dev)
         on_dev = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
-        with on_dev, torch.inference_mode():  # the capture's streams on the runner's device
+        with on_dev, torch.inference_mode(), hold_collector():  # the captures' streams on the runner's device
             self.graph = graph_cls(self._body, pool)
             self.fed = {r: graph_cls(lambda r=r: self._feed_body(r), pool) for r in FEEDS
                         if r + k - 1 <= self.capacity}

@@ -31,10 +31,9 @@ tests/test_dflash_graph_emulated.py replays an emulated capture and compares exa
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
+from ...graphs import hold_collector
 from .dflash_compile import compiled_pieces, target_compiles, warn_fallback
 from .host_row import HostRow
 
@@ -54,15 +53,8 @@ class _CudaGraph:
                 fn()
         cur.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        gc.collect()
-        was_on = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.out = fn()
-        finally:
-            if was_on:
-                gc.enable()
+        with hold_collector(), torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn()
 
     def replay(self) -> None:
         self.graph.replay()
@@ -193,11 +185,13 @@ class BlockGraphs:
         """Capture every round's graphs now (at allocation, rows 0 .. B-1 of a fresh state):
         the ingests of 1 .. B rows and the blocks of 1 .. B-1 drafts, so no capture lands in a
         round. What the warm-ups write there is rewritten before it is read: the prime ingests
-        rows 0 .. P-1, and a block only reads rows below its start (ingested) and its own."""
-        for rows in range(1, self.d.B + 1):
-            self.ingest(0, rows)
-        for rows in range(1, self.d.B):
-            self.logits(0, 0, rows)
+        rows 0 .. P-1, and a block only reads rows below its start (ingested) and its own.
+        One collection for all of them (graphs.hold_collector)."""
+        with hold_collector():
+            for rows in range(1, self.d.B + 1):
+                self.ingest(0, rows)
+            for rows in range(1, self.d.B):
+                self.logits(0, 0, rows)
 
 
 def kernel_attention(drafter) -> bool:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from ...graphs import MAX_GRAPH_ROWS
+from ...graphs import MAX_GRAPH_ROWS, hold_collector
 from ...model.prefix_attention import PREFIX_MIN_ROWS
 from .dflash_graph import _CudaGraph
 from .host_row import HostRow
@@ -152,12 +152,13 @@ class Eagle3Graphs:
             self.reset()
         self.sink = taps
         self.row.load((), 0)  # ids: whatever the row holds (zeros at first); start 0
-        for key in self.keys():
-            if key in self.graphs:
-                continue
-            self.pos.zero_()
-            self.sidx.zero_()
-            self._capture(key, taps)
+        with hold_collector():  # one collection for every capture (graphs.hold_collector)
+            for key in self.keys():
+                if key in self.graphs:
+                    continue
+                self.pos.zero_()
+                self.sidx.zero_()
+                self._capture(key, taps)
         for t in (d.state.k, d.state.v):
             t.zero_()
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ...graphs import MAX_GRAPH_ROWS
+from ...graphs import MAX_GRAPH_ROWS, hold_collector
 from .dflash_graph import _CudaGraph
 from .host_row import HostRow
 
@@ -110,13 +110,14 @@ class MTPGraphs:
         if self.sink is not None and self.sink is not d._final():
             self.reset()
         tok, hid = torch.zeros(1, dtype=torch.long, device=d.device), torch.zeros_like(self.hid)
-        for key in self.keys():
-            if key in self.graphs:
-                continue
-            if key[0] == "first":  # token 0 at rows 0 .. rows - 1 (the graph reads every row's id alike)
-                self.first(key[1], 0, [0] * key[2], [])
-            else:
-                self.chain(key[1], 0, tok, hid)
+        with hold_collector():  # one collection for every capture (graphs.hold_collector)
+            for key in self.keys():
+                if key in self.graphs:
+                    continue
+                if key[0] == "first":  # token 0 at rows 0 .. rows - 1 (the graph reads every row's id alike)
+                    self.first(key[1], 0, [0] * key[2], [])
+                else:
+                    self.chain(key[1], 0, tok, hid)
         for st in d.states:
             for t in vars(st).values():
                 if isinstance(t, torch.Tensor):
