@@ -176,18 +176,31 @@ def check_sessions(sessions: int | None, pp: int) -> int:
 
 @contextmanager
 def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir: str | None = None,
-                lost: list | None = None, sessions: int | None = None):
+                lost: list | None = None, sessions: int | None = None, max_batch: int = 1,
+                max_batch_tokens: int | None = None, kv_rows: int | None = None):
     """Load the model (pp=1) or place the pipeline (pp>1) once, for any number of requests.
     capacity: the context rows every request shares (default: --ctx, else the model's
     positions up to DEFAULT_ENGINE_CTX: a cache for a model's whole window can be tens of GB).
     sessions: requests in flight at once (pp>1; default one per stage, each a cache slot of
     `capacity` rows on every stage); pp=1 serves one at a time.
     run_dir / lost: the pipeline actors' span files, and the lines naming any role whose
-    spans did not all arrive."""
+    spans did not all arrive.
+    max_batch (pp=1): up to this many requests in flight, their target forwards joined into
+    one forward (batching/: continuous batching over a paged KV cache of `kv_rows` rows, at
+    most `max_batch_tokens` rows a forward); 1 runs requests one after another."""
     mcfg = mcfg or load_config(cfg.model)
     cap = capacity or cfg.ctx or min(mcfg.max_position_embeddings, DEFAULT_ENGINE_CTX)
     n = check_sessions(sessions, cfg.pp)
     base = plan_request(cfg.with_(ctx=cap), 1, mcfg)
+    if max_batch != 1:
+        from .batching.backend import BatchedBackend  # noqa: PLC0415
+
+        batched = BatchedBackend(base, max_batch, max_batch_tokens, kv_rows)
+        try:
+            yield Engine(base, batched, max_batch)
+        finally:
+            batched.close()
+        return
     if cfg.pp > 1:
         from .pipeline.driver import open_pipeline  # noqa: PLC0415 (Ray only when asked for)
 

@@ -69,6 +69,8 @@ class Attention(nn.Module):
         """x (T, hidden) -> (T, hidden). ctx: StepCtx (positions, mask over cache slots, rotary
         rows); without a state (no cache) plain causal attention over x."""
         T, pos, mask = x.shape[0], ctx.pos, ctx.mask
+        if getattr(ctx, "batch", None) is not None:  # several requests' rows over a paged cache
+            return self._batched(x, ctx, state)
         if state is not None and T <= self.fast_attn_rows and self.rope_kernel_ok():
             return self._fast(x, ctx, state)
         rope = ctx.rope_for(self.rope_dim)
@@ -92,6 +94,33 @@ class Attention(nn.Module):
         if T <= self.fast_attn_rows:
             return self.o_proj(torch.ops.memra.decode_attention(q, state.k, state.v, pos))
         return self.o_proj(cached_attention(q, state.k, state.v, mask, self.nkv))  # (T, hidden)
+
+    def _batched(self, x: torch.Tensor, ctx, state) -> torch.Tensor:
+        """Rows of several requests (batching/paged.py `BatchView` in ctx.batch): the
+        projections over every row at once, the K/V written at the rows' pool slots, then each
+        request's attention over its own keys, gathered in position order, on the arm its
+        rows take alone (prefix attention for a prefill chunk; the masked cached attention over
+        a buffer of its capacity, zero and masked past its rows, for decode / verify rows)."""
+        T, view = x.shape[0], ctx.batch
+        q, k, v = self._qkv(x)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope = ctx.rope_for(self.rope_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        state.k.index_copy_(0, view.slots, k)
+        state.v.index_copy_(0, view.slots, v)
+        outs = []
+        for seg in view.segments:
+            qs = q[seg.lo:seg.hi]
+            ks, vs = state.k.index_select(0, seg.keys), state.v.index_select(0, seg.keys)
+            if seg.prefix is not None:
+                outs.append(prefix_attention(qs, ks, vs, seg.prefix, self.hd ** -0.5).reshape(seg.rows, -1))
+                continue
+            kc = ks.new_zeros((seg.capacity,) + ks.shape[1:])
+            vc = vs.new_zeros((seg.capacity,) + vs.shape[1:])
+            kc[:ks.shape[0]], vc[:vs.shape[0]] = ks, vs
+            outs.append(cached_attention(qs, kc, vc, seg.mask, self.nkv))
+        return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
     def rope_kernel_ok(self) -> bool:
         """Whether kernels/rope_kv.py can take this layer's rotary and cache write: fused QKV,

@@ -37,6 +37,9 @@ class StepCtx:
     # rows [0, prefix + T) causal to the bottom right (model/prefix_attention.py) and no mask is
     # built (it would be T x capacity); None: decode / verify rows under `mask`
     prefix: int | None = None
+    # several requests' rows in one forward over a paged cache (batching/paged.py BatchView):
+    # each layer writes the rows at their pool slots and attends per request
+    batch: object | None = None
 
     def rope_for(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope[dim]
@@ -80,7 +83,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepCtx, state) -> torch.Tensor:
         tm = ctx.timer
-        fused = x.shape[0] <= self.fused_rows and state is not None
+        fused = x.shape[0] <= self.fused_rows and state is not None and ctx.batch is None
         if tm is not None:
             tm.begin()  # level 2: drained laps, so each class gets its device share
         if fused:

@@ -1,0 +1,176 @@
+"""Many requests' rows in one forward: the batcher every batched request's target submits to.
+
+Each request runs its own speculative session (specdec/session.py, unchanged: its drafter,
+acceptance, sampling generator, phase clock and spans) in its own thread, over a `BatchSlot`
+(slot.py) instead of a ModelRunner. A slot's forward (a prefill chunk, a decode row, or a
+verify of 1 + k rows) is submitted here and waits; one submitting thread becomes the step's
+leader and runs every pending submission as ONE forward of the stage (embedding, each block's
+projections and FFN over all rows at once, attention per request over its own paged K/V:
+paged.py), then hands each request its rows' output. So decode rows, verify rows of different
+lengths (k per request, 0 included) and new requests' prefill chunks share a forward, and
+requests join (`admit`) and leave (`leave`) between steps: continuous batching.
+
+When a step runs: as soon as every admitted request has a submission waiting, or `max_wait_s`
+after the oldest waiting one (a request busy on the host, or its client slow to read, never
+holds the others for longer). A step takes waiting submissions in arrival order up to
+`max_tokens` rows (at least one); the rest go in the next step. Each request's rows see
+exactly the inputs they see alone (paged.py), so what shares a step never changes a result.
+
+Admission: a request reserves the blocks of its rows (blocks.py) and waits while the pool
+cannot hold it; a request larger than the whole pool is refused with one line.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UserError
+from ..model.layers import rope_rows
+from ..model.transformer import StepCtx
+from .blocks import BlockPool
+from .paged import BatchView, PagedKV
+
+__all__ = ["Batcher", "BatchStats"]
+
+MAX_WAIT_S = 0.005
+
+
+@dataclass
+class _Job:
+    rid: object
+    ids: torch.Tensor
+    start: int
+    width: int
+    last: bool
+    t: float = field(default_factory=time.perf_counter)
+    out: torch.Tensor | None = None
+    err: BaseException | None = None
+    done: bool = False
+
+
+@dataclass
+class BatchStats:
+    steps: int = 0
+    rows: int = 0
+    requests: int = 0  # request-steps: a request's rows in a step count once
+    max_requests: int = 0  # the most requests one step held
+    waits: int = 0  # admissions that waited for blocks
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "rows": self.rows, "max_requests": self.max_requests,
+                "mean_requests": round(self.requests / self.steps, 3) if self.steps else 0.0,
+                "mean_rows": round(self.rows / self.steps, 3) if self.steps else 0.0, "admission_waits": self.waits}
+
+
+class Batcher:
+    def __init__(self, stage, device, dtype, pool: BlockPool, max_tokens: int, max_wait_s: float = MAX_WAIT_S):
+        if max_tokens < 1:
+            raise UserError(f"--max-batch-tokens must be >= 1 (got {max_tokens})")
+        self.stage, self.device, self.dtype, self.pool = stage, device, dtype, pool
+        self.kv = PagedKV(stage, pool, device, dtype)
+        self.max_tokens, self.max_wait_s = max_tokens, max_wait_s
+        self.cv = threading.Condition()
+        self.pending: list[_Job] = []
+        self.admitted: set = set()
+        self.running = False
+        self.stats = BatchStats()
+
+    # ---- requests joining and leaving ----
+    def admit(self, rid, rows: int) -> None:
+        """Reserve `rows` rows of blocks for request `rid`, waiting while the pool is short."""
+        if not self.pool.fits(rows):
+            raise UserError(f"a request of {rows} rows does not fit the KV pool ({self.pool.rows} rows): "
+                            f"raise --kv-rows or lower --max-new-tokens")
+        with self.cv:
+            waited = False
+            while not self.pool.reserve(rid, rows):
+                waited = True
+                self.cv.wait()
+            self.stats.waits += waited
+            self.admitted.add(rid)
+
+    def leave(self, rid) -> None:
+        with self.cv:
+            self.pool.release(rid)
+            self.admitted.discard(rid)
+            self.cv.notify_all()  # blocks for a waiting admission; a step that waited for this one
+
+    # ---- one forward's rows ----
+    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool) -> torch.Tensor:
+        """Request `rid`'s rows `ids` at positions [start, start + len) (its attention as over a
+        cache of `width` rows); returns what its runner's forward would: fp32 logits of every
+        row, or of the last with `last`."""
+        job = _Job(rid, ids, start, width, last)
+        with self.cv:
+            self.pending.append(job)
+            self.cv.notify_all()
+            while not job.done:
+                if not self.running and self.pending:
+                    wait = self._ready_in()
+                    if wait <= 0:
+                        self._lead()
+                        continue
+                    self.cv.wait(wait)
+                else:
+                    self.cv.wait()
+        if job.err is not None:
+            raise job.err
+        return job.out
+
+    def _ready_in(self) -> float:
+        """Seconds until a step should run (<= 0: now)."""
+        waiting = {j.rid for j in self.pending}
+        if self.admitted <= waiting:
+            return 0.0
+        return self.pending[0].t + self.max_wait_s - time.perf_counter()
+
+    def _lead(self) -> None:
+        """Called holding the lock: take a step's jobs, run it unlocked, hand the results out."""
+        take, rows = [], 0
+        for j in self.pending:
+            n = j.ids.shape[0]
+            if take and rows + n > self.max_tokens:
+                break
+            take.append(j)
+            rows += n
+        del self.pending[:len(take)]
+        self.running = True
+        self.cv.release()
+        try:
+            try:
+                outs = self._forward(take)
+                for j, o in zip(take, outs):
+                    j.out = o
+            except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
+                for j in take:
+                    j.err = e
+        finally:
+            self.cv.acquire()
+            self.running = False
+            s = self.stats
+            s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
+            s.max_requests = max(s.max_requests, len(take))
+            for j in take:
+                j.done = True
+            self.cv.notify_all()
+
+    @torch.inference_mode()
+    def _forward(self, jobs: list[_Job]) -> list[torch.Tensor]:
+        st, dev = self.stage, self.device
+        view = BatchView.build(self.pool, [(j.rid, j.start, j.ids.shape[0], j.width) for j in jobs], dev)
+        x = torch.cat([j.ids for j in jobs]).to(dev)
+        pos = torch.cat([torch.arange(j.start, j.start + j.ids.shape[0]) for j in jobs]).to(dev)
+        rope = {d: rope_rows(pos, f, st._rope_scale) for d, f in st._inv_freq.items()}
+        ctx = StepCtx(pos=pos, mask=None, rope=rope, batch=view)
+        h = st.embed_tokens(x)
+        for i, blk in st.layers.items():
+            h = blk(h, ctx, self.kv.layers[int(i)])
+        outs = []
+        for j, seg in zip(jobs, view.segments):
+            hs = h[seg.lo:seg.hi]
+            outs.append(st.logits(hs[-1:] if j.last else hs))
+        return outs

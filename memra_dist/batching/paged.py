@@ -1,0 +1,98 @@
+"""The paged K/V of a batched engine and the view one batched forward takes of it.
+
+`PagedKV` holds, per attention layer, K and V pools of `pool.rows` slots (blocks.py maps a
+request's positions to slots). `BatchView` is what a batched forward's layers read through
+`StepCtx.batch`: the slot each row writes, and per request (a segment of consecutive rows)
+the slots of its positions 0 .. its last row, in position order.
+
+Attention over a segment (model/attention.py `Attention._batched`) gathers the request's keys
+and values in position order and runs the same arm a single request's forward runs: a prefill
+chunk of more than PREFIX_MIN_ROWS rows the prefix attention over its [0, end) rows; decode and
+verify rows the masked cached attention over a buffer of the request's capacity, its rows past
+the written ones zero and masked. So each request's attention sees exactly the inputs it sees
+alone (bitwise on CPU), whatever shares its forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.prefix_attention import PREFIX_MIN_ROWS
+from .blocks import BlockPool
+
+__all__ = ["PagedKV", "PagedLayer", "BatchView", "Segment"]
+
+
+@dataclass
+class PagedLayer:
+    """One attention layer's K and V pools, each (slots, n_kv, head_dim), zero-filled."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class PagedKV:
+    def __init__(self, stage, pool: BlockPool, device, dtype):
+        self.pool = pool
+        self.layers: dict[int, PagedLayer] = {}
+        for i, blk in stage.layers.items():
+            attn = blk.self_attn
+            shape = (pool.rows, attn.nkv, attn.hd)
+            self.layers[int(i)] = PagedLayer(torch.zeros(shape, device=device, dtype=dtype),
+                                             torch.zeros(shape, device=device, dtype=dtype))
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers.values())
+
+    @staticmethod
+    def row_bytes(stage, dtype) -> int:
+        """Bytes one slot takes over every layer (K and V)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * b.self_attn.nkv * b.self_attn.hd * size for b in stage.layers.values())
+
+
+@dataclass
+class Segment:
+    """One request's rows [lo, hi) of the batched forward, at positions [start, start + hi - lo)."""
+
+    lo: int
+    hi: int
+    start: int
+    capacity: int  # the rows of the cache its attention runs over alone (the session's capacity)
+    keys: torch.Tensor  # (start + hi - lo,) pool slots of positions 0 .. its last row
+    mask: torch.Tensor | None = None  # (rows, capacity) decode / verify rows: key slot c <= the row's position
+    prefix: int | None = None  # a prefill chunk: its first position (prefix attention)
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass
+class BatchView:
+    slots: torch.Tensor  # (T,) the pool slot each row writes
+    segments: list[Segment] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, pool: BlockPool, parts: list[tuple[object, int, int, int]], device) -> "BatchView":
+        """parts: (request id, start, rows, width) in row order; width: the rows of the cache the
+        request's attention runs over alone (its session's capacity)."""
+        slots, segs, lo = [], [], 0
+        for rid, start, rows, cap in parts:
+            end = start + rows
+            slots.extend(pool.slots(rid, start, end))
+            keys = torch.tensor(pool.slots(rid, 0, end), dtype=torch.long, device=device)
+            seg = Segment(lo, lo + rows, start, cap, keys)
+            if rows > PREFIX_MIN_ROWS:
+                seg.prefix = start
+            else:
+                pos = torch.arange(start, end, device=device)
+                seg.mask = torch.arange(cap, device=device)[None, :] <= pos[:, None]
+            segs.append(seg)
+            lo += rows
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), segs)

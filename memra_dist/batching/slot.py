@@ -1,0 +1,70 @@
+"""One batched request's target: what its speculative session (specdec/session.py) calls where a
+single request calls its ModelRunner — `alloc`, `forward`, `rollback`, `length` — over the
+batcher's paged cache (batcher.py).
+
+`alloc(capacity)` admits the request: it reserves blocks for the rows the request can write
+(`need`: prompt + new tokens + K + 1, at most the capacity), waiting while the pool is short.
+Its attention still runs as over a cache of `capacity` rows (paged.py), so a request's ids
+are the same batched or alone. `rollback(n)` keeps n rows: positions past n are rewritten by
+the next forward before anything reads them (the mask reads positions up to each row's
+own), as a ModelRunner's cache does. `release()` gives the blocks back.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..device import Drainer, device_label, free_mb
+from ..errors import UserError
+
+__all__ = ["BatchSlot"]
+
+_ids = itertools.count()
+
+
+class BatchSlot:
+    takes_device_ids = False  # ids come from the host (the session's row buffer)
+    graphs = None  # no step graphs: the batched forward runs eager (the ahead path stays off)
+    cache = None
+
+    def __init__(self, batcher, need: int):
+        self.batcher, self.need = batcher, need
+        self.rid = next(_ids)
+        self.device, self.dtype = batcher.device, batcher.dtype
+        self.label = device_label(self.device)
+        self.drain = Drainer(self.device)
+        self.capacity = 0
+        self.length = 0
+        self.admitted = False
+
+    def alloc(self, capacity: int) -> None:
+        if not self.admitted:
+            self.batcher.admit(self.rid, min(self.need, capacity))
+            self.admitted = True
+        self.capacity, self.length = capacity, 0
+
+    def forward(self, x: torch.Tensor, start: int, timer=None, last: bool = False) -> torch.Tensor:
+        rows = x.shape[0]
+        held = self.batcher.pool.capacity(self.rid)
+        if start + rows > min(held, self.capacity):
+            raise UserError(f"context full: {start + rows} rows needed, the request holds {min(held, self.capacity)}")
+        self.length = start + rows
+        return self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity, last)
+
+    def rollback(self, new_len: int) -> None:
+        if not 0 <= new_len <= self.length:
+            raise ValueError(f"rollback to {new_len} outside [0, {self.length}]")
+        self.length = new_len
+
+    def free_mb(self) -> int:
+        return free_mb(self.device)
+
+    def fast_path(self) -> dict[str, bool]:
+        return {"graphs": False, "compile": False, "kernels": False}
+
+    def release(self) -> None:
+        if self.admitted:
+            self.batcher.leave(self.rid)
+            self.admitted = False

@@ -1,0 +1,109 @@
+"""Batched speculative decoding (memra_dist/batching/): many requests' rows in one forward over
+a paged KV cache give every request exactly the ids it gets alone (CPU, fp32), whatever shares
+its forwards: requests of different prompt and output lengths, ending in the middle of others,
+admitted while others decode, waiting for KV blocks; greedy and sampled; drafters none, ngram."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from memra_dist.app import open_engine
+from memra_dist.config import RunConfig
+from memra_dist.errors import UserError
+from memra_dist.specdec.sampling import SamplingParams
+
+CAP = 160
+
+
+def _prompts(n: int = 12) -> list[tuple[list[int], int]]:
+    """(prompt, max_new): lengths from 3 to 58 (chunks of 40 make the long ones two prefill
+    forwards), outputs from 5 to 40 tokens; repeats inside some prompts so ngram drafts."""
+    out = []
+    for i in range(n):
+        plen = 3 + (i * 11) % 56
+        base = [(7 * i + 5 * j + 3) % 120 + 4 for j in range(max(2, plen // 3))]
+        prompt = (base * 4)[:plen]
+        out.append((prompt, 5 + (i * 7) % 36))
+    return out
+
+
+def _cfg(model, drafter: str, **kw) -> RunConfig:
+    return RunConfig(model=str(model), drafter=drafter, k=3, device="cpu", dtype="fp32", prefill_chunk=40, **kw)
+
+
+def _solo(model, drafter, reqs, **kw) -> list[list[int]]:
+    with open_engine(_cfg(model, drafter, **kw), capacity=CAP) as eng:
+        return [eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw)).token_ids for p, n in reqs]
+
+
+def _batched(model, drafter, reqs, max_batch=6, kv_rows=None, **kw):
+    got: dict[int, list[int]] = {}
+    errors = []
+    with open_engine(_cfg(model, drafter, **kw), capacity=CAP, max_batch=max_batch, kv_rows=kv_rows) as eng:
+        sem = threading.Semaphore(0)
+
+        def one(i, p, n):
+            try:
+                got[i] = eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw)).token_ids
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+            sem.release()
+
+        threads = [threading.Thread(target=one, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert sem.acquire(timeout=300), "a batched request never finished"
+        stats = eng._backend.stats()
+    assert not errors, errors
+    return [got[i] for i in range(len(reqs))], stats
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, drafter):
+    reqs = _prompts()
+    solo = _solo(llama, drafter, reqs)
+    batched, stats = _batched(llama, drafter, reqs)
+    for i, (a, b) in enumerate(zip(solo, batched)):
+        assert a == b, f"request {i} (prompt {len(reqs[i][0])}, {reqs[i][1]} new): batched {b} alone {a}"
+    assert len({len(t) for t in solo}) >= 8  # outputs of many lengths: requests end in the middle of others
+    # it did batch: steps held several requests, and decode rows rode beside others' rows
+    assert stats["max_requests"] >= 3, stats
+    assert stats["mean_requests"] > 1.5, stats
+    assert stats["kv_blocks_used"] == 0  # every request gave its blocks back
+
+
+def test_sampled_requests_keep_their_own_generators(llama):
+    reqs = _prompts(6)
+    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
+    solo = _solo(llama, "ngram", reqs, **kw)
+    batched, _ = _batched(llama, "ngram", reqs, max_batch=3, **kw)
+    assert batched == solo
+
+
+def test_a_short_kv_pool_makes_requests_wait_and_loses_nothing(llama):
+    """A pool for about two requests at a time with six slots: admissions wait for blocks
+    (never an out-of-memory), and every request still gets its solo ids."""
+    reqs = _prompts(8)
+    solo = _solo(llama, "ngram", reqs)
+    most = max(len(p) + n + 4 for p, n in reqs)
+    batched, stats = _batched(llama, "ngram", reqs, max_batch=6, kv_rows=2 * most)
+    assert batched == solo
+    assert stats["admission_waits"] >= 1, stats
+    assert stats["kv_rows"] <= 2 * most + 16
+
+
+def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
+    with pytest.raises(UserError, match="--drafter none, ngram, replay"):
+        with open_engine(RunConfig(model=str(llama), draft_model=str(draft_llama), drafter="model", device="cpu"),
+                         capacity=CAP, max_batch=4):
+            pass
+    with pytest.raises(UserError, match="--max-batch must be in"):
+        with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=0):
+            pass
+    with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=2, kv_rows=64) as eng:
+        with pytest.raises(UserError, match="a request of 160 rows does not fit the KV pool .64 rows."):
+            eng.generate([5, 6, 7], _cfg(llama, "none", max_new_tokens=200))
+        assert eng.generate([5, 6, 7], _cfg(llama, "none", max_new_tokens=20)).token_ids  # the engine still serves
