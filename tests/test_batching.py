@@ -107,3 +107,47 @@ def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
         with pytest.raises(UserError, match="a request of 160 rows does not fit the KV pool .64 rows."):
             eng.generate([5, 6, 7], _cfg(llama, "none", max_new_tokens=200))
         assert eng.generate([5, 6, 7], _cfg(llama, "none", max_new_tokens=20)).token_ids  # the engine still serves
+
+
+def _jsonl(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _records(path):
+    import json
+
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.slow  # two CLI processes
+def test_batch_job_with_max_batch_writes_the_records_of_one_at_a_time(llama, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    rows = [{"id": f"r{i}", "prompt": "the phase clock drains " * (1 + i % 4) + str(i), "max_new_tokens": 8 + 5 * i}
+            for i in range(7)]
+    rows[3]["temperature"], rows[3]["seed"] = 0.7, 5  # a sampled one among the greedy
+    inp = _jsonl(tmp_path / "in.jsonl", rows)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RAY_ADDRESS", "MEMRA_", "TRACEPARENT"))}
+
+    def run(out, *extra):
+        cmd = [sys.executable, "-m", "memra_dist.cli", "batch", "--model", str(llama), "--input", str(inp),
+               "--output", str(out), "--device", "cpu", "--drafter", "ngram", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+    one, many = tmp_path / "one.jsonl", tmp_path / "many.jsonl"
+    p1, p4 = run(one), run(many, "--max-batch", "4")
+    assert p1.returncode == 0, p1.stderr[-2000:]
+    assert p4.returncode == 0, p4.stderr[-2000:]
+    a, b = _records(one), _records(many)
+    assert sorted(a) == sorted(b) == sorted(r["id"] for r in rows)
+    for rid in a:
+        assert b[rid]["token_ids"] == a[rid]["token_ids"], rid
+    bad = run(tmp_path / "bad.jsonl", "--max-batch", "4", "--pp", "2")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("memra-dist: error: --max-batch > 1 runs at --pp 1")
+    assert not (tmp_path / "bad.jsonl").exists()

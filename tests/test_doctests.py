@@ -9,7 +9,7 @@ import pytest
 
 MODULES = ["memra_dist.pipeline.partition", "memra_dist.specdec.drafters.ngram", "memra_dist.bench.roofline",
            "memra_dist.model.prefetch", "memra_dist.specdec.chunks", "memra_dist.model.prefix_attention",
-           "memra_dist.compile_policy"]
+           "memra_dist.compile_policy", "memra_dist.batching.blocks"]
 
 
 @pytest.mark.parametrize("name", MODULES)

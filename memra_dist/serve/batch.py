@@ -76,7 +76,7 @@ def choose_capacity(ctx: int | None, max_pos: int, prompt_lens: list[int], max_n
 
 def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engine, ctx: int | None = None,
             err: TextIO | None = None, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-            sessions: int | None = None, tracing=None, lost: list | None = None) -> int:
+            sessions: int | None = None, tracing=None, lost: list | None = None, batching: dict | None = None) -> int:
     """The whole job; 0 when it ran (refused and failed requests included), 130 when
     interrupted. Bad arguments (and an output holding other prompts' results) raise UserError
     before the engine opens; EngineFailing (exit 1) when the engine fails on
@@ -85,7 +85,8 @@ def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engin
     (callable from that many threads at once). `tracing`: an enabled tracing.otel.TracingSession
     gives each request its memra.request span (and span sink, carrier); open_engine then also
     gets `run_dir=` and `lost=` (the pipeline actors' spans: `lost` gets a line per role whose
-    spans did not all arrive)."""
+    spans did not all arrive). `batching` (pp=1, --max-batch > 1): open_engine's max_batch /
+    max_batch_tokens / kv_rows: the requests' forwards joined (memra_dist/batching/)."""
     def say(line: str) -> None:
         say_to(line, err)
 
@@ -100,7 +101,7 @@ def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engin
     out = Output(output_path)
     try:
         return _run(cfg, out, parse_input(data), tokenizer, max_pos, open_engine, ctx, say, err, every_s, clock,
-                    sessions, tracing if tracing is not None and tracing.enabled else None, lost)
+                    sessions, tracing if tracing is not None and tracing.enabled else None, lost, batching)
     finally:
         out.close()
 
@@ -120,7 +121,7 @@ def _check_same_prompts(entries, out: Output) -> None:
 
 
 def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, every_s, clock, sessions,
-         tracing=None, lost: list | None = None) -> int:
+         tracing=None, lost: list | None = None, batching: dict | None = None) -> int:
     if out.cut:
         say(f"[batch] {out.path}: cut off an unfinished last line ({out.cut} bytes); its request runs again")
     if out.unreadable:
@@ -151,6 +152,8 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
             if tracing is not None:  # the pipeline actors' spans go where the driver's do
                 traced = {"run_dir": str(tracing.run_dir) if tracing.run_dir else None,
                           "lost": lost if lost is not None else []}
+            if batching:
+                traced.update(batching)
             with open_engine(cfg, cap, sessions=sessions, **traced) as engine:
                 prog.start()
                 try:

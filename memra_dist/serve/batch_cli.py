@@ -45,6 +45,15 @@ def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
     b.add_argument("--sessions", type=int, default=None, metavar="S",
                    help="requests in flight at once (--pp > 1; default: one per stage, so every stage "
                         "works; each is a cache slot of --ctx rows on every stage); --pp 1 runs one at a time")
+    b.add_argument("--max-batch", type=int, default=1, metavar="B",
+                   help="--pp 1: up to B requests in flight with their forwards joined into one (continuous "
+                        "batching over a paged KV cache; drafters none / ngram, llama / qwen2 / qwen3 for now); "
+                        "each request gets the ids it gets alone (default 1: one after another)")
+    b.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="with --max-batch: at most N rows a forward (default: max(--prefill-chunk, B x (k + 1)))")
+    b.add_argument("--kv-rows", type=int, default=None, metavar="N",
+                   help="with --max-batch: the paged KV cache's rows (default: B x --ctx, at most what free "
+                        "memory holds); a request waits while the cache cannot hold its rows")
     b.set_defaults(max_new_tokens=64, burst_rounds=8)  # generate's defaults, not the demo's
     for a in b._actions:  # noqa: SLF001 (two helps that read differently for a batch)
         if a.dest == "ctx":
@@ -92,6 +101,17 @@ def _run(args) -> int:
         print(f"memra-dist: note: batch does not use {', '.join(ignored)}", file=sys.stderr)
     cfg = config_from_args(args, args.model, args.draft_model)
     mcfg = load_config(cfg.model)
+    batching = None
+    if args.max_batch != 1 or args.max_batch_tokens is not None or args.kv_rows is not None:
+        from ..batching.backend import check_batchable  # noqa: PLC0415
+
+        check_batchable(cfg, mcfg, args.max_batch)
+        for flag, v in (("--max-batch-tokens", args.max_batch_tokens), ("--kv-rows", args.kv_rows)):
+            if v is not None and v < 1:
+                raise UserError(f"{flag} must be >= 1 (got {v})")
+        if args.max_batch > 1:
+            batching = {"max_batch": args.max_batch, "max_batch_tokens": args.max_batch_tokens,
+                        "kv_rows": args.kv_rows}
     tok = load_tokenizer(cfg.model)
     if tok.vocab_size > mcfg.vocab_size:
         raise UserError(f"{cfg.model}: tokenizer has {tok.vocab_size} tokens, the model only {mcfg.vocab_size}")
@@ -102,7 +122,8 @@ def _run(args) -> int:
     lost: list[str] = []
     try:
         code = run_job(cfg, args.input, args.output, tokenizer=tok, max_pos=mcfg.max_position_embeddings,
-                       open_engine=open_engine, ctx=args.ctx, sessions=args.sessions, tracing=tracing, lost=lost)
+                       open_engine=open_engine, ctx=args.ctx, sessions=args.sessions, tracing=tracing, lost=lost,
+                       batching=batching)
     finally:  # a normal end, an error or Ctrl-C: spans flushed within the bound
         if tracing.close(metrics_follow=False):
             lost.append("driver")
