@@ -151,3 +151,38 @@ def test_batch_job_with_max_batch_writes_the_records_of_one_at_a_time(llama, tmp
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("memra-dist: error: --max-batch > 1 runs at --pp 1")
     assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_served_requests_batched_get_their_solo_completions(llama):
+    """`serve --max-batch 3`'s engine host behind the HTTP API: five concurrent clients, each
+    completion equal to the one the one-at-a-time server gives."""
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from memra_dist.serve.api import build_app
+    from memra_dist.serve.host import EngineHost
+
+    from test_serve_api import _uvicorn
+
+    bodies = [{"prompt": "the drafter proposes " * (1 + i), "max_tokens": 6 + 4 * i, "temperature": 0} for i in range(5)]
+
+    def serve(max_batch):
+        cfg = RunConfig(model=str(llama), drafter="ngram", k=3, device="cpu", dtype="fp32", ctx=CAP)
+        host = EngineHost(cfg, None, max_batch=max_batch)
+        assert host.sessions == max_batch
+        got = {}
+        with _uvicorn(build_app(host, 8)) as base:
+            def one(i):
+                with httpx.Client(timeout=120) as c:
+                    got[i] = c.post(f"{base}/v1/completions", json=bodies[i]).json()
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        return [got[i]["choices"][0]["text"] for i in range(len(bodies))], host
+
+    solo, _ = serve(1)
+    batched, host = serve(3)
+    assert all(solo) and batched == solo
+    assert host.engine._backend.batcher.stats.max_requests >= 2

@@ -44,7 +44,8 @@ class MemraServer:
 
         args = argparse.Namespace(**options)
         cfg = config_from_args(args, args.model, args.draft_model)
-        self.host = EngineHost(cfg, args.sessions)  # the model loads (the pipeline is placed) here, once
+        # the model loads (the pipeline is placed) here, once
+        self.host = EngineHost(cfg, args.sessions, max_batch=getattr(args, "max_batch", 1))
         self.max_queue = args.max_queue
         body = getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
         self.max_body_bytes = body if isinstance(body, int) else parse_size(body)
@@ -54,8 +55,9 @@ class MemraServer:
 
 
 def engine_sessions(args) -> int:
-    """The sessions the engine keeps in flight (open_engine's rule: one per stage by default, 1 at pp=1)."""
-    return 1 if args.pp == 1 else (args.sessions or args.pp)
+    """The sessions the engine keeps in flight (open_engine's rule: one per stage by default, 1 at pp=1
+    unless --max-batch batches requests there)."""
+    return getattr(args, "max_batch", 1) if args.pp == 1 else (args.sessions or args.pp)
 
 
 def _gpus_for_replica(args) -> float:

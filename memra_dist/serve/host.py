@@ -99,9 +99,11 @@ def _opener_takes_sessions(opener) -> bool:
 
 class EngineHost:
     """Enters `open_engine` once (here) and exits it in `close`; in between, `run` serves
-    requests from up to `sessions` threads at once (None: the engine's default)."""
+    requests from up to `sessions` threads at once (None: the engine's default; with
+    `max_batch` > 1 at pp=1, that many requests batched into shared forwards)."""
 
-    def __init__(self, cfg, sessions: int | None = None, *, open_engine=None, tokenizer=None, mcfg=None):
+    def __init__(self, cfg, sessions: int | None = None, *, open_engine=None, tokenizer=None, mcfg=None,
+                 max_batch: int = 1):
         from ..model.config import load_config  # noqa: PLC0415
         from ..model.tokenizer import load_tokenizer  # noqa: PLC0415
 
@@ -119,7 +121,12 @@ class EngineHost:
         self._stack = ExitStack()
         try:
             self.concurrent = _opener_takes_sessions(open_engine)
-            cm = open_engine(cfg, None, sessions=sessions) if self.concurrent else open_engine(cfg, None)
+            if max_batch != 1:  # pp=1: the requests' forwards joined (memra_dist/batching/)
+                cm = open_engine(cfg, None, sessions=sessions, max_batch=max_batch)
+            elif self.concurrent:
+                cm = open_engine(cfg, None, sessions=sessions)
+            else:
+                cm = open_engine(cfg, None)
             self.engine = self._stack.enter_context(cm)
         except BaseException:
             self.tracing.close()

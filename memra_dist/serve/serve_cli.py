@@ -30,7 +30,8 @@ once, --pp > 1) in one Serve replica, which answers
                           "seed": 0, "stream": true}  (stream: Server-Sent Events, data: [DONE] last)
   GET  /v1/models, GET /health, GET /metrics (Prometheus text)
 
-Up to --sessions requests generate at once; up to --max-queue more wait for a session, and a
+Up to --sessions requests generate at once (at --pp 1, --max-batch batches that many into
+shared forwards); up to --max-queue more wait for a session, and a
 request beyond that is answered 429 at once. A bad body is a 400 naming the field; a prompt
 that does not fit the context (--ctx) is a 400; a body that is not JSON, a 415; one over
 --max-body-bytes, a 413; one not whole within 10 s, a 408. A client that disconnects frees
@@ -59,6 +60,10 @@ def _add_args(p: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
     g.add_argument("--sessions", type=int, default=None, metavar="S",
                    help="requests the engine generates at once, each in its own context rows (default: one per "
                         "pipeline stage, --pp; at --pp 1 requests run one at a time)")
+    g.add_argument("--max-batch", type=int, default=1, metavar="B",
+                   help="--pp 1: up to B requests generate at once with their forwards joined into one "
+                        "(continuous batching over a paged KV cache; drafters none / ngram, llama / qwen2 / qwen3 "
+                        "for now); each gets the ids it gets alone (default 1: one at a time)")
     g.add_argument("--max-queue", type=int, default=16, metavar="Q",
                    help="requests that may wait for a session; one more is answered 429 (default 16)")
     g.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES), metavar="N",
@@ -201,6 +206,10 @@ def validate(args):
                   "is 1; more wait in the queue)", file=sys.stderr)
     cfg = config_from_args(args, args.model, args.draft_model)
     mcfg = load_config(cfg.model)
+    if getattr(args, "max_batch", 1) != 1:
+        from ..batching.backend import check_batchable  # noqa: PLC0415
+
+        check_batchable(cfg, mcfg, args.max_batch)
     tok = load_tokenizer(cfg.model)
     if tok.vocab_size > mcfg.vocab_size:
         raise UserError(f"{cfg.model}: tokenizer has {tok.vocab_size} tokens, the model only {mcfg.vocab_size}")
