@@ -38,7 +38,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from pathlib import Path
 import pytest
 
 from otlp_receiver import OTLPReceiver
+from ports import free_ports as _free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBMIT = ROOT / "cluster" / "submit.sh"
@@ -73,17 +73,6 @@ pytestmark = [pytest.mark.slow,  # a Ray head and `ray job submit`: minutes on 2
               pytest.mark.skipif(shutil.which("ray") is None, reason="the `ray` CLI is not on PATH")]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _marked_pids(marker_value: str) -> list[int]:

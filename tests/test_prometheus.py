@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ports import free_port as _free_port
 from memra_dist.tracing.conventions import METRIC_ATTR, PHASES
 from memra_dist.tracing.metrics import prometheus_name
 
@@ -27,10 +27,6 @@ pytestmark = [pytest.mark.slow,  # a Prometheus server scraping a traced CLI run
                                  "(install it with .ci/prometheus.sh, i.e. apt-get install prometheus)")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _api(port: int, path: str, **params) -> dict:

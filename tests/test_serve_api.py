@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from ports import free_port as _free_port  # noqa: E402
 from memra_dist.cli import _add_run_args  # noqa: E402
 from memra_dist.config import RunConfig  # noqa: E402
 from memra_dist.errors import UserError  # noqa: E402
@@ -63,10 +64,6 @@ def _stream(client, base, body, headers=None):
         yield r, lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- a fake engine under uvicorn (quick) -------------------------------------------------------

@@ -26,6 +26,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
+from ports import free_port  # noqa: E402
 from test_serve_api import FakeMcfg, FakeOpen, FakeTok, _events, _text, _until  # noqa: E402
 
 from memra_dist.config import RunConfig  # noqa: E402
@@ -523,9 +524,7 @@ def test_sigterm_to_serves_process_group_stops_it_in_bound(ckpt_factory, tmp_pat
 
     pytest.importorskip("ray.serve")
     model = ckpt_factory("llama", seed=3, max_position_embeddings=4096, eos_token_id=None)[0]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RAY_ADDRESS", "TRACEPARENT"))}
     p = subprocess.Popen([sys.executable, "-m", "memra_dist.cli", "serve", "--model", str(model), "--device", "cpu",
                           "--dtype", "fp32", "--port", str(port)], start_new_session=True, env=env, cwd=tmp_path,

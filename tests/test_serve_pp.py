@@ -5,7 +5,6 @@ exactly what the same prompt gives alone (greedy, pp=1)."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 
 import pytest
@@ -13,15 +12,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray.serve")
 
+from ports import free_port as _free_port  # noqa: E402
 from memra_dist.cli import _add_run_args  # noqa: E402
 
 PROMPTS = ["A speculative round has five phases.", "The phase clock drains the streams"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _streamed_text(base: str, prompt: str) -> str:
