@@ -5,8 +5,10 @@ unchanged over its own `BatchSlot` (slot.py).
 What runs batched today: the attention families (llama, qwen2, qwen3) with the drafters that
 need nothing but the target (none, ngram, replay), greedy or sampled. A drafter with its own
 network (model, dflash, mtp, eagle3), the other families and pp > 1 are refused with one line
-(`check_batchable`). The batched forward runs eager (no CUDA graphs, our kernels or compile):
-on a GPU it is the reference arm; the graphed batched steps are still to come.
+(`check_batchable`). On a GPU with the fast path on (`--graphs`, `--kernels`: the defaults) the
+stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged
+split-sequence attention launch for every request's decode / verify rows); the batched steps
+are not CUDA graphs yet and nothing is compiled. On CPU the batched forward is the reference.
 
 The KV pool: `kv_rows` slots in blocks of BLOCK rows (default: every request of the batch at
 the engine's capacity, shrunk to what the device's free memory holds, at least one capacity).
@@ -64,8 +66,10 @@ class BatchedBackend:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.threads_before = apply_cpu_threads(plan.model, self.device)
         # the weights (the runner's own cache is never allocated: the batch's pool replaces it)
+        fast = cfg.runner_kwargs(self.device)  # fused projections and our kernels where the run has them
         self.runner = ModelRunner(cfg.model, self.device, self.dtype, cfg=plan.model, max_pos=plan.capacity,
-                                  progress=LoadProgress(Path(cfg.model).name))
+                                  progress=LoadProgress(Path(cfg.model).name), graphs=fast["graphs"],
+                                  kernels=fast["kernels"])
         stage = self.runner.stage
         row = PagedKV.row_bytes(stage, self.dtype)
         if kv_rows is None:

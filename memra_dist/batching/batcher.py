@@ -72,6 +72,8 @@ class Batcher:
             raise UserError(f"--max-batch-tokens must be >= 1 (got {max_tokens})")
         self.stage, self.device, self.dtype, self.pool = stage, device, dtype, pool
         self.kv = PagedKV(stage, pool, device, dtype)
+        # on our kernels (kernels/ops.py install): decode / verify rows through the paged kernel
+        self.kernels = all(b.self_attn.fast_attn_rows > 0 and b.self_attn.rope_kernel_ok() for b in stage.layers.values())
         self.max_tokens, self.max_wait_s = max_tokens, max_wait_s
         self.cv = threading.Condition()
         self.pending: list[_Job] = []
@@ -161,7 +163,8 @@ class Batcher:
     @torch.inference_mode()
     def _forward(self, jobs: list[_Job]) -> list[torch.Tensor]:
         st, dev = self.stage, self.device
-        view = BatchView.build(self.pool, [(j.rid, j.start, j.ids.shape[0], j.width) for j in jobs], dev)
+        view = BatchView.build(self.pool, [(j.rid, j.start, j.ids.shape[0], j.width) for j in jobs], dev,
+                               kernels=self.kernels)
         x = torch.cat([j.ids for j in jobs]).to(dev)
         pos = torch.cat([torch.arange(j.start, j.start + j.ids.shape[0]) for j in jobs]).to(dev)
         rope = {d: rope_rows(pos, f, st._rope_scale) for d, f in st._inv_freq.items()}
@@ -169,8 +172,11 @@ class Batcher:
         h = st.embed_tokens(x)
         for i, blk in st.layers.items():
             h = blk(h, ctx, self.kv.layers[int(i)])
-        outs = []
-        for j, seg in zip(jobs, view.segments):
-            hs = h[seg.lo:seg.hi]
-            outs.append(st.logits(hs[-1:] if j.last else hs))
-        return outs
+        # one lm_head over the rows whose logits are used (a request's last row with `last`)
+        keep, counts, lo = [], [], 0
+        for j in jobs:
+            n = j.ids.shape[0]
+            keep.extend([lo + n - 1] if j.last else range(lo, lo + n))
+            counts.append(1 if j.last else n)
+            lo += n
+        return list(st.logits(h[torch.tensor(keep, device=dev)]).split(counts))

@@ -11,6 +11,11 @@ chunk of more than PREFIX_MIN_ROWS rows the prefix attention over its [0, end) r
 verify rows the masked cached attention over a buffer of the request's capacity, its rows past
 the written ones zero and masked. So each request's attention sees exactly the inputs it sees
 alone (bitwise on CPU), whatever shares its forward.
+
+On the kernels (a GPU's fast path, `kernels=True`), decode and verify segments of up to
+PAGED_MAX_ROWS rows instead go through ONE launch of kernels/paged_attention.py for the whole
+step, reading each request's keys through its block table (`PagedRows`); prefill chunks keep
+the gather and the prefix attention.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import torch
 from ..model.prefix_attention import PREFIX_MIN_ROWS
 from .blocks import BlockPool
 
-__all__ = ["PagedKV", "PagedLayer", "BatchView", "Segment"]
+__all__ = ["PagedKV", "PagedLayer", "BatchView", "Segment", "PagedRows", "PAGED_MAX_ROWS"]
+
+PAGED_MAX_ROWS = 16  # a decode / verify segment the paged kernel takes (K + 1 <= 16)
 
 
 @dataclass
@@ -74,18 +81,38 @@ class Segment:
 
 
 @dataclass
+class PagedRows:
+    """The decode / verify segments one paged-kernel launch takes (kernels/paged_attention.py)."""
+
+    lo: torch.Tensor  # (n,) int32 each segment's first row
+    nrows: torch.Tensor  # (n,) int32 its rows
+    table: torch.Tensor  # (n, blocks) int32 its block table (padded with block 0, never read)
+    block: int
+    max_rows: int
+    max_len: int  # the longest capacity among them: the kernel's chunk grid
+
+
+@dataclass
 class BatchView:
     slots: torch.Tensor  # (T,) the pool slot each row writes
     segments: list[Segment] = field(default_factory=list)
+    paged: PagedRows | None = None  # on the kernels: the segments the paged kernel attends
 
     @classmethod
-    def build(cls, pool: BlockPool, parts: list[tuple[object, int, int, int]], device) -> "BatchView":
+    def build(cls, pool: BlockPool, parts: list[tuple[object, int, int, int]], device,
+              kernels: bool = False) -> "BatchView":
         """parts: (request id, start, rows, width) in row order; width: the rows of the cache the
-        request's attention runs over alone (its session's capacity)."""
+        request's attention runs over alone (its session's capacity). kernels: decode / verify
+        segments of up to PAGED_MAX_ROWS rows go to the paged kernel (no gather, no mask)."""
         slots, segs, lo = [], [], 0
+        paged: list[tuple[int, int, list[int], int]] = []
         for rid, start, rows, cap in parts:
             end = start + rows
             slots.extend(pool.slots(rid, start, end))
+            if kernels and rows <= PAGED_MAX_ROWS:
+                paged.append((lo, rows, pool.table(rid), cap))
+                lo += rows
+                continue
             keys = torch.tensor(pool.slots(rid, 0, end), dtype=torch.long, device=device)
             seg = Segment(lo, lo + rows, start, cap, keys)
             if rows > PREFIX_MIN_ROWS:
@@ -95,4 +122,12 @@ class BatchView:
                 seg.mask = torch.arange(cap, device=device)[None, :] <= pos[:, None]
             segs.append(seg)
             lo += rows
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), segs)
+        view = cls(torch.tensor(slots, dtype=torch.long, device=device), segs)
+        if paged:
+            width = max(len(t) for _, _, t, _ in paged)
+            table = torch.tensor([t + [0] * (width - len(t)) for _, _, t, _ in paged], dtype=torch.int32)
+            meta = torch.tensor([[a, n] for a, n, _, _ in paged], dtype=torch.int32)
+            view.paged = PagedRows(meta[:, 0].contiguous().to(device), meta[:, 1].contiguous().to(device),
+                                   table.to(device), pool.block, max(n for _, n, _, _ in paged),
+                                   max(c for _, _, _, c in paged))
+        return view

@@ -26,7 +26,7 @@ _ids = itertools.count()
 
 class BatchSlot:
     takes_device_ids = False  # ids come from the host (the session's row buffer)
-    graphs = None  # no step graphs: the batched forward runs eager (the ahead path stays off)
+    graphs = None  # no step graphs: the batched forward is not captured (the ahead path stays off)
     cache = None
 
     def __init__(self, batcher, need: int):
@@ -62,7 +62,7 @@ class BatchSlot:
         return free_mb(self.device)
 
     def fast_path(self) -> dict[str, bool]:
-        return {"graphs": False, "compile": False, "kernels": False}
+        return {"graphs": False, "compile": False, "kernels": self.batcher.kernels}
 
     def release(self) -> None:
         if self.admitted:

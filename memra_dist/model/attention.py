@@ -101,7 +101,9 @@ class Attention(nn.Module):
         request's attention over its own keys, gathered in position order, on the arm its
         rows take alone (prefix attention for a prefill chunk; the masked cached attention over
         a buffer of its capacity, zero and masked past its rows, for decode / verify rows)."""
-        T, view = x.shape[0], ctx.batch
+        view = ctx.batch
+        if view.paged is not None:
+            return self._batched_paged(x, ctx, state)
         q, k, v = self._qkv(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -109,18 +111,36 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         state.k.index_copy_(0, view.slots, k)
         state.v.index_copy_(0, view.slots, v)
-        outs = []
-        for seg in view.segments:
-            qs = q[seg.lo:seg.hi]
-            ks, vs = state.k.index_select(0, seg.keys), state.v.index_select(0, seg.keys)
-            if seg.prefix is not None:
-                outs.append(prefix_attention(qs, ks, vs, seg.prefix, self.hd ** -0.5).reshape(seg.rows, -1))
-                continue
-            kc = ks.new_zeros((seg.capacity,) + ks.shape[1:])
-            vc = vs.new_zeros((seg.capacity,) + vs.shape[1:])
-            kc[:ks.shape[0]], vc[:vs.shape[0]] = ks, vs
-            outs.append(cached_attention(qs, kc, vc, seg.mask, self.nkv))
+        outs = [self._segment(q[seg.lo:seg.hi], state, seg) for seg in view.segments]
         return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+
+    def _segment(self, qs: torch.Tensor, state, seg) -> torch.Tensor:
+        """One request's rows qs (rows, nh, hd) over its paged keys, gathered in position order,
+        on the arm its rows take alone -> (rows, nh * hd)."""
+        ks, vs = state.k.index_select(0, seg.keys), state.v.index_select(0, seg.keys)
+        if seg.prefix is not None:
+            return prefix_attention(qs, ks, vs, seg.prefix, self.hd ** -0.5).reshape(seg.rows, -1)
+        kc = ks.new_zeros((seg.capacity,) + ks.shape[1:])  # the buffer of its capacity, zero past its rows
+        vc = vs.new_zeros((seg.capacity,) + vs.shape[1:])
+        kc[:ks.shape[0]], vc[:vs.shape[0]] = ks, vs
+        return cached_attention(qs, kc, vc, seg.mask, self.nkv)
+
+    def _batched_paged(self, x: torch.Tensor, ctx, state) -> torch.Tensor:
+        """`_batched` on the kernels (kernels/ops.py install; batching/paged.py `PagedRows`):
+        rotary and the K/V write at the rows' pool slots in one kernel, then one paged
+        split-sequence launch for every decode / verify segment; prefill chunks (segments
+        left in view.segments) gather their keys and run the prefix attention."""
+        from ..kernels.paged_attention import paged_attention  # noqa: PLC0415 (Triton: only where installed)
+        from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415
+
+        view, pg = ctx.batch, ctx.batch.paged
+        cos, sin = ctx.rope_for(self.rope_dim)
+        q = rope_kv_write(self.qkv_proj(x), cos, sin, state.k, state.v, view.slots, self.nh)  # (T, nh, hd)
+        o = paged_attention(q, state.k, state.v, ctx.pos, pg.lo, pg.nrows, pg.table, pg.block, pg.max_rows,
+                            pg.max_len)  # (T, nh * hd)
+        for seg in view.segments:
+            o[seg.lo:seg.hi] = self._segment(q[seg.lo:seg.hi], state, seg)
+        return self.o_proj(o)
 
     def rope_kernel_ok(self) -> bool:
         """Whether kernels/rope_kv.py can take this layer's rotary and cache write: fused QKV,

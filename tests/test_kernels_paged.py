@@ -1,0 +1,114 @@
+"""The batched engine on the kernels (kernels/paged_attention.py, run by Triton's interpreter on
+CPU): the paged split-sequence attention equals each request's reference attention over its own
+keys, read through scattered block tables; and a batched engine switched onto the kernels (the
+GPU's fast path: fused projections, rotary with the paged K/V write, one paged launch a step)
+gives every request the ids the reference engine gives it alone (fp32)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+triton = pytest.importorskip("triton")
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    pytest.skip("Triton's interpreter needs triton >= 3.9 with numpy 2 (pip install -U triton)",
+                allow_module_level=True)
+
+from memra_dist.app import open_engine  # noqa: E402
+from memra_dist.config import RunConfig  # noqa: E402
+from memra_dist.model.attention import cached_attention, causal_mask  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run on CPU machines")
+
+
+@pytest.mark.parametrize("nh,nkv", [(8, 2), (4, 4)])
+def test_paged_attention_equals_each_requests_reference(nh, nkv):
+    from memra_dist.kernels.paged_attention import paged_attention
+
+    block, hd, nblocks = 8, 16, 40
+    g = torch.Generator().manual_seed(nh)
+    kp, vp = torch.randn(nblocks * block, nkv, hd, generator=g), torch.randn(nblocks * block, nkv, hd, generator=g)
+    order = torch.randperm(nblocks, generator=g).tolist()  # blocks scattered over the pool
+    # (rows, first position, capacity): a decode row, a verify of 5 at a block edge, one at position 0
+    reqs = [(1, 70, 96), (5, 43, 64), (1, 0, 16), (3, 17, 40)]
+    tables, lo, pos, q_rows, refs = [], [], [], [], []
+    row = 0
+    for rows, start, cap in reqs:
+        need = -(-cap // block)
+        table = [order.pop() for _ in range(need)]
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(start + rows)])
+        tables.append(table)
+        lo.append(row)
+        row += rows
+        p = torch.arange(start, start + rows)
+        pos.append(p)
+        q = torch.randn(rows, nh, hd, generator=g)
+        q_rows.append(q)
+        kc, vc = torch.zeros(cap, nkv, hd), torch.zeros(cap, nkv, hd)
+        kc[:start + rows], vc[:start + rows] = kp[slots], vp[slots]
+        refs.append(cached_attention(q, kc, vc, causal_mask(p, cap), nkv))
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    out = paged_attention(torch.cat(q_rows), kp, vp, torch.cat(pos), torch.tensor(lo, dtype=torch.int32),
+                          torch.tensor([r for r, _, _ in reqs], dtype=torch.int32), table, block, 5, 96, chunk=16)
+    torch.testing.assert_close(out, torch.cat(refs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(ckpt_factory):
+    """head_dim 16: the attention kernel's smallest tile."""
+    return ckpt_factory("llama", seed=5, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=2)[0]
+
+
+def _cfg(model, drafter, n=12):
+    return RunConfig(model=str(model), drafter=drafter, k=3, device="cpu", dtype="fp32", prefill_chunk=40,
+                     max_new_tokens=n)
+
+
+def _on_kernels(backend) -> None:
+    """What a GPU's fast path does to the batched engine's stage, on CPU: the QKV / gate-up
+    fusion and our kernels (the interpreter runs them)."""
+    from memra_dist.kernels import install
+
+    stage = backend.runner.stage
+    for blk in stage.layers.values():
+        for m in (blk.self_attn, blk.mlp):
+            if hasattr(m, "fuse"):
+                m.fuse()
+    assert install(stage) > 0
+    backend.batcher.kernels = True
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_llama, drafter, monkeypatch):
+    import memra_dist.kernels.paged_attention as pa
+
+    reqs = [([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 12), ([9, 3, 9, 3, 9, 3, 9], 8), (list(range(4, 50)), 10),
+            ([11, 12, 13, 11, 12, 13, 11], 12)]  # the third prefills beside the others' decode rows
+    with open_engine(_cfg(wide_llama, drafter), capacity=96) as eng:
+        solo = [eng.generate(p, _cfg(wide_llama, drafter, n)).token_ids for p, n in reqs]
+    launches = []
+    real = pa.paged_attention
+    monkeypatch.setattr(pa, "paged_attention", lambda q, *a, **kw: launches.append(a[3].numel()) or real(q, *a, **kw))
+    got: dict[int, list[int]] = {}
+    with open_engine(_cfg(wide_llama, drafter), capacity=96, max_batch=4) as eng:
+        _on_kernels(eng._backend)
+
+        def one(i, p, n):
+            got[i] = eng.generate(p, _cfg(wide_llama, drafter, n)).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stats = eng._backend.stats()
+    assert [got.get(i) for i in range(len(reqs))] == solo
+    assert max(launches) >= 2, launches  # one launch held several requests' rows
+    assert stats["max_requests"] >= 2, stats
