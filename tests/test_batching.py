@@ -186,3 +186,51 @@ def test_served_requests_batched_get_their_solo_completions(llama):
     batched, host = serve(3)
     assert all(solo) and batched == solo
     assert host.engine._backend.batcher.stats.max_requests >= 2
+
+
+def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama):
+    """Level 1 on a batched engine: every request keeps its own trace (its own k, accepted,
+    ids equal to alone), and each spec.verify names the batch step its rows rode in, with the
+    step's requests and rows and the verify's split into waiting for the step and its forward."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from memra_dist.phase.levels import TraceSettings
+    from memra_dist.tracing.conventions import ATTR, PHASE_SPANS
+    from memra_dist.tracing.emit import SpanSink
+
+    reqs = _prompts(4)
+    solo = _solo(llama, "ngram", reqs)
+    exps = [InMemorySpanExporter() for _ in reqs]  # each request's spans apart
+    kw = dict(trace=TraceSettings(level=1))
+    got: dict[int, list[int]] = {}
+    with open_engine(_cfg(llama, "ngram", **kw), capacity=CAP, max_batch=4) as eng:
+        def one(i, p, n):
+            prov = TracerProvider()
+            prov.add_span_processor(SimpleSpanProcessor(exps[i]))
+            got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n, **kw),
+                                  span_sink=SpanSink(prov.get_tracer("t"), None)).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert [got.get(i) for i in range(len(reqs))] == solo
+    a = ATTR
+    by_step: dict[int, list] = {}
+    for i, exp in enumerate(exps):
+        verifies = [s for s in exp.get_finished_spans() if s.name == PHASE_SPANS["verify"]]
+        assert verifies and all(s.attributes[a["k"]] >= 0 for s in verifies)
+        for s in verifies:
+            by_step.setdefault(s.attributes[a["batch_step"]], []).append((i, s))
+            wait, fwd = s.attributes[a["batch_wait_ms"]], s.attributes[a["batch_forward_ms"]]
+            assert wait >= 0 and fwd > 0
+            assert (wait + fwd) * 1e6 <= s.end_time - s.start_time + 1e5  # shares of the verify (0.1 ms of slack)
+    assert any(len({i for i, _ in v}) >= 2 for v in by_step.values()), "no batch step held two requests' verifies"
+    for v in by_step.values():  # every request of a step names the same step, its requests and rows
+        assert len({(s.attributes[a["batch_requests"]], s.attributes[a["batch_rows"]]) for _, s in v}) == 1
+        first = v[0][1].attributes
+        assert len({i for i, _ in v}) == len(v) <= first[a["batch_requests"]]  # a request's verify once a step
+        assert first[a["batch_rows"]] >= sum(s.attributes[a["k"]] + 1 for _, s in v)

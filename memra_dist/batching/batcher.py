@@ -34,9 +34,21 @@ from ..model.transformer import StepCtx
 from .blocks import BlockPool
 from .paged import BatchView, PagedKV
 
-__all__ = ["Batcher", "BatchStats"]
+__all__ = ["Batcher", "BatchStats", "BatchStep"]
 
 MAX_WAIT_S = 0.005
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """What one request's rows saw of the step they rode in (its spans carry it: every request
+    of a step names the same `id`)."""
+
+    id: int
+    requests: int
+    rows: int
+    wait_ns: int  # from the request's submission to the step's start (waiting for the others, or a running step)
+    forward_ns: int  # the step's forward, host to host (on a GPU: its launches; the drain is the session's)
 
 
 @dataclass
@@ -46,10 +58,11 @@ class _Job:
     start: int
     width: int
     last: bool
-    t: float = field(default_factory=time.perf_counter)
+    t: int = field(default_factory=time.perf_counter_ns)  # submitted
     out: torch.Tensor | None = None
     err: BaseException | None = None
     done: bool = False
+    step: BatchStep | None = None
 
 
 @dataclass
@@ -102,10 +115,10 @@ class Batcher:
             self.cv.notify_all()  # blocks for a waiting admission; a step that waited for this one
 
     # ---- one forward's rows ----
-    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool) -> torch.Tensor:
+    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool) -> tuple[torch.Tensor, BatchStep]:
         """Request `rid`'s rows `ids` at positions [start, start + len) (its attention as over a
-        cache of `width` rows); returns what its runner's forward would: fp32 logits of every
-        row, or of the last with `last`."""
+        cache of `width` rows); returns what its runner's forward would (fp32 logits of every
+        row, or of the last with `last`) and the step it rode in."""
         job = _Job(rid, ids, start, width, last)
         with self.cv:
             self.pending.append(job)
@@ -121,14 +134,14 @@ class Batcher:
                     self.cv.wait()
         if job.err is not None:
             raise job.err
-        return job.out
+        return job.out, job.step
 
     def _ready_in(self) -> float:
         """Seconds until a step should run (<= 0: now)."""
         waiting = {j.rid for j in self.pending}
         if self.admitted <= waiting:
             return 0.0
-        return self.pending[0].t + self.max_wait_s - time.perf_counter()
+        return (self.pending[0].t - time.perf_counter_ns()) / 1e9 + self.max_wait_s
 
     def _lead(self) -> None:
         """Called holding the lock: take a step's jobs, run it unlocked, hand the results out."""
@@ -141,7 +154,9 @@ class Batcher:
             rows += n
         del self.pending[:len(take)]
         self.running = True
+        sid = self.stats.steps
         self.cv.release()
+        t0 = time.perf_counter_ns()
         try:
             try:
                 outs = self._forward(take)
@@ -151,6 +166,9 @@ class Batcher:
                 for j in take:
                     j.err = e
         finally:
+            t1 = time.perf_counter_ns()
+            for j in take:
+                j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0)
             self.cv.acquire()
             self.running = False
             s = self.stats

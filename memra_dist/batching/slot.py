@@ -38,6 +38,7 @@ class BatchSlot:
         self.capacity = 0
         self.length = 0
         self.admitted = False
+        self.last_step = None  # the BatchStep of the latest forward (the session's round records read it)
 
     def alloc(self, capacity: int) -> None:
         if not self.admitted:
@@ -51,7 +52,8 @@ class BatchSlot:
         if start + rows > min(held, self.capacity):
             raise UserError(f"context full: {start + rows} rows needed, the request holds {min(held, self.capacity)}")
         self.length = start + rows
-        return self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity, last)
+        out, self.last_step = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity, last)
+        return out
 
     def rollback(self, new_len: int) -> None:
         if not 0 <= new_len <= self.length:

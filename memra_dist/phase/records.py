@@ -26,6 +26,7 @@ class RoundRecord:
     sub_ns: dict[str, int] = field(default_factory=dict)  # level 2: kda/mla/attn/ffn/scan
     seq_rows: int = 0
     draft_forwards: int = -1  # draft-network forwards in the draft phase (-1: the drafter does not say)
+    batch: object | None = None  # a batched request: the BatchStep its verify rode in (batching/batcher.py)
 
     def phase_ns(self, i: int) -> int:
         return self.t[i + 1] - self.t[i]

@@ -299,6 +299,7 @@ class SpecSession:
             self._pump_in_verify()
         if rec is not None:
             r.t[2], r.free_mb[1] = c.stamp(), c.free_mb()
+            r.batch = getattr(self.target, "last_step", None)  # a batched request: the step its rows rode in
             if self.timer is not None:
                 r.sub_ns, r.seq_rows = self.timer.take()
         try:
@@ -391,7 +392,7 @@ class SpecSession:
         = the drop of a step launched past the end; no draft, no maint. Free memory is read once
         a round (every phase of it carries that reading)."""
         verify_ns = self._ahead.verify_ns()
-        r.index, r.ctx, r.k, r.j = self.stats.rounds, n - 1, 0, 0
+        r.index, r.ctx, r.k, r.j, r.batch = self.stats.rounds, n - 1, 0, 0, None
         r.draft_forwards = self._draft_fw if self._draft_fw < 0 else 0
         t2 = t0 + min(verify_ns, t3 - t0)
         t4 = time.perf_counter_ns()

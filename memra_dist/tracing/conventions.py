@@ -94,6 +94,12 @@ ATTR = {
     "draft_prime_arm": "memra.draft_prime_arm",  # device | - (no taps read)
     "drafted": "memra.drafted",  # request total of drafted tokens (int)
     "accepted_total": "memra.accepted_total",  # request total of accepted drafts (int)
+    # a batched request (--max-batch > 1, batching/): the batch step its verify rows rode in
+    "batch_step": "memra.batch.step",  # on spec.round / spec.verify: the step's id, shared by every request in it (int)
+    "batch_requests": "memra.batch.requests",  # requests whose rows the step held (int)
+    "batch_rows": "memra.batch.rows",  # rows the step held, every request's (int)
+    "batch_wait_ms": "memra.batch.wait_ms",  # share of spec.verify: its rows waiting for the step to start (ms)
+    "batch_forward_ms": "memra.batch.forward_ms",  # share of spec.verify: the step's forward, host to host (ms)
     "fast_path": "memra.fast_path",  # what the target's steps ran: graphs+compile+kernels(+ahead) ... | eager
 }
 FREE_MB_PREFIX = "memra.free_mb."  # + device label: cuda0, cuda1, ... or cpu (MB)

@@ -93,12 +93,18 @@ class SpanSink:
 
     def _round(self, r: RoundRecord, burst: SpanContext) -> None:
         base = {ATTR["round"]: r.index, ATTR["k"]: r.k, ATTR["accepted"]: r.j, ATTR["ctx"]: r.ctx}
+        if r.batch is not None:  # a batched request: the step its verify rode in (every request of it names it)
+            base[ATTR["batch_step"]] = r.batch.id
         rs = self._span(SPAN_ROUND, burst, r.t[0], r.t[5], {**base, ATTR["seq_rows"]: r.seq_rows})
         for i, ph in enumerate(PHASES):
             mem = self._mem(r.free_mb[i])
             extra = {ATTR["draft_forwards"]: r.draft_forwards} if ph == "draft" and r.draft_forwards >= 0 else {}
             if r.h[i]:
                 extra[ATTR["host_ms"]] = r.host_ns(i) / 1e6
+            if ph == "verify" and r.batch is not None:
+                b = r.batch
+                extra.update({ATTR["batch_requests"]: b.requests, ATTR["batch_rows"]: b.rows,
+                              ATTR["batch_wait_ms"]: b.wait_ns / 1e6, ATTR["batch_forward_ms"]: b.forward_ns / 1e6})
             ps = self._span(PHASE_SPANS[ph], rs, r.t[i], r.t[i + 1], {**base, **mem, **extra})
             if ph == "verify" and r.sub_ns:
                 t = r.t[1]

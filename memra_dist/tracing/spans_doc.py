@@ -95,6 +95,15 @@ ATTR_DOC = {
                         "(the drafter reads no taps)"),
     "drafted": ("{token}", "memra.request", "drafted tokens over the request"),
     "accepted_total": ("{token}", "memra.request", "accepted drafts over the request"),
+    "batch_step": ("", "spec.round, spec.verify", "a batched request (--max-batch > 1): the id of the batch step its "
+                   "verify rows rode in; every request of that step names the same id, so filtering on it shows "
+                   "the step's requests side by side"),
+    "batch_requests": ("", "spec.verify", "requests whose rows the batch step held (decode, verify and prefill)"),
+    "batch_rows": ("{row}", "spec.verify", "rows the batch step held, every request's"),
+    "batch_wait_ms": ("ms", "spec.verify", "share of the verify: its rows waiting for the batch step to start "
+                      "(the others' submissions, at most the batcher's 5 ms, or a step already running)"),
+    "batch_forward_ms": ("ms", "spec.verify", "share of the verify: the batch step's forward, host to host (on a "
+                         "GPU its launches; the device's finish is the verify's drain)"),
     "fast_path": ("", "memra.request", "what the target's decode / verify steps ran: `graphs`, `compile`, `kernels` "
                   "and `ahead` (plain greedy decoding one step ahead of the host) joined by `+` (a default CUDA "
                   "run: `graphs+compile+kernels`, plain greedy: `graphs+compile+kernels+ahead`), or `eager`"),
