@@ -192,6 +192,10 @@ class ModelRunner:
         view.drain = Drainer(self.device)
         return view
 
+    def kv_mb(self) -> float:
+        """The allocated cache (MB)."""
+        return self.cache.nbytes() / 2**20 if self.cache is not None else 0.0
+
     def free_mb(self) -> int:
         return free_mb(self.device)
 

@@ -61,11 +61,12 @@ def _batched(model, drafter, reqs, max_batch=6, kv_rows=None, **kw):
     return [got[i] for i in range(len(reqs))], stats
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, drafter):
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, draft_llama, drafter):
     reqs = _prompts()
-    solo = _solo(llama, drafter, reqs)
-    batched, stats = _batched(llama, drafter, reqs)
+    kw = dict(draft_model=str(draft_llama)) if drafter == "model" else {}
+    solo = _solo(llama, drafter, reqs, **kw)
+    batched, stats = _batched(llama, drafter, reqs, **kw)
     for i, (a, b) in enumerate(zip(solo, batched)):
         assert a == b, f"request {i} (prompt {len(reqs[i][0])}, {reqs[i][1]} new): batched {b} alone {a}"
     assert len({len(t) for t in solo}) >= 8  # outputs of many lengths: requests end in the middle of others
@@ -73,13 +74,18 @@ def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, drafter
     assert stats["max_requests"] >= 3, stats
     assert stats["mean_requests"] > 1.5, stats
     assert stats["kv_blocks_used"] == 0  # every request gave its blocks back
+    if drafter == "model":  # the draft model's steps were batched too
+        assert stats["draft"]["max_requests"] >= 3 and stats["draft"]["kv_blocks_used"] == 0, stats
 
 
-def test_sampled_requests_keep_their_own_generators(llama):
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_sampled_requests_keep_their_own_generators(llama, draft_llama, drafter):
     reqs = _prompts(6)
     kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
-    solo = _solo(llama, "ngram", reqs, **kw)
-    batched, _ = _batched(llama, "ngram", reqs, max_batch=3, **kw)
+    if drafter == "model":
+        kw["draft_model"] = str(draft_llama)
+    solo = _solo(llama, drafter, reqs, **kw)
+    batched, _ = _batched(llama, drafter, reqs, max_batch=3, **kw)
     assert batched == solo
 
 
@@ -96,10 +102,16 @@ def test_a_short_kv_pool_makes_requests_wait_and_loses_nothing(llama):
 
 
 def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
-    with pytest.raises(UserError, match="--drafter none, ngram, replay"):
-        with open_engine(RunConfig(model=str(llama), draft_model=str(draft_llama), drafter="model", device="cpu"),
-                         capacity=CAP, max_batch=4):
-            pass
+    from memra_dist.batching.backend import check_batchable
+    from memra_dist.model.config import load_config
+
+    mcfg = load_config(llama)
+    for drafter in ("dflash", "mtp", "eagle3"):
+        with pytest.raises(UserError, match="--drafter none, ngram, replay, model"):
+            check_batchable(_cfg(llama, drafter, **({} if drafter == "mtp" else {"draft_model": str(draft_llama)})), mcfg, 4)
+    with pytest.raises(UserError, match="runs at --pp 1"):
+        check_batchable(_cfg(llama, "none").with_(pp=2), mcfg, 4)
+    check_batchable(_cfg(llama, "model", draft_model=str(draft_llama)), mcfg, 4, load_config(draft_llama))  # a llama draft model batches
     with pytest.raises(UserError, match="--max-batch must be in"):
         with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=0):
             pass

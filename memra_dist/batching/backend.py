@@ -3,8 +3,10 @@ target forwards joined into one forward of the stage (batcher.py), each request'
 unchanged over its own `BatchSlot` (slot.py).
 
 What runs batched today: the attention families (llama, qwen2, qwen3) with the drafters that
-need nothing but the target (none, ngram, replay), greedy or sampled. A drafter with its own
-network (model, dflash, mtp, eagle3), the other families and pp > 1 are refused with one line
+need nothing but the target (none, ngram, replay) and the draft model (`model`: a second batcher
+over the draft model's stage and its own paged pool, each request's ModelDrafter over its own
+draft slot, so every request's draft steps share forwards too), greedy or sampled. The tap
+drafters (dflash, mtp, eagle3), the other families and pp > 1 are refused with one line
 (`check_batchable`). On a GPU with the fast path on (`--graphs`, `--kernels`: the defaults) the
 stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged
 split-sequence attention launch for every request's decode / verify rows); the batched steps
@@ -29,12 +31,12 @@ from .slot import BatchSlot
 __all__ = ["BatchedBackend", "check_batchable", "BLOCK", "BATCHABLE_DRAFTERS", "BATCHABLE_FAMILIES"]
 
 BLOCK = 16
-BATCHABLE_DRAFTERS = ("none", "ngram", "replay")
+BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model")
 BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3")
 MAX_BATCH = 256
 
 
-def check_batchable(cfg, mcfg, max_batch: int) -> None:
+def check_batchable(cfg, mcfg, max_batch: int, draft=None) -> None:
     """One line for what --max-batch > 1 does not run yet."""
     if not 1 <= max_batch <= MAX_BATCH:
         raise UserError(f"--max-batch must be in [1, {MAX_BATCH}] (got {max_batch})")
@@ -45,66 +47,92 @@ def check_batchable(cfg, mcfg, max_batch: int) -> None:
     if cfg.drafter not in BATCHABLE_DRAFTERS:
         raise UserError(f"--max-batch > 1 takes --drafter {', '.join(BATCHABLE_DRAFTERS)} for now "
                         f"(got {cfg.drafter})")
-    if mcfg.arch not in BATCHABLE_FAMILIES:
-        raise UserError(f"--max-batch > 1 runs the {', '.join(BATCHABLE_FAMILIES)} families for now "
-                        f"(this model is {mcfg.arch})")
+    for what, c in (("model", mcfg), ("draft model", draft)):
+        if c is not None and c.arch not in BATCHABLE_FAMILIES:
+            raise UserError(f"--max-batch > 1 runs the {', '.join(BATCHABLE_FAMILIES)} families for now "
+                            f"(the {what} is {c.arch})")
+
+
+def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget: int) -> Batcher:
+    """A batcher over `runner`'s stage with a pool of `kv_rows` slots (default: every request of
+    the batch at `capacity`, shrunk to what the device's free memory holds, at least one)."""
+    from ..device import free_mb  # noqa: PLC0415
+
+    row = PagedKV.row_bytes(runner.stage, runner.dtype)
+    free = free_mb(runner.device) * (1 << 20)
+    if kv_rows is None:
+        kv_rows = max(min(max_batch * capacity, int(free * 0.9) // max(row, 1)), capacity)
+    pool = BlockPool(blocks_for(kv_rows, BLOCK), BLOCK)
+    if pool.rows * row > free:
+        raise UserError(f"out of memory: a KV pool of {pool.rows} rows needs {pool.rows * row / 2**20:.0f} MB on "
+                        f"{runner.label}, free {free // 2**20} MB (lower --kv-rows or --ctx)")
+    return Batcher(runner.stage, runner.device, runner.dtype, pool, budget)
 
 
 class BatchedBackend:
     def __init__(self, plan, max_batch: int, max_tokens: int | None = None, kv_rows: int | None = None):
         import torch  # noqa: PLC0415
 
-        from ..device import free_mb, resolve_device, resolve_dtype  # noqa: PLC0415
+        from ..device import resolve_device, resolve_dtype  # noqa: PLC0415
         from ..progress import LoadProgress  # noqa: PLC0415
         from ..runner import ModelRunner  # noqa: PLC0415
         from ..threads import apply_cpu_threads  # noqa: PLC0415
 
         cfg = plan.cfg
-        check_batchable(cfg, plan.model, max_batch)
+        check_batchable(cfg, plan.model, max_batch, plan.draft if cfg.drafter == "model" else None)
         self.torch = torch
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.threads_before = apply_cpu_threads(plan.model, self.device)
-        # the weights (the runner's own cache is never allocated: the batch's pool replaces it)
         fast = cfg.runner_kwargs(self.device)  # fused projections and our kernels where the run has them
-        self.runner = ModelRunner(cfg.model, self.device, self.dtype, cfg=plan.model, max_pos=plan.capacity,
-                                  progress=LoadProgress(Path(cfg.model).name), graphs=fast["graphs"],
-                                  kernels=fast["kernels"])
-        stage = self.runner.stage
-        row = PagedKV.row_bytes(stage, self.dtype)
-        if kv_rows is None:
-            kv_rows = max_batch * plan.capacity
-            fits = int(free_mb(self.device) * (1 << 20) * 0.9) // max(row, 1)
-            kv_rows = max(min(kv_rows, fits), plan.capacity)
-        pool = BlockPool(blocks_for(kv_rows, BLOCK), BLOCK)
-        if pool.rows * row > free_mb(self.device) * (1 << 20):
-            raise UserError(f"out of memory: a KV pool of {pool.rows} rows needs {pool.rows * row / 2**20:.0f} MB on "
-                            f"{self.runner.label}, free {free_mb(self.device)} MB (lower --kv-rows or --ctx)")
+
+        def load(path, mcfg):  # the weights (a runner's own cache is never allocated: the pools replace it)
+            return ModelRunner(path, self.device, self.dtype, cfg=mcfg, max_pos=plan.capacity,
+                               progress=LoadProgress(Path(path).name), graphs=fast["graphs"], kernels=fast["kernels"])
+
+        self.runner = load(cfg.model, plan.model)
         budget = max_tokens if max_tokens is not None else max(cfg.prefill_chunk, max_batch * (cfg.k + 1))
-        self.batcher = Batcher(stage, self.device, self.dtype, pool, budget)
+        self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget)
+        self.draft_batcher = None
+        if cfg.drafter == "model":  # the draft model's steps batched too, over its own pool
+            self.draft_runner = load(cfg.draft_model, plan.draft)
+            self.draft_batcher = _batcher(self.draft_runner, max_batch, plan.capacity,
+                                          self.batcher.pool.rows if kv_rows is not None else None, budget)
         self.slots = threading.BoundedSemaphore(max_batch)
         self.max_batch = max_batch
 
-    def request(self, plan, prompt: list[int], span_sink, slot: BatchSlot):
+    def request(self, plan, prompt: list[int], span_sink, slot: BatchSlot, draft_slot: BatchSlot | None = None):
+        from ..specdec.drafters.draft_model import ModelDrafter  # noqa: PLC0415
         from ..specdec.request import Request  # noqa: PLC0415
 
-        return Request(slot, plan, prompt, span_sink)
+        drafter = ModelDrafter(draft_slot) if draft_slot is not None else None
+        return Request(slot, plan, prompt, span_sink, drafter=drafter)
 
     @contextmanager
     def session(self, plan, prompt: list[int], span_sink, carrier):
-        """A batch slot for the request (waiting for one of the B), its blocks given back when
-        it ends or is abandoned."""
+        """A batch slot for the request (waiting for one of the B), and one on the draft
+        model's batcher with a model drafter; their blocks given back when it ends or is
+        abandoned."""
         cfg = plan.cfg
+        need = min(plan.capacity, len(prompt) + cfg.max_new_tokens + cfg.k + 1)
         with self.slots:
-            slot = BatchSlot(self.batcher, min(plan.capacity, len(prompt) + cfg.max_new_tokens + cfg.k + 1))
+            slot = BatchSlot(self.batcher, need)
+            draft = BatchSlot(self.draft_batcher, need) if self.draft_batcher is not None else None
             try:
-                yield self.request(plan, prompt, span_sink, slot)
+                yield self.request(plan, prompt, span_sink, slot, draft)
             finally:
                 slot.release()
+                if draft is not None:
+                    draft.release()
 
     def stats(self) -> dict:
-        return {**self.batcher.stats.as_dict(), "kv_rows": self.batcher.pool.rows, "block": BLOCK,
-                "kv_blocks_used": self.batcher.pool.used_blocks, "kv_blocks_free": self.batcher.pool.free_blocks}
+        b = self.batcher
+        out = {**b.stats.as_dict(), "kv_rows": b.pool.rows, "block": BLOCK,
+               "kv_blocks_used": b.pool.used_blocks, "kv_blocks_free": b.pool.free_blocks}
+        if self.draft_batcher is not None:
+            d = self.draft_batcher
+            out["draft"] = {**d.stats.as_dict(), "kv_rows": d.pool.rows, "kv_blocks_used": d.pool.used_blocks}
+        return out
 
     def close(self) -> None:
         self.torch.set_num_threads(self.threads_before)

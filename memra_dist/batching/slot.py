@@ -60,6 +60,13 @@ class BatchSlot:
             raise ValueError(f"rollback to {new_len} outside [0, {self.length}]")
         self.length = new_len
 
+    def kv_mb(self) -> float:
+        """The K/V the request's reserved blocks hold (MB)."""
+        if not self.admitted:
+            return 0.0
+        kv = self.batcher.kv
+        return kv.nbytes() * len(self.batcher.pool.table(self.rid)) * self.batcher.pool.block / self.batcher.pool.rows / 2**20
+
     def free_mb(self) -> int:
         return free_mb(self.device)
 

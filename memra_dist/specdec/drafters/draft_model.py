@@ -39,7 +39,7 @@ class ModelDrafter(Drafter):
         if self.chain is None or not self.chain.over(self.runner.cache):
             self.chain = None
             self.chain = chain_graph(self.runner, self.k)  # captured here, none inside a round
-        return self.runner.cache.nbytes() / 2**20
+        return self.runner.kv_mb()
 
     def prime(self, prompt: list[int], chunks: list[tuple[int, int]] | None = None) -> None:
         # ingest all but the last prompt token, chunk by chunk (only each chunk's last row
