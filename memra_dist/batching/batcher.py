@@ -49,6 +49,8 @@ class BatchStep:
     rows: int
     wait_ns: int  # from the request's submission to the step's start (waiting for the others, or a running step)
     forward_ns: int  # the step's forward, host to host (on a GPU: its launches; the drain is the session's)
+    kv_used: int = 0  # the pool's blocks in use / free after the step
+    kv_free: int = 0
 
 
 @dataclass
@@ -167,8 +169,9 @@ class Batcher:
                     j.err = e
         finally:
             t1 = time.perf_counter_ns()
+            used, free = self.pool.used_blocks, self.pool.free_blocks
             for j in take:
-                j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0)
+                j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free)
             self.cv.acquire()
             self.running = False
             s = self.stats

@@ -130,8 +130,11 @@ METRICS = {
     "free_memory": "memra.device.free_memory",  # gauge, MB, attr memra.device
     "slow_rounds": "memra.spec.slow_rounds",  # counter, rounds past 1.5x the median
     "round_duration": "memra.spec.round.duration",  # histogram, ms
+    "batch_requests": "memra.batch.requests",  # histogram, requests in the batch step of a round's verify
+    "batch_wait": "memra.batch.wait.duration",  # histogram, ms, a batched verify waiting for its step
+    "kv_blocks": "memra.batch.kv_blocks",  # gauge, blocks of the paged KV pool, attr memra.kv_state (used | free)
 }
-METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device"}
+METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device", "kv_state": "memra.kv_state"}
 # kind, UCUM unit and description of each instrument (docs/metrics.md and the dashboards read
 # these; the Prometheus form of a name adds the unit word and _total / _bucket suffixes)
 METRIC_META = {
@@ -148,6 +151,12 @@ METRIC_META = {
     "free_memory": ("gauge", "MBy", "Free memory per device (memra.device: cuda0, cuda1, ... or cpu) at the last phase boundary of a burst."),
     "slow_rounds": ("counter", "{round}", "Rounds whose wall time is past 1.5x the median round of their burst."),
     "round_duration": ("histogram", "ms", "Round wall time (draft through maint)."),
+    "batch_requests": ("histogram", "{request}", "Batched engines (--max-batch > 1): requests whose rows shared "
+                       "the batch step a round's verify rode in, one value per round."),
+    "batch_wait": ("histogram", "ms", "Batched engines: a round's verify waiting for its batch step to start "
+                   "(the other requests' submissions, at most 5 ms, or a step already running)."),
+    "kv_blocks": ("gauge", "{block}", "Batched engines: blocks of the paged KV pool by memra.kv_state (used, free) "
+                  "after the last batch step a burst saw."),
 }
 
 # The Collector's spanmetrics connector turns our spans into these (namespace set in

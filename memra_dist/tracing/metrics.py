@@ -42,6 +42,7 @@ SLOW_FACTOR = 1.5
 MS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 TOKEN_BUCKETS = tuple(float(i) for i in range(1, 17)) + (24.0, 32.0)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+REQUEST_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0)
 _PROM_UNIT = {"ms": "milliseconds", "MBy": "megabytes", "s": "seconds", "By": "bytes"}
 
 
@@ -60,7 +61,7 @@ def prometheus_name(key: str) -> str:
 
 def _instruments(meter: Meter) -> dict:
     out = {}
-    bounds = {"ms": MS_BUCKETS, "{token}": TOKEN_BUCKETS, "1": RATIO_BUCKETS}
+    bounds = {"ms": MS_BUCKETS, "{token}": TOKEN_BUCKETS, "1": RATIO_BUCKETS, "{request}": REQUEST_BUCKETS}
     for key, (kind, unit, desc) in METRIC_META.items():
         name = METRICS[key]
         if kind == "histogram":
@@ -90,6 +91,7 @@ class MetricsSink:
         self.m = _instruments(meter)
         self.context = context or (lambda: None)
         self.a_phase = [{METRIC_ATTR["phase"]: p} for p in PHASES]  # attribute dicts built once
+        self.a_kv = {st: {METRIC_ATTR["kv_state"]: st} for st in ("used", "free")}
 
     def _ctx(self) -> Context | None:
         try:
@@ -113,6 +115,9 @@ class MetricsSink:
                     m["verify_sub_duration"].record(ns / 1e6, {METRIC_ATTR["bucket"]: bucket}, context=ctx)
             m["round_duration"].record(r.wall_ns / 1e6, context=ctx)
             m["tokens_per_round"].record(r.j + 1, context=ctx)
+            if r.batch is not None:
+                m["batch_requests"].record(r.batch.requests, context=ctx)
+                m["batch_wait"].record(r.batch.wait_ns / 1e6, context=ctx)
             drafted, accepted = drafted + r.k, accepted + r.j
         m["drafted"].add(drafted)
         m["accepted"].add(accepted)
@@ -122,6 +127,10 @@ class MetricsSink:
         if slow:
             m["slow_rounds"].add(slow)
         self._memory(next((d for r in reversed(rounds) for d in reversed(r.free_mb) if d), {}))
+        last = rounds[-1].batch
+        if last is not None:
+            m["kv_blocks"].set(last.kv_used, self.a_kv["used"])
+            m["kv_blocks"].set(last.kv_free, self.a_kv["free"])
 
     def _memory(self, free_mb: dict[str, int]) -> None:
         for dev, mb in free_mb.items():
