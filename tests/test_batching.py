@@ -101,6 +101,24 @@ def test_a_short_kv_pool_makes_requests_wait_and_loses_nothing(llama):
     assert stats["kv_rows"] <= 2 * most + 16
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_running_out_of_blocks_preempts_by_swap_and_loses_nothing(llama, draft_llama, drafter):
+    """A pool a little larger than the longest request: requests are admitted with their
+    prompt's blocks, grow as they decode, and when a growth finds the pool empty another
+    request is swapped out to host memory and back later; every request still gets its solo
+    ids (its swapped rows come back bitwise), no out-of-memory, every block given back."""
+    reqs = _prompts(8)
+    kw = dict(draft_model=str(draft_llama)) if drafter == "model" else {}
+    solo = _solo(llama, drafter, reqs, **kw)
+    most = max(len(p) + n + 4 for p, n in reqs)
+    batched, stats = _batched(llama, drafter, reqs, max_batch=6, kv_rows=most + 32, **kw)
+    assert batched == solo
+    assert stats["preemptions"] >= 1, stats
+    assert stats["kv_blocks_used"] == 0
+    if drafter == "model":
+        assert stats["draft"]["kv_blocks_used"] == 0
+
+
 def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
     from memra_dist.batching.backend import check_batchable
     from memra_dist.model.config import load_config

@@ -116,8 +116,9 @@ class BatchedBackend:
         cfg = plan.cfg
         need = min(plan.capacity, len(prompt) + cfg.max_new_tokens + cfg.k + 1)
         with self.slots:
-            slot = BatchSlot(self.batcher, need)
-            draft = BatchSlot(self.draft_batcher, need) if self.draft_batcher is not None else None
+            first = len(prompt) + 1  # admitted with its prompt's blocks; its forwards grow them
+            slot = BatchSlot(self.batcher, need, first)
+            draft = BatchSlot(self.draft_batcher, need, first) if self.draft_batcher is not None else None
             try:
                 yield self.request(plan, prompt, span_sink, slot, draft)
             finally:

@@ -16,8 +16,14 @@ holds the others for longer). A step takes waiting submissions in arrival order 
 `max_tokens` rows (at least one); the rest go in the next step. Each request's rows see
 exactly the inputs they see alone (paged.py), so what shares a step never changes a result.
 
-Admission: a request reserves the blocks of its rows (blocks.py) and waits while the pool
-cannot hold it; a request larger than the whole pool is refused with one line.
+Memory follows length: a request is admitted with the blocks of its first rows (blocks.py) and
+grows block by block as its forwards reach further. When a growth finds the pool empty, the
+request preempts another: the most recently admitted one that has no rows in the pending or
+running step is swapped out (its K/V rows copied to host memory, its blocks freed, its
+submissions no longer awaited) and swapped back in, into whatever blocks it then gets, before
+its next forward: its rows come back bitwise, so nothing is lost and nothing recomputed. A
+swap-in only waits for blocks (it never preempts, so two requests cannot evict each other in
+turn); an admission waits too. A request larger than the whole pool is refused with one line.
 """
 
 from __future__ import annotations
@@ -74,11 +80,13 @@ class BatchStats:
     requests: int = 0  # request-steps: a request's rows in a step count once
     max_requests: int = 0  # the most requests one step held
     waits: int = 0  # admissions that waited for blocks
+    preemptions: int = 0  # requests swapped out to let another grow
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "rows": self.rows, "max_requests": self.max_requests,
                 "mean_requests": round(self.requests / self.steps, 3) if self.steps else 0.0,
-                "mean_rows": round(self.rows / self.steps, 3) if self.steps else 0.0, "admission_waits": self.waits}
+                "mean_rows": round(self.rows / self.steps, 3) if self.steps else 0.0, "admission_waits": self.waits,
+                "preemptions": self.preemptions}
 
 
 class Batcher:
@@ -92,15 +100,20 @@ class Batcher:
         self.max_tokens, self.max_wait_s = max_tokens, max_wait_s
         self.cv = threading.Condition()
         self.pending: list[_Job] = []
-        self.admitted: set = set()
+        self.admitted: dict = {}  # request id -> admission order (the latest is preempted first)
+        self.swapped: dict = {}  # request id -> (rows, host K/V per layer): preempted, back before its next forward
+        self.running_rids: set = set()
+        self._order = 0
         self.running = False
         self.stats = BatchStats()
 
-    # ---- requests joining and leaving ----
-    def admit(self, rid, rows: int) -> None:
-        """Reserve `rows` rows of blocks for request `rid`, waiting while the pool is short."""
-        if not self.pool.fits(rows):
-            raise UserError(f"a request of {rows} rows does not fit the KV pool ({self.pool.rows} rows): "
+    # ---- requests joining, growing and leaving ----
+    def admit(self, rid, rows: int, need: int | None = None) -> None:
+        """Reserve `rows` rows of blocks for request `rid`, waiting while the pool is short.
+        `need`: the most rows it can ever hold (refused now, in one line, if the pool cannot)."""
+        most = max(rows, need or 0)
+        if not self.pool.fits(most):
+            raise UserError(f"a request of {most} rows does not fit the KV pool ({self.pool.rows} rows): "
                             f"raise --kv-rows or lower --max-new-tokens")
         with self.cv:
             waited = False
@@ -108,13 +121,55 @@ class Batcher:
                 waited = True
                 self.cv.wait()
             self.stats.waits += waited
-            self.admitted.add(rid)
+            self._order += 1
+            self.admitted[rid] = self._order
 
     def leave(self, rid) -> None:
         with self.cv:
             self.pool.release(rid)
-            self.admitted.discard(rid)
+            self.admitted.pop(rid, None)
+            self.swapped.pop(rid, None)
             self.cv.notify_all()  # blocks for a waiting admission; a step that waited for this one
+
+    def _hold(self, rid, rows: int) -> None:
+        """Called holding the lock: request `rid` (swapped back in if it was preempted) holds
+        blocks for `rows` rows, growing into free blocks or preempting another for them."""
+        while True:
+            if rid in self.swapped and not self._swap_in(rid):
+                self.cv.wait()  # blocks come back when a request ends or is preempted
+                continue
+            if self.pool.capacity(rid) >= rows or self.pool.grow(rid, rows):
+                return
+            victim = self._victim(rid)
+            if victim is None:
+                self.cv.wait()  # every other request is in a step: the step's end frees or lets one go
+                continue
+            self._swap_out(victim)
+
+    def _victim(self, rid):
+        """The most recently admitted request other than `rid` with nothing pending or running."""
+        busy = self.running_rids | {j.rid for j in self.pending} | {rid}
+        free = [(order, r) for r, order in self.admitted.items() if r not in busy]
+        return max(free)[1] if free else None
+
+    def _swap_out(self, rid) -> None:
+        rows = self.pool.capacity(rid)
+        saved = self.kv.save(self.pool.slots(rid, 0, rows))
+        self.pool.release(rid)
+        del self.admitted[rid]
+        self.swapped[rid] = (rows, saved)
+        self.stats.preemptions += 1
+        self.cv.notify_all()
+
+    def _swap_in(self, rid) -> bool:
+        rows, saved = self.swapped[rid]
+        if not self.pool.reserve(rid, rows):
+            return False
+        self.kv.restore(self.pool.slots(rid, 0, rows), saved)
+        del self.swapped[rid]
+        self._order += 1
+        self.admitted[rid] = self._order
+        return True
 
     # ---- one forward's rows ----
     def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool) -> tuple[torch.Tensor, BatchStep]:
@@ -123,6 +178,7 @@ class Batcher:
         row, or of the last with `last`) and the step it rode in."""
         job = _Job(rid, ids, start, width, last)
         with self.cv:
+            self._hold(rid, start + ids.shape[0])
             self.pending.append(job)
             self.cv.notify_all()
             while not job.done:
@@ -141,7 +197,7 @@ class Batcher:
     def _ready_in(self) -> float:
         """Seconds until a step should run (<= 0: now)."""
         waiting = {j.rid for j in self.pending}
-        if self.admitted <= waiting:
+        if self.admitted.keys() <= waiting:
             return 0.0
         return (self.pending[0].t - time.perf_counter_ns()) / 1e9 + self.max_wait_s
 
@@ -156,6 +212,7 @@ class Batcher:
             rows += n
         del self.pending[:len(take)]
         self.running = True
+        self.running_rids = {j.rid for j in take}
         sid = self.stats.steps
         self.cv.release()
         t0 = time.perf_counter_ns()
@@ -174,6 +231,7 @@ class Batcher:
                 j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free)
             self.cv.acquire()
             self.running = False
+            self.running_rids = set()
             s = self.stats
             s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
             s.max_requests = max(s.max_requests, len(take))

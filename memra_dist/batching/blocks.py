@@ -1,11 +1,11 @@
 """The paged KV cache's bookkeeping (pure: no tensors): a pool of fixed-size blocks, a block
 table per request, and the flat slot of each of a request's positions.
 
-A request holds `ceil(rows / block)` blocks for the rows it may ever write (its capacity:
-prompt + new tokens + K + 1), taken when it is admitted and given back when it ends, so
-memory follows each request's own length rather than a fixed `--ctx` slot, and a request that
-is running never meets an empty pool. When the pool cannot hold a new request it waits
-(`reserve` returns False; the caller retries when blocks come back).
+A request holds `ceil(rows / block)` blocks for the rows it has written so far: it reserves
+its first rows when it is admitted, `grow`s block by block as it writes further, and gives them
+all back when it ends, so memory follows each request's own length rather than a fixed
+`--ctx` slot. When the pool cannot hold a new request or a growth, `reserve` / `grow` return
+False and take nothing; the caller waits for blocks or preempts another request (batcher.py).
 
 Slot s of the pool is row s % block of block s // block; position p of a request lives in
 slot table[p // block] * block + p % block.
@@ -71,6 +71,24 @@ class BlockPool:
             return False
         self._tables[rid] = [self._free.pop() for _ in range(need)]
         self._rows[rid] = rows
+        return True
+
+    def grow(self, rid, rows: int) -> bool:
+        """Request `rid`'s reservation up to `rows` rows (more blocks at the end of its table);
+        False (nothing taken) when the pool has too few free. Never shrinks.
+
+        >>> pool = BlockPool(num_blocks=3, block=4)
+        >>> pool.reserve("a", 3), pool.grow("a", 9), pool.table("a"), pool.capacity("a")
+        (True, True, [0, 1, 2], 9)
+        >>> pool.grow("a", 13), pool.grow("a", 5), pool.capacity("a")
+        (False, True, 9)
+        """
+        have = self._tables[rid]
+        need = blocks_for(rows, self.block) - len(have)
+        if need > len(self._free):
+            return False
+        have.extend(self._free.pop() for _ in range(max(need, 0)))
+        self._rows[rid] = max(self._rows[rid], rows)
         return True
 
     def release(self, rid) -> None:

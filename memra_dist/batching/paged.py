@@ -56,6 +56,19 @@ class PagedKV:
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers.values())
 
+    def save(self, slots: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The K/V of `slots` in every layer, copied to host memory (a preempted request's rows)."""
+        idx = torch.tensor(slots, dtype=torch.long, device=next(iter(self.layers.values())).k.device)
+        return [(layer.k.index_select(0, idx).cpu(), layer.v.index_select(0, idx).cpu())
+                for layer in self.layers.values()]
+
+    def restore(self, slots: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """`save`'s rows written back at `slots` (the request's new blocks), bitwise."""
+        for layer, (k, v) in zip(self.layers.values(), saved):
+            idx = torch.tensor(slots, dtype=torch.long, device=layer.k.device)
+            layer.k.index_copy_(0, idx, k.to(layer.k.device))
+            layer.v.index_copy_(0, idx, v.to(layer.v.device))
+
     @staticmethod
     def row_bytes(stage, dtype) -> int:
         """Bytes one slot takes over every layer (K and V)."""

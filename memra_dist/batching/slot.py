@@ -2,9 +2,10 @@
 single request calls its ModelRunner — `alloc`, `forward`, `rollback`, `length` — over the
 batcher's paged cache (batcher.py).
 
-`alloc(capacity)` admits the request: it reserves blocks for the rows the request can write
-(`need`: prompt + new tokens + K + 1, at most the capacity), waiting while the pool is short.
-Its attention still runs as over a cache of `capacity` rows (paged.py), so a request's ids
+`alloc(capacity)` admits the request: it reserves blocks for its prompt's rows (`first`),
+waiting while the pool is short; each forward grows them to the rows it writes (the batcher
+preempts another request when the pool is empty; `need`, prompt + new tokens + K + 1, is the
+most it can grow to and must fit the pool). Its attention still runs as over a cache of `capacity` rows (paged.py), so a request's ids
 are the same batched or alone. `rollback(n)` keeps n rows: positions past n are rewritten by
 the next forward before anything reads them (the mask reads positions up to each row's
 own), as a ModelRunner's cache does. `release()` gives the blocks back.
@@ -29,8 +30,9 @@ class BatchSlot:
     graphs = None  # no step graphs: the batched forward is not captured (the ahead path stays off)
     cache = None
 
-    def __init__(self, batcher, need: int):
+    def __init__(self, batcher, need: int, first: int | None = None):
         self.batcher, self.need = batcher, need
+        self.first = min(need, first) if first is not None else need  # rows reserved at admission
         self.rid = next(_ids)
         self.device, self.dtype = batcher.device, batcher.dtype
         self.label = device_label(self.device)
@@ -42,15 +44,14 @@ class BatchSlot:
 
     def alloc(self, capacity: int) -> None:
         if not self.admitted:
-            self.batcher.admit(self.rid, min(self.need, capacity))
+            self.batcher.admit(self.rid, min(self.first, capacity), min(self.need, capacity))
             self.admitted = True
         self.capacity, self.length = capacity, 0
 
     def forward(self, x: torch.Tensor, start: int, timer=None, last: bool = False) -> torch.Tensor:
         rows = x.shape[0]
-        held = self.batcher.pool.capacity(self.rid)
-        if start + rows > min(held, self.capacity):
-            raise UserError(f"context full: {start + rows} rows needed, the request holds {min(held, self.capacity)}")
+        if start + rows > self.capacity:
+            raise UserError(f"context full: {start + rows} rows needed, the request holds {self.capacity}")
         self.length = start + rows
         out, self.last_step = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity, last)
         return out
@@ -62,10 +63,10 @@ class BatchSlot:
 
     def kv_mb(self) -> float:
         """The K/V the request's reserved blocks hold (MB)."""
-        if not self.admitted:
+        pool = self.batcher.pool
+        if not self.admitted or not pool.holds(self.rid):
             return 0.0
-        kv = self.batcher.kv
-        return kv.nbytes() * len(self.batcher.pool.table(self.rid)) * self.batcher.pool.block / self.batcher.pool.rows / 2**20
+        return self.batcher.kv.nbytes() * len(pool.table(self.rid)) * pool.block / pool.rows / 2**20
 
     def free_mb(self) -> int:
         return free_mb(self.device)
