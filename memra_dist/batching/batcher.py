@@ -131,6 +131,12 @@ class Batcher:
             self.swapped.pop(rid, None)
             self.cv.notify_all()  # blocks for a waiting admission; a step that waited for this one
 
+    def trim(self, rid, rows: int) -> None:
+        """Request `rid` rolled back to `rows` rows: the whole blocks past them go back to the pool."""
+        with self.cv:
+            if self.pool.holds(rid) and self.pool.shrink(rid, rows):
+                self.cv.notify_all()
+
     def _hold(self, rid, rows: int) -> None:
         """Called holding the lock: request `rid` (swapped back in if it was preempted) holds
         blocks for `rows` rows, growing into free blocks or preempting another for them."""

@@ -91,6 +91,25 @@ class BlockPool:
         self._rows[rid] = max(self._rows[rid], rows)
         return True
 
+    def shrink(self, rid, rows: int) -> int:
+        """Request `rid` keeps the blocks of its first `rows` rows; the whole blocks past them go
+        back to the pool (a rollback past rejected drafts). Returns the blocks freed.
+
+        >>> pool = BlockPool(num_blocks=4, block=4)
+        >>> pool.reserve("a", 14), pool.shrink("a", 5), pool.table("a"), pool.free_blocks
+        (True, 2, [0, 1], 2)
+        >>> pool.shrink("a", 8), pool.capacity("a")
+        (0, 5)
+        """
+        have = self._tables[rid]
+        keep = blocks_for(rows, self.block)
+        freed = have[keep:]
+        del have[keep:]
+        self._free.extend(freed)
+        self._free.sort(reverse=True)
+        self._rows[rid] = min(self._rows[rid], rows)
+        return len(freed)
+
     def release(self, rid) -> None:
         """Give request `rid`'s blocks back (nothing when it holds none)."""
         for b in reversed(self._tables.pop(rid, [])):

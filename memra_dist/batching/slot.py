@@ -6,9 +6,9 @@ batcher's paged cache (batcher.py).
 waiting while the pool is short; each forward grows them to the rows it writes (the batcher
 preempts another request when the pool is empty; `need`, prompt + new tokens + K + 1, is the
 most it can grow to and must fit the pool). Its attention still runs as over a cache of `capacity` rows (paged.py), so a request's ids
-are the same batched or alone. `rollback(n)` keeps n rows: positions past n are rewritten by
-the next forward before anything reads them (the mask reads positions up to each row's
-own), as a ModelRunner's cache does. `release()` gives the blocks back.
+are the same batched or alone. `rollback(n)` keeps n rows and gives back the whole blocks past them:
+positions past n are rewritten by the next forward before anything reads them (the mask reads
+positions up to each row's own), as a ModelRunner's cache does. `release()` gives the blocks back.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class BatchSlot:
         if not 0 <= new_len <= self.length:
             raise ValueError(f"rollback to {new_len} outside [0, {self.length}]")
         self.length = new_len
+        if self.admitted:
+            self.batcher.trim(self.rid, new_len)  # whole blocks past the kept rows go back
 
     def kv_mb(self) -> float:
         """The K/V the request's reserved blocks hold (MB)."""
