@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_attention", "chunking"]
+__all__ = ["decode_attention", "chunking", "split_buffers", "merge_splits"]
 
 
 @triton.jit
@@ -108,16 +108,28 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: t
         n_chunks = triton.cdiv(C, chunk)
     rows = T * rep
     bm = max(16, min(64, triton.next_power_of_2(rows)))
-    bc = min(64, chunk)
-    dev = q.device
-    pm = torch.empty(nkv * n_chunks * rows, device=dev, dtype=torch.float32)
-    pl = torch.empty_like(pm)
-    po = torch.empty(nkv * n_chunks * rows * hd, device=dev, dtype=torch.float32)
-    o = torch.empty((T, nh * hd), device=dev, dtype=q.dtype)
+    pm, pl, po, o = split_buffers(q, nkv, n_chunks)
     _partial_kernel[(nkv, n_chunks, triton.cdiv(rows, bm))](
         q, kc, vc, pos, pm, pl, po, rows, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
-        vc.stride(0), vc.stride(1), hd ** -0.5, n_chunks, REP=rep, HD=hd, BM=bm, BC=bc,
+        vc.stride(0), vc.stride(1), hd ** -0.5, n_chunks, REP=rep, HD=hd, BM=bm, BC=min(64, chunk),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)  # fp32 stays fp32 (no TF32)
+    merge_splits(pm, pl, po, o, nkv, rep, n_chunks)
+    return o
+
+
+def split_buffers(q: torch.Tensor, nkv: int, n_chunks: int):
+    """The chunks' partial results for q (T, nh, hd) — running max, sum, fp32 output per
+    (KV head, chunk, query row) — and the output (T, nh * hd)."""
+    T, nh, hd = q.shape
+    rows = T * (nh // nkv)
+    pm = torch.empty(nkv * n_chunks * rows, device=q.device, dtype=torch.float32)
+    po = torch.empty(nkv * n_chunks * rows * hd, device=q.device, dtype=torch.float32)
+    return pm, torch.empty_like(pm), po, torch.empty((T, nh * hd), device=q.device, dtype=q.dtype)
+
+
+def merge_splits(pm, pl, po, o: torch.Tensor, nkv: int, rep: int, n_chunks: int) -> None:
+    """The chunks' partials merged into o, one program per (KV head, query row)."""
+    rows = o.shape[0] * rep
+    hd = o.shape[1] // (nkv * rep)
     _merge_kernel[(nkv, rows)](pm, pl, po, o, rows, n_chunks, o.stride(0), REP=rep, HD=hd,
                                NC=triton.next_power_of_2(n_chunks), num_warps=4)
-    return o

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _merge_kernel, chunking
+from .decode_attention import chunking, merge_splits, split_buffers
 
 __all__ = ["paged_attention"]
 
@@ -89,18 +89,11 @@ def paged_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, pos: to
         chunk, n_chunks = chunking(max_len)
     else:
         n_chunks = triton.cdiv(max_len, chunk)
-    rows = T * rep
-    bm = max(16, triton.next_power_of_2(max_rows * rep))
-    bc = min(64, chunk)
-    dev = q.device
-    pm = torch.empty(nkv * n_chunks * rows, device=dev, dtype=torch.float32)
-    pl = torch.empty_like(pm)
-    po = torch.empty(nkv * n_chunks * rows * hd, device=dev, dtype=torch.float32)
-    o = torch.empty((T, nh * hd), device=dev, dtype=q.dtype)
+    pm, pl, po, o = split_buffers(q, nkv, n_chunks)
     _paged_partial_kernel[(nkv, n_chunks, n)](
-        q, kp, vp, pos, lo, nrows, table, pm, pl, po, rows, q.stride(0), q.stride(1), kp.stride(0), kp.stride(1),
-        vp.stride(0), vp.stride(1), table.stride(0), hd ** -0.5, n_chunks, REP=rep, HD=hd, BM=bm, BC=bc,
-        BLOCK=block, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
-    _merge_kernel[(nkv, rows)](pm, pl, po, o, rows, n_chunks, o.stride(0), REP=rep, HD=hd,
-                               NC=triton.next_power_of_2(n_chunks), num_warps=4)
+        q, kp, vp, pos, lo, nrows, table, pm, pl, po, T * rep, q.stride(0), q.stride(1), kp.stride(0),
+        kp.stride(1), vp.stride(0), vp.stride(1), table.stride(0), hd ** -0.5, n_chunks, REP=rep, HD=hd,
+        BM=max(16, triton.next_power_of_2(max_rows * rep)), BC=min(64, chunk), BLOCK=block,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    merge_splits(pm, pl, po, o, nkv, rep, n_chunks)
     return o
