@@ -53,7 +53,7 @@ def _paged_partial_kernel(Q, K, V, POS, LO, NROWS, TBL, PM, PL, PO, ROWS, stride
         rc = p0 + tl.arange(0, BC)  # positions
         live = rc < p_hi
         blk = tl.load(TBL + s * stride_tb + rc // BLOCK, mask=live, other=0)
-        slot = blk * BLOCK + rc % BLOCK
+        slot = blk.to(tl.int64) * BLOCK + rc % BLOCK  # int64: a large pool's offsets pass 2**31
         k = tl.load(K + slot[:, None] * stride_kc + h * stride_kh + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * stride_vc + h * stride_vh + d[None, :], mask=live[:, None], other=0.0)
         sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BM, BC) fp32
