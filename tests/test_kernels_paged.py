@@ -112,3 +112,53 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
     assert [got.get(i) for i in range(len(reqs))] == solo
     assert max(launches) >= 2, launches  # one launch held several requests' rows
     assert stats["max_requests"] >= 2, stats
+
+
+class _Replayed:
+    """A CUDA graph's contract on CPU: fn runs once at capture (its output is the static
+    buffer), and every replay re-runs it into that buffer, reading the static inputs as they
+    are then (so the packed inputs and the padding are what is tested)."""
+
+    def __init__(self, fn, pool):
+        self.fn = fn
+        self.out = fn().clone()
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+class _Uncapturable:
+    def __init__(self, fn, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("graph_cls", [_Replayed, _Uncapturable])
+def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_llama, graph_cls):
+    """Steps of padded rows (ids 0 at the pool's scratch slot) and padded segments (no rows)
+    replay one bucket's graph; a bucket that cannot be captured runs eager."""
+    from memra_dist.batching.graphs import StepGraphs
+
+    reqs = [([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 12), ([9, 3, 9, 3, 9, 3, 9], 8), (list(range(4, 50)), 10),
+            ([11, 12, 13, 11, 12, 13, 11], 12), ([7, 7, 8], 9)]
+    with open_engine(_cfg(wide_llama, "ngram"), capacity=96) as eng:
+        solo = [eng.generate(p, _cfg(wide_llama, "ngram", n)).token_ids for p, n in reqs]
+    got: dict[int, list[int]] = {}
+    with open_engine(_cfg(wide_llama, "ngram"), capacity=96, max_batch=5) as eng:
+        b = eng._backend.batcher
+        _on_kernels(eng._backend)
+        b.graphs = StepGraphs(b, b.max_tokens, graph_cls=graph_cls)
+
+        def one(i, p, n):
+            got[i] = eng.generate(p, _cfg(wide_llama, "ngram", n)).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        g = eng._backend.stats()["graphs"]
+    assert [got.get(i) for i in range(len(reqs))] == solo
+    if graph_cls is _Replayed:
+        assert g["replays"] > 0 and g["captured"] >= 2 and g["padded_rows"] > 0 and g["eager_buckets"] == 0, g
+    else:
+        assert g["replays"] == 0 and g["captured"] == 0 and g["eager_buckets"] >= 1, g

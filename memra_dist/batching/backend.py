@@ -9,8 +9,9 @@ draft slot, so every request's draft steps share forwards too), greedy or sample
 drafters (dflash, mtp, eagle3), the other families and pp > 1 are refused with one line
 (`check_batchable`). On a GPU with the fast path on (`--graphs`, `--kernels`: the defaults) the
 stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged
-split-sequence attention launch for every request's decode / verify rows); the batched steps
-are not CUDA graphs yet and nothing is compiled. On CPU the batched forward is the reference.
+split-sequence attention launch for every request's decode / verify rows), and a step whose
+requests bring at most 16 rows each replays a CUDA graph of the whole forward (graphs.py);
+nothing is compiled. On CPU the batched forward is the reference.
 
 The KV pool: `kv_rows` slots in blocks of BLOCK rows (default: every request of the batch at
 the engine's capacity, shrunk to what the device's free memory holds, at least one capacity).
@@ -53,7 +54,7 @@ def check_batchable(cfg, mcfg, max_batch: int, draft=None) -> None:
                             f"(the {what} is {c.arch})")
 
 
-def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget: int) -> Batcher:
+def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget: int, graphs: bool) -> Batcher:
     """A batcher over `runner`'s stage with a pool of `kv_rows` slots (default: every request of
     the batch at `capacity`, shrunk to what the device's free memory holds, at least one)."""
     from ..device import free_mb  # noqa: PLC0415
@@ -66,7 +67,8 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
     if pool.rows * row > free:
         raise UserError(f"out of memory: a KV pool of {pool.rows} rows needs {pool.rows * row / 2**20:.0f} MB on "
                         f"{runner.label}, free {free // 2**20} MB (lower --kv-rows or --ctx)")
-    return Batcher(runner.stage, runner.device, runner.dtype, pool, budget)
+    return Batcher(runner.stage, runner.device, runner.dtype, pool, budget,
+                   graphs=graphs and runner.device.type == "cuda")
 
 
 class BatchedBackend:
@@ -92,12 +94,13 @@ class BatchedBackend:
 
         self.runner = load(cfg.model, plan.model)
         budget = max_tokens if max_tokens is not None else max(cfg.prefill_chunk, max_batch * (cfg.k + 1))
-        self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget)
+        self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, fast["graphs"])
         self.draft_batcher = None
         if cfg.drafter == "model":  # the draft model's steps batched too, over its own pool
             self.draft_runner = load(cfg.draft_model, plan.draft)
             self.draft_batcher = _batcher(self.draft_runner, max_batch, plan.capacity,
-                                          self.batcher.pool.rows if kv_rows is not None else None, budget)
+                                          self.batcher.pool.rows if kv_rows is not None else None, budget,
+                                          fast["graphs"])
         self.slots = threading.BoundedSemaphore(max_batch)
         self.max_batch = max_batch
 
@@ -130,6 +133,8 @@ class BatchedBackend:
         b = self.batcher
         out = {**b.stats.as_dict(), "kv_rows": b.pool.rows, "block": BLOCK,
                "kv_blocks_used": b.pool.used_blocks, "kv_blocks_free": b.pool.free_blocks}
+        if b.graphs is not None:
+            out["graphs"] = b.graphs.stats()
         if self.draft_batcher is not None:
             d = self.draft_batcher
             out["draft"] = {**d.stats.as_dict(), "kv_rows": d.pool.rows, "kv_blocks_used": d.pool.used_blocks}

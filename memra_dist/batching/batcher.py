@@ -11,8 +11,12 @@ lengths (k per request, 0 included) and new requests' prefill chunks share a for
 requests join (`admit`) and leave (`leave`) between steps: continuous batching.
 
 When a step runs: as soon as every admitted request has a submission waiting, or `max_wait_s`
-after the oldest waiting one (a request busy on the host, or its client slow to read, never
-holds the others for longer). A step takes waiting submissions in arrival order up to
+after the oldest waiting one or after the previous step ended, whichever is later (a request
+busy on the host, or its client slow to read, never holds the others for longer). Counting
+from the previous step's end matters: the requests that rode in it need a moment of host work
+(acceptance, their next drafts) to come back, and counting only from submissions made during
+a step longer than `max_wait_s` would launch the next step without them, splitting the
+requests into groups that alternate steps for good. A step takes waiting submissions in arrival order up to
 `max_tokens` rows (at least one); the rest go in the next step. Each request's rows see
 exactly the inputs they see alone (paged.py), so what shares a step never changes a result.
 
@@ -54,7 +58,7 @@ class BatchStep:
     requests: int
     rows: int
     wait_ns: int  # from the request's submission to the step's start (waiting for the others, or a running step)
-    forward_ns: int  # the step's forward, host to host (on a GPU: its launches; the drain is the session's)
+    forward_ns: int  # the step's forward, from its launch to its device work done
     kv_used: int = 0  # the pool's blocks in use / free after the step
     kv_free: int = 0
 
@@ -81,16 +85,20 @@ class BatchStats:
     max_requests: int = 0  # the most requests one step held
     waits: int = 0  # admissions that waited for blocks
     preemptions: int = 0  # requests swapped out to let another grow
+    forward_ns: int = 0  # the steps' forwards, launch to device done
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "rows": self.rows, "max_requests": self.max_requests,
                 "mean_requests": round(self.requests / self.steps, 3) if self.steps else 0.0,
-                "mean_rows": round(self.rows / self.steps, 3) if self.steps else 0.0, "admission_waits": self.waits,
+                "mean_rows": round(self.rows / self.steps, 3) if self.steps else 0.0,
+                "mean_step_ms": round(self.forward_ns / self.steps / 1e6, 3) if self.steps else 0.0,
+                "admission_waits": self.waits,
                 "preemptions": self.preemptions}
 
 
 class Batcher:
-    def __init__(self, stage, device, dtype, pool: BlockPool, max_tokens: int, max_wait_s: float = MAX_WAIT_S):
+    def __init__(self, stage, device, dtype, pool: BlockPool, max_tokens: int, max_wait_s: float = MAX_WAIT_S,
+                 graphs: bool = False, graph_cls=None):
         if max_tokens < 1:
             raise UserError(f"--max-batch-tokens must be >= 1 (got {max_tokens})")
         self.stage, self.device, self.dtype, self.pool = stage, device, dtype, pool
@@ -98,6 +106,13 @@ class Batcher:
         # on our kernels (kernels/ops.py install): decode / verify rows through the paged kernel
         self.kernels = all(b.self_attn.fast_attn_rows > 0 and b.self_attn.rope_kernel_ok() for b in stage.layers.values())
         self.max_tokens, self.max_wait_s = max_tokens, max_wait_s
+        # decode / verify steps replayed as CUDA graphs (graphs.py): on the kernels only (the
+        # paged kernel takes every segment, no gather); graph_cls: a test's emulation
+        self.graphs = None
+        if self.kernels and (graphs or graph_cls is not None):
+            from .graphs import StepGraphs  # noqa: PLC0415
+
+            self.graphs = StepGraphs(self, max_tokens, **({"graph_cls": graph_cls} if graph_cls else {}))
         self.cv = threading.Condition()
         self.pending: list[_Job] = []
         self.admitted: dict = {}  # request id -> admission order (the latest is preempted first)
@@ -105,6 +120,7 @@ class Batcher:
         self.running_rids: set = set()
         self._order = 0
         self.running = False
+        self.last_end = 0  # perf_counter_ns when the latest step ended
         self.stats = BatchStats()
 
     # ---- requests joining, growing and leaving ----
@@ -205,7 +221,7 @@ class Batcher:
         waiting = {j.rid for j in self.pending}
         if self.admitted.keys() <= waiting:
             return 0.0
-        return (self.pending[0].t - time.perf_counter_ns()) / 1e9 + self.max_wait_s
+        return (max(self.pending[0].t, self.last_end) - time.perf_counter_ns()) / 1e9 + self.max_wait_s
 
     def _lead(self) -> None:
         """Called holding the lock: take a step's jobs, run it unlocked, hand the results out."""
@@ -225,6 +241,8 @@ class Batcher:
         try:
             try:
                 outs = self._forward(take)
+                if self.device.type == "cuda":  # the step ends when its device work does (releases the GIL)
+                    torch.cuda.current_stream(self.device).synchronize()
                 for j, o in zip(take, outs):
                     j.out = o
             except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
@@ -237,9 +255,11 @@ class Batcher:
                 j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free)
             self.cv.acquire()
             self.running = False
+            self.last_end = time.perf_counter_ns()
             self.running_rids = set()
             s = self.stats
             s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
+            s.forward_ns += t1 - t0
             s.max_requests = max(s.max_requests, len(take))
             for j in take:
                 j.done = True
@@ -247,16 +267,16 @@ class Batcher:
 
     @torch.inference_mode()
     def _forward(self, jobs: list[_Job]) -> list[torch.Tensor]:
-        st, dev = self.stage, self.device
+        if self.graphs is not None and self.graphs.eligible(jobs):
+            out = self.graphs.run(jobs)
+            if out is not None:
+                return out
+        dev = self.device
         view = BatchView.build(self.pool, [(j.rid, j.start, j.ids.shape[0], j.width) for j in jobs], dev,
                                kernels=self.kernels)
         x = torch.cat([j.ids for j in jobs]).to(dev)
         pos = torch.cat([torch.arange(j.start, j.start + j.ids.shape[0]) for j in jobs]).to(dev)
-        rope = {d: rope_rows(pos, f, st._rope_scale) for d, f in st._inv_freq.items()}
-        ctx = StepCtx(pos=pos, mask=None, rope=rope, batch=view)
-        h = st.embed_tokens(x)
-        for i, blk in st.layers.items():
-            h = blk(h, ctx, self.kv.layers[int(i)])
+        h = self._layers(x, pos, view)
         # one lm_head over the rows whose logits are used (a request's last row with `last`)
         keep, counts, lo = [], [], 0
         for j in jobs:
@@ -264,4 +284,15 @@ class Batcher:
             keep.extend([lo + n - 1] if j.last else range(lo, lo + n))
             counts.append(1 if j.last else n)
             lo += n
-        return list(st.logits(h[torch.tensor(keep, device=dev)]).split(counts))
+        return list(self.stage.logits(h[torch.tensor(keep, device=dev)]).split(counts))
+
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, view: BatchView) -> torch.Tensor:
+        """The stage's embedding and blocks over the step's rows (ids x at positions pos) ->
+        hidden rows (the eager step and the graphed one, graphs.py, run this)."""
+        st = self.stage
+        rope = {d: rope_rows(pos, f, st._rope_scale) for d, f in st._inv_freq.items()}
+        ctx = StepCtx(pos=pos, mask=None, rope=rope, batch=view)
+        h = st.embed_tokens(x)
+        for i, blk in st.layers.items():
+            h = blk(h, ctx, self.kv.layers[int(i)])
+        return h

@@ -1,9 +1,10 @@
 """The paged K/V of a batched engine and the view one batched forward takes of it.
 
 `PagedKV` holds, per attention layer, K and V pools of `pool.rows` slots (blocks.py maps a
-request's positions to slots). `BatchView` is what a batched forward's layers read through
-`StepCtx.batch`: the slot each row writes, and per request (a segment of consecutive rows)
-the slots of its positions 0 .. its last row, in position order.
+request's positions to slots) and one scratch slot past them, which no request owns: the rows
+a graphed step pads with (graphs.py) write there. `BatchView` is what a batched forward's
+layers read through `StepCtx.batch`: the slot each row writes, and per request (a segment of
+consecutive rows) the slots of its positions 0 .. its last row, in position order.
 
 Attention over a segment (model/attention.py `Attention._batched`) gathers the request's keys
 and values in position order and runs the same arm a single request's forward runs: a prefill
@@ -46,15 +47,20 @@ class PagedLayer:
 class PagedKV:
     def __init__(self, stage, pool: BlockPool, device, dtype):
         self.pool = pool
+        self.scratch = pool.rows  # the slot padded rows write (never in a block table)
         self.layers: dict[int, PagedLayer] = {}
         for i, blk in stage.layers.items():
             attn = blk.self_attn
-            shape = (pool.rows, attn.nkv, attn.hd)
+            shape = (pool.rows + 1, attn.nkv, attn.hd)
             self.layers[int(i)] = PagedLayer(torch.zeros(shape, device=device, dtype=dtype),
                                              torch.zeros(shape, device=device, dtype=dtype))
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers.values())
+
+    def slot_bytes(self) -> float:
+        """Bytes one slot takes over every layer (K and V)."""
+        return self.nbytes() / (self.pool.rows + 1)
 
     def save(self, slots: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The K/V of `slots` in every layer, copied to host memory (a preempted request's rows)."""

@@ -68,7 +68,7 @@ class BatchSlot:
         pool = self.batcher.pool
         if not self.admitted or not pool.holds(self.rid):
             return 0.0
-        return self.batcher.kv.nbytes() * len(pool.table(self.rid)) * pool.block / pool.rows / 2**20
+        return self.batcher.kv.slot_bytes() * len(pool.table(self.rid)) * pool.block / 2**20
 
     def free_mb(self) -> int:
         return free_mb(self.device)

@@ -1,0 +1,210 @@
+"""CUDA graphs of the batched decode / verify steps (the GPU's batched fast path).
+
+An eager batched step of an 8B model launches ~1,000 kernels from Python (~25-37 ms of host
+time on an H200, measured by benchmarks/batch_step.py) around ~5-6 ms of device work, so the
+device idles most of the step. A step whose every request brings at most PAGED_MAX_ROWS rows
+(decode rows, verify rows, a short prefill tail) instead replays a graph of the whole forward.
+
+One graph per bucket (rows padded up to a bucket size, the class of the longest segment, the
+block-table width), captured lazily on first use over static buffers: every host input of a
+step (ids, positions, the pool slot each row writes, each segment's first row and rows, the
+block tables) is packed into ONE pinned host row and copied in one launch; the graph then
+runs the embedding, every block over the paged K/V (the paged attention kernel, one launch a
+layer) and the lm_head over every row. Padded rows write the pool's scratch slot (paged.py)
+and padded segments have no rows, so nothing a request owns is touched and each request's rows
+see what they see eager. The logits are copied out of the static buffer before the replay
+returns (the next step rewrites it while a request may still be reading its rows).
+
+A capture that fails (a kernel that cannot be captured on this stack) leaves that bucket eager,
+with one warning. Other threads keep launching while a graph is captured (the requests'
+sessions), so capture runs in thread-local error mode on its own stream.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..graphs import hold_collector
+from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
+
+__all__ = ["StepGraphs", "bucket_rows", "row_class"]
+
+SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def bucket_rows(rows: int) -> int:
+    """The padded row count of a step of `rows` rows: a few small sizes, then multiples of 32
+    (a bucket wastes at most a third of a step's rows to padding above 16).
+
+    >>> [bucket_rows(n) for n in (1, 3, 5, 17, 33, 49, 65, 100)]
+    [1, 4, 8, 24, 48, 64, 96, 128]
+    """
+    for b in SMALL_BUCKETS:
+        if rows <= b:
+            return b
+    return -(-rows // 32) * 32
+
+
+def row_class(max_rows: int) -> int:
+    """The longest segment's rows rounded up to a power of two (the paged kernel's row block
+    follows it; a verify of K + 1 = 5 rows takes the class 8).
+
+    >>> [row_class(n) for n in (1, 2, 3, 5, 8, 16)]
+    [1, 2, 4, 8, 8, 16]
+    """
+    c = 1
+    while c < max_rows:
+        c *= 2
+    return c
+
+
+class _CudaGraph:
+    """fn captured into a torch.cuda.CUDAGraph: two eager warm-ups on a side stream, then the
+    capture on it in thread-local mode (the requests' threads keep launching meanwhile)."""
+
+    def __init__(self, fn, pool):
+        cur = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        cur.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with hold_collector(), torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.out = fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+@dataclass
+class _Step:
+    rows: int  # T: padded rows (and the segment slots: a segment has >= 1 row)
+    width: int  # block-table width
+    host: torch.Tensor  # the packed inputs, pinned on CUDA: ids | pos | slots | lo | nrows | table
+    dev: torch.Tensor  # the same on the device (the graph reads it)
+    graph: object = None
+    copied: object = None  # event after the last host -> device copy (before `host` is rewritten)
+
+    def views(self):
+        T, W, d = self.rows, self.width, self.dev
+        return d[:T], d[T:2 * T], d[2 * T:3 * T], d[3 * T:4 * T], d[4 * T:5 * T], d[5 * T:].view(T, W)
+
+
+class StepGraphs:
+    """The batched step graphs of one batcher. `eligible(jobs)` says whether a step can replay
+    one; `run(jobs)` replays it (capturing its bucket first) and returns each job's logits.
+    `graph_cls(fn, pool)` captures fn and exposes `.out` and `.replay()` (CPU tests pass an
+    emulation that re-runs fn, which checks the padding and the packed inputs)."""
+
+    def __init__(self, batcher, max_rows: int, graph_cls=_CudaGraph):
+        self.b = batcher
+        self.max_rows = bucket_rows(max_rows)
+        self.graph_cls = graph_cls
+        self.cuda = batcher.device.type == "cuda"
+        self.steps: dict[tuple[int, int, int, int], _Step] = {}
+        self.failed: set = set()
+        self.pool = None
+        self.replays = 0
+        self.captures = 0
+        self.padded = 0  # rows of padding replayed (what the buckets waste)
+
+    def eligible(self, jobs) -> bool:
+        return (sum(j.ids.shape[0] for j in jobs) <= self.max_rows
+                and all(j.ids.shape[0] <= PAGED_MAX_ROWS for j in jobs))
+
+    def _key(self, jobs) -> tuple[int, int, int, int]:
+        rows = sum(j.ids.shape[0] for j in jobs)
+        block = self.b.pool.block
+        width = max(-(-j.width // block) for j in jobs)
+        return bucket_rows(rows), row_class(max(j.ids.shape[0] for j in jobs)), width, max(j.width for j in jobs)
+
+    def run(self, jobs) -> list[torch.Tensor] | None:
+        """Each job's logits (all its rows, or its last with `last`) from a replay; None when
+        the bucket cannot be captured (the caller runs the step eager)."""
+        key = self._key(jobs)
+        if key in self.failed:
+            return None
+        st = self.steps.get(key)
+        if st is None:
+            st = self._capture(key, jobs)
+            if st is None:
+                return None
+        else:
+            self._load(st, jobs)
+        st.graph.replay()
+        rows = sum(j.ids.shape[0] for j in jobs)
+        self.replays += 1
+        self.padded += st.rows - rows
+        out = st.graph.out[:rows].clone()  # the next replay rewrites it
+        res, lo = [], 0
+        for j in jobs:
+            n = j.ids.shape[0]
+            res.append(out[lo + n - 1:lo + n] if j.last else out[lo:lo + n])
+            lo += n
+        return res
+
+    def stats(self) -> dict:
+        return {"captured": self.captures, "replays": self.replays, "padded_rows": self.padded,
+                "eager_buckets": len(self.failed)}
+
+    def _pack(self, st: _Step, jobs) -> None:
+        """Write the step's inputs into the pinned host row (padded rows: id 0, position 0, the
+        scratch slot; padded segments: no rows)."""
+        T, W, pool = st.rows, st.width, self.b.pool
+        ids, pos, slots, lo, nrows = [0] * T, [0] * T, [self.b.kv.scratch] * T, [0] * T, [0] * T
+        table = [0] * (T * W)
+        r = 0
+        for s, j in enumerate(jobs):
+            n = j.ids.shape[0]
+            ids[r:r + n] = j.ids.tolist()
+            pos[r:r + n] = range(j.start, j.start + n)
+            slots[r:r + n] = pool.slots(j.rid, j.start, j.start + n)
+            lo[s], nrows[s] = r, n
+            tbl = pool.table(j.rid)
+            table[s * W:s * W + len(tbl)] = tbl
+            r += n
+        st.host.copy_(torch.tensor(ids + pos + slots + lo + nrows + table, dtype=torch.long))
+
+    def _load(self, st: _Step, jobs) -> None:
+        if st.copied is not None:
+            st.copied.synchronize()  # the previous copy out of the host row is done (it is, by now)
+        self._pack(st, jobs)
+        st.dev.copy_(st.host, non_blocking=True)
+        if st.copied is not None:
+            st.copied.record()
+
+    def _body(self, st: _Step, rclass: int, max_len: int):
+        b, stage = self.b, self.b.stage
+        ids, pos, slots, lo, nrows, table = st.views()
+        view = BatchView(slots, [], PagedRows(lo.to(torch.int32), nrows.to(torch.int32), table.to(torch.int32),
+                                              b.pool.block, rclass, max_len))
+        return stage.logits(b._layers(ids, pos, view))
+
+    def _capture(self, key, jobs) -> _Step | None:
+        T, rclass, W, max_len = key
+        dev = self.b.device
+        n = 5 * T + T * W
+        host = torch.zeros(n, dtype=torch.long, pin_memory=self.cuda)
+        st = _Step(T, W, host, torch.zeros(n, dtype=torch.long, device=dev))
+        self._load(st, jobs)
+        if self.cuda and self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.inference_mode():
+                st.graph = self.graph_cls(lambda: self._body(st, rclass, max_len), self.pool)
+        except Exception as e:  # noqa: BLE001 (a bucket that cannot be captured runs eager)
+            self.failed.add(key)
+            print(f"[memra] batched step of {T} rows not captured ({type(e).__name__}: {e}); it runs eager",
+                  file=sys.stderr, flush=True)
+            return None
+        if self.cuda:
+            st.copied = torch.cuda.Event()
+            st.copied.record()
+        self.steps[key] = st
+        self.captures += 1
+        return st
