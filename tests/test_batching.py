@@ -264,3 +264,34 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama):
         first = v[0][1].attributes
         assert len({i for i, _ in v}) == len(v) <= first[a["batch_requests"]]  # a request's verify once a step
         assert first[a["batch_rows"]] >= sum(s.attributes[a["k"]] + 1 for _, s in v)
+
+
+def test_requests_slower_than_the_wait_still_ride_one_step_together(llama, monkeypatch):
+    """Steps longer than the batcher's wait (an eager GPU step, a long verify) do not split the
+    requests into groups that alternate steps: the wait counts from the previous step's end, so
+    requests back from their host work (here 2 ms of it) join the next step."""
+    import time
+
+    import torch
+
+    n, rounds = 4, 12
+    with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=n) as eng:
+        b = eng._backend.batcher
+        monkeypatch.setattr(b, "_forward", lambda jobs: time.sleep(0.02) or [torch.zeros(1) for _ in jobs])
+        for r in range(n):
+            b.admit(("slow", r), 8)
+
+        def one(r):
+            time.sleep(0.007 * r)  # arriving apart, as requests do
+            for s in range(rounds):
+                b.submit(("slow", r), torch.zeros(1, dtype=torch.long), s, CAP, False)
+                time.sleep(0.002)  # the request's host work between its forwards
+            b.leave(("slow", r))
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        st = b.stats.as_dict()
+    assert st["mean_requests"] >= 0.75 * n, st  # alternating groups would hold about n / 2
