@@ -5,17 +5,11 @@ chunking; and a stage switched onto them decodes and speculates token-identicall
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-triton = pytest.importorskip("triton")
-if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):  # its interpreter predates numpy 2
-    pytest.skip("Triton's interpreter needs triton >= 3.9 with numpy 2 (pip install -U triton)",
-                allow_module_level=True)
+from triton_interp import triton  # noqa: E402,F401 (the interpreter on CPU; skips without Triton)
 
 from memra_dist.model.attention import cached_attention, causal_mask  # noqa: E402
 from memra_dist.runner import ModelRunner  # noqa: E402

@@ -6,22 +6,18 @@ gives every request the ids the reference engine gives it alone (fp32)."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-triton = pytest.importorskip("triton")
-if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-    pytest.skip("Triton's interpreter needs triton >= 3.9 with numpy 2 (pip install -U triton)",
-                allow_module_level=True)
+from triton_interp import triton  # noqa: E402,F401 (the interpreter on CPU; skips without Triton)
 
 from memra_dist.app import open_engine  # noqa: E402
 from memra_dist.config import RunConfig  # noqa: E402
 from memra_dist.model.attention import cached_attention, causal_mask  # noqa: E402
+
+from test_kernels import _on_kernels as _runner_on_kernels  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run on CPU machines")
 
@@ -72,16 +68,8 @@ def _cfg(model, drafter, n=12):
 
 
 def _on_kernels(backend) -> None:
-    """What a GPU's fast path does to the batched engine's stage, on CPU: the QKV / gate-up
-    fusion and our kernels (the interpreter runs them)."""
-    from memra_dist.kernels import install
-
-    stage = backend.runner.stage
-    for blk in stage.layers.values():
-        for m in (blk.self_attn, blk.mlp):
-            if hasattr(m, "fuse"):
-                m.fuse()
-    assert install(stage) > 0
+    """What a GPU's fast path does to the batched engine's stage, on CPU (test_kernels.py)."""
+    assert _runner_on_kernels(backend.runner) > 0
     backend.batcher.kernels = True
 
 
@@ -117,7 +105,8 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
 class _Replayed:
     """A CUDA graph's contract on CPU: fn runs once at capture (its output is the static
     buffer), and every replay re-runs it into that buffer, reading the static inputs as they
-    are then (so the packed inputs and the padding are what is tested)."""
+    are then (so the packed inputs and the padding are what is tested). Not graph_emulator's
+    op recorder: the interpreter's Triton launches are not aten ops it could replay."""
 
     def __init__(self, fn, pool):
         self.fn = fn
