@@ -118,3 +118,27 @@ def test_greedy_commit_is_the_accepted_drafts_then_the_next_token(preds, drafts,
     assert greedy_commit(onehot_logits(preds, vocab=10), d) == committed
     j, nxt = accept_greedy(onehot_logits(preds, vocab=10), d)
     assert committed == drafts[:j] + [nxt]
+
+
+def test_greedy_commit_on_rows_read_back_by_a_batched_step_equals_its_own_readback():
+    """A batched step reads every request's argmax and the logit at it at once; the commit on
+    those host rows is the commit on the logits, non-finite rows included."""
+    import torch
+
+    from memra_dist.specdec.accept import NonFiniteRow, greedy_commit
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        k = trial % 5
+        logits = torch.randn(k + 1, 11, generator=g)
+        drafts = logits.argmax(-1)[:k].clone()
+        if k and trial % 2:
+            drafts[trial % k] = (drafts[trial % k] + 1) % 11  # a rejection somewhere
+        pred = logits.argmax(-1)
+        rows = (pred.tolist(), logits.gather(-1, pred[:, None]).view(-1).tolist())
+        assert greedy_commit(logits, drafts, rows) == greedy_commit(logits, drafts)
+    bad = torch.randn(2, 11, generator=g)
+    bad[0, 4] = float("nan")
+    pred = bad.argmax(-1)
+    with pytest.raises(NonFiniteRow):
+        greedy_commit(bad, torch.zeros(1, dtype=torch.long), (pred.tolist(), bad.gather(-1, pred[:, None]).view(-1).tolist()))

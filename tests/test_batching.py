@@ -277,7 +277,7 @@ def test_requests_slower_than_the_wait_still_ride_one_step_together(llama, monke
     n, rounds = 4, 12
     with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=n) as eng:
         b = eng._backend.batcher
-        monkeypatch.setattr(b, "_forward", lambda jobs: time.sleep(0.02) or [torch.zeros(1) for _ in jobs])
+        monkeypatch.setattr(b, "_forward", lambda jobs: time.sleep(0.02) or [torch.zeros(1, 8) for _ in jobs])
         for r in range(n):
             b.admit(("slow", r), 8)
 

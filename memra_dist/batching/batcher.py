@@ -75,6 +75,7 @@ class _Job:
     err: BaseException | None = None
     done: bool = False
     step: BatchStep | None = None
+    greedy: tuple[list, list] | None = None  # its rows' argmax and the logit at it (host)
 
 
 @dataclass
@@ -194,10 +195,11 @@ class Batcher:
         return True
 
     # ---- one forward's rows ----
-    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool) -> tuple[torch.Tensor, BatchStep]:
+    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool):
         """Request `rid`'s rows `ids` at positions [start, start + len) (its attention as over a
         cache of `width` rows); returns what its runner's forward would (fp32 logits of every
-        row, or of the last with `last`) and the step it rode in."""
+        row, or of the last with `last`), the step it rode in, and its rows' argmax and the
+        logit at each (host lists: the step reads every request's back at once)."""
         job = _Job(rid, ids, start, width, last)
         with self.cv:
             self._hold(rid, start + ids.shape[0])
@@ -214,7 +216,7 @@ class Batcher:
                     self.cv.wait()
         if job.err is not None:
             raise job.err
-        return job.out, job.step
+        return job.out, job.step, job.greedy
 
     def _ready_in(self) -> float:
         """Seconds until a step should run (<= 0: now)."""
@@ -241,10 +243,18 @@ class Batcher:
         try:
             try:
                 outs = self._forward(take)
-                if self.device.type == "cuda":  # the step ends when its device work does (releases the GIL)
-                    torch.cuda.current_stream(self.device).synchronize()
+                # every row's argmax and the logit at it in ONE readback, which is also where the
+                # step ends on a GPU (its device work done; the wait releases the GIL): the
+                # requests' greedy accepts then need no device op and no readback of their own
+                logits = torch.cat(outs) if len(outs) > 1 else outs[0]
+                pred = logits.argmax(-1)
+                val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
+                host = torch.cat((pred.double(), val.double())).tolist()
+                lo, r = 0, logits.shape[0]
                 for j, o in zip(take, outs):
-                    j.out = o
+                    j.out, n = o, o.shape[0]
+                    j.greedy = (host[lo:lo + n], host[r + lo:r + lo + n])
+                    lo += n
             except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
                 for j in take:
                     j.err = e

@@ -32,7 +32,7 @@ from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
 
 __all__ = ["StepGraphs", "bucket_rows", "row_class"]
 
-SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
 
 
 def bucket_rows(rows: int) -> int:
@@ -40,7 +40,7 @@ def bucket_rows(rows: int) -> int:
     (a bucket wastes at most a third of a step's rows to padding above 16).
 
     >>> [bucket_rows(n) for n in (1, 3, 5, 17, 33, 49, 65, 100)]
-    [1, 4, 8, 24, 48, 64, 96, 128]
+    [1, 4, 8, 32, 48, 64, 96, 128]
     """
     for b in SMALL_BUCKETS:
         if rows <= b:
@@ -49,16 +49,14 @@ def bucket_rows(rows: int) -> int:
 
 
 def row_class(max_rows: int) -> int:
-    """The longest segment's rows rounded up to a power of two (the paged kernel's row block
-    follows it; a verify of K + 1 = 5 rows takes the class 8).
+    """The longest segment's rows as the paged kernel's row block takes them: 1 (decode steps),
+    8 (verify rows up to K = 7), 16. Three classes, not every power of two, because a drafter
+    whose k varies per request (ngram) would otherwise meet a new graph every few steps.
 
-    >>> [row_class(n) for n in (1, 2, 3, 5, 8, 16)]
-    [1, 2, 4, 8, 8, 16]
+    >>> [row_class(n) for n in (1, 2, 3, 5, 8, 9, 16)]
+    [1, 8, 8, 8, 8, 16, 16]
     """
-    c = 1
-    while c < max_rows:
-        c *= 2
-    return c
+    return 1 if max_rows <= 1 else 8 if max_rows <= 8 else PAGED_MAX_ROWS
 
 
 class _CudaGraph:

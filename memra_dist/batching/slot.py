@@ -41,6 +41,8 @@ class BatchSlot:
         self.length = 0
         self.admitted = False
         self.last_step = None  # the BatchStep of the latest forward (the session's round records read it)
+        # the latest forward's rows' argmax and the logit at it, read back by the step (accept.py greedy_commit)
+        self.greedy_rows: tuple[list, list] | None = None
 
     def alloc(self, capacity: int) -> None:
         if not self.admitted:
@@ -53,7 +55,8 @@ class BatchSlot:
         if start + rows > self.capacity:
             raise UserError(f"context full: {start + rows} rows needed, the request holds {self.capacity}")
         self.length = start + rows
-        out, self.last_step = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity, last)
+        out, self.last_step, self.greedy_rows = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity,
+                                                                    last)
         return out
 
     def rollback(self, new_len: int) -> None:

@@ -24,7 +24,8 @@ __all__ = ["accept_greedy", "greedy_commit", "accept_sampled", "NonFiniteRow", "
 RECOVERED, BONUS = "recovered", "bonus"
 
 
-def greedy_commit(target_logits: torch.Tensor, drafts: torch.Tensor) -> list[int]:
+def greedy_commit(target_logits: torch.Tensor, drafts: torch.Tensor,
+                  rows: tuple[list, list] | None = None) -> list[int]:
     """target_logits (K+1, V), drafts (K,) -> the round's committed tokens: the j accepted
     drafts, then the argmax of row j (j + 1 ids; accepted drafts equal the target's argmax, so
     they are row 0 .. j's argmax). Drafts on the logits' device (a graphed drafter's device
@@ -34,12 +35,18 @@ def greedy_commit(target_logits: torch.Tensor, drafts: torch.Tensor) -> list[int
     each argmax is finite exactly when the row has neither (nor is all -inf). Those K+1 logits
     are gathered on the device (one tiny kernel, no pass over the vocabulary) and ride in the
     same readback (the row is then float: token ids are exact below 2^24, float64 past that);
-    a row the round uses (0 .. j) whose logit is not finite raises NonFiniteRow."""
+    a row the round uses (0 .. j) whose logit is not finite raises NonFiniteRow.
+
+    `rows`: each row's argmax and the logit at it, already read back by whoever ran the verify
+    (a batched step reads every request's rows in one readback): no device op here at all."""
+    k = int(drafts.shape[0])
+    if rows is not None:
+        p, f = rows
+        return _commit(p, drafts.tolist() if k else [], f, k)
     pred = target_logits.argmax(-1)  # (K+1,)
     val = target_logits.gather(-1, pred.unsqueeze(-1)).view(-1)  # (K+1,): the logit at each argmax
     if target_logits.shape[-1] >= 1 << 24 or val.dtype not in (torch.float32, torch.float64):
         val = val.double()  # ids past float32's integers (or half-precision logits): read exactly
-    k = int(drafts.shape[0])
     if k and drafts.device == pred.device:
         row = torch.cat((pred, drafts, val)).tolist()
         p, d, f = row[:k + 1], row[k + 1:2 * k + 1], row[2 * k + 1:]
@@ -47,6 +54,10 @@ def greedy_commit(target_logits: torch.Tensor, drafts: torch.Tensor) -> list[int
         row = torch.cat((pred, val)).tolist()
         p, f = row[:k + 1], row[k + 1:]
         d = drafts.tolist()
+    return _commit(p, d, f, k)
+
+
+def _commit(p: list, d: list, f: list, k: int) -> list[int]:
     j = 0
     while j < k and p[j] == d[j]:  # the longest prefix the target agrees with
         j += 1

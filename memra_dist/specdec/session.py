@@ -304,7 +304,8 @@ class SpecSession:
                 r.sub_ns, r.seq_rows = self.timer.take()
         try:
             if self.sp.greedy:
-                new = greedy_commit(logits, drafts)  # the accepted drafts + the next token: one readback
+                # the accepted drafts + the next token: one readback (none when a batched step read them)
+                new = greedy_commit(logits, drafts, getattr(self.target, "greedy_rows", None))
                 j = len(new) - 1
             else:
                 q = prop.q[:kk] if prop is not None and prop.q is not None else None
