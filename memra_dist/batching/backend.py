@@ -19,6 +19,7 @@ the engine's capacity, shrunk to what the device's free memory holds, at least o
 
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -103,6 +104,20 @@ class BatchedBackend:
                                           fast["graphs"])
         self.slots = threading.BoundedSemaphore(max_batch)
         self.max_batch = max_batch
+        verify = cfg.k + 1 if cfg.drafter != "none" else 1
+        self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target")
+        if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
+            self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model")
+
+    @staticmethod
+    def _warm(batcher: Batcher, max_batch: int, rows_each: tuple[int, ...], capacity: int, what: str) -> None:
+        """The batched steps' graphs (graphs.py) captured before the first request."""
+        if batcher.graphs is None:
+            return
+        n, sec = batcher.graphs.warm(max_batch, rows_each, capacity)
+        if n:
+            print(f"[memra] batched steps ({what}): {n} CUDA graphs captured in {sec:.1f} s", file=sys.stderr,
+                  flush=True)
 
     def request(self, plan, prompt: list[int], span_sink, slot: BatchSlot, draft_slot: BatchSlot | None = None):
         from ..specdec.drafters.draft_model import ModelDrafter  # noqa: PLC0415

@@ -6,7 +6,8 @@ device idles most of the step. A step whose every request brings at most PAGED_M
 (decode rows, verify rows, a short prefill tail) instead replays a graph of the whole forward.
 
 One graph per bucket (rows padded up to a bucket size, the class of the longest segment, the
-block-table width), captured lazily on first use over static buffers: every host input of a
+block-table width), captured when the engine opens for the step sizes its requests will take
+(`warm`), else on first use, over static buffers: every host input of a
 step (ids, positions, the pool slot each row writes, each segment's first row and rows, the
 block tables) is packed into ONE pinned host row and copied in one launch; the graph then
 runs the embedding, every block over the paged K/V (the paged attention kernel, one launch a
@@ -112,8 +113,38 @@ class StepGraphs:
         self.padded = 0  # rows of padding replayed (what the buckets waste)
 
     def eligible(self, jobs) -> bool:
+        """Decode / verify rows only: a prefill chunk (`last`) rides an eager step (one a request,
+        and its lengths would each meet a new bucket)."""
         return (sum(j.ids.shape[0] for j in jobs) <= self.max_rows
-                and all(j.ids.shape[0] <= PAGED_MAX_ROWS for j in jobs))
+                and all(j.ids.shape[0] <= PAGED_MAX_ROWS and not j.last for j in jobs))
+
+    def warm(self, max_requests: int, rows_each: tuple[int, ...], width: int) -> tuple[int, float]:
+        """Capture, before any request, the buckets that steps of up to `max_requests` requests
+        of up to `rows_each` rows each take (1: decode; K + 1: verify, which may share a step
+        with decode rows), over caches of `width` rows, so no capture stalls a running request
+        (an 8B capture costs ~0.1-0.3 s). The steps run on a request of the pool's own that
+        holds `width` rows while it lasts. Returns (graphs captured, seconds)."""
+        import time  # noqa: PLC0415
+
+        from .batcher import _Job  # noqa: PLC0415
+
+        t0, before = time.perf_counter(), self.captures
+        pool, rid = self.b.pool, ("warm-up",)
+        if not pool.fits(width) or not pool.reserve(rid, width):
+            return 0, 0.0
+        try:
+            with torch.inference_mode():  # as every step runs (batcher._forward)
+                for c in sorted(set(rows_each)):
+                    lo = 1 if c == 1 else 2  # a class-c step holds one segment of 2..c rows at least
+                    top = bucket_rows(min(max_requests * c, self.max_rows))
+                    for T in sorted({bucket_rows(n) for n in range(lo, top + 1)}):
+                        rows = [min(c, T - i) for i in range(0, T, c)]
+                        jobs = [_Job(rid, torch.zeros(n, dtype=torch.long), 0, width, False) for n in rows]
+                        if self.eligible(jobs) and self._key(jobs) not in self.steps:
+                            self.run(jobs)
+        finally:
+            pool.release(rid)
+        return self.captures - before, time.perf_counter() - t0
 
     def _key(self, jobs) -> tuple[int, int, int, int]:
         rows = sum(j.ids.shape[0] for j in jobs)
@@ -197,8 +228,9 @@ class StepGraphs:
                 st.graph = self.graph_cls(lambda: self._body(st, rclass, max_len), self.pool)
         except Exception as e:  # noqa: BLE001 (a bucket that cannot be captured runs eager)
             self.failed.add(key)
-            print(f"[memra] batched step of {T} rows not captured ({type(e).__name__}: {e}); it runs eager",
-                  file=sys.stderr, flush=True)
+            if len(self.failed) == 1:  # one line, not one per bucket
+                print(f"[memra] warning: a batched step of {T} rows was not captured ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); such steps run eager", file=sys.stderr, flush=True)
             return None
         if self.cuda:
             st.copied = torch.cuda.Event()
