@@ -1,7 +1,9 @@
 """Batched speculative decoding (memra_dist/batching/): many requests' rows in one forward over
 a paged KV cache give every request exactly the ids it gets alone (CPU, fp32), whatever shares
 its forwards: requests of different prompt and output lengths, ending in the middle of others,
-admitted while others decode, waiting for KV blocks; greedy and sampled; drafters none, ngram."""
+admitted while others decode, waiting for KV blocks; greedy and sampled; drafters none, ngram,
+the draft model and the tap drafters (DFlash, EAGLE-3: each request's drafts equal its solo
+drafts, so its taps are its own)."""
 
 from __future__ import annotations
 
@@ -124,9 +126,8 @@ def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
     from memra_dist.model.config import load_config
 
     mcfg = load_config(llama)
-    for drafter in ("dflash", "mtp", "eagle3"):
-        with pytest.raises(UserError, match="--drafter none, ngram, replay, model"):
-            check_batchable(_cfg(llama, drafter, **({} if drafter == "mtp" else {"draft_model": str(draft_llama)})), mcfg, 4)
+    with pytest.raises(UserError, match="--drafter none, ngram, replay, model, dflash, eagle3 for now .got mtp."):
+        check_batchable(_cfg(llama, "mtp"), mcfg, 4)
     with pytest.raises(UserError, match="runs at --pp 1"):
         check_batchable(_cfg(llama, "none").with_(pp=2), mcfg, 4)
     check_batchable(_cfg(llama, "model", draft_model=str(draft_llama)), mcfg, 4, load_config(draft_llama))  # a llama draft model batches
@@ -295,3 +296,39 @@ def test_requests_slower_than_the_wait_still_ride_one_step_together(llama, monke
             t.join(60)
         st = b.stats.as_dict()
     assert st["mean_requests"] >= 0.75 * n, st  # alternating groups would hold about n / 2
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_tap_drafters_batched_draft_exactly_what_they_draft_alone(llama, tmp_path_factory, drafter, monkeypatch):
+    """A tap drafter reads its request's own tap sink, which every batched step fills with the
+    request's rows of the tapped layers (prefill chunks and verify rows beside other requests'):
+    every proposal of every round equals the request's solo proposal (greedy ids alone could
+    not show it: they are the target's whatever the drafts), and the ids are the solo ids."""
+    if drafter == "dflash":
+        from memra_dist.demo.tiny_dflash import random_dflash
+        from memra_dist.specdec.drafters.dflash import DFlashDrafter as cls
+
+        ddir = random_dflash(tmp_path_factory.mktemp("bdflash") / "d", llama, seed=2, layers=2, block_size=4,
+                             taps=(0, 2), mask_token_id=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
+    else:
+        from memra_dist.demo.tiny_eagle3 import random_eagle3
+        from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter as cls
+
+        ddir = random_eagle3(tmp_path_factory.mktemp("beagle") / "e", llama, seed=2, taps=(0, 1, 3), heads=2,
+                             kv_heads=1, head_dim=16, intermediate_size=64, draft_vocab=96)
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = cls.propose
+
+    def spy(self, context, k, sp, gen):
+        prop = real(self, context, k, sp, gen)
+        seen.append((tuple(context), tuple(prop.tokens[:k].tolist())))
+        return prop
+
+    monkeypatch.setattr(cls, "propose", spy)
+    reqs = _prompts(8)
+    solo = _solo(llama, drafter, reqs, draft_model=str(ddir))
+    alone, seen[:] = sorted(seen), []
+    batched, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir))
+    assert batched == solo
+    assert sorted(seen) == alone and len(alone) > 50 and any(t for _, t in alone)
+    assert stats["max_requests"] >= 3 and stats["kv_blocks_used"] == 0, stats

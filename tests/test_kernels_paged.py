@@ -110,10 +110,14 @@ class _Replayed:
 
     def __init__(self, fn, pool):
         self.fn = fn
-        self.out = fn().clone()
+        logits, taps = fn()
+        self.out = (logits.clone(), {t: r.clone() for t, r in taps.items()})
 
     def replay(self) -> None:
-        self.out.copy_(self.fn())
+        logits, taps = self.fn()
+        self.out[0].copy_(logits)
+        for t, r in taps.items():
+            self.out[1][t].copy_(r)
 
 
 class _Uncapturable:
@@ -121,26 +125,46 @@ class _Uncapturable:
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
-@pytest.mark.parametrize("graph_cls", [_Replayed, _Uncapturable])
-def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_llama, graph_cls):
+@pytest.mark.parametrize("graph_cls,drafter", [(_Replayed, "ngram"), (_Uncapturable, "ngram"), (_Replayed, "dflash")])
+def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_llama, graph_cls, drafter,
+                                                                          tmp_path_factory, monkeypatch):
     """Steps of padded rows (ids 0 at the pool's scratch slot) and padded segments (no rows)
     replay one bucket's graph, every bucket captured before the first request (the warm-up's
-    steps write only blocks it gives back); a bucket that cannot be captured runs eager."""
+    steps write only blocks it gives back); a bucket that cannot be captured runs eager. With a
+    tap drafter the graph keeps the tapped layers' rows and each request's sink gets its own:
+    every DFlash proposal equals the request's solo one."""
     from memra_dist.batching.graphs import StepGraphs
+
+    kw, seen = {}, []
+    if drafter == "dflash":
+        from memra_dist.demo.tiny_dflash import random_dflash
+        from memra_dist.specdec.drafters.dflash import DFlashDrafter
+
+        kw["draft_model"] = str(random_dflash(tmp_path_factory.mktemp("gdflash") / "d", wide_llama, seed=2, layers=1,
+                                              block_size=4, taps=(0, 1), mask_token_id=1, heads=2, kv_heads=1,
+                                              head_dim=16, intermediate_size=64))
+        real = DFlashDrafter.propose
+        monkeypatch.setattr(DFlashDrafter, "propose", lambda self, c, k, sp, g: seen.append(
+            (tuple(c), tuple((p := real(self, c, k, sp, g)).tokens[:k].tolist()))) or p)
+
+    def cfg(n=12):
+        return RunConfig(model=str(wide_llama), drafter=drafter, k=3, device="cpu", dtype="fp32", prefill_chunk=40,
+                         max_new_tokens=n, **kw)
 
     reqs = [([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 12), ([9, 3, 9, 3, 9, 3, 9], 8), (list(range(4, 50)), 10),
             ([11, 12, 13, 11, 12, 13, 11], 12), ([7, 7, 8], 9)]
-    with open_engine(_cfg(wide_llama, "ngram"), capacity=96) as eng:
-        solo = [eng.generate(p, _cfg(wide_llama, "ngram", n)).token_ids for p, n in reqs]
+    with open_engine(cfg(), capacity=96) as eng:
+        solo = [eng.generate(p, cfg(n)).token_ids for p, n in reqs]
+    alone, seen[:] = sorted(seen), []
     got: dict[int, list[int]] = {}
-    with open_engine(_cfg(wide_llama, "ngram"), capacity=96, max_batch=5) as eng:
+    with open_engine(cfg(), capacity=96, max_batch=5) as eng:
         b = eng._backend.batcher
         _on_kernels(eng._backend)
         b.graphs = StepGraphs(b, b.max_tokens, graph_cls=graph_cls)
         warmed, _ = b.graphs.warm(5, (1, 4), 96)  # decode rows, verify rows of K + 1 = 4, at capacity 96
 
         def one(i, p, n):
-            got[i] = eng.generate(p, _cfg(wide_llama, "ngram", n)).token_ids
+            got[i] = eng.generate(p, cfg(n)).token_ids
 
         threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
         for t in threads:
@@ -149,6 +173,7 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
             t.join(300)
         g = eng._backend.stats()["graphs"]
     assert [got.get(i) for i in range(len(reqs))] == solo
+    assert sorted(seen) == alone and (drafter != "dflash" or len(alone) > 10)
     if graph_cls is _Replayed:  # every step size the requests took was captured before them
         assert warmed >= 6 and g["captured"] == warmed and g["eager_buckets"] == 0, g
         assert g["replays"] > 0 and g["padded_rows"] > 0, g

@@ -110,9 +110,9 @@ def _session(target, drafter, k=4, level=1, sink=None):
 def test_each_phase_bucket_holds_its_own_time(monkeypatch):
     real_accept = session_mod.greedy_commit
 
-    def slow_accept(logits, drafts):
+    def slow_accept(logits, drafts, rows=None):
         time.sleep(SLEEP[2])
-        return real_accept(logits, drafts)
+        return real_accept(logits, drafts, rows)
 
     monkeypatch.setattr(session_mod, "greedy_commit", slow_accept)
     sink = RecordSink()

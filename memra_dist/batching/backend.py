@@ -3,11 +3,14 @@ target forwards joined into one forward of the stage (batcher.py), each request'
 unchanged over its own `BatchSlot` (slot.py).
 
 What runs batched today: the attention families (llama, qwen2, qwen3) with the drafters that
-need nothing but the target (none, ngram, replay) and the draft model (`model`: a second batcher
+need nothing but the target (none, ngram, replay), the draft model (`model`: a second batcher
 over the draft model's stage and its own paged pool, each request's ModelDrafter over its own
-draft slot, so every request's draft steps share forwards too), greedy or sampled. The tap
-drafters (dflash, mtp, eagle3), the other families and pp > 1 are refused with one line
-(`check_batchable`). On a GPU with the fast path on (`--graphs`, `--kernels`: the defaults) the
+draft slot, so every request's draft steps share forwards too) and the tap drafters DFlash and
+EAGLE-3 (their network loaded once; each request's drafter reads its own tap sink, which every
+batched step fills with its rows' outputs of the tapped layers; their draft forwards run per
+request, not batched yet), greedy or sampled. MTP (its families), the other families and
+pp > 1 are refused with one line (`check_batchable`). On a GPU with the fast path on
+(`--graphs`, `--kernels`: the defaults) the
 stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged
 split-sequence attention launch for every request's decode / verify rows), and a step whose
 requests bring at most 16 rows each replays a CUDA graph of the whole forward (graphs.py);
@@ -33,7 +36,8 @@ from .slot import BatchSlot
 __all__ = ["BatchedBackend", "check_batchable", "BLOCK", "BATCHABLE_DRAFTERS", "BATCHABLE_FAMILIES"]
 
 BLOCK = 16
-BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model")
+BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model", "dflash", "eagle3")
+TAP_DRAFTERS = ("dflash", "eagle3")  # read the target's hidden states: each request's own tap sink
 BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3")
 MAX_BATCH = 256
 
@@ -55,7 +59,8 @@ def check_batchable(cfg, mcfg, max_batch: int, draft=None) -> None:
                             f"(the {what} is {c.arch})")
 
 
-def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget: int, graphs: bool) -> Batcher:
+def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget: int, graphs: bool,
+             tap_layers: tuple[int, ...] = ()) -> Batcher:
     """A batcher over `runner`'s stage with a pool of `kv_rows` slots (default: every request of
     the batch at `capacity`, shrunk to what the device's free memory holds, at least one)."""
     from ..device import free_mb  # noqa: PLC0415
@@ -69,7 +74,7 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
         raise UserError(f"out of memory: a KV pool of {pool.rows} rows needs {pool.rows * row / 2**20:.0f} MB on "
                         f"{runner.label}, free {free // 2**20} MB (lower --kv-rows or --ctx)")
     return Batcher(runner.stage, runner.device, runner.dtype, pool, budget,
-                   graphs=graphs and runner.device.type == "cuda")
+                   graphs=graphs and runner.device.type == "cuda", tap_layers=tap_layers)
 
 
 class BatchedBackend:
@@ -95,7 +100,8 @@ class BatchedBackend:
 
         self.runner = load(cfg.model, plan.model)
         budget = max_tokens if max_tokens is not None else max(cfg.prefill_chunk, max_batch * (cfg.k + 1))
-        self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, fast["graphs"])
+        taps = self._load_tap_net(cfg, plan)
+        self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, fast["graphs"], taps)
         self.draft_batcher = None
         if cfg.drafter == "model":  # the draft model's steps batched too, over its own pool
             self.draft_runner = load(cfg.draft_model, plan.draft)
@@ -108,6 +114,20 @@ class BatchedBackend:
         self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target")
         if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
             self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model")
+
+    def _load_tap_net(self, cfg, plan) -> tuple[int, ...]:
+        """A tap drafter's network, loaded once for every request (each request's drafter holds
+        its own draft cache over it); returns the target layers it reads."""
+        self.tap_net = None
+        if cfg.drafter == "dflash":
+            from ..model.dflash import load_dflash  # noqa: PLC0415
+
+            self.tap_net = load_dflash(cfg.draft_model, plan.draft, self.device, self.dtype)
+        elif cfg.drafter == "eagle3":
+            from ..model.eagle3 import load_eagle3  # noqa: PLC0415
+
+            self.tap_net = load_eagle3(cfg.draft_model, plan.draft, self.device, self.dtype)
+        return tuple(plan.draft.tap_ids) if self.tap_net is not None else ()
 
     @staticmethod
     def _warm(batcher: Batcher, max_batch: int, rows_each: tuple[int, ...], capacity: int, what: str) -> None:
@@ -124,6 +144,14 @@ class BatchedBackend:
         from ..specdec.request import Request  # noqa: PLC0415
 
         drafter = ModelDrafter(draft_slot) if draft_slot is not None else None
+        if plan.cfg.drafter == "dflash":  # over the request's slot: its taps, the stage's embedding / lm_head
+            from ..specdec.drafters.dflash import DFlashDrafter  # noqa: PLC0415
+
+            drafter = DFlashDrafter(self.tap_net, slot)
+        elif plan.cfg.drafter == "eagle3":
+            from ..specdec.drafters.eagle3 import Eagle3Drafter  # noqa: PLC0415
+
+            drafter = Eagle3Drafter(self.tap_net, slot)
         return Request(slot, plan, prompt, span_sink, drafter=drafter)
 
     @contextmanager

@@ -40,6 +40,7 @@ import torch
 
 from ..errors import UserError
 from ..model.layers import rope_rows
+from ..model.taps import FINAL
 from ..model.transformer import StepCtx
 from .blocks import BlockPool
 from .paged import BatchView, PagedKV
@@ -76,6 +77,7 @@ class _Job:
     done: bool = False
     step: BatchStep | None = None
     greedy: tuple[list, list] | None = None  # its rows' argmax and the logit at it (host)
+    taps: object = None  # the request's TapSink (a tap drafter's), written by the step
 
 
 @dataclass
@@ -99,7 +101,7 @@ class BatchStats:
 
 class Batcher:
     def __init__(self, stage, device, dtype, pool: BlockPool, max_tokens: int, max_wait_s: float = MAX_WAIT_S,
-                 graphs: bool = False, graph_cls=None):
+                 graphs: bool = False, graph_cls=None, tap_layers: tuple[int, ...] = ()):
         if max_tokens < 1:
             raise UserError(f"--max-batch-tokens must be >= 1 (got {max_tokens})")
         self.stage, self.device, self.dtype, self.pool = stage, device, dtype, pool
@@ -107,6 +109,7 @@ class Batcher:
         # on our kernels (kernels/ops.py install): decode / verify rows through the paged kernel
         self.kernels = all(b.self_attn.fast_attn_rows > 0 and b.self_attn.rope_kernel_ok() for b in stage.layers.values())
         self.max_tokens, self.max_wait_s = max_tokens, max_wait_s
+        self.tap_layers: tuple[int, ...] = tuple(tap_layers)  # the layers the requests' tap drafters read
         # decode / verify steps replayed as CUDA graphs (graphs.py): on the kernels only (the
         # paged kernel takes every segment, no gather); graph_cls: a test's emulation
         self.graphs = None
@@ -195,12 +198,13 @@ class Batcher:
         return True
 
     # ---- one forward's rows ----
-    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool):
+    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool, taps=None):
         """Request `rid`'s rows `ids` at positions [start, start + len) (its attention as over a
         cache of `width` rows); returns what its runner's forward would (fp32 logits of every
         row, or of the last with `last`), the step it rode in, and its rows' argmax and the
-        logit at each (host lists: the step reads every request's back at once)."""
-        job = _Job(rid, ids, start, width, last)
+        logit at each (host lists: the step reads every request's back at once). `taps`: the
+        request's TapSink, which gets its rows' outputs of the tapped layers."""
+        job = _Job(rid, ids, start, width, last, taps=taps)
         with self.cv:
             self._hold(rid, start + ids.shape[0])
             # no notify here: a submission that makes the step ready leads it itself (below), and
@@ -288,7 +292,8 @@ class Batcher:
                                kernels=self.kernels)
         x = torch.cat([j.ids for j in jobs]).to(dev)
         pos = torch.cat([torch.arange(j.start, j.start + j.ids.shape[0]) for j in jobs]).to(dev)
-        h = self._layers(x, pos, view)
+        h, tapped = self._layers(x, pos, view)
+        self.scatter_taps(jobs, tapped, pos)
         # one lm_head over the rows whose logits are used (a request's last row with `last`)
         keep, counts, lo = [], [], 0
         for j in jobs:
@@ -298,13 +303,30 @@ class Batcher:
             lo += n
         return list(self.stage.logits(h[torch.tensor(keep, device=dev)]).split(counts))
 
-    def _layers(self, x: torch.Tensor, pos: torch.Tensor, view: BatchView) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, view: BatchView):
         """The stage's embedding and blocks over the step's rows (ids x at positions pos) ->
-        hidden rows (the eager step and the graphed one, graphs.py, run this)."""
+        (hidden rows, {tap layer: its output rows}) (the eager step and the graphed one,
+        graphs.py, run this; the tapped rows go to each request's sink: `scatter_taps`)."""
         st = self.stage
         rope = {d: rope_rows(pos, f, st._rope_scale) for d, f in st._inv_freq.items()}
         ctx = StepCtx(pos=pos, mask=None, rope=rope, batch=view)
         h = st.embed_tokens(x)
+        tapped = {}
         for i, blk in st.layers.items():
             h = blk(h, ctx, self.kv.layers[int(i)])
-        return h
+            if int(i) in self.tap_layers:
+                tapped[int(i)] = h
+        if FINAL in self.tap_layers:
+            tapped[FINAL] = st.norm(h)
+        return h, tapped
+
+    @staticmethod
+    def scatter_taps(jobs, tapped: dict, pos: torch.Tensor) -> None:
+        """Each tapping request's rows of the tapped layers into its own sink, at its positions."""
+        lo = 0
+        for j in jobs:
+            n = j.ids.shape[0]
+            if j.taps is not None:
+                for layer in j.taps.layers:
+                    j.taps.write(layer, pos[lo:lo + n], tapped[layer][lo:lo + n])
+            lo += n

@@ -11,7 +11,8 @@ block-table width), captured when the engine opens for the step sizes its reques
 step (ids, positions, the pool slot each row writes, each segment's first row and rows, the
 block tables) is packed into ONE pinned host row and copied in one launch; the graph then
 runs the embedding, every block over the paged K/V (the paged attention kernel, one launch a
-layer) and the lm_head over every row. Padded rows write the pool's scratch slot (paged.py)
+layer) and the lm_head over every row, keeping the tapped layers' rows (a tap drafter's), which
+are copied into each request's own sink after the replay. Padded rows write the pool's scratch slot (paged.py)
 and padded segments have no rows, so nothing a request owns is touched and each request's rows
 see what they see eager. The logits are copied out of the static buffer before the replay
 returns (the next step rewrites it while a request may still be reading its rows).
@@ -169,7 +170,9 @@ class StepGraphs:
         rows = sum(j.ids.shape[0] for j in jobs)
         self.replays += 1
         self.padded += st.rows - rows
-        out = st.graph.out[:rows].clone()  # the next replay rewrites it
+        logits, tapped = st.graph.out
+        self.b.scatter_taps(jobs, tapped, st.views()[1])  # the tapped rows into each request's sink
+        out = logits[:rows].clone()  # the next replay rewrites it
         res, lo = [], 0
         for j in jobs:
             n = j.ids.shape[0]
@@ -212,7 +215,8 @@ class StepGraphs:
         ids, pos, slots, lo, nrows, table = st.views()
         view = BatchView(slots, [], PagedRows(lo.to(torch.int32), nrows.to(torch.int32), table.to(torch.int32),
                                               b.pool.block, rclass, max_len))
-        return stage.logits(b._layers(ids, pos, view))
+        h, tapped = b._layers(ids, pos, view)
+        return stage.logits(h), tapped
 
     def _capture(self, key, jobs) -> _Step | None:
         T, rclass, W, max_len = key

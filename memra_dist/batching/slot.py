@@ -19,16 +19,23 @@ import torch
 
 from ..device import Drainer, device_label, free_mb
 from ..errors import UserError
+from ..model.taps import TapSink
 
 __all__ = ["BatchSlot"]
 
 _ids = itertools.count()
 
 
+class _Cache:
+    """What a tap drafter reads of its target's cache: the request's own tap sink."""
+
+    def __init__(self):
+        self.taps: TapSink | None = None
+
+
 class BatchSlot:
     takes_device_ids = False  # ids come from the host (the session's row buffer)
-    graphs = None  # no step graphs: the batched forward is not captured (the ahead path stays off)
-    cache = None
+    graphs = None  # no per-request step graphs (the batched steps are the batcher's; the ahead path stays off)
 
     def __init__(self, batcher, need: int, first: int | None = None):
         self.batcher, self.need = batcher, need
@@ -40,11 +47,23 @@ class BatchSlot:
         self.capacity = 0
         self.length = 0
         self.admitted = False
+        self.stage = batcher.stage  # a tap drafter reads its embedding and lm_head
+        self.cache = _Cache()
+        self.tap_layers: tuple[int, ...] = ()
         self.last_step = None  # the BatchStep of the latest forward (the session's round records read it)
         # the latest forward's rows' argmax and the logit at it, read back by the step (accept.py greedy_commit)
         self.greedy_rows: tuple[list, list] | None = None
 
+    def keep_taps(self, layers) -> None:
+        """From the next `alloc` on, every forward of this request keeps the outputs of these
+        target layers (FINAL: the final norm's) in `cache.taps`, by position (model/taps.py):
+        the batched step writes each request's rows into its own sink."""
+        self.tap_layers = tuple(int(t) for t in layers)
+
     def alloc(self, capacity: int) -> None:
+        if self.tap_layers and (self.cache.taps is None or self.cache.taps.capacity != capacity):
+            self.cache.taps = TapSink.alloc(self.tap_layers, capacity, self.stage.cfg.hidden_size, self.device,
+                                            self.dtype)
         if not self.admitted:
             self.batcher.admit(self.rid, min(self.first, capacity), min(self.need, capacity))
             self.admitted = True
@@ -56,7 +75,7 @@ class BatchSlot:
             raise UserError(f"context full: {start + rows} rows needed, the request holds {self.capacity}")
         self.length = start + rows
         out, self.last_step, self.greedy_rows = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity,
-                                                                    last)
+                                                                    last, self.cache.taps)
         return out
 
     def rollback(self, new_len: int) -> None:
