@@ -298,6 +298,39 @@ def test_requests_slower_than_the_wait_still_ride_one_step_together(llama, monke
     assert st["mean_requests"] >= 0.75 * n, st  # alternating groups would hold about n / 2
 
 
+def test_requests_coming_back_one_after_another_ride_one_step(llama, monkeypatch):
+    """Requests whose host work is serialised (the GIL: here a lock held 2 ms each) come back
+    from a step one after another, 8 of them over 16 ms, longer than the batcher's 5 ms wait:
+    the step waits while submissions keep coming (it counts silence, not time), so they ride
+    together rather than in the groups a fixed wait would cut."""
+    import time
+
+    import torch
+
+    n, rounds = 8, 10
+    gil = threading.Lock()
+    with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=n) as eng:
+        b = eng._backend.batcher
+        monkeypatch.setattr(b, "_forward", lambda jobs: time.sleep(0.001) or [torch.zeros(1, 8) for _ in jobs])
+        for r in range(n):
+            b.admit(("serial", r), 8)
+
+        def one(r):
+            for s in range(rounds):
+                with gil:
+                    time.sleep(0.002)  # this request's share of the host, nobody else's meanwhile
+                b.submit(("serial", r), torch.zeros(1, dtype=torch.long), s, CAP, False)
+            b.leave(("serial", r))
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        st = b.stats.as_dict()
+    assert st["mean_requests"] >= 0.75 * n, st
+
+
 @pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
 def test_tap_drafters_batched_draft_exactly_what_they_draft_alone(llama, tmp_path_factory, drafter, monkeypatch):
     """A tap drafter reads its request's own tap sink, which every batched step fills with the

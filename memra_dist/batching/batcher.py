@@ -10,15 +10,17 @@ paged.py), then hands each request its rows' output. So decode rows, verify rows
 lengths (k per request, 0 included) and new requests' prefill chunks share a forward, and
 requests join (`admit`) and leave (`leave`) between steps: continuous batching.
 
-When a step runs: as soon as every admitted request has a submission waiting, or `max_wait_s`
-after the oldest waiting one or after the previous step ended, whichever is later (a request
-busy on the host, or its client slow to read, never holds the others for longer). Counting
-from the previous step's end matters: the requests that rode in it need a moment of host work
-(acceptance, their next drafts) to come back, and counting only from submissions made during
-a step longer than `max_wait_s` would launch the next step without them, splitting the
-requests into groups that alternate steps for good. A step takes waiting submissions in arrival order up to
-`max_tokens` rows (at least one); the rest go in the next step. Each request's rows see
-exactly the inputs they see alone (paged.py), so what shares a step never changes a result.
+When a step runs: as soon as every admitted request has a submission waiting; else once no
+new submission has come for `max_wait_s` (a request busy on the host, or its client slow to
+read, never holds the others longer than that), and at the latest `MAX_HOLD` waits after the
+previous step's end (or the oldest submission, if later). Counting silence rather than time
+since the oldest submission matters: the requests back from a step come back one after
+another (their host work — acceptance, the next drafts — is serialised by the GIL: ~0.1-0.2 ms
+each), so 64 of them take longer than any fixed wait, and a fixed wait would launch the next
+step with part of them, splitting the requests into groups that alternate steps for good.
+A step takes waiting submissions in arrival order up to `max_tokens` rows (at least one); the
+rest go in the next step. Each request's rows see exactly the inputs they see alone
+(paged.py), so what shares a step never changes a result.
 
 Memory follows length: a request is admitted with the blocks of its first rows (blocks.py) and
 grows block by block as its forwards reach further. When a growth finds the pool empty, the
@@ -47,7 +49,8 @@ from .paged import BatchView, PagedKV
 
 __all__ = ["Batcher", "BatchStats", "BatchStep"]
 
-MAX_WAIT_S = 0.005
+MAX_WAIT_S = 0.005  # the longest silence (no new submission) a step waits through
+MAX_HOLD = 4  # a step waits at most this many MAX_WAIT_S after the previous one ended
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class Batcher:
         self._order = 0
         self.running = False
         self.last_end = 0  # perf_counter_ns when the latest step ended
+        self.last_submit = 0  # perf_counter_ns of the latest submission
         self.stats = BatchStats()
 
     # ---- requests joining, growing and leaving ----
@@ -211,6 +215,7 @@ class Batcher:
             # waking every waiting request on every submission cost a wake-up storm a step
             # (16 requests: 240 wake-ups; measured, the host's step time fell 5.8 -> 3.4 ms)
             self.pending.append(job)
+            self.last_submit = job.t
             while not job.done:
                 if not self.running and self.pending:
                     wait = self._ready_in()
@@ -229,7 +234,10 @@ class Batcher:
         waiting = {j.rid for j in self.pending}
         if self.admitted.keys() <= waiting:
             return 0.0
-        return (max(self.pending[0].t, self.last_end) - time.perf_counter_ns()) / 1e9 + self.max_wait_s
+        start = max(self.pending[0].t, self.last_end)
+        quiet = max(self.last_submit, self.last_end)  # silence counts from the step's end at the earliest
+        due = min(quiet + self.max_wait_s * 1e9, start + MAX_HOLD * self.max_wait_s * 1e9)
+        return (due - time.perf_counter_ns()) / 1e9
 
     def _lead(self) -> None:
         """Called holding the lock: take a step's jobs, run it unlocked, hand the results out."""
