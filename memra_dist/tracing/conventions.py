@@ -154,7 +154,7 @@ METRIC_META = {
     "batch_requests": ("histogram", "{request}", "Batched engines (--max-batch > 1): requests whose rows shared "
                        "the batch step a round's verify rode in, one value per round."),
     "batch_wait": ("histogram", "ms", "Batched engines: a round's verify waiting for its batch step to start "
-                   "(the other requests' submissions, at most 5 ms, or a step already running)."),
+                   "(the other requests' submissions: until 5 ms pass with none new, at most 20 ms; or a step already running)."),
     "kv_blocks": ("gauge", "{block}", "Batched engines: blocks of the paged KV pool by memra.kv_state (used, free) "
                   "after the last batch step a burst saw."),
 }

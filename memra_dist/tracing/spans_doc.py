@@ -101,7 +101,7 @@ ATTR_DOC = {
     "batch_requests": ("", "spec.verify", "requests whose rows the batch step held (decode, verify and prefill)"),
     "batch_rows": ("{row}", "spec.verify", "rows the batch step held, every request's"),
     "batch_wait_ms": ("ms", "spec.verify", "share of the verify: its rows waiting for the batch step to start "
-                      "(the others' submissions, at most the batcher's 5 ms, or a step already running)"),
+                      "(the others' submissions: until 5 ms pass with none new, at most 20 ms; or a step already running)"),
     "batch_forward_ms": ("ms", "spec.verify", "share of the verify: the batch step's forward, host to host (on a "
                          "GPU its launches; the device's finish is the verify's drain)"),
     "fast_path": ("", "memra.request", "what the target's decode / verify steps ran: `graphs`, `compile`, `kernels` "
