@@ -64,11 +64,19 @@ def _batched(model, drafter, reqs, max_batch=6, kv_rows=None, **kw):
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
-def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, draft_llama, drafter):
+def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, draft_llama, drafter, monkeypatch):
+    from memra_dist.specdec.drafters.draft_model import ModelDrafter
+
     reqs = _prompts()
     kw = dict(draft_model=str(draft_llama)) if drafter == "model" else {}
+    seen: list = []  # the draft model's proposals: the same batched as alone
+    real = ModelDrafter.propose
+    monkeypatch.setattr(ModelDrafter, "propose", lambda self, c, k, sp, g: seen.append(
+        (tuple(c), tuple((p := real(self, c, k, sp, g)).tokens.tolist()))) or p)
     solo = _solo(llama, drafter, reqs, **kw)
+    alone, seen[:] = sorted(seen), []
     batched, stats = _batched(llama, drafter, reqs, **kw)
+    assert sorted(seen) == alone and (drafter != "model" or len(alone) > 50)
     for i, (a, b) in enumerate(zip(solo, batched)):
         assert a == b, f"request {i} (prompt {len(reqs[i][0])}, {reqs[i][1]} new): batched {b} alone {a}"
     assert len({len(t) for t in solo}) >= 8  # outputs of many lengths: requests end in the middle of others

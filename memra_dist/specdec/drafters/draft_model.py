@@ -81,18 +81,27 @@ class ModelDrafter(Drafter):
         feeds the next forward directly, and the K tokens come back to the host once. At the
         run's K with a chain graph, the K - 1 forwards are one replay."""
         start = len(self.cached)
-        t = logits[-1].argmax().view(1)  # (1,) int64 on the device
+        t = self._argmax(logits)
         if self.chain is not None and k == self.chain.k:
             ids = self.chain.run(t, start)
         else:
             toks = [t]
             for i in range(k - 1):
                 logits = self.runner.forward(t, start + i)
-                t = logits[-1].argmax().view(1)
+                t = self._argmax(logits)
                 toks.append(t)
             ids = torch.cat(toks)
         self._fed = ids[:k - 1]
         return Proposal(ids)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The last row's argmax as a (1,) int64: on the drafter's device, or, when the forward
+        was a batched step's (batching/slot.py), from the argmaxes the step already read back
+        (no device op, no readback of this request's own)."""
+        rows = getattr(self.runner, "greedy_rows", None)
+        if rows is not None:
+            return torch.tensor([int(rows[0][-1])], dtype=torch.long)
+        return logits[-1].argmax().view(1)
 
     def _settle(self) -> None:
         """The greedy chain's fed drafts (rows in the draft cache) into `cached`. They stay on
