@@ -192,9 +192,11 @@ def test_batch_job_with_max_batch_writes_the_records_of_one_at_a_time(llama, tmp
     assert not (tmp_path / "bad.jsonl").exists()
 
 
-def test_served_requests_batched_get_their_solo_completions(llama):
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_served_requests_batched_get_their_solo_completions(llama, draft_llama, drafter):
     """`serve --max-batch 3`'s engine host behind the HTTP API: five concurrent clients, each
-    completion equal to the one the one-at-a-time server gives."""
+    completion equal to the one the one-at-a-time server gives (the draft model's steps
+    batched too, over its own pool)."""
     pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
     from memra_dist.serve.api import build_app
@@ -205,7 +207,8 @@ def test_served_requests_batched_get_their_solo_completions(llama):
     bodies = [{"prompt": "the drafter proposes " * (1 + i), "max_tokens": 6 + 4 * i, "temperature": 0} for i in range(5)]
 
     def serve(max_batch):
-        cfg = RunConfig(model=str(llama), drafter="ngram", k=3, device="cpu", dtype="fp32", ctx=CAP)
+        cfg = RunConfig(model=str(llama), drafter=drafter, k=3, device="cpu", dtype="fp32", ctx=CAP,
+                        **({"draft_model": str(draft_llama)} if drafter == "model" else {}))
         host = EngineHost(cfg, None, max_batch=max_batch)
         assert host.sessions == max_batch
         got = {}
@@ -224,7 +227,10 @@ def test_served_requests_batched_get_their_solo_completions(llama):
     solo, _ = serve(1)
     batched, host = serve(3)
     assert all(solo) and batched == solo
-    assert host.engine._backend.batcher.stats.max_requests >= 2
+    backend = host.engine._backend
+    assert backend.batcher.stats.max_requests >= 2
+    if drafter == "model":
+        assert backend.draft_batcher.stats.max_requests >= 2
 
 
 def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama):
@@ -373,3 +379,34 @@ def test_tap_drafters_batched_draft_exactly_what_they_draft_alone(llama, tmp_pat
     assert batched == solo
     assert sorted(seen) == alone and len(alone) > 50 and any(t for _, t in alone)
     assert stats["max_requests"] >= 3 and stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_rollback_gives_back_the_whole_blocks_past_the_kept_rows(llama):
+    """Mid-request, a rejected verify's rollback returns the blocks wholly past the rows kept
+    (block 16): the pool gets them back at once, the next forward grows into blocks again, and
+    the rows kept are untouched (its logits equal a fresh request's on the same rows)."""
+    import torch
+
+    from memra_dist.batching.slot import BatchSlot
+
+    with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=2) as eng:
+        b = eng._backend.batcher
+        free0 = b.pool.free_blocks
+        slot = BatchSlot(b, need=CAP, first=4)
+        slot.alloc(CAP)
+        ids = torch.arange(4, 44)
+        slot.forward(ids[:36], 0)  # rows 0..35: three blocks
+        assert free0 - b.pool.free_blocks == 3
+        slot.rollback(17)  # keep rows 0..16: two blocks
+        assert free0 - b.pool.free_blocks == 2
+        slot.rollback(16)  # exactly one block's rows
+        assert free0 - b.pool.free_blocks == 1
+        again = slot.forward(ids[16:20], 16)  # grows back into a second block
+        assert free0 - b.pool.free_blocks == 2
+        other = BatchSlot(b, need=CAP, first=4)
+        other.alloc(CAP)
+        fresh = other.forward(ids[:20], 0)[16:]
+        torch.testing.assert_close(again, fresh, rtol=1e-5, atol=1e-5)  # another arm of attention: not bitwise
+        slot.release()
+        other.release()
+        assert b.pool.free_blocks == free0
