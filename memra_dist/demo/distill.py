@@ -24,7 +24,7 @@ import torch
 
 from ..model.transformer import Stage, StepCtx
 
-__all__ = ["greedy_continuations", "distill_prompts", "distill_sequences", "DISTILL"]
+__all__ = ["greedy_continuations", "distill_prompts", "distill_sequences", "target_pass", "DISTILL"]
 
 # prompts of 2 .. 24 tokens, each continued by the target for 64 tokens: the demo's shape
 # (a 12-token prompt, 64 new tokens)
@@ -104,3 +104,18 @@ def distill_sequences(stage: Stage, tok, corpus: str, seed: int, n: int = DISTIL
                       n_new: int = DISTILL["n_new"], batch: int = DISTILL["batch"]) -> list[torch.Tensor]:
     """`n` prompts (`distill_prompts`) each continued by the target's greedy tokens."""
     return greedy_continuations(stage, distill_prompts(tok, corpus, n, seed), n_new, batch)
+
+
+@torch.no_grad()
+def target_pass(stage: Stage, ids: torch.Tensor, taps) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target over ids at positions 0..T-1, no cache: (the tapped layers' outputs
+    concatenated in tap order (T, n * H), the greedy next ids (T,)): a tap drafter's training
+    features and labels (demo/tiny_dflash.py, demo/tiny_eagle3.py)."""
+    x = stage.embed_tokens(ids)
+    ctx = stage.step_ctx(torch.arange(ids.numel()), None)
+    kept = {}
+    for i, blk in stage.layers.items():
+        x = blk(x, ctx, None)
+        if int(i) in taps:
+            kept[int(i)] = x
+    return torch.cat([kept[t] for t in taps], -1), stage.logits(x).argmax(-1)

@@ -45,7 +45,7 @@ from ..threads import apply_cpu_threads
 from ..model.config import load_config
 from .corpus import CORPUS
 from .demo_cache import build_once, write_checkpoint
-from .distill import distill_sequences
+from .distill import distill_sequences, target_pass
 from ..model.dflash import ARCH, DFlashNet, parse_dflash_config
 from ..model.loader import load_stage
 
@@ -95,20 +95,6 @@ def random_dflash(out: str | Path, target_dir: str | Path, seed: int = 0, std: f
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
     cfg = dflash_config_dict(tcfg, **{**TINY_DFLASH, **shape})
     return save_dflash(out, _new_net(cfg, seed, std), cfg)
-
-
-@torch.no_grad()
-def _target_pass(stage, ids: torch.Tensor, taps) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target over ids at positions 0..T-1: (taps concatenated (T, n*H), greedy next ids (T,))."""
-    pos = torch.arange(ids.numel())
-    x = stage.embed_tokens(ids)
-    ctx = stage.step_ctx(pos, None)
-    kept = {}
-    for i, blk in stage.layers.items():
-        x = blk(x, ctx, None)
-        if int(i) in taps:
-            kept[int(i)] = x
-    return torch.cat([kept[t] for t in taps], -1), stage.logits(x).argmax(-1)
 
 
 def _blocks(net: DFlashNet, feats, ids, pred, embed, anchors: torch.Tensor, mask_id: int):
@@ -184,7 +170,7 @@ def train_dflash(target_dir: str | Path, out: str | Path, steps: int = RECIPE["s
                 s0 = starts[int(torch.randint(0, len(starts), (1,), generator=g))] if nth % 2 == 0 else \
                     int(torch.randint(0, max(1, n - seq // 2), (1,), generator=g))
                 win = ids[s0:s0 + seq]
-            feats, pred = _target_pass(stage, win, dc.tap_ids)
+            feats, pred = target_pass(stage, win, dc.tap_ids)
             a = torch.randint(1, win.numel() - B + 1, (anchors,), generator=g)
             h, labels = _blocks(net, feats, win, pred, stage.embed_tokens, a, dc.mask_token_id)
             logits = stage.lm_head(h)  # (nA, B-1, V)

@@ -28,6 +28,7 @@ from ..threads import apply_cpu_threads
 from ..model.config import load_config
 from .corpus import CORPUS
 from .demo_cache import build_once, write_checkpoint
+from .distill import target_pass
 from ..model.eagle3 import Eagle3Net, parse_eagle3_config
 from ..model.loader import load_stage
 
@@ -88,19 +89,6 @@ def random_eagle3(out: str | Path, target_dir: str | Path, seed: int = 0, std: f
     hot = torch.randperm(cfg["vocab_size"], generator=g)[:cfg["draft_vocab_size"]].sort().values
     emb = torch.randn(cfg["vocab_size"], cfg["hidden_size"], generator=g) if embed else None
     return save_eagle3(out, net, cfg, hot, emb)
-
-
-@torch.no_grad()
-def _target_pass(stage, ids: torch.Tensor, taps) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target over ids at positions 0..T-1: (taps concatenated (T, n*H), greedy next ids (T,))."""
-    x = stage.embed_tokens(ids)
-    ctx = stage.step_ctx(torch.arange(ids.numel()), None)
-    kept = {}
-    for i, blk in stage.layers.items():
-        x = blk(x, ctx, None)
-        if int(i) in taps:
-            kept[int(i)] = x
-    return torch.cat([kept[t] for t in taps], -1), stage.logits(x).argmax(-1)
 
 
 def ttt_logits(net: Eagle3Net, feats: torch.Tensor, ids: torch.Tensor, embed, steps: int) -> list[torch.Tensor]:
@@ -174,7 +162,7 @@ def train_eagle3(target_dir: str | Path, out: str | Path, steps: int = RECIPE["s
                 int(torch.randint(0, max(1, n - seq // 2), (1,), generator=g))
             win = ids[s0:s0 + seq]
             T = win.numel()
-            feats, pred = _target_pass(stage, win, taps)
+            feats, pred = target_pass(stage, win, taps)
             loss = 0.0
             wsum = 0.0
             for s, logits in enumerate(ttt_logits(net, feats, win, stage.embed_tokens, ttt)):
