@@ -6,7 +6,9 @@ stream callback receives it. Per setting: aggregate decode tok/s (all tokens aft
 request's first / the wall from the first caller's start to the last token), per-request
 inter-token latency p50 / p99 (gaps between a request's stream callbacks, divided by the
 tokens each delivered), time to first token p50 / p99, and the batcher's own counts (steps,
-mean requests and rows a step, mean step ms, graph replays). B = 1 is the one-at-a-time engine
+mean requests and rows a step, mean step ms, the share of the time the device ran steps while
+requests were mid-generation ("busy": the rest went to their host work between steps), graph
+replays). B = 1 is the one-at-a-time engine
 (requests queue for it). Before the timed run the same n callers run 8 tokens each (the warm-up
 every server gets from its first requests: kernel JIT, the graphs of the step sizes the run
 takes); the batcher's counts cover the timed run only. "decode tok/s" counts from the first
@@ -113,14 +115,14 @@ def main() -> int:
             (out / "batching.json").write_text(json.dumps({"shape": a.shape, "device": a.device, "drafter": a.drafter,
                                                            "new": a.new, "prompt": a.prompt, "rows": rows}, indent=1))
     print("| concurrent | max batch | decode tok/s | aggregate tok/s | ITL p50 / p99 ms | TTFT p50 / p99 ms "
-          "| requests / rows a step | step ms | ids = alone |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| requests / rows a step | step ms | busy | ids = alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bs = r["batcher"] or {}
         print(f"| {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['aggregate_tok_s']} "
               f"| {r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
               f"| {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} | {bs.get('mean_step_ms', '-')} "
-              f"| {r.get('ids_equal_alone', '-')} |")
+              f"| {bs.get('busy', '-')} | {r.get('ids_equal_alone', '-')} |")
     return 0
 
 

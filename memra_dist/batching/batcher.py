@@ -92,12 +92,17 @@ class BatchStats:
     waits: int = 0  # admissions that waited for blocks
     preemptions: int = 0  # requests swapped out to let another grow
     forward_ns: int = 0  # the steps' forwards, launch to device done
+    # from a step's end to the next one's start, when a request rode both: the device idle while
+    # requests mid-generation do their host work (acceptance, drafts, streaming) and the wait
+    gap_ns: int = 0
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "rows": self.rows, "max_requests": self.max_requests,
                 "mean_requests": round(self.requests / self.steps, 3) if self.steps else 0.0,
                 "mean_rows": round(self.rows / self.steps, 3) if self.steps else 0.0,
                 "mean_step_ms": round(self.forward_ns / self.steps / 1e6, 3) if self.steps else 0.0,
+                "gap_ms": round(self.gap_ns / 1e6, 1), "step_ms": round(self.forward_ns / 1e6, 1),
+                "busy": round(self.forward_ns / (self.forward_ns + self.gap_ns), 3) if self.steps else 0.0,
                 "admission_waits": self.waits,
                 "preemptions": self.preemptions}
 
@@ -128,6 +133,7 @@ class Batcher:
         self._order = 0
         self.running = False
         self.last_end = 0  # perf_counter_ns when the latest step ended
+        self.prev_rids: set = set()  # the requests of the latest step
         self.last_submit = 0  # perf_counter_ns of the latest submission
         self.stats = BatchStats()
 
@@ -279,9 +285,11 @@ class Batcher:
                 j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free)
             self.cv.acquire()
             self.running = False
-            self.last_end = time.perf_counter_ns()
-            self.running_rids = set()
             s = self.stats
+            if self.running_rids & self.prev_rids:  # a request mid-generation waited for this step
+                s.gap_ns += max(0, t0 - self.last_end)
+            self.last_end = time.perf_counter_ns()
+            self.prev_rids, self.running_rids = self.running_rids, set()
             s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
             s.forward_ns += t1 - t0
             s.max_requests = max(s.max_requests, len(take))
