@@ -134,8 +134,11 @@ def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
     from memra_dist.model.config import load_config
 
     mcfg = load_config(llama)
-    with pytest.raises(UserError, match="--drafter none, ngram, replay, model, dflash, eagle3 for now .got mtp."):
-        check_batchable(_cfg(llama, "mtp"), mcfg, 4)
+    import dataclasses
+
+    for arch in ("deepseek_v3", "kimi_linear"):  # latent and linear attention: no paged form yet
+        with pytest.raises(UserError, match=f"runs the llama, qwen2, qwen3, glm4_moe families for now .the model is {arch}."):
+            check_batchable(_cfg(llama, "none"), dataclasses.replace(mcfg, arch=arch), 4)
     with pytest.raises(UserError, match="runs at --pp 1"):
         check_batchable(_cfg(llama, "none").with_(pp=2), mcfg, 4)
     check_batchable(_cfg(llama, "model", draft_model=str(draft_llama)), mcfg, 4, load_config(draft_llama))  # a llama draft model batches
@@ -413,3 +416,26 @@ def test_a_rollback_gives_back_the_whole_blocks_past_the_kept_rows(llama):
         slot.release()
         other.release()
         assert b.pool.free_blocks == free0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_an_moe_target_batched_with_its_mtp_layers_drafts_and_decodes_as_alone(tmp_path_factory, drafter, monkeypatch):
+    """glm4_moe (grouped attention with partial rotary, MoE FFNs) batched: each request's ids
+    are its solo ids, and with its MTP layers (the FINAL tap each batched step writes into the
+    request's sink) every proposal equals its solo proposal."""
+    from moe_ckpt import save_moe
+
+    from memra_dist.specdec.drafters.mtp import MTPDrafter
+
+    path, _ = save_moe(tmp_path_factory.mktemp("bglm") / "glm", "glm4_moe", layers=2, n_mtp=1, seed=2)
+    seen: list = []
+    real = MTPDrafter.propose
+    monkeypatch.setattr(MTPDrafter, "propose", lambda self, c, k, sp, g: seen.append(
+        (tuple(c), tuple((p := real(self, c, k, sp, g)).tokens[:k].tolist()))) or p)
+    reqs = [(p[:14], n) for p, n in _prompts(6)]
+    solo = _solo(path, drafter, reqs)
+    alone, seen[:] = sorted(seen), []
+    batched, stats = _batched(path, drafter, reqs, max_batch=3)
+    assert batched == solo and sorted(seen) == alone
+    assert drafter != "mtp" or len(alone) > 20
+    assert stats["max_requests"] >= 2 and stats["kv_blocks_used"] == 0, stats

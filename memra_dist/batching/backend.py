@@ -2,19 +2,20 @@
 target forwards joined into one forward of the stage (batcher.py), each request's session
 unchanged over its own `BatchSlot` (slot.py).
 
-What runs batched today: the attention families (llama, qwen2, qwen3) with the drafters that
-need nothing but the target (none, ngram, replay), the draft model (`model`: a second batcher
-over the draft model's stage and its own paged pool, each request's ModelDrafter over its own
-draft slot, so every request's draft steps share forwards too) and the tap drafters DFlash and
-EAGLE-3 (their network loaded once; each request's drafter reads its own tap sink, which every
-batched step fills with its rows' outputs of the tapped layers; their draft forwards run per
-request, not batched yet), greedy or sampled. MTP (its families), the other families and
-pp > 1 are refused with one line (`check_batchable`). On a GPU with the fast path on
-(`--graphs`, `--kernels`: the defaults) the
-stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged
+What runs batched today: the attention families (llama, qwen2, qwen3, glm4_moe) with every
+drafter: those that need nothing but the target (none, ngram, replay), the draft model
+(`model`: a second batcher over the draft model's stage and its own paged pool, each request's
+ModelDrafter over its own draft slot, so every request's draft steps share forwards too) and
+the tap drafters DFlash, EAGLE-3 and MTP (their network loaded once; each request's drafter
+reads its own tap sink, which every batched step fills with its rows' outputs of the tapped
+layers; their draft forwards run per request, not batched yet), greedy or sampled. Latent and
+linear attention (deepseek_v3, kimi_linear) and pp > 1 are refused with one line
+(`check_batchable`). On a GPU with the fast path on (`--graphs`, `--kernels`: the defaults)
+the stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged
 split-sequence attention launch for every request's decode / verify rows), and a step whose
 requests bring at most 16 rows each replays a CUDA graph of the whole forward (graphs.py);
-nothing is compiled. On CPU the batched forward is the reference.
+nothing is compiled. glm4_moe's partial rotary keeps the reference attention there, so its
+steps run eager. On CPU the batched forward is the reference.
 
 The KV pool: `kv_rows` slots in blocks of BLOCK rows (default: every request of the batch at
 the engine's capacity, shrunk to what the device's free memory holds, at least one capacity).
@@ -36,9 +37,9 @@ from .slot import BatchSlot
 __all__ = ["BatchedBackend", "check_batchable", "BLOCK", "BATCHABLE_DRAFTERS", "BATCHABLE_FAMILIES"]
 
 BLOCK = 16
-BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model", "dflash", "eagle3")
-TAP_DRAFTERS = ("dflash", "eagle3")  # read the target's hidden states: each request's own tap sink
-BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3")
+BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model", "dflash", "eagle3", "mtp")
+TAP_DRAFTERS = ("dflash", "eagle3", "mtp")  # read the target's hidden states: each request's own tap sink
+BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3", "glm4_moe")
 MAX_BATCH = 256
 
 
@@ -127,6 +128,12 @@ class BatchedBackend:
             from ..model.eagle3 import load_eagle3  # noqa: PLC0415
 
             self.tap_net = load_eagle3(cfg.draft_model, plan.draft, self.device, self.dtype)
+        elif cfg.drafter == "mtp":  # the target checkpoint's own MTP layers
+            from ..model.mtp import check_mtp, load_mtp  # noqa: PLC0415
+            from ..model.taps import FINAL  # noqa: PLC0415
+
+            self.tap_net = load_mtp(cfg.model, plan.model, check_mtp(plan.model, cfg.model), self.device, self.dtype)
+            return (FINAL,)
         return tuple(plan.draft.tap_ids) if self.tap_net is not None else ()
 
     @staticmethod
@@ -152,6 +159,10 @@ class BatchedBackend:
             from ..specdec.drafters.eagle3 import Eagle3Drafter  # noqa: PLC0415
 
             drafter = Eagle3Drafter(self.tap_net, slot)
+        elif plan.cfg.drafter == "mtp":
+            from ..specdec.drafters.mtp import MTPDrafter  # noqa: PLC0415
+
+            drafter = MTPDrafter(self.tap_net, slot)
         return Request(slot, plan, prompt, span_sink, drafter=drafter)
 
     @contextmanager

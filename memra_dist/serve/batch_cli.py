@@ -47,8 +47,8 @@ def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
                         "works; each is a cache slot of --ctx rows on every stage); --pp 1 runs one at a time")
     b.add_argument("--max-batch", type=int, default=1, metavar="B",
                    help="--pp 1: up to B requests in flight with their forwards joined into one (continuous "
-                        "batching over a paged KV cache; drafters none / ngram / model / dflash / eagle3, "
-                        "llama / qwen2 / qwen3 for now); each request gets the ids it gets alone "
+                        "batching over a paged KV cache; every drafter; llama / qwen2 / qwen3 / glm4_moe for "
+                        "now); each request gets the ids it gets alone "
                         "(default 1: one after another)")
     b.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="with --max-batch: at most N rows a forward (default: max(--prefill-chunk, B x (k + 1)))")
