@@ -75,14 +75,14 @@ def measure(batcher, n: int, rows: int, plen: int, steps: int, vocab: int, profi
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out")
-    ap.add_argument("--shape", default="tiny")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--requests", default="1,4,16")
-    ap.add_argument("--rows", default="1,5")
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("out", help="directory for batch_step.json")
+    ap.add_argument("--shape", default="tiny", help="a bench shape (memra_dist/bench/shapes), random weights")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the default path: graphs and kernels on CUDA)")
+    ap.add_argument("--requests", default="1,4,16", help="requests a step, comma-separated")
+    ap.add_argument("--rows", default="1,5", help="rows each request brings (1: decode, K + 1: verify)")
+    ap.add_argument("--prompt", type=int, default=64, help="each request's prompt rows (its cache before the steps)")
+    ap.add_argument("--steps", type=int, default=20, help="steps timed per setting (the first is not)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler's top operators of one step per setting")
     a = ap.parse_args()
     import torch
 

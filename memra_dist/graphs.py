@@ -18,7 +18,7 @@ import torch
 
 from .phase.subsplit import EventMarks, StampMarks
 
-__all__ = ["StepGraphs", "hold_collector", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
+__all__ = ["StepGraphs", "CapturedGraph", "hold_collector", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
            "compiled_blocks", "stage_compiles", "MAX_GRAPH_ROWS"]
 
 MAX_GRAPH_ROWS = 64  # decode and verify rows; a prefill runs eager (one graph per prompt length would not pay)
@@ -47,6 +47,30 @@ def hold_collector():
         _held["depth"] -= 1
         if _held["depth"] == 0 and _held["was_on"]:
             gc.enable()
+
+
+class CapturedGraph:
+    """fn captured into a torch.cuda.CUDAGraph, with `.out` (fn's output, static) and
+    `.replay()`: two eager warm-ups on a side stream first (kernel JIT, autotuning, the
+    allocator), then the capture with the collector off (`hold_collector`). `mode`: CUDA's
+    capture error mode ("thread_local" where other threads keep launching meanwhile)."""
+
+    mode = "global"
+
+    def __init__(self, fn, pool):
+        cur = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        cur.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with hold_collector(), torch.cuda.graph(self.graph, pool=pool, capture_error_mode=self.mode):
+            self.out = fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 def _timing_event():

@@ -284,34 +284,44 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama):
         assert first[a["batch_rows"]] >= sum(s.attributes[a["k"]] + 1 for _, s in v)
 
 
-def test_requests_slower_than_the_wait_still_ride_one_step_together(llama, monkeypatch):
-    """Steps longer than the batcher's wait (an eager GPU step, a long verify) do not split the
-    requests into groups that alternate steps: the wait counts from the previous step's end, so
-    requests back from their host work (here 2 ms of it) join the next step."""
+def _stubbed_rounds(llama, monkeypatch, n: int, rounds: int, forward_s: float, before, after) -> dict:
+    """n requests of `rounds` forwards each on a batcher whose forward only sleeps
+    `forward_s`; request r calls before(r) once, then after(r) around each submission's
+    return (its host work). Returns the batcher's stats."""
     import time
 
     import torch
 
-    n, rounds = 4, 12
     with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=n) as eng:
         b = eng._backend.batcher
-        monkeypatch.setattr(b, "_forward", lambda jobs: time.sleep(0.02) or [torch.zeros(1, 8) for _ in jobs])
+        monkeypatch.setattr(b, "_forward", lambda jobs: time.sleep(forward_s) or [torch.zeros(1, 8) for _ in jobs])
         for r in range(n):
-            b.admit(("slow", r), 8)
+            b.admit(("stub", r), 8)
 
         def one(r):
-            time.sleep(0.007 * r)  # arriving apart, as requests do
+            before(r)
             for s in range(rounds):
-                b.submit(("slow", r), torch.zeros(1, dtype=torch.long), s, CAP, False)
-                time.sleep(0.002)  # the request's host work between its forwards
-            b.leave(("slow", r))
+                b.submit(("stub", r), torch.zeros(1, dtype=torch.long), s, CAP, False)
+                after(r)
+            b.leave(("stub", r))
 
         threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
-        st = b.stats.as_dict()
+        return b.stats.as_dict()
+
+
+def test_requests_slower_than_the_wait_still_ride_one_step_together(llama, monkeypatch):
+    """Steps longer than the batcher's wait (an eager GPU step, a long verify) do not split the
+    requests into groups that alternate steps: the wait counts from the previous step's end, so
+    requests back from their host work (here 2 ms of it) join the next step."""
+    import time
+
+    n = 4
+    st = _stubbed_rounds(llama, monkeypatch, n, 12, 0.02, before=lambda r: time.sleep(0.007 * r),  # arriving apart
+                         after=lambda r: time.sleep(0.002))
     assert st["mean_requests"] >= 0.75 * n, st  # alternating groups would hold about n / 2
 
 
@@ -322,29 +332,14 @@ def test_requests_coming_back_one_after_another_ride_one_step(llama, monkeypatch
     together rather than in the groups a fixed wait would cut."""
     import time
 
-    import torch
-
     n, rounds = 8, 10
     gil = threading.Lock()
-    with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=n) as eng:
-        b = eng._backend.batcher
-        monkeypatch.setattr(b, "_forward", lambda jobs: time.sleep(0.001) or [torch.zeros(1, 8) for _ in jobs])
-        for r in range(n):
-            b.admit(("serial", r), 8)
 
-        def one(r):
-            for s in range(rounds):
-                with gil:
-                    time.sleep(0.002)  # this request's share of the host, nobody else's meanwhile
-                b.submit(("serial", r), torch.zeros(1, dtype=torch.long), s, CAP, False)
-            b.leave(("serial", r))
+    def host(r):  # this request's share of the host, nobody else's meanwhile
+        with gil:
+            time.sleep(0.002)
 
-        threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        st = b.stats.as_dict()
+    st = _stubbed_rounds(llama, monkeypatch, n, rounds, 0.001, before=host, after=host)
     assert st["mean_requests"] >= 0.75 * n, st
     # the batcher's own account of where the time went: between its steps, the requests' host
     # work (8 x 2 ms a round, serialised); in them, the 1 ms forwards

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..graphs import hold_collector
+from ..graphs import CapturedGraph
 from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
 
 __all__ = ["StepGraphs", "bucket_rows", "row_class"]
@@ -61,24 +61,10 @@ def row_class(max_rows: int) -> int:
     return 1 if max_rows <= 1 else 8 if max_rows <= 8 else PAGED_MAX_ROWS
 
 
-class _CudaGraph:
-    """fn captured into a torch.cuda.CUDAGraph: two eager warm-ups on a side stream, then the
-    capture on it in thread-local mode (the requests' threads keep launching meanwhile)."""
+class _CudaGraph(CapturedGraph):
+    """The requests' threads keep launching while a step is captured lazily: thread-local mode."""
 
-    def __init__(self, fn, pool):
-        cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        cur.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with hold_collector(), torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.out = fn()
-
-    def replay(self) -> None:
-        self.graph.replay()
+    mode = "thread_local"
 
 
 @dataclass

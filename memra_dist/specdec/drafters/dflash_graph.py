@@ -33,31 +33,12 @@ from __future__ import annotations
 
 import torch
 
+from ...graphs import CapturedGraph as _CudaGraph  # the drafters' graph sets capture through it
 from ...graphs import hold_collector
 from .dflash_compile import compiled_pieces, target_compiles, warn_fallback
 from .host_row import HostRow
 
 __all__ = ["BlockGraphs", "block_graphs", "kernel_attention"]
-
-
-class _CudaGraph:
-    """fn captured into a torch.cuda.CUDAGraph (two eager warm-ups on a side stream first, the
-    collector off while capturing, as graphs.StepGraphs does)."""
-
-    def __init__(self, fn, pool):
-        cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        cur.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with hold_collector(), torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn()
-
-    def replay(self) -> None:
-        self.graph.replay()
 
 
 class BlockGraphs:
