@@ -84,14 +84,15 @@ def run(model: str, device: str, n: int, max_batch: int, new: int, plen: int, dr
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out")
-    ap.add_argument("--shape", default="tiny")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--max-batch", type=int, default=16)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--drafter", default="none")
+    ap.add_argument("out", help="directory for batching.json")
+    ap.add_argument("--shape", default="tiny", help="a bench shape (memra_dist/bench/shapes), random weights")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the default path there)")
+    ap.add_argument("--concurrency", default="1,4,16", help="concurrent callers, comma-separated; each N runs "
+                    "one at a time (max batch 1) and batched")
+    ap.add_argument("--max-batch", type=int, default=16, help="the batched engine's --max-batch (at most N)")
+    ap.add_argument("--new", type=int, default=64, help="tokens each request generates")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (copy-with-edits prompts)")
+    ap.add_argument("--drafter", default="none", help="none, ngram (greedy; k = 4)")
     a = ap.parse_args()
     import torch
 
