@@ -137,6 +137,12 @@ class Engine:
         self._backend = backend
         self.sessions = sessions
 
+    def batch_stats(self) -> dict | None:
+        """A batched engine's (max_batch > 1) counts: steps, requests and rows a step, the time
+        in its steps and between them (batching/batcher.py BatchStats); None otherwise."""
+        stats = getattr(self._backend, "stats", None)
+        return stats() if callable(stats) else None
+
     def plan(self, prompt_len: int, cfg: RunConfig | None = None) -> RequestPlan:
         cfg = cfg or self.cfg
         same = ("model", "pp", "stage_bounds", "drafter", "draft_model", "device", "dtype", "graphs", "compile", "kernels")

@@ -189,6 +189,9 @@ def test_batch_job_with_max_batch_writes_the_records_of_one_at_a_time(llama, tmp
     assert sorted(a) == sorted(b) == sorted(r["id"] for r in rows)
     for rid in a:
         assert b[rid]["token_ids"] == a[rid]["token_ids"], rid
+    said = [line for line in p4.stderr.splitlines() if line.startswith("[batch] batched: ")]
+    assert len(said) == 1 and " steps, " in said[0] and "busy" in said[0], p4.stderr[-2000:]
+    assert "[batch] batched" not in p1.stderr  # one at a time: no batch steps to account for
     bad = run(tmp_path / "bad.jsonl", "--max-batch", "4", "--pp", "2")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("memra-dist: error: --max-batch > 1 runs at --pp 1")

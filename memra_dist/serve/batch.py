@@ -162,6 +162,9 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
                     stop.set()  # Ctrl-C or an error: requests in flight end at their next tokens
                     for w in workers:  # before the engine closes: none is left computing on it
                         w.join()
+                    line = batch_line(engine.batch_stats())
+                    if line:
+                        say(line)
             if any(getattr(w, "error", None) for w in workers):
                 raise next(w.error for w in workers if getattr(w, "error", None))
     except KeyboardInterrupt:
@@ -327,3 +330,19 @@ def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int],
                 "prompt_sha256": sha})
     with lock:
         prog.finished()
+
+
+def batch_line(st: dict | None) -> str | None:
+    """One line on where a batched job's time went: its steps (requests and rows a step, the
+    time in them) and the time between them while requests were mid-generation (their host
+    work and the batcher's wait), as the share the steps took (`busy`).
+
+    >>> batch_line({"steps": 40, "mean_requests": 5.5, "mean_rows": 12.0, "step_ms": 80.0, "gap_ms": 20.0,
+    ...             "busy": 0.8, "preemptions": 0})
+    '[batch] batched: 40 steps, 5.5 requests / 12.0 rows a step; 80.0 ms in steps, 20.0 ms between them (busy 80 %)'
+    """
+    if not st or not st.get("steps"):
+        return None
+    pre = f", {st['preemptions']} preempted" if st.get("preemptions") else ""
+    return (f"[batch] batched: {st['steps']} steps, {st['mean_requests']} requests / {st['mean_rows']} rows a step; "
+            f"{st['step_ms']} ms in steps, {st['gap_ms']} ms between them (busy {st['busy'] * 100:.0f} %){pre}")
