@@ -60,6 +60,19 @@ def check_batchable(cfg, mcfg, max_batch: int, draft=None) -> None:
                             f"(the {what} is {c.arch})")
 
 
+def graph_bytes(stage, budget: int) -> int:
+    """About what the batched step graphs hold once captured (graphs.py): the fp32 logits
+    buffer of the largest bucket they all write into, and as much again for their temporaries.
+
+    >>> stage = type("Stage", (), {"cfg": type("Cfg", (), {"vocab_size": 1000})})()
+    >>> graph_bytes(stage, 20) == 2 * 32 * 1000 * 4  # 20 rows: the 32-row bucket
+    True
+    """
+    from .graphs import bucket_rows  # noqa: PLC0415
+
+    return 2 * bucket_rows(budget) * stage.cfg.vocab_size * 4
+
+
 def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget: int, graphs: bool,
              tap_layers: tuple[int, ...] = ()) -> Batcher:
     """A batcher over `runner`'s stage with a pool of `kv_rows` slots (default: every request of
@@ -68,8 +81,9 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
 
     row = PagedKV.row_bytes(runner.stage, runner.dtype)
     free = free_mb(runner.device) * (1 << 20)
-    if kv_rows is None:
-        kv_rows = max(min(max_batch * capacity, int(free * 0.9) // max(row, 1)), capacity)
+    if kv_rows is None:  # what the step graphs capture next (their logits, fp32) stays free too
+        room = free * 0.9 - (graph_bytes(runner.stage, budget) if graphs else 0)
+        kv_rows = max(min(max_batch * capacity, int(room) // max(row, 1)), capacity)
     pool = BlockPool(blocks_for(kv_rows, BLOCK), BLOCK)
     if pool.rows * row > free:
         raise UserError(f"out of memory: a KV pool of {pool.rows} rows needs {pool.rows * row / 2**20:.0f} MB on "

@@ -14,7 +14,8 @@ runs the embedding, every block over the paged K/V (the paged attention kernel, 
 layer) and the lm_head over every row, keeping the tapped layers' rows (a tap drafter's), which
 are copied into each request's own sink after the replay. Padded rows write the pool's scratch slot (paged.py)
 and padded segments have no rows, so nothing a request owns is touched and each request's rows
-see what they see eager. The logits are copied out of the static buffer before the replay
+see what they see eager. Every graph writes its logits into ONE buffer of the largest bucket's rows
+(a buffer per graph would hold gigabytes at large batches), copied out before the replay
 returns (the next step rewrites it while a request may still be reading its rows).
 
 A capture that fails (a kernel that cannot be captured on this stack) leaves that bucket eager,
@@ -90,6 +91,7 @@ class StepGraphs:
     def __init__(self, batcher, max_rows: int, graph_cls=_CudaGraph):
         self.b = batcher
         self.max_rows = bucket_rows(max_rows)
+        self.logits: torch.Tensor | None = None  # shared by every graph (_logits_buf)
         self.graph_cls = graph_cls
         self.cuda = batcher.device.type == "cuda"
         self.steps: dict[tuple[int, int, int, int], _Step] = {}
@@ -202,7 +204,17 @@ class StepGraphs:
         view = BatchView(slots, [], PagedRows(lo.to(torch.int32), nrows.to(torch.int32), table.to(torch.int32),
                                               b.pool.block, rclass, max_len))
         h, tapped = b._layers(ids, pos, view)
-        return stage.logits(h), tapped
+        out = self._logits_buf(stage)[:st.rows]
+        out.copy_(stage.logits(h))  # the temporary goes back to the pool: the next capture reuses it
+        return out, tapped
+
+    def _logits_buf(self, stage) -> torch.Tensor:
+        """ONE fp32 logits buffer of the largest bucket's rows that every graph writes its rows
+        into, allocated outside any capture: a buffer per graph would hold a bucket's logits
+        each (an 8B's 23 buckets: ~1 GB; at --max-batch 256, several GB)."""
+        if self.logits is None:
+            self.logits = torch.empty(self.max_rows, stage.cfg.vocab_size, dtype=torch.float32, device=self.b.device)
+        return self.logits
 
     def _capture(self, key, jobs) -> _Step | None:
         T, rclass, W, max_len = key
@@ -215,6 +227,7 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         try:
             with torch.inference_mode():
+                self._logits_buf(self.b.stage)  # before the capture: its memory is not the graph pool's
                 st.graph = self.graph_cls(lambda: self._body(st, rclass, max_len), self.pool)
         except Exception as e:  # noqa: BLE001 (a bucket that cannot be captured runs eager)
             self.failed.add(key)
