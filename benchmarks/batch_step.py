@@ -32,7 +32,7 @@ def _sync(device) -> None:
 def measure(batcher, n: int, rows: int, plen: int, steps: int, vocab: int, profile: bool) -> dict:
     import torch
 
-    from memra_dist.batching.batcher import _Job
+    from memra_dist.batching.job import Job
 
     cap = plen + steps * rows + rows + 8
     rids = [("bs", n, rows, i) for i in range(n)]
@@ -41,11 +41,11 @@ def measure(batcher, n: int, rows: int, plen: int, steps: int, vocab: int, profi
     gen = torch.Generator().manual_seed(0)
     try:
         for r in rids:  # each request's prompt as one prefill step
-            batcher._forward([_Job(r, torch.randint(0, vocab, (plen,), generator=gen), 0, cap, True)])
+            batcher._forward([Job(r, torch.randint(0, vocab, (plen,), generator=gen), 0, cap, True)])
         ids = torch.randint(0, vocab, (rows,), generator=gen)
 
         def step(s):
-            return batcher._forward([_Job(r, ids, plen + s * rows, cap, False) for r in rids])
+            return batcher._forward([Job(r, ids, plen + s * rows, cap, False) for r in rids])
 
         step(0)  # a first step of this shape (kernel variants, allocator)
         _sync(batcher.device)

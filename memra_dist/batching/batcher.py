@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,42 +45,13 @@ from ..model.layers import rope_rows
 from ..model.taps import FINAL
 from ..model.transformer import StepCtx
 from .blocks import BlockPool
+from .job import BatchStep, Job
 from .paged import BatchView, PagedKV
 
 __all__ = ["Batcher", "BatchStats", "BatchStep"]
 
 MAX_WAIT_S = 0.005  # the longest silence (no new submission) a step waits through
 MAX_HOLD = 4  # a step waits at most this many MAX_WAIT_S after the previous one ended
-
-
-@dataclass(frozen=True)
-class BatchStep:
-    """What one request's rows saw of the step they rode in (its spans carry it: every request
-    of a step names the same `id`)."""
-
-    id: int
-    requests: int
-    rows: int
-    wait_ns: int  # from the request's submission to the step's start (waiting for the others, or a running step)
-    forward_ns: int  # the step's forward, from its launch to its device work done
-    kv_used: int = 0  # the pool's blocks in use / free after the step
-    kv_free: int = 0
-
-
-@dataclass
-class _Job:
-    rid: object
-    ids: torch.Tensor
-    start: int
-    width: int
-    last: bool
-    t: int = field(default_factory=time.perf_counter_ns)  # submitted
-    out: torch.Tensor | None = None
-    err: BaseException | None = None
-    done: bool = False
-    step: BatchStep | None = None
-    greedy: tuple[list, list] | None = None  # its rows' argmax and the logit at it (host)
-    taps: object = None  # the request's TapSink (a tap drafter's), written by the step
 
 
 @dataclass
@@ -126,7 +97,7 @@ class Batcher:
 
             self.graphs = StepGraphs(self, max_tokens, **({"graph_cls": graph_cls} if graph_cls else {}))
         self.cv = threading.Condition()
-        self.pending: list[_Job] = []
+        self.pending: list[Job] = []
         self.admitted: dict = {}  # request id -> admission order (the latest is preempted first)
         self.swapped: dict = {}  # request id -> (rows, host K/V per layer): preempted, back before its next forward
         self.running_rids: set = set()
@@ -214,7 +185,7 @@ class Batcher:
         row, or of the last with `last`), the step it rode in, and its rows' argmax and the
         logit at each (host lists: the step reads every request's back at once). `taps`: the
         request's TapSink, which gets its rows' outputs of the tapped layers."""
-        job = _Job(rid, ids, start, width, last, taps=taps)
+        job = Job(rid, ids, start, width, last, taps=taps)
         with self.cv:
             self._hold(rid, start + ids.shape[0])
             # no notify here: a submission that makes the step ready leads it itself (below), and
@@ -298,7 +269,7 @@ class Batcher:
             self.cv.notify_all()
 
     @torch.inference_mode()
-    def _forward(self, jobs: list[_Job]) -> list[torch.Tensor]:
+    def _forward(self, jobs: list[Job]) -> list[torch.Tensor]:
         if self.graphs is not None and self.graphs.eligible(jobs):
             out = self.graphs.run(jobs)
             if out is not None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..graphs import CapturedGraph
+from .job import Job
 from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
 
 __all__ = ["StepGraphs", "bucket_rows", "row_class"]
@@ -115,8 +116,6 @@ class StepGraphs:
         holds `width` rows while it lasts. Returns (graphs captured, seconds)."""
         import time  # noqa: PLC0415
 
-        from .batcher import _Job  # noqa: PLC0415
-
         t0, before = time.perf_counter(), self.captures
         pool, rid = self.b.pool, ("warm-up",)
         if not pool.fits(width) or not pool.reserve(rid, width):
@@ -128,7 +127,7 @@ class StepGraphs:
                     top = bucket_rows(min(max_requests * c, self.max_rows))
                     for T in sorted({bucket_rows(n) for n in range(lo, top + 1)}):
                         rows = [min(c, T - i) for i in range(0, T, c)]
-                        jobs = [_Job(rid, torch.zeros(n, dtype=torch.long), 0, width, False) for n in rows]
+                        jobs = [Job(rid, torch.zeros(n, dtype=torch.long), 0, width, False) for n in rows]
                         if self.eligible(jobs) and self._key(jobs) not in self.steps:
                             self.run(jobs)
         finally:

@@ -1,0 +1,41 @@
+"""One request's rows submitted to a batch step (`Job`), and what its rows saw of the step
+(`BatchStep`): the batcher's (batcher.py) and the step graphs' (graphs.py) common records."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["BatchStep", "Job"]
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """What one request's rows saw of the step they rode in (its spans carry it: every request
+    of a step names the same `id`)."""
+
+    id: int
+    requests: int
+    rows: int
+    wait_ns: int  # from the request's submission to the step's start (waiting for the others, or a running step)
+    forward_ns: int  # the step's forward, from its launch to its device work done
+    kv_used: int = 0  # the pool's blocks in use / free after the step
+    kv_free: int = 0
+
+
+@dataclass
+class Job:
+    rid: object
+    ids: torch.Tensor
+    start: int
+    width: int
+    last: bool
+    t: int = field(default_factory=time.perf_counter_ns)  # submitted
+    out: torch.Tensor | None = None
+    err: BaseException | None = None
+    done: bool = False
+    step: BatchStep | None = None
+    greedy: tuple[list, list] | None = None  # its rows' argmax and the logit at it (host)
+    taps: object = None  # the request's TapSink (a tap drafter's), written by the step
