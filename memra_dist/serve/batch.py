@@ -162,7 +162,7 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
                     stop.set()  # Ctrl-C or an error: requests in flight end at their next tokens
                     for w in workers:  # before the engine closes: none is left computing on it
                         w.join()
-                    line = batch_line(engine.batch_stats())
+                    line = batch_line(getattr(engine, "batch_stats", lambda: None)())
                     if line:
                         say(line)
             if any(getattr(w, "error", None) for w in workers):
