@@ -233,17 +233,17 @@ class Batcher:
         t0 = time.perf_counter_ns()
         try:
             try:
-                outs = self._forward(take)
+                logits = self._forward(take)  # the used rows of every job, in job order
                 # every row's argmax and the logit at it in ONE readback, which is also where the
                 # step ends on a GPU (its device work done; the wait releases the GIL): the
                 # requests' greedy accepts then need no device op and no readback of their own
-                logits = torch.cat(outs) if len(outs) > 1 else outs[0]
                 pred = logits.argmax(-1)
                 val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
                 host = torch.cat((pred.double(), val.double())).tolist()
                 lo, r = 0, logits.shape[0]
-                for j, o in zip(take, outs):
-                    j.out, n = o, o.shape[0]
+                for j in take:
+                    n = 1 if j.last else j.ids.shape[0]
+                    j.out = logits[lo:lo + n]
                     j.greedy = (host[lo:lo + n], host[r + lo:r + lo + n])
                     lo += n
             except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
@@ -269,7 +269,9 @@ class Batcher:
             self.cv.notify_all()
 
     @torch.inference_mode()
-    def _forward(self, jobs: list[Job]) -> list[torch.Tensor]:
+    def _forward(self, jobs: list[Job]) -> torch.Tensor:
+        """The step's forward -> fp32 logits of the rows used, in job order: every row of a
+        job, or its last with `last` (one lm_head over them)."""
         if self.graphs is not None and self.graphs.eligible(jobs):
             out = self.graphs.run(jobs)
             if out is not None:
@@ -281,14 +283,12 @@ class Batcher:
         pos = torch.cat([torch.arange(j.start, j.start + j.ids.shape[0]) for j in jobs]).to(dev)
         h, tapped = self._layers(x, pos, view)
         self.scatter_taps(jobs, tapped, pos)
-        # one lm_head over the rows whose logits are used (a request's last row with `last`)
-        keep, counts, lo = [], [], 0
+        keep, lo = [], 0
         for j in jobs:
             n = j.ids.shape[0]
             keep.extend([lo + n - 1] if j.last else range(lo, lo + n))
-            counts.append(1 if j.last else n)
             lo += n
-        return list(self.stage.logits(h[torch.tensor(keep, device=dev)]).split(counts))
+        return self.stage.logits(h[torch.tensor(keep, device=dev)])
 
     def _layers(self, x: torch.Tensor, pos: torch.Tensor, view: BatchView):
         """The stage's embedding and blocks over the step's rows (ids x at positions pos) ->

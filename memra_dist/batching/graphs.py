@@ -140,9 +140,9 @@ class StepGraphs:
         width = max(-(-j.width // block) for j in jobs)
         return bucket_rows(rows), row_class(max(j.ids.shape[0] for j in jobs)), width, max(j.width for j in jobs)
 
-    def run(self, jobs) -> list[torch.Tensor] | None:
-        """Each job's logits (all its rows, or its last with `last`) from a replay; None when
-        the bucket cannot be captured (the caller runs the step eager)."""
+    def run(self, jobs) -> torch.Tensor | None:
+        """The logits of every job's rows, in job order, from a replay (no job is `last`:
+        `eligible`); None when the bucket cannot be captured (the caller runs the step eager)."""
         key = self._key(jobs)
         if key in self.failed:
             return None
@@ -159,13 +159,7 @@ class StepGraphs:
         self.padded += st.rows - rows
         logits, tapped = st.graph.out
         self.b.scatter_taps(jobs, tapped, st.views()[1])  # the tapped rows into each request's sink
-        out = logits[:rows].clone()  # the next replay rewrites it
-        res, lo = [], 0
-        for j in jobs:
-            n = j.ids.shape[0]
-            res.append(out[lo + n - 1:lo + n] if j.last else out[lo:lo + n])
-            lo += n
-        return res
+        return logits[:rows].clone()  # the next replay rewrites it
 
     def stats(self) -> dict:
         return {"captured": self.captures, "replays": self.replays, "padded_rows": self.padded,
