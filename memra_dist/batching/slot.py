@@ -5,10 +5,11 @@ batcher's paged cache (batcher.py).
 `alloc(capacity)` admits the request: it reserves blocks for its prompt's rows (`first`),
 waiting while the pool is short; each forward grows them to the rows it writes (the batcher
 preempts another request when the pool is empty; `need`, prompt + new tokens + K + 1, is the
-most it can grow to and must fit the pool). Its attention still runs as over a cache of `capacity` rows (paged.py), so a request's ids
-are the same batched or alone. `rollback(n)` keeps n rows and gives back the whole blocks past them:
-positions past n are rewritten by the next forward before anything reads them (the mask reads
-positions up to each row's own), as a ModelRunner's cache does. `release()` gives the blocks back.
+most it can grow to and must fit the pool). Its attention still runs as over a cache of
+`capacity` rows (paged.py), so a request's ids are the same batched or alone. `rollback(n)`
+keeps n rows and gives back the whole blocks past them: positions past n are rewritten by the
+next forward before anything reads them (the mask reads positions up to each row's own), as a
+ModelRunner's cache does. `release()` gives the blocks back.
 """
 
 from __future__ import annotations
