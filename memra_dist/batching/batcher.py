@@ -45,6 +45,7 @@ from ..model.layers import rope_rows
 from ..model.taps import FINAL
 from ..model.transformer import StepCtx
 from .blocks import BlockPool
+from .chain import Chain
 from .job import BatchStep, Job
 from .paged import BatchView, PagedKV
 
@@ -66,6 +67,8 @@ class BatchStats:
     # from a step's end to the next one's start, when a request rode both: the device idle while
     # requests mid-generation do their host work (acceptance, drafts, streaming) and the wait
     gap_ns: int = 0
+    chained: int = 0  # request rounds the step leader ran (chain.py)
+    parks: int = 0  # chains whose next rows found no free block (their session ran that round)
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "rows": self.rows, "max_requests": self.max_requests,
@@ -74,7 +77,7 @@ class BatchStats:
                 "mean_step_ms": round(self.forward_ns / self.steps / 1e6, 3) if self.steps else 0.0,
                 "gap_ms": round(self.gap_ns / 1e6, 1), "step_ms": round(self.forward_ns / 1e6, 1),
                 "busy": round(self.forward_ns / (self.forward_ns + self.gap_ns), 3) if self.steps else 0.0,
-                "admission_waits": self.waits,
+                "chained_rounds": self.chained, "chain_parks": self.parks, "admission_waits": self.waits,
                 "preemptions": self.preemptions}
 
 
@@ -106,6 +109,9 @@ class Batcher:
         self.last_end = 0  # perf_counter_ns when the latest step ended
         self.prev_rids: set = set()  # the requests of the latest step
         self.last_submit = 0  # perf_counter_ns of the latest submission
+        self.finished: set = set()  # requests whose chain ended with them: no step waits for their rows
+        self.stepper: threading.Thread | None = None  # leads the steps while chained rows are queued (start_chain)
+        self._wakes: list[Chain] = []  # chains with a new round (or ended), their threads not yet woken
         self.stats = BatchStats()
 
     # ---- requests joining, growing and leaving ----
@@ -127,6 +133,11 @@ class Batcher:
 
     def leave(self, rid) -> None:
         with self.cv:
+            for j in self.pending:  # a chained request left: its queued rows go, its chain ends
+                if j.rid == rid and j.chain is not None:
+                    j.chain.cancel()
+            self.pending = [j for j in self.pending if j.rid != rid]
+            self.finished.discard(rid)
             self.pool.release(rid)
             self.admitted.pop(rid, None)
             self.swapped.pop(rid, None)
@@ -193,22 +204,112 @@ class Batcher:
             # (16 requests: 240 wake-ups; measured, the host's step time fell 5.8 -> 3.4 ms)
             self.pending.append(job)
             self.last_submit = job.t
-            while not job.done:
-                if not self.running and self.pending:
-                    wait = self._ready_in()
-                    if wait <= 0:
-                        self._lead()
-                        continue
-                    self.cv.wait(wait)
-                else:
-                    self.cv.wait()
+            self._wait(lambda: job.done)
         if job.err is not None:
             raise job.err
         return job.out, job.step, job.greedy
 
+    # ---- rounds the leader runs (chain.py) ----
+    def start_chain(self, ch: Chain) -> None:
+        """Hand request `ch.rid`'s rounds to the step leader: its first verify rows are queued
+        here (waiting for blocks, or preempting, as a submission does); the leader queues each
+        next one right after the step before. While chained rows are queued or running, one
+        stepper thread leads the steps that fall due: the requests' own threads only take their
+        rounds (`take`), each waiting on its own chain's event, so a step's end wakes each of
+        them once and none queues for the batcher's lock."""
+        job = ch.next_job()
+        with self.cv:
+            self._hold(ch.rid, job.start + job.ids.shape[0])
+            self.pending.append(job)
+            self.last_submit = job.t
+            if self.stepper is None:
+                self.stepper = threading.Thread(target=self._step_loop, name="memra-batch-stepper", daemon=True)
+                self.stepper.start()
+
+    def take(self, ch: Chain):
+        """The chain's next round (chain.ChainRound), waiting for it; None once the chain has
+        ended and every round was taken."""
+        while not ch.rounds and not ch.ended:
+            ch.wake.clear()
+            if ch.rounds or ch.ended:
+                break
+            ch.wake.wait()
+        return ch.rounds.popleft() if ch.rounds else None
+
+    def _step_loop(self) -> None:
+        """The stepper: leads every step that falls due while chained rows are queued or running."""
+        with self.cv:
+            try:
+                while self.running or any(j.chain is not None for j in self.pending):
+                    if not self.running and self.pending:
+                        wait = self._ready_in()
+                        if wait <= 0:
+                            self._lead()
+                            continue
+                        self._flush_wakes()
+                        self.cv.wait(wait)
+                    else:
+                        self._flush_wakes()
+                        self.cv.wait()
+            finally:
+                self._flush_wakes()
+                self.stepper = None
+
+    def _wait(self, ready) -> None:
+        """Called holding the lock: wait until ready(), leading the steps that fall due meanwhile."""
+        while not ready():
+            if not self.running and self.pending:
+                wait = self._ready_in()
+                if wait <= 0:
+                    self._lead()
+                    continue
+                self._flush_wakes()
+                self.cv.wait(wait)
+            else:
+                self._flush_wakes()
+                self.cv.wait()
+
+    def _flush_wakes(self) -> None:
+        """Wake the threads of the chains the last step gave a round: called once the next
+        step is launched (or none is due), so their host work (commit, stream) runs while the
+        device works, and none of them holds the GIL while the leader packs the next step."""
+        wakes, self._wakes = self._wakes, []
+        _wake(wakes)
+
+    def _chain_rounds(self, jobs: list[Job]) -> None:
+        """Called holding the lock, right after a step: each chained job's round (accept,
+        commit, rollback as a block trim, maintenance), and its next verify rows queued for the
+        next step, or the chain parked where its blocks cannot grow (chain.py)."""
+        for j in jobs:
+            ch = j.chain
+            if ch is None or ch.ended:  # not chained, or its request left during the step
+                continue
+            try:
+                keep = ch.settle(j)
+                if keep is None:
+                    continue
+                if self.pool.holds(ch.rid):
+                    self.pool.shrink(ch.rid, keep)
+                ch.maintained()
+                self.stats.chained += 1
+                if ch.ended:
+                    self.finished.add(ch.rid)
+                    continue
+                nxt = ch.next_job()
+                end = nxt.start + nxt.ids.shape[0]
+                if self.pool.capacity(ch.rid) >= end or self.pool.grow(ch.rid, end):
+                    self.pending.append(nxt)
+                else:
+                    self.stats.parks += 1
+                    ch.park()  # its thread submits the next round itself (waits for blocks, or preempts)
+            except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own request only)
+                ch.err, ch.ended = e, True
+            finally:
+                self._wakes.append(ch)  # woken once the next step is launched (_flush_wakes)
+
     def _ready_in(self) -> float:
         """Seconds until a step should run (<= 0: now)."""
-        waiting = {j.rid for j in self.pending}
+        waiting = {j.rid for j in self.pending} | self.finished
         if self.admitted.keys() <= waiting:
             return 0.0
         start = max(self.pending[0].t, self.last_end)
@@ -229,17 +330,18 @@ class Batcher:
         self.running = True
         self.running_rids = {j.rid for j in take}
         sid = self.stats.steps
+        wakes, self._wakes = self._wakes, []
         self.cv.release()
         t0 = time.perf_counter_ns()
         try:
             try:
-                logits = self._forward(take)  # the used rows of every job, in job order
+                logits = self._forward(take, wakes)  # the used rows of every job, in job order
                 # every row's argmax and the logit at it in ONE readback, which is also where the
                 # step ends on a GPU (its device work done; the wait releases the GIL): the
                 # requests' greedy accepts then need no device op and no readback of their own
                 pred = logits.argmax(-1)
                 val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
-                host = torch.cat((pred.double(), val.double())).tolist()
+                host = torch.cat((pred.double(), val.double())).cpu().tolist()  # the wait drops the GIL
                 lo, r = 0, logits.shape[0]
                 for j in take:
                     n = 1 if j.last else j.ids.shape[0]
@@ -264,18 +366,26 @@ class Batcher:
             s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
             s.forward_ns += t1 - t0
             s.max_requests = max(s.max_requests, len(take))
+            self._chain_rounds(take)
             for j in take:
                 j.done = True
             self.cv.notify_all()
 
     @torch.inference_mode()
-    def _forward(self, jobs: list[Job]) -> torch.Tensor:
+    def _forward(self, jobs: list[Job], wakes=()) -> torch.Tensor:
         """The step's forward -> fp32 logits of the rows used, in job order: every row of a
-        job, or its last with `last` (one lm_head over them)."""
+        job, or its last with `last` (one lm_head over them). `wakes`: chains whose threads
+        are woken once the step is launched (before the readback; _flush_wakes)."""
         if self.graphs is not None and self.graphs.eligible(jobs):
-            out = self.graphs.run(jobs)
+            out = self.graphs.run(jobs, lambda: _wake(wakes))
             if out is not None:
                 return out
+        try:
+            return self._eager(jobs)
+        finally:
+            _wake(wakes)
+
+    def _eager(self, jobs: list[Job]) -> torch.Tensor:
         dev = self.device
         view = BatchView.build(self.pool, [(j.rid, j.start, j.ids.shape[0], j.width) for j in jobs], dev,
                                kernels=self.kernels)
@@ -317,3 +427,8 @@ class Batcher:
                 for layer in j.taps.layers:
                     j.taps.write(layer, pos[lo:lo + n], tapped[layer][lo:lo + n])
             lo += n
+
+
+def _wake(chains) -> None:
+    for ch in chains:
+        ch.wake.set()

@@ -140,9 +140,10 @@ class StepGraphs:
         width = max(-(-j.width // block) for j in jobs)
         return bucket_rows(rows), row_class(max(j.ids.shape[0] for j in jobs)), width, max(j.width for j in jobs)
 
-    def run(self, jobs) -> torch.Tensor | None:
+    def run(self, jobs, launched=None) -> torch.Tensor | None:
         """The logits of every job's rows, in job order, from a replay (no job is `last`:
-        `eligible`); None when the bucket cannot be captured (the caller runs the step eager)."""
+        `eligible`); None when the bucket cannot be captured (the caller runs the step eager).
+        `launched()`: called once the replay is launched (before anything waits on it)."""
         key = self._key(jobs)
         if key in self.failed:
             return None
@@ -154,6 +155,8 @@ class StepGraphs:
         else:
             self._load(st, jobs)
         st.graph.replay()
+        if launched is not None:
+            launched()
         rows = sum(j.ids.shape[0] for j in jobs)
         self.replays += 1
         self.padded += st.rows - rows

@@ -39,3 +39,4 @@ class Job:
     step: BatchStep | None = None
     greedy: tuple[list, list] | None = None  # its rows' argmax and the logit at it (host)
     taps: object = None  # the request's TapSink (a tap drafter's), written by the step
+    chain: object = None  # the request's Chain (chain.py) when the leader runs its rounds

@@ -21,6 +21,7 @@ import torch
 from ..device import Drainer, device_label, free_mb
 from ..errors import UserError
 from ..model.taps import TapSink
+from .chain import Chain
 
 __all__ = ["BatchSlot"]
 
@@ -78,6 +79,18 @@ class BatchSlot:
         out, self.last_step, self.greedy_rows = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity,
                                                                     last, self.cache.taps)
         return out
+
+    def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
+              gen) -> Chain:
+        """Hand this greedy request's rounds with a host drafter to the step leader (chain.py)
+        from the session's state: its tokens (the last one pending), the tokens produced so
+        far and its stop rules; `take` returns them round by round."""
+        ch = Chain(self, tokens, produced, max_new, capacity, eos, k, drafter, sp, gen)
+        self.batcher.start_chain(ch)
+        return ch
+
+    def take(self, ch: Chain):
+        return self.batcher.take(ch)
 
     def rollback(self, new_len: int) -> None:
         if not 0 <= new_len <= self.length:

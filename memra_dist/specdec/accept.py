@@ -19,7 +19,7 @@ import math
 
 import torch
 
-__all__ = ["accept_greedy", "greedy_commit", "accept_sampled", "NonFiniteRow", "RECOVERED", "BONUS"]
+__all__ = ["accept_greedy", "greedy_commit", "commit_rows", "accept_sampled", "NonFiniteRow", "RECOVERED", "BONUS"]
 
 RECOVERED, BONUS = "recovered", "bonus"
 
@@ -41,8 +41,7 @@ def greedy_commit(target_logits: torch.Tensor, drafts: torch.Tensor,
     (a batched step reads every request's rows in one readback): no device op here at all."""
     k = int(drafts.shape[0])
     if rows is not None:
-        p, f = rows
-        return _commit(p, drafts.tolist() if k else [], f, k)
+        return commit_rows(rows[0], drafts.tolist() if k else [], rows[1])
     pred = target_logits.argmax(-1)  # (K+1,)
     val = target_logits.gather(-1, pred.unsqueeze(-1)).view(-1)  # (K+1,): the logit at each argmax
     if target_logits.shape[-1] >= 1 << 24 or val.dtype not in (torch.float32, torch.float64):
@@ -55,6 +54,16 @@ def greedy_commit(target_logits: torch.Tensor, drafts: torch.Tensor,
         p, f = row[:k + 1], row[k + 1:]
         d = drafts.tolist()
     return _commit(p, d, f, k)
+
+
+def commit_rows(pred: list, drafts: list, vals: list) -> list[int]:
+    """`greedy_commit` on host lists: each verify row's argmax and the logit at it (read back
+    by a batched step), and the round's drafts -> its committed tokens.
+
+    >>> commit_rows([5.0, 7.0, 2.0], [5, 8], [1.0, 2.0, 3.0])
+    [5, 7]
+    """
+    return _commit(pred, drafts, vals, len(drafts))
 
 
 def _commit(p: list, d: list, f: list, k: int) -> list[int]:

@@ -28,6 +28,7 @@ class Drafter:
 
     name = "base"
     device: torch.device | None = None  # device the drafter's state lives on (None: host only)
+    host_only = False  # propose / maintain touch nothing but host lists (batching/chain.py may run them)
 
     def alloc(self, capacity: int) -> float:
         """Allocate per-session state; returns the MB allocated (the profile's draft_kv_mb)."""

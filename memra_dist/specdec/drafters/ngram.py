@@ -73,6 +73,7 @@ class NgramIndex:
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    host_only = True  # nothing but the host: a batched greedy request's rounds run in the step leader
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.index = NgramIndex(max_n, min_n)

@@ -10,6 +10,7 @@ __all__ = ["NoDrafter"]
 
 class NoDrafter(Drafter):
     name = "none"
+    host_only = True  # nothing but the host: a batched greedy request's rounds run in the step leader
 
     def propose(self, context, k, sp, gen) -> Proposal:
         return EMPTY

@@ -13,6 +13,7 @@ __all__ = ["ReplayDrafter"]
 
 class ReplayDrafter(Drafter):
     name = "replay"
+    host_only = True  # nothing but the host: a batched greedy request's rounds run in the step leader
 
     def __init__(self, recorded: list[int], prompt_len: int, vocab_size: int, corrupt: float = 0.0, seed: int = 0):
         if not 0.0 <= corrupt <= 1.0:

@@ -1,0 +1,126 @@
+"""Rounds the step's leader runs for a request: greedy requests with a host drafter (none, ngram,
+replay) in a batched engine.
+
+A batched request that runs its own rounds (specdec/session.py over a BatchSlot) brings its
+next rows only after its thread has woken, taken the GIL and done its round's host work
+(acceptance, commit, the next drafts): ~0.2 ms a request a step with 16-64 threads, serialised
+by the GIL, so at 64 requests the device idled ~40 % of the time between steps (measured on an
+H200 and reproduced on CPU with the forward stubbed). A greedy request whose drafter needs
+nothing but the host instead hands its rounds to the batcher as a `Chain`: right after a step,
+under the batcher's lock, the step's leader runs each chained request's round on the host
+lists the step read back (its argmax and the logit at it): the same acceptance (accept.py
+`commit_rows`), the same commit and stop rules as the session, the rollback as a block trim,
+the drafter's maintenance and next proposal, and queues its next verify row for the very next
+step. The request's thread only takes the rounds as they come (`take`), commits them into its
+session (its tokens, stats and records, so the session ends exactly where the chain does) and
+streams them; the device never waits for it.
+
+A chain ends when the request does (an EOS, its last token, its context full), when the
+forward failed or a row was not finite (`err`: the session raises it as it would), when the
+request left, or when its next rows found no free block (`parked`): the session then runs one
+round itself (its submission may wait for blocks or preempt another request) and chains again.
+
+Each round keeps six host stamps (ns), as the session's phase clock stamps a round's
+boundaries: the proposal started / the verify queued (the draft) / the step read back (the
+verify: waiting for the step and its forward) / accepted / rolled back / maintained.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..specdec.accept import commit_rows
+from .job import BatchStep, Job
+
+__all__ = ["Chain", "ChainRound"]
+
+
+@dataclass
+class ChainRound:
+    new: list[int]  # the round's committed tokens as the acceptance returns them (the session's _commit trims)
+    k: int  # drafted
+    j: int  # accepted
+    ctx: int  # the verify's first position (the pending token's)
+    step: BatchStep | None
+    t: tuple[int, int, int, int, int, int]
+
+
+class Chain:
+    """One greedy request's rounds, run by the batcher's step leader (see the module doc).
+    `tokens`, `produced`, `max_new`, `capacity`, `eos` mirror the session's state and stop rules."""
+
+    def __init__(self, slot, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int,
+                 drafter, sp, gen):
+        self.slot, self.rid = slot, slot.rid
+        self.tokens = list(tokens)
+        self.produced, self.max_new, self.capacity, self.eos = produced, max_new, capacity, set(eos)
+        self.k, self.drafter, self.sp, self.gen = k, drafter, sp, gen
+        self.rounds: deque[ChainRound] = deque()
+        self.wake = threading.Event()  # set by the leader after each of its rounds (Batcher.take waits on it)
+        self.ended = False  # no round will come after those queued
+        self.done = False  # ... because the request ended
+        self.parked = False  # ... because its next rows found no free block
+        self.err: BaseException | None = None
+        self.err_ids: tuple[list[int], int] | None = None  # a non-finite row's verify ids and start
+        self._drafts: list[int] = []
+        self._t0 = 0
+
+    def next_job(self) -> Job:
+        """The next round's verify rows (the pending token, then this round's drafts), proposed
+        as the session's round proposes them."""
+        self._t0 = time.perf_counter_ns()
+        n = len(self.tokens)
+        k = min(self.k, self.capacity - n, self.max_new - self.produced - 1)
+        prop = self.drafter.propose(self.tokens, k, self.sp, self.gen) if k > 0 else None
+        self._drafts = prop.tokens[:k].tolist() if prop is not None else []
+        ids = torch.tensor([self.tokens[-1], *self._drafts], dtype=torch.long)
+        return Job(self.rid, ids, n - 1, self.capacity, False, chain=self)
+
+    def settle(self, job: Job) -> int | None:
+        """After the step `job` rode in (its greedy rows read back): accept, commit, and the
+        rows the request keeps (its rollback: the batcher trims its blocks to them); None when
+        the round failed (`err` set)."""
+        t2 = time.perf_counter_ns()
+        kk, n = len(self._drafts), len(self.tokens)
+        if job.err is not None:
+            self._fail(job.err, None)
+            return None
+        pred, val = job.greedy
+        try:
+            new = commit_rows(pred, self._drafts, val)
+        except Exception as e:  # noqa: BLE001 (NonFiniteRow: the session names the layer)
+            self._fail(e, (job.ids.tolist(), job.start))
+            return None
+        t3 = time.perf_counter_ns()
+        j = len(new) - 1
+        self.slot.length, self.slot.last_step = n + j, job.step
+        kept = new[:self.max_new - self.produced]  # the session's _commit, then its stop rules
+        self.tokens.extend(kept)
+        self.produced += len(kept)
+        self.done = (any(t in self.eos for t in kept) or self.produced >= self.max_new
+                     or len(self.tokens) >= self.capacity)
+        self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3)
+        return n + j
+
+    def maintained(self) -> None:
+        """After the rollback: the drafter's maintenance, and the round handed to the request."""
+        t4 = time.perf_counter_ns()
+        self.drafter.maintain(self.tokens)
+        new, kk, j, ctx, step, t0, t1, t2, t3 = self._pending
+        self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns())))
+        if self.done:
+            self.ended = True
+
+    def park(self) -> None:
+        self.parked = self.ended = True
+
+    def cancel(self) -> None:
+        self.ended = True
+
+    def _fail(self, e: BaseException, ids) -> None:
+        self.err, self.err_ids, self.ended = e, ids, True

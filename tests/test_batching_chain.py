@@ -1,0 +1,144 @@
+"""Rounds the step leader runs (memra_dist/batching/chain.py): a batched greedy request whose
+drafter needs only the host (none, ngram) hands its rounds to the batcher, which accepts,
+commits, trims and drafts for it right after each step and queues its next verify; its own
+thread only takes the rounds. What must hold (CPU, fp32): the ids are the solo ids, every
+round is the leader's, the steps never wait for a request's thread (a stream that blocks does
+not stop the rounds), a request that leaves mid-chain loses nobody else anything, a chain
+whose blocks run out hands one round back to its session, and a non-finite row is named as
+alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from memra_dist.app import open_engine
+from memra_dist.specdec.sampling import NonFiniteLogits
+
+from test_batching import CAP, _batched, _cfg, _prompts, _solo
+
+
+def _solo_stats(model, drafter, reqs) -> list[dict]:
+    with open_engine(_cfg(model, drafter), capacity=CAP) as eng:
+        return [eng.generate(p, _cfg(model, drafter, max_new_tokens=n)).stats for p, n in reqs]
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_every_round_of_a_greedy_host_drafted_request_is_the_leaders(llama, drafter):
+    reqs = _prompts(8)
+    solo = _solo(llama, drafter, reqs)
+    rounds = sum(s["rounds"] for s in _solo_stats(llama, drafter, reqs))
+    batched, stats = _batched(llama, drafter, reqs, max_batch=4)
+    assert batched == solo
+    assert stats["chained_rounds"] == rounds, stats  # the sessions ran none of them
+    assert stats["chain_parks"] == 0 and stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_stream_that_blocks_does_not_stop_the_rounds(llama):
+    """Every request's stream blocks on its first decoded tokens; the leader still runs every
+    round of every request to its end (the steps wait for no request's thread), and once the
+    streams go on each request receives its solo ids."""
+    reqs = _prompts(4)
+    solo = _solo(llama, "none", reqs)
+    rounds = sum(s["rounds"] for s in _solo_stats(llama, "none", reqs))
+    gate = threading.Event()
+    got: dict[int, list[int]] = {}
+    with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=4) as eng:
+        b = eng._backend.batcher
+
+        def one(i, p, n):
+            calls = []
+
+            def stream(toks):
+                calls.append(toks)
+                if len(calls) == 2:  # the anchor went through; the first decoded token blocks
+                    assert gate.wait(60)
+
+            got[i] = eng.generate(p, _cfg(llama, "none", max_new_tokens=n), stream=stream).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while b.stats.chained < rounds and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ran = b.stats.chained
+        gate.set()
+        for t in threads:
+            t.join(60)
+    assert ran == rounds, (ran, rounds)
+    assert [got.get(i) for i in range(len(reqs))] == solo
+
+
+def test_a_request_leaving_mid_chain_costs_the_others_nothing(llama):
+    """A client that goes away (its stream raises) mid-request: its queued rows leave the step
+    queue and its blocks go back; the others keep their solo ids, and the engine serves on."""
+    reqs = _prompts(4)
+    solo = _solo(llama, "ngram", reqs)
+    got: dict[int, list[int]] = {}
+    errs: dict[int, BaseException] = {}
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4) as eng:
+        def one(i, p, n):
+            seen = []
+
+            def stream(toks):
+                seen.extend(toks)
+                if i == 0 and len(seen) >= 3:
+                    raise ConnectionError("client went away")
+
+            try:
+                got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n), stream=stream).token_ids
+            except ConnectionError as e:
+                errs[i] = e
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        again = eng.generate(reqs[0][0], _cfg(llama, "ngram", max_new_tokens=reqs[0][1])).token_ids
+        stats = eng._backend.stats()
+    assert list(errs) == [0] and reqs[0][1] > 3
+    assert [got.get(i) for i in range(1, 4)] == solo[1:]
+    assert again == solo[0]
+    assert stats["kv_blocks_used"] == 0 and not eng._backend.batcher.pending, stats
+
+
+def test_a_chain_out_of_blocks_hands_a_round_back_and_loses_nothing(llama):
+    """A pool a little larger than the longest request: a chain whose next rows find no free
+    block parks, its session runs that round itself (waiting, or swapping another request
+    out), and chains again; every request keeps its solo ids."""
+    reqs = _prompts(8)
+    solo = _solo(llama, "none", reqs)
+    most = max(len(p) + n + 4 for p, n in reqs)
+    batched, stats = _batched(llama, "none", reqs, max_batch=6, kv_rows=most + 32)
+    assert batched == solo
+    assert stats["chain_parks"] >= 1 and stats["chained_rounds"] > 0, stats
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_a_non_finite_row_in_a_chained_round_is_named_as_alone(llama):
+    """A weight that turns NaN mid-request (after the first decoded token): the leader's
+    acceptance finds the row and the request fails with the session's one line, naming the
+    layer; another request on the engine is unaffected once the weight is mended."""
+    import torch
+
+    prompt, n = _prompts(1)[0]
+    with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=2) as eng:
+        w = eng._backend.runner.stage.layers["1"].mlp.down_proj.weight
+        keep = w.detach().clone()
+
+        def stream(toks):
+            if len(toks) and stream.calls == 1:
+                with torch.no_grad():
+                    w.fill_(float("nan"))
+            stream.calls += 1
+
+        stream.calls = 0
+        with pytest.raises(NonFiniteLogits, match=r"non-finite logits .* verify row 0\): .*layer 1"):
+            eng.generate(prompt, _cfg(llama, "none", max_new_tokens=max(n, 8)), stream=stream)
+        with torch.no_grad():
+            w.copy_(keep)
+        assert eng.generate(prompt, _cfg(llama, "none", max_new_tokens=n)).token_ids == _solo(llama, "none", [(prompt, n)])[0]
