@@ -215,7 +215,7 @@ class Batcher:
         here (waiting for blocks, or preempting, as a submission does); the leader queues each
         next one right after the step before. While chained rows are queued or running, one
         stepper thread leads the steps that fall due: the requests' own threads only take their
-        rounds (`take`), each waiting on its own chain's event, so a step's end wakes each of
+        rounds (`take`), each waiting on its own chain's signal, so a step's end wakes each of
         them once and none queues for the batcher's lock."""
         job = ch.next_job()
         with self.cv:
@@ -230,10 +230,7 @@ class Batcher:
         """The chain's next round (chain.ChainRound), waiting for it; None once the chain has
         ended and every round was taken."""
         while not ch.rounds and not ch.ended:
-            ch.wake.clear()
-            if ch.rounds or ch.ended:
-                break
-            ch.wake.wait()
+            ch.wait()
         return ch.rounds.popleft() if ch.rounds else None
 
     def _step_loop(self) -> None:
@@ -251,6 +248,13 @@ class Batcher:
                     else:
                         self._flush_wakes()
                         self.cv.wait()
+            except BaseException as e:  # noqa: BLE001 (a bug in a step: no chained request waits forever)
+                for j in self.pending:
+                    if j.chain is not None and not j.chain.ended:
+                        j.chain.err, j.chain.ended = e, True
+                        self._wakes.append(j.chain)
+                self.pending = [j for j in self.pending if j.chain is None]
+                raise
             finally:
                 self._flush_wakes()
                 self.stepper = None
@@ -431,4 +435,4 @@ class Batcher:
 
 def _wake(chains) -> None:
     for ch in chains:
-        ch.wake.set()
+        ch.wake()

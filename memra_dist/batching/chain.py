@@ -61,7 +61,11 @@ class Chain:
         self.produced, self.max_new, self.capacity, self.eos = produced, max_new, capacity, set(eos)
         self.k, self.drafter, self.sp, self.gen = k, drafter, sp, gen
         self.rounds: deque[ChainRound] = deque()
-        self.wake = threading.Event()  # set by the leader after each of its rounds (Batcher.take waits on it)
+        # a binary signal (held: nothing new): the leader releases it after a round, the request's
+        # thread takes it to wait. A bare lock, not an Event: releasing it never waits for the
+        # woken thread (an Event's set takes the lock that thread holds while it waits for the GIL)
+        self._signal = threading.Lock()
+        self._signal.acquire()
         self.ended = False  # no round will come after those queued
         self.done = False  # ... because the request ended
         self.parked = False  # ... because its next rows found no free block
@@ -115,6 +119,15 @@ class Chain:
         self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns())))
         if self.done:
             self.ended = True
+
+    def wake(self) -> None:
+        """Called by the leader (under the batcher's lock: one waker at a time)."""
+        if self._signal.locked():
+            self._signal.release()
+
+    def wait(self) -> None:
+        """The request's thread: until the leader's next wake (one may already be there)."""
+        self._signal.acquire()
 
     def park(self) -> None:
         self.parked = self.ended = True
