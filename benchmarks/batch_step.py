@@ -100,7 +100,10 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = []
-    with open_engine(cfg, capacity=cap, max_batch=max(reqs + [2]), kv_rows=max(reqs) * cap + 64) as eng:
+    from memra_dist.batching.backend import BLOCK
+
+    per = -(-cap // BLOCK) * BLOCK  # a request holds whole blocks: n requests need n * per rows
+    with open_engine(cfg, capacity=cap, max_batch=max(reqs + [2]), kv_rows=max(reqs) * per + 64) as eng:
         b = eng._backend.batcher
         say(f"kernels={b.kernels} device={b.device} dtype={b.dtype}")
         for n in reqs:

@@ -12,7 +12,7 @@ Rows (`--only` picks groups):
             deepseek_v3 / glm4_moe, their MTP layers); `--families` narrows
   bench     `bench --quick` (`--budget-s`: --bench-budget-s, default 480; 150 on CPU)
   serve     `serve` on a free port; one streamed completion timed from here (http.client)
-  batch     `batch` of three lines
+  batch     `batch` of three lines, one at a time and with `--max-batch 3` (one batched engine)
   pp2       `--pp 2` (generate llama ngram / dflash, glm4_moe mtp, kimi_linear eagle3; batch):
             only with >= 2 CUDA devices, or `--pp2-cpu` (a local Ray on the CPU)
 Figures come from each command's own output: `--json` stats (ttft_ms, tok_per_s), the demo's
@@ -235,18 +235,24 @@ class Smoke:
         self.add("bench --quick", ["bench", "--quick", *self.dev(), "--budget-s", str(budget), "--out",
                                    str(self.work / "bench" / "bench.json")], "bench", timeout=budget + 300)
 
-    def batch(self, pp: int = 1) -> None:
+    def batch(self) -> None:
+        self._batch()
+        self._batch(max_batch=3)  # the three lines in one batched engine (batching/)
+
+    def _batch(self, pp: int = 1, max_batch: int = 1) -> None:
         name = f"batch llama --pp {pp}" if pp > 1 else "batch llama"
+        name += f" --max-batch {max_batch}" if max_batch > 1 else ""
         ck = self.family("llama")
         if isinstance(ck, str):
             return self.skip(name, ck)
-        d = self.work / "batch" / (f"pp{pp}" if pp > 1 else "llama")
+        d = self.work / "batch" / (f"pp{pp}" if pp > 1 else "llama") / (f"b{max_batch}" if max_batch > 1 else "")
         d.mkdir(parents=True, exist_ok=True)
         (d / "results.jsonl").unlink(missing_ok=True)  # a fresh job, not a resumed one
         (d / "prompts.jsonl").write_text("".join(json.dumps({"id": i + 1, "prompt": p}) + "\n"
                                                  for i, p in enumerate(BATCH_PROMPTS)))
         self.add(name, ["batch", "--model", ck["target"], "--input", str(d / "prompts.jsonl"), "--output",
-                        str(d / "results.jsonl"), *self.dev(), *self.new] + (["--pp", str(pp)] if pp > 1 else []),
+                        str(d / "results.jsonl"), *self.dev(), *self.new] + (["--pp", str(pp)] if pp > 1 else [])
+                 + (["--max-batch", str(max_batch)] if max_batch > 1 else []),
                  "batch", output=str(d / "results.jsonl"))
 
     def serve(self) -> None:
@@ -298,7 +304,7 @@ class Smoke:
                 self.skip(name, ck)
             else:
                 self.add(name, self.gen_argv(arch, d, ck, pp=2), "json")
-        self.batch(pp=2)
+        self._batch(pp=2)
 
 
 def _wait_line(path: Path, marker: str, proc: subprocess.Popen, timeout_s: float) -> bool:
