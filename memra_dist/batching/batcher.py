@@ -219,7 +219,7 @@ class Batcher:
         them once and none queues for the batcher's lock."""
         job = ch.next_job()
         with self.cv:
-            self._hold(ch.rid, job.start + job.ids.shape[0])
+            self._hold(ch.rid, job.start + job.n)
             self.pending.append(job)
             self.last_submit = job.t
             if self.stepper is None:
@@ -300,7 +300,7 @@ class Batcher:
                     self.finished.add(ch.rid)
                     continue
                 nxt = ch.next_job()
-                end = nxt.start + nxt.ids.shape[0]
+                end = nxt.start + nxt.n
                 if self.pool.capacity(ch.rid) >= end or self.pool.grow(ch.rid, end):
                     self.pending.append(nxt)
                 else:
@@ -325,7 +325,7 @@ class Batcher:
         """Called holding the lock: take a step's jobs, run it unlocked, hand the results out."""
         take, rows = [], 0
         for j in self.pending:
-            n = j.ids.shape[0]
+            n = j.n
             if take and rows + n > self.max_tokens:
                 break
             take.append(j)
@@ -348,8 +348,9 @@ class Batcher:
                 host = torch.cat((pred.double(), val.double())).cpu().tolist()  # the wait drops the GIL
                 lo, r = 0, logits.shape[0]
                 for j in take:
-                    n = 1 if j.last else j.ids.shape[0]
-                    j.out = logits[lo:lo + n]
+                    n = 1 if j.last else j.n
+                    if j.chain is None:  # a chained round reads only its greedy rows
+                        j.out = logits[lo:lo + n]
                     j.greedy = (host[lo:lo + n], host[r + lo:r + lo + n])
                     lo += n
             except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
@@ -391,15 +392,15 @@ class Batcher:
 
     def _eager(self, jobs: list[Job]) -> torch.Tensor:
         dev = self.device
-        view = BatchView.build(self.pool, [(j.rid, j.start, j.ids.shape[0], j.width) for j in jobs], dev,
+        view = BatchView.build(self.pool, [(j.rid, j.start, j.n, j.width) for j in jobs], dev,
                                kernels=self.kernels)
-        x = torch.cat([j.ids for j in jobs]).to(dev)
-        pos = torch.cat([torch.arange(j.start, j.start + j.ids.shape[0]) for j in jobs]).to(dev)
+        x = torch.cat([torch.as_tensor(j.ids, dtype=torch.long) for j in jobs]).to(dev)
+        pos = torch.cat([torch.arange(j.start, j.start + j.n) for j in jobs]).to(dev)
         h, tapped = self._layers(x, pos, view)
         self.scatter_taps(jobs, tapped, pos)
         keep, lo = [], 0
         for j in jobs:
-            n = j.ids.shape[0]
+            n = j.n
             keep.extend([lo + n - 1] if j.last else range(lo, lo + n))
             lo += n
         return self.stage.logits(h[torch.tensor(keep, device=dev)])
@@ -426,7 +427,7 @@ class Batcher:
         """Each tapping request's rows of the tapped layers into its own sink, at its positions."""
         lo = 0
         for j in jobs:
-            n = j.ids.shape[0]
+            n = j.n
             if j.taps is not None:
                 for layer in j.taps.layers:
                     j.taps.write(layer, pos[lo:lo + n], tapped[layer][lo:lo + n])

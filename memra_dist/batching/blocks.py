@@ -103,11 +103,13 @@ class BlockPool:
         """
         have = self._tables[rid]
         keep = blocks_for(rows, self.block)
+        self._rows[rid] = min(self._rows[rid], rows)
+        if keep >= len(have):  # nothing wholly past the rows kept (most rounds)
+            return 0
         freed = have[keep:]
         del have[keep:]
         self._free.extend(freed)
         self._free.sort(reverse=True)
-        self._rows[rid] = min(self._rows[rid], rows)
         return len(freed)
 
     def release(self, rid) -> None:

@@ -32,7 +32,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
 
 from ..specdec.accept import commit_rows
 from .job import BatchStep, Job
@@ -82,13 +81,12 @@ class Chain:
         k = min(self.k, self.capacity - n, self.max_new - self.produced - 1)
         prop = self.drafter.propose(self.tokens, k, self.sp, self.gen) if k > 0 else None
         self._drafts = prop.tokens[:k].tolist() if prop is not None else []
-        ids = torch.tensor([self.tokens[-1], *self._drafts], dtype=torch.long)
-        return Job(self.rid, ids, n - 1, self.capacity, False, chain=self)
+        return Job(self.rid, [self.tokens[-1], *self._drafts], n - 1, self.capacity, False, chain=self)
 
     def settle(self, job: Job) -> int | None:
         """After the step `job` rode in (its greedy rows read back): accept, commit, and the
-        rows the request keeps (its rollback: the batcher trims its blocks to them); None when
-        the round failed (`err` set)."""
+        rows the request keeps (its rollback: the batcher trims its blocks to them; the rows it
+        wrote when every draft was accepted); None when the round failed (`err` set)."""
         t2 = time.perf_counter_ns()
         kk, n = len(self._drafts), len(self.tokens)
         if job.err is not None:
@@ -98,7 +96,7 @@ class Chain:
         try:
             new = commit_rows(pred, self._drafts, val)
         except Exception as e:  # noqa: BLE001 (NonFiniteRow: the session names the layer)
-            self._fail(e, (job.ids.tolist(), job.start))
+            self._fail(e, (list(job.ids), job.start))
             return None
         t3 = time.perf_counter_ns()
         j = len(new) - 1

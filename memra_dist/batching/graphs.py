@@ -105,8 +105,8 @@ class StepGraphs:
     def eligible(self, jobs) -> bool:
         """Decode / verify rows only: a prefill chunk (`last`) rides an eager step (one a request,
         and its lengths would each meet a new bucket)."""
-        return (sum(j.ids.shape[0] for j in jobs) <= self.max_rows
-                and all(j.ids.shape[0] <= PAGED_MAX_ROWS and not j.last for j in jobs))
+        return (sum(j.n for j in jobs) <= self.max_rows
+                and all(j.n <= PAGED_MAX_ROWS and not j.last for j in jobs))
 
     def warm(self, max_requests: int, rows_each: tuple[int, ...], width: int) -> tuple[int, float]:
         """Capture, before any request, the buckets that steps of up to `max_requests` requests
@@ -135,10 +135,10 @@ class StepGraphs:
         return self.captures - before, time.perf_counter() - t0
 
     def _key(self, jobs) -> tuple[int, int, int, int]:
-        rows = sum(j.ids.shape[0] for j in jobs)
+        rows = sum(j.n for j in jobs)
         block = self.b.pool.block
         width = max(-(-j.width // block) for j in jobs)
-        return bucket_rows(rows), row_class(max(j.ids.shape[0] for j in jobs)), width, max(j.width for j in jobs)
+        return bucket_rows(rows), row_class(max(j.n for j in jobs)), width, max(j.width for j in jobs)
 
     def run(self, jobs, launched=None) -> torch.Tensor | None:
         """The logits of every job's rows, in job order, from a replay (no job is `last`:
@@ -157,7 +157,7 @@ class StepGraphs:
         st.graph.replay()
         if launched is not None:
             launched()
-        rows = sum(j.ids.shape[0] for j in jobs)
+        rows = sum(j.n for j in jobs)
         self.replays += 1
         self.padded += st.rows - rows
         logits, tapped = st.graph.out
@@ -176,8 +176,8 @@ class StepGraphs:
         table = [0] * (T * W)
         r = 0
         for s, j in enumerate(jobs):
-            n = j.ids.shape[0]
-            ids[r:r + n] = j.ids.tolist()
+            n = j.n
+            ids[r:r + n] = j.ids if isinstance(j.ids, list) else j.ids.tolist()
             pos[r:r + n] = range(j.start, j.start + n)
             slots[r:r + n] = pool.slots(j.rid, j.start, j.start + n)
             lo[s], nrows[s] = r, n

@@ -28,7 +28,7 @@ class BatchStep:
 @dataclass
 class Job:
     rid: object
-    ids: torch.Tensor
+    ids: torch.Tensor | list[int]  # a chained round's are a host list (no tensor made for a graphed step)
     start: int
     width: int
     last: bool
@@ -40,3 +40,6 @@ class Job:
     greedy: tuple[list, list] | None = None  # its rows' argmax and the logit at it (host)
     taps: object = None  # the request's TapSink (a tap drafter's), written by the step
     chain: object = None  # the request's Chain (chain.py) when the leader runs its rounds
+
+    def __post_init__(self):
+        self.n = len(self.ids)  # its rows
