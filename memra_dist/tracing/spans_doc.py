@@ -113,7 +113,7 @@ _SPANS = [
     (C.SPAN_REQUEST, "-", "driver", "one per request; root, or child of an incoming W3C traceparent (--traceparent / TRACEPARENT)"),
     (C.SPAN_BURST, C.SPAN_REQUEST, "driver (pp=1) / head", "a burst of rounds; tokens stream to the caller per round inside it"),
     (C.SPAN_ROUND, C.SPAN_BURST, "driver / head", "one speculative round; its five phase spans tile it in clock order"),
-    *[(C.PHASE_SPANS[p], C.SPAN_ROUND, "driver / head", f"the {p} phase, bounded by drained clock stamps on both sides (plain greedy decoding one step ahead: from its step's device events, no drain)") for p in C.PHASES],
+    *[(C.PHASE_SPANS[p], C.SPAN_ROUND, "driver / head", f"the {p} phase, bounded by drained clock stamps on both sides (plain greedy decoding one step ahead: from its step's device events, no drain; a batched greedy request with a host drafter: the step leader's stamps, the verify ending at its step's readback)") for p in C.PHASES],
     *[(C.VERIFY_SUB_SPANS[b], C.PHASE_SPANS["verify"], "driver / head", f"level 2: the {b} share of the verify walk (per-layer laps summed: drained, or the graph's device-clock stamps; laid end to end)") for b in C.VERIFY_SUB_SPANS],
     (C.SPAN_FIRST_TOKEN, C.SPAN_REQUEST, "driver / head", "profile on: everything between the session's prime and the first burst's end"),
     *[(C.ttft_span(b), C.SPAN_FIRST_TOKEN, "driver / head", "first-token bucket " + b) for b in C.TTFT_BUCKETS],
