@@ -104,6 +104,7 @@ class Batcher:
         self.admitted: dict = {}  # request id -> admission order (the latest is preempted first)
         self.swapped: dict = {}  # request id -> (rows, host K/V per layer): preempted, back before its next forward
         self.running_rids: set = set()
+        self.running_jobs: list[Job] = []
         self._order = 0
         self.running = False
         self.last_end = 0  # perf_counter_ns when the latest step ended
@@ -133,7 +134,7 @@ class Batcher:
 
     def leave(self, rid) -> None:
         with self.cv:
-            for j in self.pending:  # a chained request left: its queued rows go, its chain ends
+            for j in self.pending + self.running_jobs:  # a chained request left: its queued rows go, its chain ends
                 if j.rid == rid and j.chain is not None:
                     j.chain.cancel()
             self.pending = [j for j in self.pending if j.rid != rid]
@@ -333,6 +334,7 @@ class Batcher:
         del self.pending[:len(take)]
         self.running = True
         self.running_rids = {j.rid for j in take}
+        self.running_jobs = take
         sid = self.stats.steps
         wakes, self._wakes = self._wakes, []
         self.cv.release()
@@ -368,6 +370,7 @@ class Batcher:
                 s.gap_ns += max(0, t0 - self.last_end)
             self.last_end = time.perf_counter_ns()
             self.prev_rids, self.running_rids = self.running_rids, set()
+            self.running_jobs = []
             s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
             s.forward_ns += t1 - t0
             s.max_requests = max(s.max_requests, len(take))
