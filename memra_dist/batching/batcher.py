@@ -68,6 +68,7 @@ class BatchStats:
     # requests mid-generation do their host work (acceptance, drafts, streaming) and the wait
     gap_ns: int = 0
     chained: int = 0  # request rounds the step leader ran (chain.py)
+    rounds_ns: int = 0  # the leader's host time in those rounds (inside the gaps between steps)
     parks: int = 0  # chains whose next rows found no free block (their session ran that round)
 
     def as_dict(self) -> dict:
@@ -77,7 +78,8 @@ class BatchStats:
                 "mean_step_ms": round(self.forward_ns / self.steps / 1e6, 3) if self.steps else 0.0,
                 "gap_ms": round(self.gap_ns / 1e6, 1), "step_ms": round(self.forward_ns / 1e6, 1),
                 "busy": round(self.forward_ns / (self.forward_ns + self.gap_ns), 3) if self.steps else 0.0,
-                "chained_rounds": self.chained, "chain_parks": self.parks, "admission_waits": self.waits,
+                "chained_rounds": self.chained, "chain_parks": self.parks,
+                "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "admission_waits": self.waits,
                 "preemptions": self.preemptions}
 
 
@@ -374,7 +376,9 @@ class Batcher:
             s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
             s.forward_ns += t1 - t0
             s.max_requests = max(s.max_requests, len(take))
+            tc = time.perf_counter_ns()
             self._chain_rounds(take)
+            s.rounds_ns += time.perf_counter_ns() - tc
             for j in take:
                 j.done = True
             self.cv.notify_all()

@@ -335,14 +335,20 @@ def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int],
 def batch_line(st: dict | None) -> str | None:
     """One line on where a batched job's time went: its steps (requests and rows a step, the
     time in them) and the time between them while requests were mid-generation (their host
-    work and the batcher's wait), as the share the steps took (`busy`).
+    work and the batcher's wait; of it, the rounds the step leader ran for greedy requests with
+    a host drafter: batching/chain.py), as the share the steps took (`busy`).
 
     >>> batch_line({"steps": 40, "mean_requests": 5.5, "mean_rows": 12.0, "step_ms": 80.0, "gap_ms": 20.0,
     ...             "busy": 0.8, "preemptions": 0})
     '[batch] batched: 40 steps, 5.5 requests / 12.0 rows a step; 80.0 ms in steps, 20.0 ms between them (busy 80 %)'
+    >>> print(batch_line({"steps": 40, "mean_requests": 5.5, "mean_rows": 12.0, "step_ms": 80.0, "gap_ms": 20.0,
+    ...                   "busy": 0.8, "preemptions": 0, "chained_rounds": 200, "leader_rounds_ms": 4.0}).split("; ")[1])
+    80.0 ms in steps, 20.0 ms between them, 4.0 ms of it the leader's rounds for 200 request rounds (busy 80 %)
     """
     if not st or not st.get("steps"):
         return None
     pre = f", {st['preemptions']} preempted" if st.get("preemptions") else ""
+    lead = (f", {st['leader_rounds_ms']} ms of it the leader's rounds for {st['chained_rounds']} request rounds"
+            if st.get("chained_rounds") else "")
     return (f"[batch] batched: {st['steps']} steps, {st['mean_requests']} requests / {st['mean_rows']} rows a step; "
-            f"{st['step_ms']} ms in steps, {st['gap_ms']} ms between them (busy {st['busy'] * 100:.0f} %){pre}")
+            f"{st['step_ms']} ms in steps, {st['gap_ms']} ms between them{lead} (busy {st['busy'] * 100:.0f} %){pre}")
