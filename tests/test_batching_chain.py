@@ -142,3 +142,31 @@ def test_a_non_finite_row_in_a_chained_round_is_named_as_alone(llama):
         with torch.no_grad():
             w.copy_(keep)
         assert eng.generate(prompt, _cfg(llama, "none", max_new_tokens=n)).token_ids == _solo(llama, "none", [(prompt, n)])[0]
+
+
+def test_chained_and_self_run_requests_share_steps_and_keep_their_ids(llama):
+    """Greedy requests (their rounds the leader's) and sampled ones (their rounds their own
+    threads') in one engine at once: they ride the same steps, and each gets its solo ids."""
+    from memra_dist.specdec.sampling import SamplingParams
+
+    reqs = _prompts(6)
+    sampled = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=5)
+    kws = [sampled if i % 2 else {} for i in range(len(reqs))]
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP) as eng:
+        alone = [eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n, **kw)) for (p, n), kw in zip(reqs, kws)]
+    solo = [r.token_ids for r in alone]
+    greedy_rounds = sum(r.stats["rounds"] for r, kw in zip(alone, kws) if not kw)
+    got: dict[int, list[int]] = {}
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=6) as eng:
+        def one(i, p, n):
+            got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n, **kws[i])).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stats = eng._backend.stats()
+    assert [got.get(i) for i in range(len(reqs))] == solo
+    assert stats["chained_rounds"] == greedy_rounds, stats  # the greedy ones' rounds, and only theirs
+    assert stats["max_requests"] >= 4 and stats["kv_blocks_used"] == 0, stats
