@@ -24,6 +24,7 @@ from ..phase.rounds_log import RoundProf, RoundsLog
 from ..phase.subsplit import SubsplitTimer
 from .accept import NonFiniteRow, accept_sampled, greedy_commit
 from .ahead import ahead_steps
+from .chained import burst_chained
 from .chunks import DEFAULT_PREFILL_CHUNK, fixed_chunks, pipeline_chunks
 from .drafters.base import Drafter
 from .non_finite import locate_non_finite
@@ -268,7 +269,7 @@ class SpecSession:
             self._burst_ahead(max_rounds, hook, out, rec)
             hook_ns = 0
         elif self._chains:
-            self._burst_chained(max_rounds, hook, out, rec)
+            burst_chained(self, max_rounds, hook, out, rec)
             hook_ns = 0
         else:
             hook_ns = self._burst_rounds(max_rounds, hook, rec, first, out)
@@ -394,58 +395,6 @@ class SpecSession:
             out.extend(new)
             if hook is not None:
                 hook(new)
-
-    def _burst_chained(self, max_rounds: int, hook, out: list[int], rec: BurstRecord | None) -> None:
-        """A batched greedy request with a host drafter: its rounds run in the batcher's step
-        leader (batching/chain.py), which queues each next verify right after the step before;
-        here each round is taken as it comes and committed (the same commit and stop rules, so
-        the session ends where the chain does), recorded and streamed. A chain that parked (its
-        next rows found no free block) leaves one round to the session's own loop, which waits
-        for blocks or preempts; then a new chain starts. Traced, each round's phases come from
-        the leader's stamps (the verify ends at the step's readback)."""
-        fm = self.clock.free_mb() if rec is not None else None  # one reading a burst
-        pump = self._pump_in_verify or self._pump_between
-        for _ in range(max_rounds):
-            if self.done:
-                break
-            if self._chain is None:
-                self._chain = self.target.chain(self.tokens, self.stats.tokens, self.max_new, self.capacity,
-                                                self.eos, self.k, self.drafter, self.sp, self.gen)
-            if pump is not None:
-                pump()  # deferred span work while the steps run
-            rnd = self.target.take(self._chain)
-            if rnd is None:
-                ch, self._chain = self._chain, None
-                if ch.err is not None:
-                    if isinstance(ch.err, NonFiniteRow) and ch.err_ids is not None:
-                        ids, start = ch.err_ids
-                        raise self._non_finite(torch.tensor(ids), start, ch.err.row,
-                                               f"round {self.stats.rounds}, verify row {ch.err.row}") from None
-                    raise ch.err
-                if not ch.parked:
-                    raise RuntimeError("a batched request's rounds ended before the request")
-                new = self._round(rec)  # parked: this round the session's own way
-            else:
-                new = self._commit(rnd.new)
-                if rec is not None:
-                    self._record_chained(rec.next_round(), rnd, fm)
-                self.stats.rounds += 1
-                self.stats.drafted += rnd.k
-                self.stats.accepted += rnd.j
-            out.extend(new)
-            if hook is not None:
-                hook(new)
-        if rec is not None and rec.n:  # its rounds may have run before the burst began
-            rec.t0 = min(rec.t0, rec.rounds[0].t[0])
-
-    def _record_chained(self, r, rnd, fm) -> None:
-        r.index, r.ctx, r.k, r.j, r.batch = self.stats.rounds, rnd.ctx, rnd.k, rnd.j, rnd.step
-        r.t[:] = rnd.t
-        r.h[:] = [0] * len(r.h)  # no boundary drained but the step's readback
-        for i in range(len(r.free_mb)):
-            r.free_mb[i] = fm
-        r.draft_forwards = self._draft_fw if rnd.k or self._draft_fw < 0 else 0
-        r.sub_ns, r.seq_rows = {}, 0
 
     def _record_ahead(self, r, n: int, t0: int, t3: int) -> None:
         """One traced round of the one-ahead loop. No boundary drained, so the phases come from

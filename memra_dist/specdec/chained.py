@@ -1,0 +1,64 @@
+"""A batched greedy request whose rounds the batcher's step leader runs (batching/chain.py): the
+session's side. The leader queues each next verify right after the step before; here each
+round is taken as it comes and committed into the session (the same commit and stop rules, so
+the session ends where the chain does), recorded and streamed. A chain that parked (its next
+rows found no free block) leaves one round to the session's own loop, which waits for blocks
+or preempts; then a new chain starts. Traced, each round's phases come from the leader's
+stamps (the verify ends at the step's readback; no boundary drained but that readback)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..phase.records import BurstRecord, RoundRecord
+from .accept import NonFiniteRow
+
+__all__ = ["burst_chained"]
+
+
+def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | None) -> None:
+    """Up to `max_rounds` of session `s`'s rounds, taken from its chain."""
+    fm = s.clock.free_mb() if rec is not None else None  # one reading a burst
+    pump = s._pump_in_verify or s._pump_between
+    for _ in range(max_rounds):
+        if s.done:
+            break
+        if s._chain is None:
+            s._chain = s.target.chain(s.tokens, s.stats.tokens, s.max_new, s.capacity, s.eos, s.k, s.drafter,
+                                      s.sp, s.gen)
+        if pump is not None:
+            pump()  # deferred span work while the steps run
+        rnd = s.target.take(s._chain)
+        if rnd is None:
+            ch, s._chain = s._chain, None
+            if ch.err is not None:
+                if isinstance(ch.err, NonFiniteRow) and ch.err_ids is not None:
+                    ids, start = ch.err_ids
+                    raise s._non_finite(torch.tensor(ids), start, ch.err.row,
+                                        f"round {s.stats.rounds}, verify row {ch.err.row}") from None
+                raise ch.err
+            if not ch.parked:
+                raise RuntimeError("a batched request's rounds ended before the request")
+            new = s._round(rec)  # parked: this round the session's own way
+        else:
+            new = s._commit(rnd.new)
+            if rec is not None:
+                _record(rec.next_round(), rnd, s.stats.rounds, s._draft_fw, fm)
+            s.stats.rounds += 1
+            s.stats.drafted += rnd.k
+            s.stats.accepted += rnd.j
+        out.extend(new)
+        if hook is not None:
+            hook(new)
+    if rec is not None and rec.n:  # its rounds may have run before the burst began
+        rec.t0 = min(rec.t0, rec.rounds[0].t[0])
+
+
+def _record(r: RoundRecord, rnd, index: int, draft_fw: int, fm) -> None:
+    r.index, r.ctx, r.k, r.j, r.batch = index, rnd.ctx, rnd.k, rnd.j, rnd.step
+    r.t[:] = rnd.t
+    r.h[:] = [0] * len(r.h)
+    for i in range(len(r.free_mb)):
+        r.free_mb[i] = fm
+    r.draft_forwards = draft_fw if rnd.k or draft_fw < 0 else 0
+    r.sub_ns, r.seq_rows = {}, 0
