@@ -388,14 +388,14 @@ class Batcher:
         """The step's forward -> fp32 logits of the rows used, in job order: every row of a
         job, or its last with `last` (one lm_head over them). `wakes`: chains whose threads
         are woken once the step is launched (before the readback; _flush_wakes)."""
-        if self.graphs is not None and self.graphs.eligible(jobs):
-            out = self.graphs.run(jobs, lambda: _wake(wakes))
-            if out is not None:
-                return out
         try:
+            if self.graphs is not None and self.graphs.eligible(jobs):
+                out = self.graphs.run(jobs, lambda: _wake(wakes))
+                if out is not None:
+                    return out
             return self._eager(jobs)
         finally:
-            _wake(wakes)
+            _wake(wakes)  # again (a no-op once woken): also when the step failed before its launch
 
     def _eager(self, jobs: list[Job]) -> torch.Tensor:
         dev = self.device
