@@ -170,3 +170,38 @@ def test_chained_and_self_run_requests_share_steps_and_keep_their_ids(llama):
     assert [got.get(i) for i in range(len(reqs))] == solo
     assert stats["chained_rounds"] == greedy_rounds, stats  # the greedy ones' rounds, and only theirs
     assert stats["max_requests"] >= 4 and stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_step_that_fails_fails_each_chained_request_it_held(llama, monkeypatch):
+    """A decode step whose forward raises: every chained request that rode it gets the error
+    (none waits forever), its blocks go back, and the engine serves the next request."""
+    reqs = _prompts(3)
+    errs: dict[int, BaseException] = {}
+    with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=3) as eng:
+        b = eng._backend.batcher
+        real = b._eager
+
+        def eager(jobs):
+            if not any(j.last for j in jobs) and b.stats.chained >= 6:
+                raise RuntimeError("device lost")
+            return real(jobs)
+
+        monkeypatch.setattr(b, "_eager", eager)
+
+        def one(i, p, n):
+            try:
+                eng.generate(p, _cfg(llama, "none", max_new_tokens=40))
+            except RuntimeError as e:
+                errs[i] = e
+
+        threads = [threading.Thread(target=one, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a chained request waited forever"
+        monkeypatch.setattr(b, "_eager", real)
+        again = eng.generate(reqs[0][0], _cfg(llama, "none", max_new_tokens=reqs[0][1])).token_ids
+        assert eng._backend.stats()["kv_blocks_used"] == 0
+    assert sorted(errs) == [0, 1, 2] and all("device lost" in str(e) for e in errs.values()), errs
+    assert again == _solo(llama, "none", reqs[:1])[0]
