@@ -240,17 +240,7 @@ class Batcher:
         """The stepper: leads every step that falls due while chained rows are queued or running."""
         with self.cv:
             try:
-                while self.running or any(j.chain is not None for j in self.pending):
-                    if not self.running and self.pending:
-                        wait = self._ready_in()
-                        if wait <= 0:
-                            self._lead()
-                            continue
-                        self._flush_wakes()
-                        self.cv.wait(wait)
-                    else:
-                        self._flush_wakes()
-                        self.cv.wait()
+                self._wait(lambda: not self.running and not any(j.chain is not None for j in self.pending))
             except BaseException as e:  # noqa: BLE001 (a bug in a step: no chained request waits forever)
                 for j in self.pending:
                     if j.chain is not None and not j.chain.ended:
