@@ -297,7 +297,7 @@ def _stubbed_rounds(llama, monkeypatch, n: int, rounds: int, forward_s: float, b
 
     with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=n) as eng:
         b = eng._backend.batcher
-        monkeypatch.setattr(b, "_forward", lambda jobs, wakes=(): time.sleep(forward_s) or torch.zeros(len(jobs), 8))
+        monkeypatch.setattr(b, "_forward", lambda jobs, wakes=(), ids_dev=None: time.sleep(forward_s) or torch.zeros(len(jobs), 8))
         for r in range(n):
             b.admit(("stub", r), 8)
 

@@ -181,10 +181,10 @@ def test_a_step_that_fails_fails_each_chained_request_it_held(llama, monkeypatch
         b = eng._backend.batcher
         real = b._eager
 
-        def eager(jobs):
+        def eager(jobs, ids_dev=None):
             if not any(j.last for j in jobs) and b.stats.chained >= 6:
                 raise RuntimeError("device lost")
-            return real(jobs)
+            return real(jobs, ids_dev)
 
         monkeypatch.setattr(b, "_eager", eager)
 
@@ -205,3 +205,68 @@ def test_a_step_that_fails_fails_each_chained_request_it_held(llama, monkeypatch
         assert eng._backend.stats()["kv_blocks_used"] == 0
     assert sorted(errs) == [0, 1, 2] and all("device lost" in str(e) for e in errs.values()), errs
     assert again == _solo(llama, "none", reqs[:1])[0]
+
+
+def _run_ahead(model, reqs, max_batch=6, kv_rows=None):
+    """The requests (drafter none, greedy) through a batched engine whose plain chains go one
+    step ahead (on a GPU's graphed steps by default; forced here on the CPU's eager steps)."""
+    got: dict[int, list[int]] = {}
+    with open_engine(_cfg(model, "none"), capacity=CAP, max_batch=max_batch, kv_rows=kv_rows) as eng:
+        eng._backend.batcher.ahead = True
+
+        def one(i, p, n):
+            got[i] = eng.generate(p, _cfg(model, "none", max_new_tokens=n)).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stats = eng._backend.stats()
+    return [got.get(i) for i in range(len(reqs))], stats
+
+
+def test_plain_chains_one_step_ahead_get_their_solo_ids(llama):
+    """Steps launched behind the step before, their ids its argmax on the device: the
+    requests (of different lengths, ending in the middle of others, joining while others
+    decode) get their solo ids, and most steps went ahead."""
+    reqs = _prompts(12)
+    solo = _solo(llama, "none", reqs)
+    rounds = sum(s["rounds"] for s in _solo_stats(llama, "none", reqs))
+    got, stats = _run_ahead(llama, reqs)
+    assert got == solo
+    assert stats["chained_rounds"] == rounds and stats["ahead_steps"] >= stats["steps"] // 3, stats
+    assert stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_request_ending_at_an_eos_drops_its_row_launched_ahead(llama, tmp_path):
+    """A checkpoint whose EOS is a token the requests produce mid-way: requests end at it while
+    their next row already runs one step ahead; that row is dropped (counted), and every
+    request gets its solo ids, ending at the EOS as alone."""
+    import json
+    import shutil
+
+    reqs = _prompts(6)
+    plain = _solo(llama, "none", reqs)
+    eos = next(t for out in plain for t in out[3:-2])  # a token some request makes mid-way
+    ck = tmp_path / "eos"
+    shutil.copytree(llama, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["eos_token_id"] = int(eos)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    solo = _solo(ck, "none", reqs)
+    assert any(len(s) < n + 1 and s[-1] == eos for s, (_, n) in zip(solo, reqs))  # some end at the EOS
+    got, stats = _run_ahead(ck, reqs)
+    assert got == solo
+    assert stats["void_rows"] >= 1 and stats["kv_blocks_used"] == 0, stats
+
+
+def test_plain_chains_ahead_with_blocks_running_out_lose_nothing(llama):
+    """Going ahead grows each request's blocks first; a pool too small for that stops going
+    ahead (or parks a chain) and every request keeps its solo ids."""
+    reqs = _prompts(8)
+    solo = _solo(llama, "none", reqs)
+    most = max(len(p) + n + 4 for p, n in reqs)
+    got, stats = _run_ahead(llama, reqs, kv_rows=most + 32)
+    assert got == solo
+    assert stats["kv_blocks_used"] == 0, stats

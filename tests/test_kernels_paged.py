@@ -125,14 +125,17 @@ class _Uncapturable:
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
-@pytest.mark.parametrize("graph_cls,drafter", [(_Replayed, "ngram"), (_Uncapturable, "ngram"), (_Replayed, "dflash")])
+@pytest.mark.parametrize("graph_cls,drafter", [(_Replayed, "ngram"), (_Uncapturable, "ngram"), (_Replayed, "dflash"),
+                                               (_Replayed, "none")])
 def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_llama, graph_cls, drafter,
                                                                           tmp_path_factory, monkeypatch):
     """Steps of padded rows (ids 0 at the pool's scratch slot) and padded segments (no rows)
     replay one bucket's graph, every bucket captured before the first request (the warm-up's
     steps write only blocks it gives back); a bucket that cannot be captured runs eager. With a
     tap drafter the graph keeps the tapped layers' rows and each request's sink gets its own:
-    every DFlash proposal equals the request's solo one."""
+    every DFlash proposal equals the request's solo one. Plain greedy requests go one step
+    ahead: a step launched behind the one before, its ids that step's argmax copied over the
+    graph's packed input (batching/ahead.py)."""
     from memra_dist.batching.graphs import StepGraphs
 
     kw, seen = {}, []
@@ -161,6 +164,7 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
         b = eng._backend.batcher
         _on_kernels(eng._backend)
         b.graphs = StepGraphs(b, b.max_tokens, graph_cls=graph_cls)
+        b.ahead = True  # as on a GPU's graphed steps (plain chains only: drafter none)
         warmed, _ = b.graphs.warm(5, (1, 4), 96)  # decode rows, verify rows of K + 1 = 4, at capacity 96
 
         def one(i, p, n):
@@ -171,8 +175,10 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
             t.start()
         for t in threads:
             t.join(300)
-        g = eng._backend.stats()["graphs"]
+        st = eng._backend.stats()
+        g = st["graphs"]
     assert [got.get(i) for i in range(len(reqs))] == solo
+    assert (st["ahead_steps"] > 0) == (drafter == "none" and graph_cls is _Replayed), st
     assert sorted(seen) == alone and (drafter != "dflash" or len(alone) > 10)
     if graph_cls is _Replayed:  # every step size the requests took was captured before them
         assert warmed >= 6 and g["captured"] == warmed and g["eager_buckets"] == 0, g

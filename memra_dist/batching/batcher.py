@@ -45,6 +45,7 @@ from ..model.layers import rope_rows
 from ..model.taps import FINAL
 from ..model.transformer import StepCtx
 from .blocks import BlockPool
+from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
 from .job import BatchStep, Job
 from .paged import BatchView, PagedKV
@@ -69,6 +70,8 @@ class BatchStats:
     gap_ns: int = 0
     chained: int = 0  # request rounds the step leader ran (chain.py)
     rounds_ns: int = 0  # the leader's host time in those rounds (inside the gaps between steps)
+    ahead: int = 0  # steps launched one step ahead (ahead.py)
+    voids: int = 0  # rows of those past their request's end (an EOS), dropped
     parks: int = 0  # chains whose next rows found no free block (their session ran that round)
 
     def as_dict(self) -> dict:
@@ -79,7 +82,8 @@ class BatchStats:
                 "gap_ms": round(self.gap_ns / 1e6, 1), "step_ms": round(self.forward_ns / 1e6, 1),
                 "busy": round(self.forward_ns / (self.forward_ns + self.gap_ns), 3) if self.steps else 0.0,
                 "chained_rounds": self.chained, "chain_parks": self.parks,
-                "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "admission_waits": self.waits,
+                "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
+                "admission_waits": self.waits,
                 "preemptions": self.preemptions}
 
 
@@ -113,6 +117,7 @@ class Batcher:
         self.prev_rids: set = set()  # the requests of the latest step
         self.last_submit = 0  # perf_counter_ns of the latest submission
         self.finished: set = set()  # requests whose chain ended with them: no step waits for their rows
+        self.ahead = self.graphs is not None  # plain greedy chains one step ahead (ahead.py): the GPU's graphed steps
         self.stepper: threading.Thread | None = None  # leads the steps while chained rows are queued (start_chain)
         self._wakes: list[Chain] = []  # chains with a new round (or ended), their threads not yet woken
         self.stats = BatchStats()
@@ -279,18 +284,22 @@ class Batcher:
         next step, or the chain parked where its blocks cannot grow (chain.py)."""
         for j in jobs:
             ch = j.chain
-            if ch is None or ch.ended:  # not chained, or its request left during the step
+            if ch is None or ch.ended or j.void:  # not chained, its request left, or a row past its end
                 continue
             try:
                 keep = ch.settle(j)
                 if keep is None:
                     continue
-                if self.pool.holds(ch.rid):
+                if self.pool.holds(ch.rid) and ch.inflight is None:  # (ahead: its next row is the kept one)
                     self.pool.shrink(ch.rid, keep)
                 ch.maintained()
                 self.stats.chained += 1
                 if ch.ended:
                     self.finished.add(ch.rid)
+                    continue
+                if ch.inflight is not None:  # its next round already runs, one step ahead (ahead.py)
+                    ch.adopt(ch.inflight)
+                    ch.inflight = None
                     continue
                 nxt = ch.next_job()
                 end = nxt.start + nxt.n
@@ -302,6 +311,9 @@ class Batcher:
             except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own request only)
                 ch.err, ch.ended = e, True
             finally:
+                if ch.inflight is not None and ch.ended:  # its row launched ahead runs past its end: dropped
+                    ch.inflight.void, ch.inflight = True, None
+                    self.stats.voids += 1
                 self._wakes.append(ch)  # woken once the next step is launched (_flush_wakes)
 
     def _ready_in(self) -> float:
@@ -315,7 +327,8 @@ class Batcher:
         return (due - time.perf_counter_ns()) / 1e9
 
     def _lead(self) -> None:
-        """Called holding the lock: take a step's jobs, run it unlocked, hand the results out."""
+        """Called holding the lock: take a step's jobs, run it unlocked, hand the results out;
+        then, while plain greedy chains go one step ahead (ahead.py), the steps launched behind it."""
         take, rows = [], 0
         for j in self.pending:
             n = j.n
@@ -324,74 +337,117 @@ class Batcher:
             take.append(j)
             rows += n
         del self.pending[:len(take)]
-        self.running = True
-        self.running_rids = {j.rid for j in take}
-        self.running_jobs = take
-        sid = self.stats.steps
         wakes, self._wakes = self._wakes, []
-        self.cv.release()
-        t0 = time.perf_counter_ns()
+        while take:
+            self.running = True
+            self.running_rids = {j.rid for j in take}
+            self.running_jobs = take
+            self.cv.release()
+            t0 = time.perf_counter_ns()
+            out = self._launch(take, wakes)
+            nxt = None
+            while True:
+                staged = None
+                if not isinstance(out, BaseException):
+                    staged = stage_readback(out[1])  # before anything is launched behind it
+                    try:
+                        nxt = plan_ahead(self, take)
+                    except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
+                        nxt = None
+                    if nxt is not None:
+                        self.stats.ahead += 1
+                        t_next = time.perf_counter_ns()
+                        out_next = self._launch(nxt, (), ids_dev=out[2])  # its ids: this step's argmax
+                self._hand_out(take, out, staged)
+                t1 = time.perf_counter_ns()
+                self.cv.acquire()
+                self._end_step(take, rows, t0, t1)
+                if nxt is None:
+                    return
+                take, rows, out, t0 = nxt, len(nxt), out_next, max(t_next, t1)
+                self.running = True
+                self.running_rids = {j.rid for j in take}
+                self.running_jobs = take
+                self.cv.release()
+            wakes = ()
+
+    def _launch(self, jobs: list[Job], wakes, ids_dev=None):
+        """The step's forward launched -> (logits, its rows' argmax and the logit at it as one
+        float64 row, the argmax), or the exception that stopped it."""
         try:
-            try:
-                logits = self._forward(take, wakes)  # the used rows of every job, in job order
-                # every row's argmax and the logit at it in ONE readback, which is also where the
-                # step ends on a GPU (its device work done; the wait releases the GIL): the
-                # requests' greedy accepts then need no device op and no readback of their own
-                pred = logits.argmax(-1)
-                val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
-                host = torch.cat((pred.double(), val.double())).cpu().tolist()  # the wait drops the GIL
-                lo, r = 0, logits.shape[0]
-                for j in take:
-                    n = 1 if j.last else j.n
-                    if j.chain is None:  # a chained round reads only its greedy rows
-                        j.out = logits[lo:lo + n]
-                    j.greedy = (host[lo:lo + n], host[r + lo:r + lo + n])
-                    lo += n
-            except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
-                for j in take:
-                    j.err = e
-        finally:
-            t1 = time.perf_counter_ns()
-            used, free = self.pool.used_blocks, self.pool.free_blocks
+            logits = self._forward(jobs, wakes, ids_dev)  # the used rows of every job, in job order
+            # every row's argmax and the logit at it in ONE readback, which is also where the
+            # step ends on a GPU (its device work done; the wait releases the GIL): the
+            # requests' greedy accepts then need no device op and no readback of their own
+            pred = logits.argmax(-1)
+            val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
+            return logits, torch.cat((pred.double(), val.double())), pred
+        except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
+            return e
+
+    @staticmethod
+    def _hand_out(take: list[Job], out, staged) -> None:
+        """Each job's rows of the step read back (or the step's error)."""
+        try:
+            if isinstance(out, BaseException):
+                raise out
+            host = take_readback(staged)
+            logits = out[0]
+            lo, r = 0, logits.shape[0]
             for j in take:
-                j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free)
-            self.cv.acquire()
-            self.running = False
-            s = self.stats
-            if self.running_rids & self.prev_rids:  # a request mid-generation waited for this step
-                s.gap_ns += max(0, t0 - self.last_end)
-            self.last_end = time.perf_counter_ns()
-            self.prev_rids, self.running_rids = self.running_rids, set()
-            self.running_jobs = []
-            s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
-            s.forward_ns += t1 - t0
-            s.max_requests = max(s.max_requests, len(take))
-            tc = time.perf_counter_ns()
-            self._chain_rounds(take)
-            s.rounds_ns += time.perf_counter_ns() - tc
+                n = 1 if j.last else j.n
+                if j.chain is None:  # a chained round reads only its greedy rows
+                    j.out = logits[lo:lo + n]
+                j.greedy = (host[lo:lo + n], host[r + lo:r + lo + n])
+                lo += n
+        except BaseException as e:  # noqa: BLE001
             for j in take:
-                j.done = True
-            self.cv.notify_all()
+                j.err = e
+
+    def _end_step(self, take: list[Job], rows: int, t0: int, t1: int) -> None:
+        """Called holding the lock after a step: its records and stats, the chained rounds, the
+        submissions done."""
+        used, free = self.pool.used_blocks, self.pool.free_blocks
+        sid = self.stats.steps
+        for j in take:
+            j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free)
+        self.running = False
+        s = self.stats
+        if self.running_rids & self.prev_rids:  # a request mid-generation waited for this step
+            s.gap_ns += max(0, t0 - self.last_end)
+        self.last_end = time.perf_counter_ns()
+        self.prev_rids, self.running_rids = self.running_rids, set()
+        self.running_jobs = []
+        s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
+        s.forward_ns += t1 - t0
+        s.max_requests = max(s.max_requests, len(take))
+        tc = time.perf_counter_ns()
+        self._chain_rounds(take)
+        s.rounds_ns += time.perf_counter_ns() - tc
+        for j in take:
+            j.done = True
+        self.cv.notify_all()
 
     @torch.inference_mode()
-    def _forward(self, jobs: list[Job], wakes=()) -> torch.Tensor:
+    def _forward(self, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -> torch.Tensor:
         """The step's forward -> fp32 logits of the rows used, in job order: every row of a
         job, or its last with `last` (one lm_head over them). `wakes`: chains whose threads
-        are woken once the step is launched (before the readback; _flush_wakes)."""
+        are woken once the step is launched (before the readback; _flush_wakes). `ids_dev`:
+        the rows' ids on the device (a step launched ahead: the previous step's argmax)."""
         try:
             if self.graphs is not None and self.graphs.eligible(jobs):
-                out = self.graphs.run(jobs, lambda: _wake(wakes))
+                out = self.graphs.run(jobs, lambda: _wake(wakes), ids_dev)
                 if out is not None:
                     return out
-            return self._eager(jobs)
+            return self._eager(jobs, ids_dev)
         finally:
             _wake(wakes)  # again (a no-op once woken): also when the step failed before its launch
 
-    def _eager(self, jobs: list[Job]) -> torch.Tensor:
+    def _eager(self, jobs: list[Job], ids_dev: torch.Tensor | None = None) -> torch.Tensor:
         dev = self.device
         view = BatchView.build(self.pool, [(j.rid, j.start, j.n, j.width) for j in jobs], dev,
                                kernels=self.kernels)
-        x = torch.cat([torch.as_tensor(j.ids, dtype=torch.long) for j in jobs]).to(dev)
+        x = ids_dev if ids_dev is not None else torch.cat([torch.as_tensor(j.ids, dtype=torch.long) for j in jobs]).to(dev)
         pos = torch.cat([torch.arange(j.start, j.start + j.n) for j in jobs]).to(dev)
         h, tapped = self._layers(x, pos, view)
         self.scatter_taps(jobs, tapped, pos)

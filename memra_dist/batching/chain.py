@@ -72,6 +72,8 @@ class Chain:
         self.err_ids: tuple[list[int], int] | None = None  # a non-finite row's verify ids and start
         self._drafts: list[int] = []
         self._t0 = 0
+        self.plain = getattr(drafter, "name", "") == "none"  # never drafts: its next row is its argmax
+        self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
 
     def next_job(self) -> Job:
         """The next round's verify rows (the pending token, then this round's drafts), proposed
@@ -82,6 +84,12 @@ class Chain:
         prop = self.drafter.propose(self.tokens, k, self.sp, self.gen) if k > 0 else None
         self._drafts = prop.tokens[:k].tolist() if prop is not None else []
         return Job(self.rid, [self.tokens[-1], *self._drafts], n - 1, self.capacity, False, chain=self)
+
+    def adopt(self, job: Job) -> None:
+        """Its next round is `job`, already launched one step ahead with the token just
+        committed as its input (batching/ahead.py): the round began when that row was queued."""
+        self._t0, self._drafts = job.t, []
+        job.ids[0] = self.tokens[-1]  # what the device read from the argmax (the error path's ids)
 
     def settle(self, job: Job) -> int | None:
         """After the step `job` rode in (its greedy rows read back): accept, commit, and the

@@ -140,10 +140,11 @@ class StepGraphs:
         width = max(-(-j.width // block) for j in jobs)
         return bucket_rows(rows), row_class(max(j.n for j in jobs)), width, max(j.width for j in jobs)
 
-    def run(self, jobs, launched=None) -> torch.Tensor | None:
+    def run(self, jobs, launched=None, ids_dev: torch.Tensor | None = None) -> torch.Tensor | None:
         """The logits of every job's rows, in job order, from a replay (no job is `last`:
         `eligible`); None when the bucket cannot be captured (the caller runs the step eager).
-        `launched()`: called once the replay is launched (before anything waits on it)."""
+        `launched()`: called once the replay is launched (before anything waits on it). `ids_dev`:
+        the rows' ids already on the device (copied over the packed ones: a step launched ahead)."""
         key = self._key(jobs)
         if key in self.failed:
             return None
@@ -154,6 +155,8 @@ class StepGraphs:
                 return None
         else:
             self._load(st, jobs)
+        if ids_dev is not None:
+            st.views()[0][:ids_dev.shape[0]].copy_(ids_dev)
         st.graph.replay()
         if launched is not None:
             launched()

@@ -40,6 +40,7 @@ class Job:
     greedy: tuple[list, list] | None = None  # its rows' argmax and the logit at it (host)
     taps: object = None  # the request's TapSink (a tap drafter's), written by the step
     chain: object = None  # the request's Chain (chain.py) when the leader runs its rounds
+    void: bool = False  # a row launched ahead past its request's end (ahead.py): its output is dropped
 
     def __post_init__(self):
         self.n = len(self.ids)  # its rows
