@@ -364,6 +364,7 @@ class Batcher:
                 self._end_step(take, rows, t0, t1)
                 if nxt is None:
                     return
+                self._flush_wakes()  # their rounds are in: the device runs the next step meanwhile
                 take, rows, out, t0 = nxt, len(nxt), out_next, max(t_next, t1)
                 self.running = True
                 self.running_rids = {j.rid for j in take}
