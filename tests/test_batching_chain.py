@@ -270,3 +270,19 @@ def test_plain_chains_ahead_with_blocks_running_out_lose_nothing(llama):
     got, stats = _run_ahead(llama, reqs, kv_rows=most + 32)
     assert got == solo
     assert stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_request_going_ahead_streams_each_token_as_its_step_ends(llama):
+    """While its steps run one step ahead, a request's tokens reach its stream step by step
+    (each round's thread is woken as soon as the leader has run the round), not in a burst
+    when the run of steps ahead ends."""
+    prompt, n = _prompts(1)[0][0], 40
+    seen: list[int] = []
+    with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=2) as eng:
+        b = eng._backend.batcher
+        b.ahead = True
+        out = eng.generate(prompt, _cfg(llama, "none", max_new_tokens=n), stream=lambda t: seen.append(b.stats.steps))
+        stats = eng._backend.stats()
+    assert len(out.token_ids) == n and stats["ahead_steps"] >= n // 2, stats
+    lag = [s - i for i, s in enumerate(seen)]  # steps ended when the stream got its i-th call (the anchor: 1 step)
+    assert max(lag) - min(lag) <= 4, seen  # a burst at the end would lag by the whole run
