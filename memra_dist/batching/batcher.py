@@ -71,6 +71,8 @@ class BatchStats:
     chained: int = 0  # request rounds the step leader ran (chain.py)
     rounds_ns: int = 0  # the leader's host time in those rounds (inside the gaps between steps)
     ahead: int = 0  # steps launched one step ahead (ahead.py)
+    eager: int = 0  # steps not replayed as a graph (prefill chunks, or no graphs: the CPU)
+    eager_ns: int = 0  # their share of forward_ns
     voids: int = 0  # rows of those past their request's end (an EOS), dropped
     parks: int = 0  # chains whose next rows found no free block (their session ran that round)
 
@@ -83,6 +85,7 @@ class BatchStats:
                 "busy": round(self.forward_ns / (self.forward_ns + self.gap_ns), 3) if self.steps else 0.0,
                 "chained_rounds": self.chained, "chain_parks": self.parks,
                 "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
+                "eager_steps": self.eager, "eager_step_ms": round(self.eager_ns / 1e6, 1),
                 "admission_waits": self.waits,
                 "preemptions": self.preemptions}
 
@@ -421,6 +424,8 @@ class Batcher:
         self.running_jobs = []
         s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
         s.forward_ns += t1 - t0
+        if self.graphs is None or not self.graphs.eligible(take):
+            s.eager, s.eager_ns = s.eager + 1, s.eager_ns + t1 - t0
         s.max_requests = max(s.max_requests, len(take))
         tc = time.perf_counter_ns()
         self._chain_rounds(take)
