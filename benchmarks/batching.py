@@ -12,7 +12,9 @@ replays). B = 1 is the one-at-a-time engine
 (requests queue for it). Before the timed run the same n callers run 8 tokens each (the warm-up
 every server gets from its first requests: kernel JIT, the graphs of the step sizes the run
 takes); the batcher's counts cover the timed run only. "decode tok/s" counts from the first
-request's first token (the aggregate from the callers' start, prefills included).
+request's first token (the aggregate from the callers' start, prefills included); "steady tok/s"
+counts the tokens received while every request was in flight (from the last request's first
+token to the first request's last): the batch's decode rate with no prefill step in it.
 
     python benchmarks/batching.py OUT_DIR [--shape tiny] [--device cpu] [--concurrency 1,4,16]
         [--max-batch 16] [--new 64] [--prompt 64] [--drafter none]
@@ -75,9 +77,14 @@ def run(model: str, device: str, n: int, max_batch: int, new: int, plen: int, dr
     after_first = sum(sum(k for _, k in s[1:]) for s in stamps)
     itl = [(b[0] - a[0]) * 1e3 / b[1] for s in stamps for a, b in zip(s, s[1:])]
     ttft = [(s[0][0] - t0) * 1e3 for s in stamps]
+    # every request in flight: from the last request's first token to the first request's last
+    # (no prefill, no request already done: the batch's steady decode rate as the callers see it)
+    lo, hi = max(s[0][0] for s in stamps), min(s[-1][0] for s in stamps)
+    steady = sum(k for s in stamps for t, k in s[1:] if lo < t <= hi)
     return {"concurrency": n, "max_batch": max_batch, "tokens": sum(sum(k for _, k in s) for s in stamps),
             "aggregate_tok_s": round(after_first / (end - t0), 1),
-            "decode_tok_s": round(after_first / (end - min(s[0][0] for s in stamps)), 1), "itl_ms_p50": round(_pct(itl, 0.5), 3),
+            "decode_tok_s": round(after_first / (end - min(s[0][0] for s in stamps)), 1),
+            "steady_tok_s": round(steady / (hi - lo), 1) if hi > lo else None, "itl_ms_p50": round(_pct(itl, 0.5), 3),
             "itl_ms_p99": round(_pct(itl, 0.99), 3), "ttft_ms_p50": round(statistics.median(ttft), 1),
             "ttft_ms_p99": round(_pct(ttft, 0.99), 1), "batcher": bstats, "ids": ids}
 
@@ -125,12 +132,12 @@ def main() -> int:
             print(f"[batching] {json.dumps(r)}", file=sys.stderr, flush=True)
             (out / "batching.json").write_text(json.dumps({"shape": a.shape, "device": a.device, "drafter": a.drafter,
                                                            "new": a.new, "prompt": a.prompt, "rows": rows}, indent=1))
-    print("| concurrent | max batch | decode tok/s | aggregate tok/s | ITL p50 / p99 ms | TTFT p50 / p99 ms "
+    print("| concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s | ITL p50 / p99 ms | TTFT p50 / p99 ms "
           "| requests / rows a step | step ms | graphed step ms | busy | leader rounds ms a step | ids = alone |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bs = r["batcher"] or {}
-        print(f"| {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['aggregate_tok_s']} "
+        print(f"| {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['steady_tok_s'] or '-'} | {r['aggregate_tok_s']} "
               f"| {r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
               f"| {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} | {bs.get('mean_step_ms', '-')} "
               f"| {_graphed_ms(bs)} | {bs.get('busy', '-')} | {_per_step(bs, 'leader_rounds_ms')} | {r.get('ids_equal_alone', '-')} |")
