@@ -40,15 +40,20 @@ def _solo(model, drafter, reqs, **kw) -> list[list[int]]:
         return [eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw)).token_ids for p, n in reqs]
 
 
-def _batched(model, drafter, reqs, max_batch=6, kv_rows=None, **kw):
+def _batched(model, drafter, reqs, max_batch=6, kv_rows=None, on_open=None, each=None, **kw):
+    """The requests from concurrent threads on one batched engine -> (their ids, its stats).
+    `on_open(engine)` runs before them; `each[i]`: request i's own config fields."""
     got: dict[int, list[int]] = {}
     errors = []
     with open_engine(_cfg(model, drafter, **kw), capacity=CAP, max_batch=max_batch, kv_rows=kv_rows) as eng:
+        if on_open is not None:
+            on_open(eng)
         sem = threading.Semaphore(0)
 
         def one(i, p, n):
             try:
-                got[i] = eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw)).token_ids
+                own = {**kw, **(each[i] if each else {})}
+                got[i] = eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **own)).token_ids
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
             sem.release()

@@ -139,6 +139,7 @@ def test_a_non_finite_row_in_a_chained_round_is_named_as_alone(llama):
         stream.calls = 0
         with pytest.raises(NonFiniteLogits, match=r"non-finite logits .* verify row 0\): .*layer 1"):
             eng.generate(prompt, _cfg(llama, "none", max_new_tokens=max(n, 8)), stream=stream)
+        assert eng._backend.stats()["chained_rounds"] >= 1  # the leader's round found it
         with torch.no_grad():
             w.copy_(keep)
         assert eng.generate(prompt, _cfg(llama, "none", max_new_tokens=n)).token_ids == _solo(llama, "none", [(prompt, n)])[0]
@@ -156,18 +157,8 @@ def test_chained_and_self_run_requests_share_steps_and_keep_their_ids(llama):
         alone = [eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n, **kw)) for (p, n), kw in zip(reqs, kws)]
     solo = [r.token_ids for r in alone]
     greedy_rounds = sum(r.stats["rounds"] for r, kw in zip(alone, kws) if not kw)
-    got: dict[int, list[int]] = {}
-    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=6) as eng:
-        def one(i, p, n):
-            got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n, **kws[i])).token_ids
-
-        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        stats = eng._backend.stats()
-    assert [got.get(i) for i in range(len(reqs))] == solo
+    got, stats = _batched(llama, "ngram", reqs, max_batch=6, each=kws)
+    assert got == solo
     assert stats["chained_rounds"] == greedy_rounds, stats  # the greedy ones' rounds, and only theirs
     assert stats["max_requests"] >= 4 and stats["kv_blocks_used"] == 0, stats
 
@@ -210,20 +201,8 @@ def test_a_step_that_fails_fails_each_chained_request_it_held(llama, monkeypatch
 def _run_ahead(model, reqs, max_batch=6, kv_rows=None):
     """The requests (drafter none, greedy) through a batched engine whose plain chains go one
     step ahead (on a GPU's graphed steps by default; forced here on the CPU's eager steps)."""
-    got: dict[int, list[int]] = {}
-    with open_engine(_cfg(model, "none"), capacity=CAP, max_batch=max_batch, kv_rows=kv_rows) as eng:
-        eng._backend.batcher.ahead = True
-
-        def one(i, p, n):
-            got[i] = eng.generate(p, _cfg(model, "none", max_new_tokens=n)).token_ids
-
-        threads = [threading.Thread(target=one, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        stats = eng._backend.stats()
-    return [got.get(i) for i in range(len(reqs))], stats
+    return _batched(model, "none", reqs, max_batch=max_batch, kv_rows=kv_rows,
+                    on_open=lambda eng: setattr(eng._backend.batcher, "ahead", True))
 
 
 def test_plain_chains_one_step_ahead_get_their_solo_ids(llama):
@@ -269,6 +248,7 @@ def test_plain_chains_ahead_with_blocks_running_out_lose_nothing(llama):
     most = max(len(p) + n + 4 for p, n in reqs)
     got, stats = _run_ahead(llama, reqs, kv_rows=most + 32)
     assert got == solo
+    assert stats["ahead_steps"] > 0 and stats["chain_parks"] >= 1 and stats["preemptions"] >= 1, stats
     assert stats["kv_blocks_used"] == 0, stats
 
 

@@ -47,7 +47,7 @@ from ..model.transformer import StepCtx
 from .blocks import BlockPool
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
-from .job import BatchStep, Job
+from .job import BatchStep, Job, Launched
 from .paged import BatchView, PagedKV
 
 __all__ = ["Batcher", "BatchStats", "BatchStep"]
@@ -341,51 +341,48 @@ class Batcher:
             rows += n
         del self.pending[:len(take)]
         wakes, self._wakes = self._wakes, []
-        while take:
-            self.running = True
+        behind = None  # (the step launched behind the previous one, when it began)
+        while True:
+            self.running, self.running_jobs = True, take
             self.running_rids = {j.rid for j in take}
-            self.running_jobs = take
             self.cv.release()
-            t0 = time.perf_counter_ns()
-            out = self._launch(take, wakes)
-            nxt = None
-            while True:
-                staged = None
-                if not isinstance(out, BaseException):
-                    staged = stage_readback(out[1])  # before anything is launched behind it
-                    try:
-                        nxt = plan_ahead(self, take)
-                    except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
-                        nxt = None
-                    if nxt is not None:
-                        self.stats.ahead += 1
-                        t_next = time.perf_counter_ns()
-                        out_next = self._launch(nxt, (), ids_dev=out[2])  # its ids: this step's argmax
-                self._hand_out(take, out, staged)
-                t1 = time.perf_counter_ns()
-                self.cv.acquire()
-                self._end_step(take, rows, t0, t1)
-                if nxt is None:
-                    return
-                self._flush_wakes()  # their rounds are in: the device runs the next step meanwhile
-                take, rows, out, t0 = nxt, len(nxt), out_next, max(t_next, t1)
-                self.running = True
-                self.running_rids = {j.rid for j in take}
-                self.running_jobs = take
-                self.cv.release()
-            wakes = ()
+            if behind is None:
+                t0 = time.perf_counter_ns()
+                out = self._launch(take, wakes)
+            else:
+                out, t0 = behind
+            nxt = staged = None
+            if not isinstance(out, BaseException):
+                staged = stage_readback(out.pv)  # before anything is launched behind it
+                try:
+                    nxt = plan_ahead(self, take)
+                except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
+                    nxt = None
+                if nxt is not None:
+                    self.stats.ahead += 1
+                    t_next = time.perf_counter_ns()
+                    out_next = self._launch(nxt, (), ids_dev=out.pred)  # its ids: this step's argmax
+            self._hand_out(take, out, staged)
+            t1 = time.perf_counter_ns()
+            self.cv.acquire()
+            self._end_step(take, rows, t0, t1, not isinstance(out, BaseException) and out.graphed)
+            if nxt is None:
+                return
+            self._flush_wakes()  # their rounds are in: the device runs the next step meanwhile
+            take, rows, behind, wakes = nxt, len(nxt), (out_next, max(t_next, t1)), ()
 
     def _launch(self, jobs: list[Job], wakes, ids_dev=None):
-        """The step's forward launched -> (logits, its rows' argmax and the logit at it as one
-        float64 row, the argmax), or the exception that stopped it."""
+        """The step's forward launched -> its `Launched`, or the exception that stopped it."""
         try:
-            logits = self._forward(jobs, wakes, ids_dev)  # the used rows of every job, in job order
+            replays = self.graphs.replays if self.graphs is not None else 0
+            logits = self._forward(jobs, wakes, ids_dev)
             # every row's argmax and the logit at it in ONE readback, which is also where the
             # step ends on a GPU (its device work done; the wait releases the GIL): the
             # requests' greedy accepts then need no device op and no readback of their own
             pred = logits.argmax(-1)
             val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
-            return logits, torch.cat((pred.double(), val.double())), pred
+            graphed = self.graphs is not None and self.graphs.replays > replays
+            return Launched(logits, torch.cat((pred.double(), val.double())), pred, graphed)
         except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
             return e
 
@@ -396,7 +393,7 @@ class Batcher:
             if isinstance(out, BaseException):
                 raise out
             host = take_readback(staged)
-            logits = out[0]
+            logits = out.logits
             lo, r = 0, logits.shape[0]
             for j in take:
                 n = 1 if j.last else j.n
@@ -408,7 +405,7 @@ class Batcher:
             for j in take:
                 j.err = e
 
-    def _end_step(self, take: list[Job], rows: int, t0: int, t1: int) -> None:
+    def _end_step(self, take: list[Job], rows: int, t0: int, t1: int, graphed: bool) -> None:
         """Called holding the lock after a step: its records and stats, the chained rounds, the
         submissions done."""
         used, free = self.pool.used_blocks, self.pool.free_blocks
@@ -424,7 +421,7 @@ class Batcher:
         self.running_jobs = []
         s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
         s.forward_ns += t1 - t0
-        if self.graphs is None or not self.graphs.eligible(take):
+        if not graphed:
             s.eager, s.eager_ns = s.eager + 1, s.eager_ns + t1 - t0
         s.max_requests = max(s.max_requests, len(take))
         tc = time.perf_counter_ns()
@@ -439,10 +436,12 @@ class Batcher:
         """The step's forward -> fp32 logits of the rows used, in job order: every row of a
         job, or its last with `last` (one lm_head over them). `wakes`: chains whose threads
         are woken once the step is launched (before the readback; _flush_wakes). `ids_dev`:
-        the rows' ids on the device (a step launched ahead: the previous step's argmax)."""
+        the rows' ids on the device (a step launched ahead: the previous step's argmax).
+        A graphed step's logits are copied out of the graphs' shared buffer only when a job
+        reads them: a chained round reads only its greedy rows, computed before any replay."""
         try:
             if self.graphs is not None and self.graphs.eligible(jobs):
-                out = self.graphs.run(jobs, lambda: _wake(wakes), ids_dev)
+                out = self.graphs.run(jobs, lambda: _wake(wakes), ids_dev, any(j.chain is None for j in jobs))
                 if out is not None:
                     return out
             return self._eager(jobs, ids_dev)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 
 from ..specdec.accept import commit_rows
+from ..specdec.drafters.none import NoDrafter
+from ..specdec.stop import commit_tokens
 from .job import BatchStep, Job
 
 __all__ = ["Chain", "ChainRound"]
@@ -72,7 +74,8 @@ class Chain:
         self.err_ids: tuple[list[int], int] | None = None  # a non-finite row's verify ids and start
         self._drafts: list[int] = []
         self._t0 = 0
-        self.plain = getattr(drafter, "name", "") == "none"  # never drafts: its next row is its argmax
+        self._pending: tuple = ()  # the settled round, handed over by `maintained`
+        self.plain = isinstance(drafter, NoDrafter)  # never drafts: its next row is its argmax
         self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
 
     def next_job(self) -> Job:
@@ -109,11 +112,10 @@ class Chain:
         t3 = time.perf_counter_ns()
         j = len(new) - 1
         self.slot.length, self.slot.last_step = n + j, job.step
-        kept = new[:self.max_new - self.produced]  # the session's _commit, then its stop rules
+        kept, _, self.done = commit_tokens(new, self.produced, self.max_new, len(self.tokens), self.capacity,
+                                           self.eos)  # the session's own rule: it ends where the chain does
         self.tokens.extend(kept)
         self.produced += len(kept)
-        self.done = (any(t in self.eos for t in kept) or self.produced >= self.max_new
-                     or len(self.tokens) >= self.capacity)
         self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3)
         return n + j
 

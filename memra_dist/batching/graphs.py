@@ -140,11 +140,12 @@ class StepGraphs:
         width = max(-(-j.width // block) for j in jobs)
         return bucket_rows(rows), row_class(max(j.n for j in jobs)), width, max(j.width for j in jobs)
 
-    def run(self, jobs, launched=None, ids_dev: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(self, jobs, launched=None, ids_dev: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor | None:
         """The logits of every job's rows, in job order, from a replay (no job is `last`:
         `eligible`); None when the bucket cannot be captured (the caller runs the step eager).
         `launched()`: called once the replay is launched (before anything waits on it). `ids_dev`:
-        the rows' ids already on the device (copied over the packed ones: a step launched ahead)."""
+        the rows' ids already on the device (copied over the packed ones: a step launched ahead).
+        `copy=False`: the rows of the shared logits buffer itself, valid until the next replay."""
         key = self._key(jobs)
         if key in self.failed:
             return None
@@ -165,7 +166,7 @@ class StepGraphs:
         self.padded += st.rows - rows
         logits, tapped = st.graph.out
         self.b.scatter_taps(jobs, tapped, st.views()[1])  # the tapped rows into each request's sink
-        return logits[:rows].clone()  # the next replay rewrites it
+        return logits[:rows].clone() if copy else logits[:rows]  # the next replay rewrites it
 
     def stats(self) -> dict:
         return {"captured": self.captures, "replays": self.replays, "padded_rows": self.padded,

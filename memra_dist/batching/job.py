@@ -1,5 +1,6 @@
-"""One request's rows submitted to a batch step (`Job`), and what its rows saw of the step
-(`BatchStep`): the batcher's (batcher.py) and the step graphs' (graphs.py) common records."""
+"""One request's rows submitted to a batch step (`Job`), what its rows saw of the step
+(`BatchStep`), and a step launched (`Launched`): the batcher's (batcher.py) and the step
+graphs' (graphs.py) common records."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BatchStep", "Job"]
+__all__ = ["BatchStep", "Job", "Launched"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +45,15 @@ class Job:
 
     def __post_init__(self):
         self.n = len(self.ids)  # its rows
+
+
+@dataclass
+class Launched:
+    """A step launched: its logits, its rows' argmax and the logit at it as one float64 row
+    (the readback), the argmax on the device (the ids of a step launched behind it), and
+    whether it replayed a graph."""
+
+    logits: torch.Tensor
+    pv: torch.Tensor
+    pred: torch.Tensor
+    graphed: bool

@@ -28,6 +28,7 @@ from .chained import burst_chained
 from .chunks import DEFAULT_PREFILL_CHUNK, fixed_chunks, pipeline_chunks
 from .drafters.base import Drafter
 from .non_finite import locate_non_finite
+from .stop import commit_tokens
 from .sampling import NonFiniteLogits, SamplingParams, probs
 
 __all__ = ["SpecSession", "SessionStats", "Target", "SessionSink"]
@@ -183,7 +184,7 @@ class SpecSession:
             pf.kernel_tune_cached = tally["cached"] - tally0["cached"]
         self.tokens = list(prompt) + [first]
         self.stats = SessionStats(tokens=1, t_start=self.stats.t_start, t_first=time.perf_counter())
-        self._check_stop([first])
+        self.done = self.done or commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
         return first
 
     def chunks(self, n: int) -> list[tuple[int, int]]:
@@ -240,15 +241,6 @@ class SpecSession:
         where = locate_non_finite(self.target, ids[: row + 1], start)
         return NonFiniteLogits(f"non-finite logits (NaN/inf) from the target at position {start + row} ({what}): "
                                f"{where}")
-
-    def _check_stop(self, new: list[int]) -> list[int]:
-        for i, t in enumerate(new):
-            if t in self.eos:
-                self.done = True
-                return new[: i + 1]
-        if self.stats.tokens >= self.max_new or len(self.tokens) >= self.capacity:
-            self.done = True
-        return new
 
     # ---- rounds ----
     def burst(self, max_rounds: int, hook: Callable[[list[int]], None] | None = None) -> list[int]:
@@ -436,11 +428,12 @@ class SpecSession:
         return ids
 
     def _commit(self, new: list[int]) -> list[int]:
-        room = self.max_new - self.stats.tokens
-        new = new[:room]
-        self.tokens.extend(new)
-        self.stats.tokens += len(new)
-        return self._check_stop(new)
+        kept, out, done = commit_tokens(new, self.stats.tokens, self.max_new, len(self.tokens), self.capacity,
+                                        self.eos)
+        self.tokens.extend(kept)
+        self.stats.tokens += len(kept)
+        self.done = self.done or done
+        return out
 
     # ---- profile ----
     def _profile_round(self, r) -> None:
