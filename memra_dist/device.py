@@ -8,7 +8,7 @@ import torch
 
 from .errors import UserError
 
-__all__ = ["DTYPES", "resolve_device", "actor_device", "resolve_dtype", "Drainer", "device_label", "free_mb"]
+__all__ = ["DTYPES", "resolve_device", "actor_device", "resolve_dtype", "Drainer", "device_label", "free_mb", "CudaMarks", "stream_marks"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,3 +80,28 @@ class Drainer:
         self.count += 1
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
+
+
+class CudaMarks:
+    """The phase clock's timing events on one CUDA device's current stream (phase/clock.py)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def event(self):
+        return torch.cuda.Event(enable_timing=True)
+
+    def record(self, ev) -> None:
+        ev.record(torch.cuda.current_stream(self.device))
+
+    def wait(self, ev) -> None:
+        ev.synchronize()
+
+    def elapsed_ns(self, a, b) -> int:
+        return round(a.elapsed_time(b) * 1e6)
+
+
+def stream_marks(device: torch.device) -> CudaMarks | None:
+    """Timing events for the event clock where the device has them (CUDA); None elsewhere (the
+    clock then drains: CPU work is done when its call returns)."""
+    return CudaMarks(device) if device.type == "cuda" else None

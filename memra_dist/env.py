@@ -9,6 +9,7 @@ OTEL_* variables stay the OpenTelemetry SDK's and are read where the SDK's habit
 | MEMRA_SPEC_TRACE | trace level: 1 phases, 2 + verify sub-split; anything else = off | off |
 | MEMRA_GLM5_SPEC_TRACE | the same, under the name of the engine whose phase semantics this one follows (see docs/seed-names.md); MEMRA_SPEC_TRACE wins, loudly, when both are set and differ | off |
 | MEMRA_SPEC_PROF | 1 = first-token profile + per-round depth log; anything else = off | off |
+| MEMRA_PHASE_CLOCK | how a traced round's phases are timed: events (timing events on the streams, read once a burst; the device never idles for the clock) or drain (every boundary synchronizes the streams: the seed's literal clock, for comparison) | events |
 | MEMRA_CACHE_DIR | where the demo's tiny checkpoints are built once | $XDG_CACHE_HOME/memra_dist or ~/.cache/memra_dist |
 | MEMRA_FLUSH_TIMEOUT_S | bound on each process's span flush at exit | 5 |
 | MEMRA_PG_TIMEOUT_S | bound on the pipeline's process-group bootstrap and on a stalled peer | 60 |
@@ -28,11 +29,12 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .phase.levels import ENV_PROF, ENV_TRACE, ENV_TRACE_ALIAS, TraceSettings, parse_level, prof_from, trace_level_from
+from .phase.levels import (ENV_CLOCK, ENV_PROF, ENV_TRACE, ENV_TRACE_ALIAS, TraceSettings, clock_from, parse_level,
+                           prof_from, trace_level_from)
 
 __all__ = ["Env", "environment", "trace_settings", "cache_root", "VARIABLES"]
 
-VARIABLES = (ENV_TRACE, ENV_TRACE_ALIAS, ENV_PROF, "MEMRA_CACHE_DIR", "MEMRA_FLUSH_TIMEOUT_S",
+VARIABLES = (ENV_TRACE, ENV_TRACE_ALIAS, ENV_PROF, ENV_CLOCK, "MEMRA_CACHE_DIR", "MEMRA_FLUSH_TIMEOUT_S",
              "MEMRA_PG_TIMEOUT_S", "MEMRA_KDA_KERNELS", "MEMRA_BENCH_CACHE", "MEMRA_BENCH_COMPILE", "MEMRA_COMMIT")
 KDA_MODES = ("auto", "torch", "fla")
 
@@ -41,6 +43,7 @@ KDA_MODES = ("auto", "torch", "fla")
 class Env:
     trace_level: int = 0
     prof: bool = False
+    clock: str = "events"
     trace_level_set: bool = False  # MEMRA_SPEC_TRACE (or its alias) says 0, 1 or 2: the demo's default defers to it
     cache_dir: str | None = None
     flush_timeout_s: float = 5.0
@@ -84,7 +87,8 @@ def environment() -> Env:
     g, a = e.get(ENV_TRACE), e.get(ENV_TRACE_ALIAS)
     level = trace_level_from(g, a, _say)
     said = any(v is not None and (v == "0" or parse_level(v) is not None) for v in (g, a))
-    return Env(trace_level=level, prof=prof_from(e.get(ENV_PROF), _say), trace_level_set=said,
+    return Env(trace_level=level, prof=prof_from(e.get(ENV_PROF), _say), clock=clock_from(e.get(ENV_CLOCK), _say),
+               trace_level_set=said,
                cache_dir=e.get("MEMRA_CACHE_DIR") or None,
                flush_timeout_s=_seconds("MEMRA_FLUSH_TIMEOUT_S", 5.0),
                pg_timeout_s=_seconds("MEMRA_PG_TIMEOUT_S", 60.0), kda_kernels=_kda(),
@@ -96,7 +100,7 @@ def trace_settings(flag_level: int | None = None, flag_prof: bool | None = None)
     """CLI flags beat the environment; an unset flag falls back to it."""
     env = environment()
     return TraceSettings(level=env.trace_level if flag_level is None else flag_level,
-                         prof=env.prof if flag_prof is None else flag_prof)
+                         prof=env.prof if flag_prof is None else flag_prof, clock=env.clock)
 
 
 def cache_root() -> str:

@@ -91,7 +91,8 @@ def _event_marks(device) -> EventMarks | StampMarks:
     if available(device):
         from .kernels.stamp import stamp  # noqa: PLC0415
 
-        m = StampMarks(torch.zeros(STAMP_SLOTS, dtype=torch.int64, device=device), stamp)
+        m = StampMarks(torch.zeros(STAMP_SLOTS, dtype=torch.int64, device=device), stamp,
+                       host=torch.zeros(STAMP_SLOTS, dtype=torch.int64, pin_memory=True), copied=torch.cuda.Event())
     else:
         m = EventMarks(_timing_event)
     for name in ("begin", "lap", "scan_begin", "scan_end"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .cache import StageCache
-from .device import Drainer, device_label, free_mb
+from .device import Drainer, device_label, free_mb, stream_marks
 from .errors import UserError
 from .kernels import available as kernels_available
 from .kernels import install as install_kernels
@@ -198,6 +198,20 @@ class ModelRunner:
 
     def free_mb(self) -> int:
         return free_mb(self.device)
+
+    def warm_timed_rows(self, rows: int) -> None:
+        """Level 2 asked of a runner built without its twins (`warm_timed` off: an engine opened
+        at another level): capture the timed twins of 1..rows rows now, in the request's start
+        (the first-token profile's cache_alloc), so none is captured inside a traced round."""
+        if self.graphs is None or self.cache is None or rows < 1:
+            return
+        n = min(rows, self.graph_rows)
+        if any(r not in self.graphs.timed for r in range(1, n + 1)):
+            self.graphs.warm(range(1, n + 1), timed=True, depth=self.ttft_depth)
+
+    def stream_marks(self):
+        """The event clock's marks on this runner's stream (None on CPU: phase/clock.py)."""
+        return stream_marks(self.device)
 
     def fast_path(self) -> dict[str, bool]:
         """What this runner's decode / verify steps actually run: CUDA graphs, torch.compile'd

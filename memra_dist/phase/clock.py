@@ -1,49 +1,124 @@
-"""The phase clock: drain the streams of the engines that ran a phase, then stamp the time.
+"""The phase clock: a phase ends when every stream that ran it has finished it.
 
-Which streams each boundary drains (and why that bounds the phase):
-- The clock of a session drains its PRIMARY engine's stream (the target's first engine in
+Which streams each boundary covers (and why that bounds the phase):
+- The clock of a session covers its PRIMARY engine's stream (the target's first engine in
   this process: the whole model at pp=1, the head at pp>1) and its HEAD engine's stream when
   that is a different engine or device (the drafter's device when the drafter sits apart).
-  At pp=1 primary == head == one device, so a boundary is one drain.
-- draft: the drafter runs on the head's device, so the head drain bounds it.
+  At pp=1 primary == head == one device, so a boundary is one stream.
+- draft: the drafter runs on the head's device, so the head's stream bounds it.
 - verify: at pp>1 the head's verify walk ends by receiving the last stage's hidden rows and
   running the lm_head on them; the receive cannot complete before every stage's forward
-  has, so the head's terminal drain covers all stage streams TRANSITIVELY. No stage is
-  drained directly from here.
-- accept: host + head-device work (argmax / rejection sampling + readback): head drain.
+  has, so the head's stream covers all stage streams TRANSITIVELY. No stage is marked from here.
+- accept: host + head-device work (argmax / rejection sampling + readback): head stream.
 - rollback: the head's cache rollback (a length change; KDA layers restore a snapshot on
-  the head's device): head drain. At pp>1 no message goes to the stages: each stage rolls
+  the head's device): head stream. At pp>1 no message goes to the stages: each stage rolls
   back to the next forward's start before running it, so a stage's own rollback work (a
   snapshot restore for its KDA layers) lands in the NEXT round's verify.
-- maint: drafter rollback / re-seed on the head's device: head drain.
+- maint: drafter rollback / re-seed on the head's device: head stream.
+
+Two ways to find when a stream finished a phase (`TraceSettings.clock`, MEMRA_PHASE_CLOCK):
+- `events` (the default where every stream can record timing events, i.e. CUDA): at each
+  boundary an event is recorded on every stream and the host goes on launching the next
+  phase: the device never idles for the clock. A boundary's time is when the LAST of its
+  streams reached its event (the seed's "drained" moment, read on the device's own clock).
+  The events are read once the burst's last one completes (one wait a burst, its end), and
+  placed on the host's clock through an anchor event recorded on the idle stream then. A
+  phase bound by its host (launches, the accept's readback and host logic) still shows it:
+  the device cannot reach a boundary's event before the host has recorded it.
+- `drain` (the seed's literal clock; CPU, engines without events, the first-token profile):
+  each boundary synchronizes every stream, then stamps perf_counter. The device then idles
+  while the host launches the next phase: that idle time lands in the next phase.
 Only constructed when the clock is on (trace level >= 1 or the profile): level 0 has no
-clock object, hence no drains and no clock reads.
+clock object, hence no drains, no events and no clock reads.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
-__all__ = ["PhaseClock"]
+__all__ = ["PhaseClock", "StreamMarks"]
+
+
+
+class StreamMarks(Protocol):
+    """Timing events on one engine's stream (device.py: CudaMarks; tests: a simulated stream)."""
+
+    def event(self) -> object: ...  # a new reusable event
+    def record(self, ev: object) -> None: ...  # record it on the stream, in stream order
+    def wait(self, ev: object) -> None: ...  # the host waits until the stream reached it
+    def elapsed_ns(self, a: object, b: object) -> int: ...  # stream time from a to b (both reached)
 
 
 class PhaseClock:
-    def __init__(self, drains: Sequence[Callable[[], None]], free_mb: Callable[[], dict[str, int]]):
+    """`drains`: one callable per stream the clock covers; `marks`: one StreamMarks per stream
+    (the same order) for the event clock, or None for the draining clock."""
+
+    def __init__(self, drains: Sequence[Callable[[], None]], free_mb: Callable[[], dict[str, int]],
+                 marks: Sequence[StreamMarks] | None = None):
         self.drains = tuple(drains)
         self.free_mb = free_mb  # device label -> free MB, for the devices of this process
+        self.marks = tuple(marks) if marks else ()
+        self.events = bool(self.marks)
+        self._slots: list[list[list[object]]] = []  # [round slot][boundary][stream] -> event, reused each burst
+        self._anchors = [m.event() for m in self.marks]
 
+    @property
+    def mode(self) -> str:
+        return "events" if self.events else "drain"
+
+    # ---- drained stamps (the first-token profile, the draining clock) ----
     def stamp(self) -> int:
         for d in self.drains:
             d()
         return time.perf_counter_ns()
 
-    def boundary(self) -> tuple[int, int]:
-        """(host_ns, end_ns): the time the host reached the boundary, then the stamp after the
-        drains. What lies between is the device finishing the phase's launched work."""
-        host = time.perf_counter_ns()
-        return host, self.stamp()
-
     def lap_ms(self, since_ns: int) -> tuple[int, float]:
         now = self.stamp()
         return now, (now - since_ns) / 1e6
+
+    # ---- round boundaries ----
+    def begin(self, rounds: int) -> None:
+        """Before a burst of up to `rounds` rounds: the event slots exist (created once, reused)."""
+        if not self.events:
+            return
+        while len(self._slots) < rounds:
+            self._slots.append([[m.event() for m in self.marks] for _ in range(6)])
+
+    def mark(self, r, slot: int, i: int) -> int:
+        """Boundary i (0: round entry, 1..5: the end of draft, verify, accept, rollback, maint)
+        of the round record `r` in burst slot `slot`. Returns the host's time on reaching it.
+        Draining clock: r.t[i] is the stamp after the drains. Event clock: an event on every
+        stream, r.t[i] the host time for now (`resolve` replaces it by the streams' time)."""
+        host = time.perf_counter_ns()
+        if self.events:
+            evs = self._slots[slot][i]
+            for m, ev in zip(self.marks, evs):
+                m.record(ev)
+            r.t[i] = host
+        else:
+            r.t[i] = host if i == 0 else self.stamp()  # round entry: the previous boundary drained
+        return host
+
+    def resolve(self, rounds: list) -> None:
+        """After the burst's last round: wait for its last events (the burst's one wait), anchor
+        each stream to the host clock, and set every round's t[i] to the time its last stream
+        reached boundary i (monotone within the round)."""
+        if not self.events or not rounds:
+            return
+        last = self._slots[len(rounds) - 1][5]
+        for m, ev in zip(self.marks, last):
+            m.wait(ev)
+        hosts = []
+        for m, a in zip(self.marks, self._anchors):  # every stream is idle now: its anchor is reached at once
+            hosts.append(time.perf_counter_ns())
+            m.record(a)
+            m.wait(a)
+        for n, r in enumerate(rounds):
+            evs = self._slots[n]
+            prev = None
+            for i in range(6):
+                t = max(h - m.elapsed_ns(e, a) for m, e, a, h in zip(self.marks, evs[i], self._anchors, hosts))
+                if prev is not None and t < prev:
+                    t = prev
+                r.t[i] = prev = t

@@ -7,18 +7,21 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-__all__ = ["ENV_TRACE", "ENV_TRACE_ALIAS", "ENV_PROF", "TraceSettings", "parse_level",
-           "trace_level_from", "prof_from"]
+__all__ = ["ENV_TRACE", "ENV_TRACE_ALIAS", "ENV_PROF", "ENV_CLOCK", "TraceSettings", "parse_level",
+           "trace_level_from", "prof_from", "clock_from"]
 
 ENV_TRACE = "MEMRA_SPEC_TRACE"  # 1 = per-burst phase lines, 2 = + the verify sub-split
 ENV_TRACE_ALIAS = "MEMRA_GLM5_SPEC_TRACE"  # the originating engine's name for it (docs/seed-names.md)
 ENV_PROF = "MEMRA_SPEC_PROF"  # 1 = first-token profile + per-round depth log
+ENV_CLOCK = "MEMRA_PHASE_CLOCK"  # events (default) | drain: how the phase clock finds a phase's end (phase/clock.py)
+CLOCK_MODES = ("events", "drain")
 
 
 @dataclass(frozen=True)
 class TraceSettings:
     level: int = 0  # 0 off, 1 phases, 2 phases + verify sub-split
     prof: bool = False
+    clock: str = "events"  # events: timing events read once a burst; drain: synchronize at every boundary
 
     @property
     def clock_on(self) -> bool:
@@ -63,3 +66,13 @@ def prof_from(raw: str | None, warn=None) -> bool:
     if raw not in (None, "", "0"):
         (warn or _stderr)(f"[spec-prof] ignoring {ENV_PROF}={raw!r} (expected 1; junk means off)")
     return False
+
+
+def clock_from(raw: str | None, warn=None) -> str:
+    """'events' / 'drain' (any case); unset or '' = events; junk = events, said once."""
+    v = (raw or "").strip().lower()
+    if v in CLOCK_MODES:
+        return v
+    if v:
+        (warn or _stderr)(f"[spec-trace] ignoring {ENV_CLOCK}={raw!r} (expected events or drain); using events")
+    return "events"

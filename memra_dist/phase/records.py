@@ -13,8 +13,9 @@ PHASE_COUNT = 5  # draft, verify, accept, rollback, maint
 @dataclass
 class RoundRecord:
     """One round: six clock stamps (entry + the five boundaries, perf_counter ns) and the
-    numbers each phase span carries. `h[i]`: when the host reached phase i's end boundary,
-    before that boundary's drain (0: not taken, as in a one-step-ahead round)."""
+    numbers each phase span carries. `h[i]`: when the host reached phase i's end boundary
+    (before its drain, or as it recorded its events; 0: not taken, as in a one-step-ahead
+    round)."""
 
     index: int = 0
     t: list[int] = field(default_factory=lambda: [0] * (PHASE_COUNT + 1))
@@ -56,9 +57,11 @@ class BurstRecord:
     n: int = 0
     tokens: int = 0
     ahead: bool = False  # its rounds ran one step ahead (specdec/ahead.py): phases from device events, not drains
+    clock: str = "drain"  # how its boundaries were timed (phase/clock.py): events | drain | ahead | leader
 
     def reset(self, index: int, k: int, capacity: int) -> None:
         self.index, self.k, self.n, self.tokens, self.ahead = index, k, 0, 0, False
+        self.clock = "drain"
         while len(self.rounds) < capacity:
             self.rounds.append(RoundRecord())
 

@@ -16,6 +16,7 @@ class ShareTable:
         self.sub: dict[str, int] = {}
         self.n_rounds = 0
         self.ahead_rounds = 0  # rounds one step ahead (phases from the step's device events)
+        self.event_rounds = 0  # rounds timed by the event clock (phase/clock.py: no drain at a boundary)
 
     def burst(self, rec: BurstRecord) -> None:
         for i, v in enumerate(rec.totals_ns()):
@@ -24,6 +25,7 @@ class ShareTable:
             self.host_ns[i] += v
         self.n_rounds += rec.n
         self.ahead_rounds += rec.n if rec.ahead else 0
+        self.event_rounds += rec.n if rec.clock == "events" else 0
         if any(r.sub_ns for r in rec.live()):
             for key, v in sub_totals(rec).items():
                 self.sub[key] = self.sub.get(key, 0) + v
@@ -35,13 +37,16 @@ class ShareTable:
         pass
 
     def _how(self) -> str:
-        drained = "each phase timed from one stream drain to the next"
-        ahead = "one step ahead: verify is each step's device time, accept the rest of its round"
-        if not self.ahead_rounds:
-            return drained
-        if self.ahead_rounds == self.n_rounds:
-            return ahead
-        return f"{self.ahead_rounds} rounds {ahead}; the others {drained}"
+        kinds = [(self.event_rounds, "each phase ends when its streams reach its boundary's event (no drain)"),
+                 (self.ahead_rounds, "one step ahead: verify is each step's device time, accept the rest of its round"),
+                 (self.n_rounds - self.event_rounds - self.ahead_rounds,
+                  "each phase timed from one stream drain to the next")]
+        kinds = [(n, how) for n, how in kinds if n]
+        if len(kinds) == 1:
+            return kinds[0][1]
+        if not kinds:
+            return "each phase timed from one stream drain to the next"
+        return "; ".join(f"{n} rounds {how}" for n, how in kinds)
 
     def table(self) -> str:
         """Phase rows are shares of the traced rounds' time (they add up to 100 %). At level 2
@@ -65,8 +70,8 @@ class ShareTable:
         for name, ns, host in zip(PHASES, self.ns, self.host_ns):
             lines.append(row(name, ns, total, host=host))
         if drained:
-            lines.append("  host: ms a round until the phase's drain began (launches, host work, waits such as a "
-                         "readback); the rest of ms/round is the device finishing what was launched")
+            lines.append("  host: ms a round until the host reached the phase's end (launches, host work, waits such "
+                         "as a readback); the rest of ms/round is the device finishing what was launched")
         if self.sub:
             verify = self.ns[PHASES.index("verify")] or 1
             lines.append("  verify by mixer class (shares of verify):")

@@ -32,6 +32,11 @@ class SubsplitTimer:
         self.seq_rows = 0  # verify rows that took a per-row mixer arm instead of the batched one
         self._t = 0
         self._ts = 0
+        self._later: list[Callable[[], None]] = []  # laps whose device stamps are still on their way back
+
+    def later(self, read: Callable[[], None]) -> None:
+        """A replay's laps to add at the next `take` (its stamps copied back without a wait)."""
+        self._later.append(read)
 
     def begin(self) -> None:
         self.drain()
@@ -52,7 +57,11 @@ class SubsplitTimer:
         self.ns["scan"] += time.perf_counter_ns() - self._ts
 
     def take(self) -> tuple[dict[str, int], int]:
-        """The accumulated ns per bucket and seq_rows since the last take; resets both."""
+        """The accumulated ns per bucket and seq_rows since the last take; resets both. Laps still
+        on their way back are added first (waiting for their copy: called after the round's
+        readback, it waits for nothing)."""
+        while self._later:
+            self._later.pop(0)()
         ns, rows = self.ns, self.seq_rows
         self.ns, self.seq_rows = dict.fromkeys(SUB_BUCKETS, 0), 0
         return ns, rows
@@ -120,9 +129,12 @@ class StampMarks(_Marks):
     int64 slot per boundary, `stamp(buf, i)`: kernels/stamp.py on CUDA). After a replay the
     stamps come back in one copy."""
 
-    def __init__(self, buf, stamp: Callable[[object, int], None]):
+    def __init__(self, buf, stamp: Callable[[object, int], None], host=None, copied=None):
         self.buf, self.stamp = buf, stamp
         self.kinds: list[str] = []
+        # a pinned host copy of buf and an event after the copy: the stamps come back without a
+        # wait in the verify; the laps are added at the timer's next take (after the readback)
+        self.host, self.copied = host, copied
 
     def _mark(self, what: str) -> None:
         if len(self.kinds) >= self.buf.numel():
@@ -131,6 +143,19 @@ class StampMarks(_Marks):
         self.kinds.append(what)
 
     def add_to(self, timer: SubsplitTimer) -> None:
-        """After a replay: copy the stamps back (this waits for the replay) and add the laps."""
-        if self.kinds:
-            add_laps(self.kinds, self.buf[: len(self.kinds)].tolist(), timer)
+        """After a replay: the stamps back and their laps into the timer. With a pinned host copy,
+        the copy is queued behind the replay and the laps are added at the timer's next take;
+        without one, the copy waits for the replay here."""
+        n = len(self.kinds)
+        if not n:
+            return
+        if self.host is None:
+            add_laps(self.kinds, self.buf[:n].tolist(), timer)
+            return
+        self.host[:n].copy_(self.buf[:n], non_blocking=True)
+        self.copied.record()
+        timer.later(lambda: self._read(timer))
+
+    def _read(self, timer: SubsplitTimer) -> None:
+        self.copied.synchronize()
+        add_laps(self.kinds, self.host[: len(self.kinds)].tolist(), timer)

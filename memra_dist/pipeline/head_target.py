@@ -155,3 +155,8 @@ class PipelineTarget:
     def free_mb(self) -> int:
         return self.runner.free_mb()
 
+    def stream_marks(self):
+        """The head's stream: its verify ends by receiving the last stage's rows (the clock's
+        transitive bound over every stage, phase/clock.py)."""
+        return self.runner.stream_marks()
+

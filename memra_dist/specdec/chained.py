@@ -19,7 +19,9 @@ __all__ = ["burst_chained"]
 def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | None) -> None:
     """Up to `max_rounds` of session `s`'s rounds, taken from its chain."""
     fm = s.clock.free_mb() if rec is not None else None  # one reading a burst
-    pump = s._pump_in_verify or s._pump_between
+    if rec is not None:
+        rec.clock = "leader"
+    pump = s._pump
     for _ in range(max_rounds):
         if s.done:
             break

@@ -98,10 +98,10 @@ class SpecSession:
         self.trace, self.sink, self.eos = trace, sink, set(eos_ids)
         self.clock: PhaseClock | None = None
         if trace.clock_on:
-            drains = [target.drain]
+            engines = [(target.drain, target)]
             if drafter.device is not None and drafter.device != getattr(target, "device", None):
-                drains.append(drafter.drain)  # a drafter on its own device: drain it too
-            self.clock = PhaseClock(drains, self._free_mb)
+                engines.append((drafter.drain, getattr(drafter, "runner", None)))  # a drafter on its own device
+            self.clock = PhaseClock([d for d, _ in engines], self._free_mb, self._marks(trace, [e for _, e in engines]))
         self.timer = SubsplitTimer(target.drain) if trace.level >= 2 else None
         self.prof = FirstTokenProf() if trace.prof else None
         self.log = RoundsLog() if trace.prof else None
@@ -112,12 +112,11 @@ class SpecSession:
         self._draft_fw = getattr(drafter, "forwards_per_draft", -1)  # dflash: one forward drafts the block
         self._no_drafts = torch.zeros(0, dtype=torch.long)
         # deferred sink work (span building, tracing/deferred.py) runs while a verify is on the
-        # device: right after the forward is launched, before the clock drains it. At level 2
-        # the forward drains per layer (nothing to overlap), so it runs between rounds instead.
-        # Level 0 without the profile makes no records, hence no such work: nothing is wired.
-        pump = getattr(sink, "pump", None) if sink is not None and trace.clock_on else None
-        self._pump_in_verify = pump if trace.level < 2 else None
-        self._pump_between = pump if trace.level >= 2 else None
+        # device: right after the forward is launched, before the accept reads it back (level 2
+        # on the eager path drains per layer: its forward has returned by then, which costs what
+        # building between rounds would). Level 0 without the profile makes no records, hence no
+        # such work: nothing is wired.
+        self._pump = getattr(sink, "pump", None) if sink is not None and trace.clock_on else None
         self.tokens: list[int] = []
         self.stats = SessionStats()
         self.done = False
@@ -127,6 +126,22 @@ class SpecSession:
         self._chains = (sp.greedy and self.prof is None and getattr(drafter, "host_only", False)
                         and callable(getattr(target, "chain", None)))
         self._chain = None
+
+    @staticmethod
+    def _marks(trace: TraceSettings, engines: list) -> list | None:
+        """The event clock's marks, one per stream (phase/clock.py), when every engine's stream
+        records timing events and the clock is `events`; None = the draining clock (CPU, a
+        batched target, MEMRA_PHASE_CLOCK=drain, the first-token profile: its depth laps drain)."""
+        if trace.clock != "events" or trace.prof:
+            return None
+        marks = []
+        for e in engines:
+            m = getattr(e, "stream_marks", None)
+            m = m() if callable(m) else None
+            if m is None:
+                return None
+            marks.append(m)
+        return marks
 
     @property
     def ran_ahead(self) -> bool:
@@ -161,6 +176,9 @@ class SpecSession:
             t = pf.t0_ns = c.stamp()
         with lend(getattr(self.target, "runner", self.target), depth):  # pp>1: the head's runner
             self.target.alloc(capacity)
+            warm = getattr(self.target, "warm_timed_rows", None)
+            if self.timer is not None and warm is not None:  # level 2: no twin captured inside a round
+                warm(self.k + 1)
         if pf is not None:
             t, pf.ms["cache_alloc"] = c.lap_ms(t)
         chunks = self.chunks(len(prompt))
@@ -264,7 +282,15 @@ class SpecSession:
             burst_chained(self, max_rounds, hook, out, rec)
             hook_ns = 0
         else:
+            if rec is not None:
+                rec.clock = self.clock.mode
+                self.clock.begin(max_rounds)
             hook_ns = self._burst_rounds(max_rounds, hook, rec, first, out)
+            if rec is not None:
+                self.clock.resolve(rec.live())  # the event clock's one wait a burst (phase/clock.py)
+                if self.log is not None:
+                    for r in rec.live():
+                        self._profile_round(r)
         if rec is not None:
             rec.t1 = time.perf_counter_ns()
         self.stats.bursts += 1
@@ -285,25 +311,27 @@ class SpecSession:
         k = min(self.k, self.capacity - n, self.max_new - self.stats.tokens - 1)
         c = self.clock
         if rec is not None:
+            slot = rec.n
             r = rec.next_round()
             r.index, r.ctx = self.stats.rounds, n - 1
-            r.t[0] = time.perf_counter_ns()  # the previous boundary drained; the hook is host-only
+            c.mark(r, slot, 0)  # round entry: the previous boundary's; the hook is host-only
         prop = self.drafter.propose(self.tokens, max(k, 0), self.sp, self.gen) if k > 0 else None
         drafts = prop.tokens[:k] if prop is not None else self._no_drafts
         kk = int(drafts.shape[0])
         if rec is not None:
-            (r.h[0], r.t[1]), r.free_mb[0] = c.boundary(), c.free_mb()
+            r.h[0] = c.mark(r, slot, 1)
         ids = self._verify_ids(drafts)  # (kk+1,): the pending token, then the drafts
         logits = self.target.forward(ids, n - 1, self.timer)  # (kk+1, V)
         if rec is not None:
             r.h[1] = time.perf_counter_ns()  # the verify launched (before the tracer's own deferred work)
-        if self._pump_in_verify is not None:
-            self._pump_in_verify()
+            fm = c.free_mb()  # once a round, in the verify's shadow: every phase of the round carries it
+            for i in range(len(r.free_mb)):
+                r.free_mb[i] = fm
+        if self._pump is not None:
+            self._pump()
         if rec is not None:
-            r.t[2], r.free_mb[1] = c.stamp(), c.free_mb()
+            c.mark(r, slot, 2)
             r.batch = getattr(self.target, "last_step", None)  # a batched request: the step its rows rode in
-            if self.timer is not None:
-                r.sub_ns, r.seq_rows = self.timer.take()
         try:
             if self.sp.greedy:
                 # the accepted drafts + the next token: one readback (none when a batched step read them)
@@ -316,19 +344,18 @@ class SpecSession:
         except NonFiniteRow as e:  # rows 0 .. j of this verify hold NaN / inf
             raise self._non_finite(ids, n - 1, e.row, f"round {self.stats.rounds}, verify row {e.row}") from None
         if rec is not None:
-            (r.h[2], r.t[3]), r.free_mb[2] = c.boundary(), c.free_mb()
+            r.h[2] = c.mark(r, slot, 3)
+            if self.timer is not None:  # level 2: the verify's laps (a graphed verify's stamps came back by now)
+                r.sub_ns, r.seq_rows = self.timer.take()
         self.target.rollback(n + j)  # keep the pending token + j accepted drafts
         if rec is not None:
-            (r.h[3], r.t[4]), r.free_mb[3] = c.boundary(), c.free_mb()
+            r.h[3] = c.mark(r, slot, 4)
         new = self._commit(new)
         self.drafter.maintain(self.tokens)
         if rec is not None:
-            (r.h[4], r.t[5]), r.free_mb[4] = c.boundary(), c.free_mb()
+            r.h[4] = c.mark(r, slot, 5)
             r.k, r.j = kk, j
             r.draft_forwards = self._draft_fw if kk or self._draft_fw < 0 else 0
-            self._profile_round(r)
-        if self._pump_between is not None:
-            self._pump_between()
         self.stats.rounds += 1
         self.stats.drafted += kk
         self.stats.accepted += j
@@ -357,8 +384,8 @@ class SpecSession:
         round is recorded from the step's own device times (`_record_ahead`)."""
         a = self._ahead
         if rec is not None:
-            rec.ahead = True
-        pump = self._pump_in_verify or self._pump_between
+            rec.ahead, rec.clock = True, "ahead"
+        pump = self._pump
         for _ in range(max_rounds):
             if self.done:
                 break
@@ -440,7 +467,7 @@ class SpecSession:
         if self.log is None:
             return
         ms = [r.phase_ns(i) / 1e6 for i in range(5)]
-        if self.stats.rounds == 0:
+        if r.index == 0:
             for name, v in zip(("first_draft", "first_verify", "first_accept", "first_roll", "first_maint"), ms):
                 self.prof.ms[name] = v
             self.prof.first_round_tokens = r.j + 1

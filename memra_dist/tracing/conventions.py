@@ -56,7 +56,8 @@ ATTR = {
     "scan_ms": "memra.scan_ms",  # KDA recurrent-scan share inside spec.verify.kda (ms)
     "seq_rows": "memra.seq_rows",  # verify rows that took a per-row mixer arm (int)
     "draft_forwards": "memra.draft_forwards",  # on spec.draft: draft-network forwards in the phase (int)
-    "host_ms": "memra.host_ms",  # on phase spans: the phase until the host reached its end, before the drain (ms)
+    "host_ms": "memra.host_ms",  # on phase spans: the phase until the host reached its end boundary (ms)
+    "clock": "memra.clock",  # on spec.burst: how its phases were timed: events | drain | ahead | leader
     "tokens": "memra.tokens",  # tokens committed (int)
     "rounds": "memra.rounds",  # rounds in a burst / request (int)
     "drafter": "memra.drafter",

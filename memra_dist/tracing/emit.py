@@ -86,7 +86,8 @@ class SpanSink:
     def burst_steps(self, rec: BurstRecord):
         """The burst's spans, yielding after each round's (tracing/deferred.py pumps them)."""
         b = self._span(SPAN_BURST, self.parent, rec.t0, rec.t1, {
-            ATTR["burst"]: rec.index, ATTR["k"]: rec.k, ATTR["rounds"]: rec.n, ATTR["tokens"]: rec.tokens})
+            ATTR["burst"]: rec.index, ATTR["k"]: rec.k, ATTR["rounds"]: rec.n, ATTR["tokens"]: rec.tokens,
+            ATTR["clock"]: rec.clock})
         for r in rec.live():
             self._round(r, b)
             yield

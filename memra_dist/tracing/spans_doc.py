@@ -43,8 +43,14 @@ ATTR_DOC = {
     "seq_rows": ("{row}", "spec.round", "verify rows that took a per-row mixer arm instead of the batched one"),
     "draft_forwards": ("{forward}", "spec.draft", "draft-network forwards in the phase, where the drafter says: dflash "
                        "drafts its whole block in ONE forward (1; 0 in a round that drafted nothing)"),
-    "host_ms": ("ms", "phase spans (not one step ahead)", "the phase from its start until the host reached its end, "
-                "before the drain: its launches, its host work and any wait inside it (the accept's readback); "
+    "clock": ("", "spec.burst", "how the burst's phases were timed (phase/clock.py): `events` (a timing event "
+              "recorded on every stream at each boundary, read once the burst ends: the device never idles for the "
+              "clock; the CUDA default), `drain` (each boundary synchronizes the streams: CPU, the first-token "
+              "profile, a batched request's own rounds, MEMRA_PHASE_CLOCK=drain), `ahead` (plain greedy one step "
+              "ahead: each step's device events), `leader` (a batched greedy request: the step leader's stamps)"),
+    "host_ms": ("ms", "phase spans (not one step ahead)", "the phase from its start until the host reached its end "
+                "boundary (before its drain, or as it recorded its events): its launches, its host work and any "
+                "wait inside it (the accept's readback); "
                 "the rest of the span is the device finishing work already launched. A phase whose host_ms is "
                 "most of it, with the device idle meanwhile, is bound by the host. Waits inside count as host: at level 2 "
                 "the verify drains per layer, and at pp > 1 the head's verify waits for the last stage's rows, so "
@@ -113,7 +119,7 @@ _SPANS = [
     (C.SPAN_REQUEST, "-", "driver", "one per request; root, or child of an incoming W3C traceparent (--traceparent / TRACEPARENT)"),
     (C.SPAN_BURST, C.SPAN_REQUEST, "driver (pp=1) / head", "a burst of rounds; tokens stream to the caller per round inside it"),
     (C.SPAN_ROUND, C.SPAN_BURST, "driver / head", "one speculative round; its five phase spans tile it in clock order"),
-    *[(C.PHASE_SPANS[p], C.SPAN_ROUND, "driver / head", f"the {p} phase, bounded by drained clock stamps on both sides (plain greedy decoding one step ahead: from its step's device events, no drain; a batched greedy request with a host drafter: the step leader's stamps, the verify ending at its step's readback)") for p in C.PHASES],
+    *[(C.PHASE_SPANS[p], C.SPAN_ROUND, "driver / head", f"the {p} phase, bounded on both sides by the moment its streams reached the boundary: timing events read after the burst (CUDA), or drained clock stamps (CPU, MEMRA_PHASE_CLOCK=drain) (plain greedy decoding one step ahead: from its step's device events, no drain; a batched greedy request with a host drafter: the step leader's stamps, the verify ending at its step's readback)") for p in C.PHASES],
     *[(C.VERIFY_SUB_SPANS[b], C.PHASE_SPANS["verify"], "driver / head", f"level 2: the {b} share of the verify walk (per-layer laps summed: drained, or the graph's device-clock stamps; laid end to end)") for b in C.VERIFY_SUB_SPANS],
     (C.SPAN_FIRST_TOKEN, C.SPAN_REQUEST, "driver / head", "profile on: everything between the session's prime and the first burst's end"),
     *[(C.ttft_span(b), C.SPAN_FIRST_TOKEN, "driver / head", "first-token bucket " + b) for b in C.TTFT_BUCKETS],

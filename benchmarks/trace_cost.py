@@ -1,0 +1,224 @@
+"""What tracing costs with each drafter, timed from the outside (issue 32).
+
+Per case, one engine through `memra_dist.app.open_engine` with a default RunConfig (the
+user's path: graphs, kernels, compile auto), then requests through `Engine.generate` at trace
+levels 0, 1 and 2 (event clock, the default) and at levels 1 and 2 with MEMRA_PHASE_CLOCK's
+`drain` (the seed's literal clock, for comparison), in interleaved repeats. Each traced
+request builds its spans as the CLI does (DeferredSink over SpanSink, a BatchSpanProcessor,
+an in-memory exporter: the SDK's real cost without a network) and feeds a phase-share table.
+Decode tok/s: tokens after the first over the first to the last streamed token.
+
+Cases (8B shape: the bench's chain-structured Llama target, random bf16; prompt: the bench's
+copy-with-edits prompt):
+  plain   no drafter (greedy decode runs one step ahead at every level)
+  ngram   K = 4 on the copy-with-edits prompt
+  model   the bench's draft checkpoint (the 1B shape over the 8B), K = 4
+  dflash  a random DFlash drafter (benchmarks/tap_drafters.py's layout), its block drafted in full
+          every round, its drafts replaced by the recorded greedy continuation corrupted to an
+          acceptance of ~0.8 per token (bench/tap_replay.py), K = 7
+No level-2 twin or timed stamp is captured inside a traced request: the first traced request
+after a level-0 warm-up is in the repeats, and `max_over_median` says whether one was slow.
+
+    python benchmarks/trace_cost.py OUT_DIR [--shape 8b|tiny] [--cases plain,ngram,model,dflash]
+                                    [--new 256] [--repeats 5]
+Results: OUT_DIR/trace_cost.json and a markdown table on stdout; a line per run on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RUNS = ((0, "events"), (1, "events"), (2, "events"), (1, "drain"), (2, "drain"))
+K = {"plain": 1, "ngram": 4, "model": 4, "dflash": 7}
+
+
+def _say(*a) -> None:
+    print("[trace_cost]", *a, file=sys.stderr, flush=True)
+
+
+def _span_sink():
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: PLC0415
+
+    from memra_dist.tracing.deferred import DeferredSink  # noqa: PLC0415
+    from memra_dist.tracing.emit import SpanSink  # noqa: PLC0415
+    from memra_dist.tracing.otel import quick_gil_handoff  # noqa: PLC0415
+
+    quick_gil_handoff()  # as the CLI's provider does
+    tp = TracerProvider()
+    exp = InMemorySpanExporter()
+    tp.add_span_processor(BatchSpanProcessor(exp))
+    return DeferredSink(SpanSink(tp.get_tracer("memra.trace_cost"), None)), tp, exp
+
+
+def _request(engine, prompt, cfg, level: int, clock: str) -> dict:
+    from memra_dist.phase.levels import TraceSettings  # noqa: PLC0415
+    from memra_dist.phase.share import ShareTable  # noqa: PLC0415
+    from memra_dist.tracing.conventions import PHASES  # noqa: PLC0415
+
+    stamps: list[tuple[float, int]] = []
+    share = ShareTable() if level else None
+    spans = tp = exp = None
+    if level:
+        spans, tp, exp = _span_sink()
+    c = cfg.with_(trace=TraceSettings(level=level, clock=clock))
+    res = engine.generate(prompt, c, stream=lambda t: stamps.append((time.perf_counter(), len(t))), sink=share,
+                          span_sink=spans)
+    (t0, _), (t1, _) = stamps[0], stamps[-1]
+    n_after = sum(n for _, n in stamps[1:])
+    st = res.stats
+    out = {"level": level, "clock": clock, "ids": res.token_ids, "decode_s": t1 - t0,
+           "tok_s": n_after / (t1 - t0) if t1 > t0 else 0.0, "rounds": st["rounds"],
+           "tokens_per_round": st["tokens_per_round"], "ttft_ms": st["ttft_ms"]}
+    if share is not None:
+        spans.close()
+        tp.shutdown()
+        n = max(share.n_rounds, 1)
+        out["phase_ms"] = {p: ns / 1e6 / n for p, ns in zip(PHASES, share.ns)}
+        out["host_ms"] = {p: ns / 1e6 / n for p, ns in zip(PHASES, share.host_ns)}
+        out["spans"] = len(exp.get_finished_spans())
+        out["table"] = share.table()
+    return out
+
+
+def _case(name: str, a, dev, cache: Path, prompt: list[int], recorded: list[int] | None) -> dict:
+    import torch  # noqa: PLC0415
+
+    from memra_dist.app import open_engine  # noqa: PLC0415
+    from memra_dist.bench import tap_checkpoints as tc  # noqa: PLC0415
+    from memra_dist.bench.checkpoints import DRAFT_OF, ensure_checkpoint  # noqa: PLC0415
+    from memra_dist.bench.tap_replay import TapReplay  # noqa: PLC0415
+    from memra_dist.config import RunConfig  # noqa: PLC0415
+    from memra_dist.specdec.drafters.replay import ReplayDrafter  # noqa: PLC0415
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = ensure_checkpoint(a.shape, cache, dev, _say, dtype)
+    kw = dict(model=str(target), max_new_tokens=a.new, k=K[name], drafter={"plain": "none"}.get(name, name))
+    if name == "model":
+        kw["draft_model"] = str(ensure_checkpoint(DRAFT_OF[a.shape], cache, dev, _say, dtype))
+    if name == "dflash":
+        kw["draft_model"] = str(tc.ensure_dflash(a.shape, cache, dev, _say, dtype)[1])
+    cfg = RunConfig(**kw)
+    out: dict = {"case": name, "k": K[name], "graphs": cfg.graphs, "compile": cfg.compile}
+    t = time.perf_counter()
+    with open_engine(cfg, len(prompt) + a.new + K[name] + 1) as engine:
+        out["open_s"] = round(time.perf_counter() - t, 1)
+        fresh = lambda: None  # noqa: E731
+        if name == "dflash":
+            local = engine._backend  # the pp=1 backend keeps the drafter between requests
+            _request(engine, prompt, cfg.with_(max_new_tokens=8), 0, "events")  # builds and loads the drafter
+            real = local.drafter
+
+            def fresh() -> None:  # the same corrupted drafts in every request (a replay's generator starts over)
+                local.drafter = TapReplay(real, ReplayDrafter(recorded, len(prompt), engine.model.vocab_size, 0.2,
+                                                              seed=1))
+            out["corrupt"] = 0.2
+        fresh()
+        _request(engine, prompt, cfg, 0, "events")  # warm-up at level 0 only: level 1 / 2's first requests are timed
+        runs = {f"{lv}/{ck}": [] for lv, ck in RUNS}
+        for rep in range(a.repeats):
+            for lv, ck in RUNS:
+                fresh()
+                r = _request(engine, prompt, cfg, lv, ck)
+                runs[f"{lv}/{ck}"].append(r)
+                _say(f"{name} rep {rep} level {lv} {ck}: {r['tok_s']:.1f} tok/s, {r['rounds']} rounds")
+    ids0 = runs["0/events"][0]["ids"]
+    out["ids_equal"] = all(r["ids"] == ids0 for rs in runs.values() for r in rs)
+    out["rounds_equal"] = len({r["rounds"] for rs in runs.values() for r in rs}) == 1
+    if name == "plain":
+        out["recorded"] = ids0
+    base = statistics.median(r["decode_s"] for r in runs["0/events"])
+    w0 = [r["decode_s"] for r in runs["0/events"]]
+    out["level0"] = {"tok_s": round(statistics.median(r["tok_s"] for r in runs["0/events"]), 2),
+                     "noise_pct": round((max(w0) - min(w0)) / base * 100, 2),
+                     "tokens_per_round": runs["0/events"][0]["tokens_per_round"]}
+    out["runs"] = {}
+    for key, rs in runs.items():
+        walls = [r["decode_s"] for r in rs]
+        med = statistics.median(walls)
+        row = {"overhead_pct": round((med / base - 1) * 100, 2),
+               "overhead_pct_all": [round((w / base - 1) * 100, 2) for w in walls],
+               "max_over_median": round(max(walls) / med, 3), "tok_s": round(statistics.median(r["tok_s"] for r in rs), 2)}
+        if "phase_ms" in rs[0]:
+            row["phase_ms"] = {p: round(statistics.median(r["phase_ms"][p] for r in rs), 4) for p in rs[0]["phase_ms"]}
+            row["host_ms"] = {p: round(statistics.median(r["host_ms"][p] for r in rs), 4) for p in rs[0]["host_ms"]}
+            row["spans"] = rs[0]["spans"]
+            row["table"] = rs[len(rs) // 2]["table"]
+        out["runs"][key] = row
+    for lv in (1, 2):  # the event clock's phases against the draining clock's on the same rounds
+        ev, dr = out["runs"][f"{lv}/events"].get("phase_ms"), out["runs"][f"{lv}/drain"].get("phase_ms")
+        if ev and dr:
+            out[f"level{lv}_phase_vs_drain"] = {p: {"events_ms": ev[p], "drain_ms": dr[p],
+                                                    "diff_ms": round(ev[p] - dr[p], 4),
+                                                    "diff_pct": round((ev[p] / dr[p] - 1) * 100, 2) if dr[p] else None}
+                                                for p in ev}
+    return out
+
+
+def table(res: dict) -> str:
+    lines = ["| case | K | level-0 tok/s | level-0 noise | L1 (events) | L2 (events) | L1 (drain) | L2 (drain) | "
+             "worst repeat / median (L1, L2) | ids equal |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in res["cases"]:
+        r = c["runs"]
+        lines.append(f"| {c['case']} | {c['k']} | {c['level0']['tok_s']} | {c['level0']['noise_pct']} % | "
+                     f"{r['1/events']['overhead_pct']:+.2f} % | {r['2/events']['overhead_pct']:+.2f} % | "
+                     f"{r['1/drain']['overhead_pct']:+.2f} % | {r['2/drain']['overhead_pct']:+.2f} % | "
+                     f"{r['1/events']['max_over_median']} / {r['2/events']['max_over_median']} | {c['ids_equal']} |")
+    lines += ["", "Level 1, ms a round by phase, event clock / draining clock (median over the repeats):", "",
+              "| case | draft | verify | accept | rollback | maint |", "|---|---|---|---|---|---|"]
+    for c in res["cases"]:
+        cmp_ = c.get("level1_phase_vs_drain")
+        if cmp_:
+            lines.append(f"| {c['case']} | " + " | ".join(f"{v['events_ms']:.3f} / {v['drain_ms']:.3f}"
+                                                         for v in cmp_.values()) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--shape", default="8b", choices=["8b", "tiny"])
+    ap.add_argument("--cases", default="plain,ngram,model,dflash")
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=512)
+    a = ap.parse_args()
+    import torch  # noqa: PLC0415
+
+    from memra_dist.bench.checkpoints import bench_cache_dir, shape_config  # noqa: PLC0415
+    from memra_dist.bench.runs import make_prompt  # noqa: PLC0415
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cache = bench_cache_dir()
+    prompt = make_prompt(a.prompt, shape_config(a.shape)["vocab_size"])
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    bad = [c for c in cases if c not in K]
+    if bad:
+        print(f"trace_cost: unknown case(s) {', '.join(bad)} (choose from {', '.join(K)})", file=sys.stderr)
+        return 2
+    res = {"shape": a.shape, "new": a.new, "repeats": a.repeats, "prompt": a.prompt, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "cases": []}
+    recorded = None
+    if "dflash" in cases and "plain" not in cases:
+        cases.insert(0, "plain")  # the DFlash replay follows the plain greedy continuation
+    for name in cases:
+        t = time.perf_counter()
+        r = _case(name, a, dev, cache, prompt, recorded)
+        recorded = r.pop("recorded", recorded)
+        r["wall_s"] = round(time.perf_counter() - t, 1)
+        res["cases"].append(r)
+        (out / "trace_cost.json").write_text(json.dumps(res, indent=1))
+        _say(f"{name}: done in {r['wall_s']} s")
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
