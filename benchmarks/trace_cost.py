@@ -33,6 +33,10 @@ import time
 from pathlib import Path
 
 RUNS = ((0, "events"), (1, "events"), (2, "events"), (1, "drain"), (2, "drain"))
+# --explain: level 1 taken apart: without spans (the clock and the share table alone), and with
+# spans but the garbage collector off (what the spans' allocations cost in collections)
+# and with spans built only after the request (no pump in the rounds)
+EXPLAIN = ((1, "nospans"), (1, "nogc"), (1, "nopump"))
 K = {"plain": 1, "ngram": 4, "model": 4, "dflash": 7}
 
 
@@ -53,10 +57,38 @@ def _span_sink():
     tp = TracerProvider()
     exp = InMemorySpanExporter()
     tp.add_span_processor(BatchSpanProcessor(exp))
-    return DeferredSink(SpanSink(tp.get_tracer("memra.trace_cost"), None)), tp, exp
+    sink = DeferredSink(SpanSink(tp.get_tracer("memra.trace_cost"), None))
+    pump = sink.pump
+
+    def timed_pump(*a, **kw):  # the host time span building takes inside the rounds (in the verify's shadow)
+        t = time.perf_counter_ns()
+        pump(*a, **kw)
+        HOST["pump_ns"] += time.perf_counter_ns() - t
+    sink.pump = timed_pump
+    return sink, tp, exp
+
+
+HOST = {"pump_ns": 0, "resolve_ns": 0, "resolves": 0}
+
+
+def _time_resolve() -> None:
+    """The event clock's once-a-burst read (its wait and the event reads), timed (a bench-side wrapper)."""
+    from memra_dist.phase.clock import PhaseClock  # noqa: PLC0415
+
+    inner = PhaseClock.resolve
+
+    def resolve(self, rounds):
+        t = time.perf_counter_ns()
+        inner(self, rounds)
+        HOST["resolve_ns"] += time.perf_counter_ns() - t
+        HOST["resolves"] += 1
+    PhaseClock.resolve = resolve
 
 
 def _request(engine, prompt, cfg, level: int, clock: str) -> dict:
+    """`clock`: events | drain, or an --explain variant of the event clock (nospans, nogc)."""
+    import gc  # noqa: PLC0415
+
     from memra_dist.phase.levels import TraceSettings  # noqa: PLC0415
     from memra_dist.phase.share import ShareTable  # noqa: PLC0415
     from memra_dist.tracing.conventions import PHASES  # noqa: PLC0415
@@ -64,24 +96,38 @@ def _request(engine, prompt, cfg, level: int, clock: str) -> dict:
     stamps: list[tuple[float, int]] = []
     share = ShareTable() if level else None
     spans = tp = exp = None
-    if level:
+    if level and clock != "nospans":
         spans, tp, exp = _span_sink()
-    c = cfg.with_(trace=TraceSettings(level=level, clock=clock))
-    res = engine.generate(prompt, c, stream=lambda t: stamps.append((time.perf_counter(), len(t))), sink=share,
-                          span_sink=spans)
+        if clock == "nopump":  # built at close, after the last token
+            inner = spans
+            spans = type("NoPump", (), {"burst": lambda _, r: inner.burst(r), "first_token": lambda _, p: inner.first_token(p),
+                                        "rounds": lambda _, lg, f: None, "close": lambda _: inner.close()})()
+    c = cfg.with_(trace=TraceSettings(level=level, clock="drain" if clock == "drain" else "events"))
+    for key in HOST:
+        HOST[key] = 0
+    if clock == "nogc":
+        gc.disable()
+    try:
+        res = engine.generate(prompt, c, stream=lambda t: stamps.append((time.perf_counter(), len(t))), sink=share,
+                              span_sink=spans)
+    finally:
+        gc.enable()
     (t0, _), (t1, _) = stamps[0], stamps[-1]
     n_after = sum(n for _, n in stamps[1:])
     st = res.stats
     out = {"level": level, "clock": clock, "ids": res.token_ids, "decode_s": t1 - t0,
            "tok_s": n_after / (t1 - t0) if t1 > t0 else 0.0, "rounds": st["rounds"],
            "tokens_per_round": st["tokens_per_round"], "ttft_ms": st["ttft_ms"]}
-    if share is not None:
+    if spans is not None:
         spans.close()
         tp.shutdown()
+    if share is not None:
         n = max(share.n_rounds, 1)
+        out["pump_ms_per_round"] = HOST["pump_ns"] / 1e6 / n
+        out["resolve_ms_per_burst"] = HOST["resolve_ns"] / 1e6 / max(HOST["resolves"], 1)
         out["phase_ms"] = {p: ns / 1e6 / n for p, ns in zip(PHASES, share.ns)}
         out["host_ms"] = {p: ns / 1e6 / n for p, ns in zip(PHASES, share.host_ns)}
-        out["spans"] = len(exp.get_finished_spans())
+        out["spans"] = len(exp.get_finished_spans()) if exp is not None else 0
         out["table"] = share.table()
     return out
 
@@ -108,21 +154,22 @@ def _case(name: str, a, dev, cache: Path, prompt: list[int], recorded: list[int]
     t = time.perf_counter()
     with open_engine(cfg, len(prompt) + a.new + K[name] + 1) as engine:
         out["open_s"] = round(time.perf_counter() - t, 1)
-        fresh = lambda: None  # noqa: E731
+        real = None
         if name == "dflash":
-            local = engine._backend  # the pp=1 backend keeps the drafter between requests
             _request(engine, prompt, cfg.with_(max_new_tokens=8), 0, "events")  # builds and loads the drafter
-            real = local.drafter
-
-            def fresh() -> None:  # the same corrupted drafts in every request (a replay's generator starts over)
-                local.drafter = TapReplay(real, ReplayDrafter(recorded, len(prompt), engine.model.vocab_size, 0.2,
-                                                              seed=1))
+            real = engine._backend.drafter  # the pp=1 backend keeps the drafter between requests
             out["corrupt"] = 0.2
+
+        def fresh() -> None:  # dflash: the same corrupted drafts in every request (a new replay's generator)
+            if real is not None:
+                engine._backend.drafter = TapReplay(real, ReplayDrafter(recorded, len(prompt),
+                                                                        engine.model.vocab_size, 0.2, seed=1))
         fresh()
         _request(engine, prompt, cfg, 0, "events")  # warm-up at level 0 only: level 1 / 2's first requests are timed
-        runs = {f"{lv}/{ck}": [] for lv, ck in RUNS}
+        plan = RUNS + (EXPLAIN if a.explain else ())
+        runs = {f"{lv}/{ck}": [] for lv, ck in plan}
         for rep in range(a.repeats):
-            for lv, ck in RUNS:
+            for lv, ck in plan:
                 fresh()
                 r = _request(engine, prompt, cfg, lv, ck)
                 runs[f"{lv}/{ck}"].append(r)
@@ -148,6 +195,8 @@ def _case(name: str, a, dev, cache: Path, prompt: list[int], recorded: list[int]
             row["phase_ms"] = {p: round(statistics.median(r["phase_ms"][p] for r in rs), 4) for p in rs[0]["phase_ms"]}
             row["host_ms"] = {p: round(statistics.median(r["host_ms"][p] for r in rs), 4) for p in rs[0]["host_ms"]}
             row["spans"] = rs[0]["spans"]
+            for f in ("pump_ms_per_round", "resolve_ms_per_burst"):
+                row[f] = round(statistics.median(r[f] for r in rs), 4)
             row["table"] = rs[len(rs) // 2]["table"]
         out["runs"][key] = row
     for lv in (1, 2):  # the event clock's phases against the draining clock's on the same rounds
@@ -187,6 +236,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--explain", action="store_true", help="also level 1 without spans and with the collector off")
     a = ap.parse_args()
     import torch  # noqa: PLC0415
 
@@ -195,6 +245,7 @@ def main() -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    _time_resolve()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cache = bench_cache_dir()
     prompt = make_prompt(a.prompt, shape_config(a.shape)["vocab_size"])
