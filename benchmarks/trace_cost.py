@@ -209,6 +209,48 @@ def _case(name: str, a, dev, cache: Path, prompt: list[int], recorded: list[int]
     return out
 
 
+def probe() -> dict:
+    """--explain on CUDA: what the clock's host calls cost, and whether reading free memory
+    waits for the device (timed while ~25 ms of matmuls are queued)."""
+    import torch  # noqa: PLC0415
+
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    x @ x
+    torch.cuda.synchronize()
+
+    def busy() -> float:
+        for _ in range(20):
+            x @ x
+        t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    queued = busy()
+    for _ in range(20):
+        x @ x
+    t0 = time.perf_counter()
+    torch.cuda.mem_get_info()
+    during = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    evs = [torch.cuda.Event(enable_timing=True) for _ in range(1000)]
+    t0 = time.perf_counter()
+    for e in evs:
+        e.record()
+    rec = (time.perf_counter() - t0) / len(evs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for a, b in zip(evs, evs[1:]):
+        a.elapsed_time(b)
+    el = (time.perf_counter() - t0) / (len(evs) - 1)
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        torch.cuda.mem_get_info()
+    idle = (time.perf_counter() - t0) / 1000
+    return {"queued_work_ms": round(queued * 1e3, 3), "mem_get_info_busy_ms": round(during * 1e3, 3),
+            "mem_get_info_idle_us": round(idle * 1e6, 2), "event_record_us": round(rec * 1e6, 2),
+            "elapsed_time_us": round(el * 1e6, 2)}
+
+
 def table(res: dict) -> str:
     lines = ["| case | K | level-0 tok/s | level-0 noise | L1 (events) | L2 (events) | L1 (drain) | L2 (drain) | "
              "worst repeat / median (L1, L2) | ids equal |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -256,6 +298,9 @@ def main() -> int:
         return 2
     res = {"shape": a.shape, "new": a.new, "repeats": a.repeats, "prompt": a.prompt, "torch": torch.__version__,
            "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "cases": []}
+    if a.explain and dev.type == "cuda":
+        res["probe"] = probe()
+        _say(f"probe: {res['probe']}")
     recorded = None
     if "dflash" in cases and "plain" not in cases:
         cases.insert(0, "plain")  # the DFlash replay follows the plain greedy continuation

@@ -141,7 +141,7 @@ METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memr
 METRIC_META = {
     "phase_duration": ("histogram", "ms", "Phase wall time per round, by phase (memra.phase: draft, verify, accept, rollback, maint)."),
     "phase_host_duration": ("histogram", "ms", "A phase's host part per round, by phase: until the host reached the "
-                            "phase's end, before its drain (launches, host work, waits such as a readback); rounds "
+                            "phase's end boundary (launches, host work, waits such as a readback); rounds "
                             "run one step ahead record none."),
     "verify_sub_duration": ("histogram", "ms", "Level-2 verify sub-bucket time per round, by memra.bucket (kda, mla, attn, ffn, rest)."),
     "drafted": ("counter", "{token}", "Drafted tokens that entered a verify."),
