@@ -128,6 +128,9 @@ def _request(engine, prompt, cfg, level: int, clock: str) -> dict:
         out["phase_ms"] = {p: ns / 1e6 / n for p, ns in zip(PHASES, share.ns)}
         out["host_ms"] = {p: ns / 1e6 / n for p, ns in zip(PHASES, share.host_ns)}
         out["spans"] = len(exp.get_finished_spans()) if exp is not None else 0
+        kinds = {"events": share.event_rounds, "ahead": share.ahead_rounds,
+                 "drain": share.n_rounds - share.event_rounds - share.ahead_rounds}
+        out["clock_used"] = "+".join(k for k, v in kinds.items() if v) or "none"
         out["table"] = share.table()
     return out
 
@@ -195,6 +198,7 @@ def _case(name: str, a, dev, cache: Path, prompt: list[int], recorded: list[int]
             row["phase_ms"] = {p: round(statistics.median(r["phase_ms"][p] for r in rs), 4) for p in rs[0]["phase_ms"]}
             row["host_ms"] = {p: round(statistics.median(r["host_ms"][p] for r in rs), 4) for p in rs[0]["host_ms"]}
             row["spans"] = rs[0]["spans"]
+            row["clock_used"] = rs[0]["clock_used"]
             for f in ("pump_ms_per_round", "resolve_ms_per_burst"):
                 row[f] = round(statistics.median(r[f] for r in rs), 4)
             row["table"] = rs[len(rs) // 2]["table"]

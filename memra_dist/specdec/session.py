@@ -324,12 +324,15 @@ class SpecSession:
         logits = self.target.forward(ids, n - 1, self.timer)  # (kk+1, V)
         if rec is not None:
             r.h[1] = time.perf_counter_ns()  # the verify launched (before the tracer's own deferred work)
-            fm = c.free_mb()  # once a round, in the verify's shadow: every phase of the round carries it
-            for i in range(len(r.free_mb)):
-                r.free_mb[i] = fm
         if self._pump is not None:
             self._pump()
         if rec is not None:
+            # free memory once a round, in the verify's shadow, after the span work (should the
+            # driver's query wait for the device, it waits where the readback would anyway);
+            # every phase of the round carries this reading
+            fm = c.free_mb()
+            for i in range(len(r.free_mb)):
+                r.free_mb[i] = fm
             c.mark(r, slot, 2)
             r.batch = getattr(self.target, "last_step", None)  # a batched request: the step its rows rode in
         try:
