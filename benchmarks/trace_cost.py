@@ -241,6 +241,15 @@ def probe() -> dict:
     for e in evs:
         e.record()
     rec = (time.perf_counter() - t0) / len(evs)
+    from memra_dist.device import CudaMarks  # noqa: PLC0415
+
+    m = CudaMarks(torch.device("cuda"))
+    m.bind()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for e in evs:
+        m.record(e)
+    rec_clock = (time.perf_counter() - t0) / len(evs)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for a, b in zip(evs, evs[1:]):
@@ -252,6 +261,7 @@ def probe() -> dict:
     idle = (time.perf_counter() - t0) / 1000
     return {"queued_work_ms": round(queued * 1e3, 3), "mem_get_info_busy_ms": round(during * 1e3, 3),
             "mem_get_info_idle_us": round(idle * 1e6, 2), "event_record_us": round(rec * 1e6, 2),
+            "clock_record_us": round(rec_clock * 1e6, 2),
             "elapsed_time_us": round(el * 1e6, 2)}
 
 
@@ -302,7 +312,7 @@ def main() -> int:
         return 2
     res = {"shape": a.shape, "new": a.new, "repeats": a.repeats, "prompt": a.prompt, "torch": torch.__version__,
            "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "cases": []}
-    if a.explain and dev.type == "cuda":
+    if dev.type == "cuda":
         res["probe"] = probe()
         _say(f"probe: {res['probe']}")
     recorded = None

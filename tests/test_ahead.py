@@ -53,10 +53,10 @@ def _step(r: ModelRunner, stamped: bool = False) -> _Graph:
     with torch.inference_mode():
         for _ in range(2):
             if marks is not None:
-                marks.kinds.clear()
+                marks.reset()
             fn()
         if marks is not None:
-            marks.kinds.clear()
+            marks.reset()
         graph = EmulatedGraph()
         out = graph.capture(fn)
     return _Graph(graph, x, base, pos, out, host=torch.zeros(1, dtype=torch.long), copied=_NoEvent(), marks=marks)

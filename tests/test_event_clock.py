@@ -66,6 +66,9 @@ class SimStream:
         self.sync_until(self.tail)
 
     # StreamMarks
+    def bind(self) -> None:
+        pass
+
     def event(self):
         return SimEvent()
 
@@ -213,7 +216,9 @@ def test_each_bucket_holds_its_own_device_time_without_a_drain():
             assert d.launched[n] < live[n - 1].t[5], "the next draft waited for the maintenance"
     # one wait at the burst's end and one for the anchor: nothing at any boundary
     assert a.waits == 2
-    assert a.records == 6 * rec.n + 1
+    # the first round's entry, five boundaries a round (a later round's entry is the round
+    # before's end, or the host's arrival), the anchor
+    assert a.records == 1 + 5 * rec.n + 1
 
 
 def test_the_draining_clock_gives_the_same_buckets_and_waits_at_every_boundary():
@@ -237,6 +242,26 @@ def test_a_drafter_on_its_own_stream_bounds_the_draft():
         assert DRAFT * 1e3 - 0.5 <= got[0] < DRAFT * 1e3 + 6, got  # the drafter's stream, not the idle target's
         assert VERIFY * 1e3 - 0.5 <= got[1] < VERIFY * 1e3 + 6, got
     assert a.waits == 2 and b.waits == 2
+
+
+def test_a_host_pause_between_rounds_is_in_no_phase():
+    """The caller's hook runs between rounds (streaming the tokens): with the device idle by
+    then, the next round starts when the host comes back, not at the round before's end."""
+    a = SimStream()
+    tgt = SimTarget(a)
+    tgt.drafter_stream = a
+    sink = Sink()
+    s = SpecSession(tgt, SimDrafter(a), SamplingParams(), torch.Generator().manual_seed(0), 4,
+                    TraceSettings(level=1), sink)
+    s.start([1, 2, 3, 4], max_new=60, capacity=128)
+    s.burst(3, lambda new: time.sleep(0.040))
+    rec = sink.bursts[0]
+    live = rec.live()
+    for prev, r in zip(live, live[1:]):
+        # the hook's 40 ms began as the host launched the maintenance (h[4]); the device was done
+        # before the host came back, so the next round starts at the host's return
+        assert r.t[0] - prev.h[4] >= 0.039e9 and r.t[0] > prev.t[5] + 0.004e9, (prev.t, prev.h, r.t)
+        assert DRAFT * 1e3 - 0.5 <= _ms(r, 0) < DRAFT * 1e3 + 6
 
 
 def test_level_zero_records_no_event_and_the_profile_drains():

@@ -44,6 +44,7 @@ __all__ = ["PhaseClock", "StreamMarks"]
 class StreamMarks(Protocol):
     """Timing events on one engine's stream (device.py: CudaMarks; tests: a simulated stream)."""
 
+    def bind(self) -> None: ...  # look up the stream to record on (once a burst)
     def event(self) -> object: ...  # a new reusable event
     def record(self, ev: object) -> None: ...  # record it on the stream, in stream order
     def wait(self, ev: object) -> None: ...  # the host waits until the stream reached it
@@ -82,6 +83,8 @@ class PhaseClock:
         """Before a burst of up to `rounds` rounds: the event slots exist (created once, reused)."""
         if not self.events:
             return
+        for m in self.marks:
+            m.bind()
         while len(self._slots) < rounds:
             self._slots.append([[m.event() for m in self.marks] for _ in range(6)])
 
@@ -89,13 +92,17 @@ class PhaseClock:
         """Boundary i (0: round entry, 1..5: the end of draft, verify, accept, rollback, maint)
         of the round record `r` in burst slot `slot`. Returns the host's time on reaching it.
         Draining clock: r.t[i] is the stamp after the drains. Event clock: an event on every
-        stream, r.t[i] the host time for now (`resolve` replaces it by the streams' time)."""
+        stream, r.t[i] the host time for now (`resolve` replaces it by the streams' time). A
+        round's entry after another round of the burst records no event: nothing was launched
+        since the previous round's last boundary, so the streams reach it at that boundary's
+        time or, if they were idle by then, as the host gets there (`resolve` takes the later)."""
         host = time.perf_counter_ns()
         if self.events:
-            evs = self._slots[slot][i]
-            for m, ev in zip(self.marks, evs):
-                m.record(ev)
             r.t[i] = host
+            if i == 0 and slot:
+                return host
+            for m, ev in zip(self.marks, self._slots[slot][i]):
+                m.record(ev)
         else:
             r.t[i] = host if i == 0 else self.stamp()  # round entry: the previous boundary drained
         return host
@@ -114,11 +121,18 @@ class PhaseClock:
             hosts.append(time.perf_counter_ns())
             m.record(a)
             m.wait(a)
+        one = len(self.marks) == 1
+        m0, a0, h0 = self.marks[0], self._anchors[0], hosts[0]
+        prev = 0
         for n, r in enumerate(rounds):
-            evs = self._slots[n]
-            prev = None
+            evs, t = self._slots[n], r.t
             for i in range(6):
-                t = max(h - m.elapsed_ns(e, a) for m, e, a, h in zip(self.marks, evs[i], self._anchors, hosts))
-                if prev is not None and t < prev:
-                    t = prev
-                r.t[i] = prev = t
+                if i == 0 and n:
+                    v = t[0] if t[0] > prev else prev  # the previous round's end, or the host's arrival
+                elif one:
+                    v = h0 - m0.elapsed_ns(evs[i][0], a0)
+                else:
+                    v = max(h - m.elapsed_ns(e, a) for m, e, a, h in zip(self.marks, evs[i], self._anchors, hosts))
+                if v < prev:
+                    v = prev
+                t[i] = prev = v

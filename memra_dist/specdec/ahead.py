@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from ..phase.subsplit import StampMarks, add_laps
+from ..phase.subsplit import StampMarks
 from .accept import NonFiniteRow
 from .drafters.none import NoDrafter
 
@@ -144,10 +144,9 @@ class AheadSteps(_Ahead):
     def __init__(self, runner, step, timed: bool = False):
         super().__init__(step.x.device, timed)
         self.runner, self.step = runner, step
-        marks = step.marks if timed else None
-        self.kinds = list(marks.kinds) if marks is not None else []
-        self.stamps = torch.zeros(RING, len(self.kinds), dtype=torch.int64,
-                                  pin_memory=step.x.device.type == "cuda") if self.kinds else None
+        self.marks = step.marks if timed else None
+        n = self.marks.n if self.marks is not None else 0
+        self.stamps = torch.zeros(RING, n, dtype=torch.int64, pin_memory=step.x.device.type == "cuda") if n else None
 
     @torch.inference_mode()  # the graph's buffers are inference tensors (captured under the runner's forward)
     def launch(self, start: int, token: int | None = None) -> None:
@@ -164,14 +163,14 @@ class AheadSteps(_Ahead):
         if self.timed:
             self.verified[s].record()
         if self.stamps is not None:  # this replay's stamps, before the next replay rewrites them
-            self.stamps[s].copy_(g.marks.buf[: len(self.kinds)], non_blocking=True)
+            self.stamps[s].copy_(g.marks.buf[: self.marks.n], non_blocking=True)
         torch.argmax(g.out, dim=-1, out=g.x)  # the next step's input, never via the host
         self._read_back(g.x, g.out[-1:])
 
     def laps_to(self, timer) -> None:
         """The level-2 sub-split of the step taken last, into `timer` (phase/subsplit.py)."""
         if self.stamps is not None:
-            add_laps(self.kinds, self.stamps[self.slot].tolist(), timer)
+            self.marks.laps(self.stamps[self.slot].tolist(), timer)
 
 
 class TargetAhead(_Ahead):
