@@ -99,7 +99,12 @@ class _Local:
         """The request holds the runner until it ends or is abandoned (the next request's
         allocation starts its cache over)."""
         with self.lock:
-            yield self.request(plan, prompt, span_sink, carrier)
+            req = self.request(plan, prompt, span_sink, carrier)
+            try:
+                yield req
+            except BaseException:
+                req.flush_trace()  # abandoned: its last burst's spans are built too
+                raise
 
     def close(self) -> None:
         self.torch.set_num_threads(self.threads_before)  # the caller's process is left as it was
@@ -225,8 +230,8 @@ def _feed(sink, out: BurstOut) -> None:
         return
     if out.prof is not None:
         sink.first_token(out.prof)
-    if out.record is not None:
-        sink.burst(out.record)
+    for rec in out.records:
+        sink.burst(rec)
     if out.rounds is not None:
         sink.rounds(*out.rounds)
 

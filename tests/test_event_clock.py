@@ -47,7 +47,7 @@ class SimStream:
 
     def __init__(self):
         self.tail = 0  # when the work launched so far is done
-        self.records = self.waits = 0
+        self.records = self.waits = self.busy_waits = 0
 
     def now(self) -> int:
         return time.perf_counter_ns()
@@ -78,6 +78,7 @@ class SimStream:
 
     def wait(self, ev) -> None:
         self.waits += 1
+        self.busy_waits += self.tail > ev.t  # work queued past the awaited event: the device stays busy
         self.sync_until(ev.t)
 
     def elapsed_ns(self, a, b) -> int:
@@ -188,6 +189,7 @@ def _run(level=1, clock="events", own_device=False, rounds=4, prof=False, marks=
                     TraceSettings(level=level, clock=clock, prof=prof), sink)
     s.start([1, 2, 3, 4], max_new=60, capacity=128)
     s.burst(rounds)
+    s.burst(1)  # the event clock reads the burst before's events in this one's first verify
     return s, sink, tgt, d, a, b
 
 
@@ -214,11 +216,12 @@ def test_each_bucket_holds_its_own_device_time_without_a_drain():
         assert tgt.launched[n] < r.t[1], "the verify waited for the draft to finish"
         if n:
             assert d.launched[n] < live[n - 1].t[5], "the next draft waited for the maintenance"
-    # one wait at the burst's end and one for the anchor: nothing at any boundary
-    assert a.waits == 2
+    # two waits (the burst's last event, its anchor), both in the next burst's verify with the
+    # device busy: nothing at any boundary, no wait with the device idle
+    assert a.waits == 2 and a.busy_waits == 2
     # the first round's entry, five boundaries a round (a later round's entry is the round
-    # before's end, or the host's arrival), the anchor
-    assert a.records == 1 + 5 * rec.n + 1
+    # before's end, or the host's arrival), the anchor; the same for the one-round burst after
+    assert a.records == (1 + 5 * rec.n + 1) + (1 + 5 + 1)
 
 
 def test_the_draining_clock_gives_the_same_buckets_and_waits_at_every_boundary():
@@ -241,7 +244,31 @@ def test_a_drafter_on_its_own_stream_bounds_the_draft():
         got = [_ms(r, i) for i in range(PHASE_COUNT)]
         assert DRAFT * 1e3 - 0.5 <= got[0] < DRAFT * 1e3 + 6, got  # the drafter's stream, not the idle target's
         assert VERIFY * 1e3 - 0.5 <= got[1] < VERIFY * 1e3 + 6, got
-    assert a.waits == 2 and b.waits == 2
+    assert a.waits == 2 and b.waits == 2 and a.busy_waits == 2
+
+
+def test_a_bursts_record_reaches_the_sink_one_burst_late_and_every_one_by_the_end():
+    a = SimStream()
+    tgt = SimTarget(a)
+    tgt.drafter_stream = a
+    sink = Sink()
+    s = SpecSession(tgt, SimDrafter(a), SamplingParams(), torch.Generator().manual_seed(0), 4,
+                    TraceSettings(level=1), sink)
+    s.start([1, 2, 3, 4], max_new=24, capacity=128)
+    s.burst(2)
+    assert sink.bursts == []  # its events are read in the next burst's first verify
+    s.burst(2)
+    assert [r.index for r in sink.bursts[0].live()] == [0, 1]
+    while not s.done:
+        s.burst(2)
+    assert sum(rec.n for rec in sink.bursts) == s.stats.rounds  # the last burst's at the request's end
+    assert [r.index for rec in sink.bursts for r in rec.live()] == list(range(s.stats.rounds))
+    for rec in sink.bursts:
+        assert rec.t0 <= rec.rounds[0].t[0] and rec.rounds[rec.n - 1].t[5] <= rec.t1
+        assert all(r.t == sorted(r.t) for r in rec.live())
+    # every burst but the last was read with the device busy; only the last one's last event,
+    # at the request's end, was waited for with nothing queued behind it
+    assert a.waits == 2 * len(sink.bursts) and a.waits - a.busy_waits == 1
 
 
 def test_a_host_pause_between_rounds_is_in_no_phase():
@@ -255,6 +282,7 @@ def test_a_host_pause_between_rounds_is_in_no_phase():
                     TraceSettings(level=1), sink)
     s.start([1, 2, 3, 4], max_new=60, capacity=128)
     s.burst(3, lambda new: time.sleep(0.040))
+    s.burst(1)
     rec = sink.bursts[0]
     live = rec.live()
     for prev, r in zip(live, live[1:]):
@@ -331,7 +359,7 @@ def test_clock_flag(monkeypatch):
 def test_tokens_do_not_depend_on_the_clock(clock):
     s, *_ = _run(clock=clock, rounds=6)
     s0, *_ = _run(level=0, rounds=6)
-    assert s.tokens == s0.tokens and len(s.tokens) == 4 + 1 + 6 * 3
+    assert s.tokens == s0.tokens and len(s.tokens) == 4 + 1 + 7 * 3
 
 
 def test_level_two_twins_are_captured_in_the_start_not_in_a_round():
@@ -359,3 +387,19 @@ def test_level_two_twins_are_captured_in_the_start_not_in_a_round():
     graphs.timed.update({3: 0, 4: 0})
     ModelRunner.warm_timed_rows(fake, 5)
     assert len(warmed) == 1  # all there: nothing captured again
+
+
+def test_an_abandoned_request_hands_its_held_record_over():
+    """The caller leaves mid-request: flush_trace gives the sink the burst the clock still held;
+    a request's collector hands every record a burst delivered to the caller's sinks."""
+    from memra_dist.specdec.request import _Collect
+
+    s, sink, *_ = _run(rounds=2)
+    assert len(sink.bursts) == 1 and s._unsettled is not None
+    s.flush_trace()
+    assert len(sink.bursts) == 2 and s._unsettled is None
+    assert [r.index for rec in sink.bursts for r in rec.live()] == list(range(s.stats.rounds))
+    c = _Collect(None)
+    c.burst(sink.bursts[0])
+    c.burst(sink.bursts[1])
+    assert c.take()[0] == tuple(sink.bursts) and c.take()[0] == ()

@@ -21,9 +21,10 @@ Two ways to find when a stream finished a phase (`TraceSettings.clock`, MEMRA_PH
   boundary an event is recorded on every stream and the host goes on launching the next
   phase: the device never idles for the clock. A boundary's time is when the LAST of its
   streams reached its event (the seed's "drained" moment, read on the device's own clock).
-  The events are read once the burst's last one completes (one wait a burst, its end), and
-  placed on the host's clock through an anchor event recorded on the idle stream then. A
-  phase bound by its host (launches, the accept's readback and host logic) still shows it:
+  A burst's events are read in the next burst's first verify, in the device's shadow (a
+  request's last burst: at its end, the one wait the clock adds), and placed on the host's
+  clock by an anchor event recorded right after the burst's first readback, when the streams
+  have just run dry; the burst's record reaches the sinks then, one burst late. A phase bound by its host (launches, the accept's readback and host logic) still shows it:
   the device cannot reach a boundary's event before the host has recorded it.
 - `drain` (the seed's literal clock; CPU, engines without events, the first-token profile):
   each boundary synchronizes every stream, then stamps perf_counter. The device then idles
@@ -61,8 +62,12 @@ class PhaseClock:
         self.free_mb = free_mb  # device label -> free MB, for the devices of this process
         self.marks = tuple(marks) if marks else ()
         self.events = bool(self.marks)
-        self._slots: list[list[list[object]]] = []  # [round slot][boundary][stream] -> event, reused each burst
-        self._anchors = [m.event() for m in self.marks]
+        # two banks of event slots, [round slot][boundary][stream]: a burst records into one while
+        # the burst before's are still to be read (`resolve` runs in the next burst's first verify)
+        self._banks: list[list[list[list[object]]]] = [[], []]
+        self._anchors = [[m.event() for m in self.marks] for _ in range(2)]
+        self._anchor_ns = [0, 0]  # the host's time as each bank's anchor was recorded
+        self.bank = 0
 
     @property
     def mode(self) -> str:
@@ -79,14 +84,19 @@ class PhaseClock:
         return now, (now - since_ns) / 1e6
 
     # ---- round boundaries ----
-    def begin(self, rounds: int) -> None:
-        """Before a burst of up to `rounds` rounds: the event slots exist (created once, reused)."""
+    def begin(self, rounds: int) -> int:
+        """Before a burst of up to `rounds` rounds: switch to the other bank of event slots
+        (created once, reused every other burst). Returns the bank the burst records into."""
         if not self.events:
-            return
+            return 0
         for m in self.marks:
             m.bind()
-        while len(self._slots) < rounds:
-            self._slots.append([[m.event() for m in self.marks] for _ in range(6)])
+        self.bank ^= 1
+        slots = self._banks[self.bank]
+        while len(slots) < rounds:
+            slots.append([[m.event() for m in self.marks] for _ in range(6)])
+        self._anchor_ns[self.bank] = 0
+        return self.bank
 
     def mark(self, r, slot: int, i: int) -> int:
         """Boundary i (0: round entry, 1..5: the end of draft, verify, accept, rollback, maint)
@@ -101,38 +111,59 @@ class PhaseClock:
             r.t[i] = host
             if i == 0 and slot:
                 return host
-            for m, ev in zip(self.marks, self._slots[slot][i]):
+            for m, ev in zip(self.marks, self._banks[self.bank][slot][i]):
                 m.record(ev)
         else:
             r.t[i] = host if i == 0 else self.stamp()  # round entry: the previous boundary drained
         return host
 
-    def resolve(self, rounds: list) -> None:
-        """After the burst's last round: wait for its last events (the burst's one wait), anchor
-        each stream to the host clock, and set every round's t[i] to the time its last stream
-        reached boundary i (monotone within the round)."""
+    def anchor(self) -> None:
+        """Right after the burst's first readback, when every stream has just run dry: an event
+        the streams reach as the host records it, which places the bank's events on the host's
+        clock. (Boundaries 0-2 of the burst's first round lie before it; every later one after.)"""
+        if self.events and not self._anchor_ns[self.bank]:
+            self._anchor_ns[self.bank] = time.perf_counter_ns()
+            for m, a in zip(self.marks, self._anchors[self.bank]):
+                m.record(a)
+
+    def resolve(self, rounds: list, bank: int | None = None) -> None:
+        """Set every round's t[i] of a burst recorded into `bank` (default: the current one) to
+        the time its last stream reached boundary i (monotone). Waits for the burst's last
+        events: called in the next burst's first verify, that wait is in the device's shadow
+        (the streams reach them before that verify's work); at a request's end it is the one
+        wait the clock adds. A burst without an anchor (none of its rounds read back) gets one
+        now, on the streams just waited for."""
         if not self.events or not rounds:
             return
-        last = self._slots[len(rounds) - 1][5]
-        for m, ev in zip(self.marks, last):
+        bank = self.bank if bank is None else bank
+        slots, anchors = self._banks[bank], self._anchors[bank]
+        for m, ev in zip(self.marks, slots[len(rounds) - 1][5]):
             m.wait(ev)
-        hosts = []
-        for m, a in zip(self.marks, self._anchors):  # every stream is idle now: its anchor is reached at once
-            hosts.append(time.perf_counter_ns())
-            m.record(a)
+        h = self._anchor_ns[bank]
+        first_after = (0, 3)  # (slot, boundary) of the first event recorded after the anchor
+        if not h:
+            h = self._anchor_ns[bank] = time.perf_counter_ns()
+            for m, a in zip(self.marks, anchors):
+                m.record(a)
+            first_after = (len(rounds), 0)  # every event lies before it
+        for m, a in zip(self.marks, anchors):
             m.wait(a)
+
+        def at(m, e, a, n: int, i: int) -> int:
+            return h + m.elapsed_ns(a, e) if (n, i) >= first_after else h - m.elapsed_ns(e, a)
+
         one = len(self.marks) == 1
-        m0, a0, h0 = self.marks[0], self._anchors[0], hosts[0]
+        m0, a0 = self.marks[0], anchors[0]
         prev = 0
         for n, r in enumerate(rounds):
-            evs, t = self._slots[n], r.t
+            evs, t = slots[n], r.t
             for i in range(6):
                 if i == 0 and n:
                     v = t[0] if t[0] > prev else prev  # the previous round's end, or the host's arrival
                 elif one:
-                    v = h0 - m0.elapsed_ns(evs[i][0], a0)
+                    v = at(m0, evs[i][0], a0, n, i)
                 else:
-                    v = max(h - m.elapsed_ns(e, a) for m, e, a, h in zip(self.marks, evs[i], self._anchors, hosts))
+                    v = max(at(m, e, a, n, i) for m, e, a in zip(self.marks, evs[i], anchors))
                 if v < prev:
                     v = prev
                 t[i] = prev = v

@@ -293,6 +293,8 @@ class HeadWorker(_Worker):
         on before its end); the slot is free for the next request."""
         s = self.slots[slot]
         with s.turn(seq):
+            if s.request is not None:
+                s.request.flush_trace()  # a request given up on: its last burst's record too
             self._finish_spans(s)
             stats = s.request.finish() if s.request is not None else {}
             s.request = None

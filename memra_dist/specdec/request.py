@@ -39,7 +39,8 @@ class Result:
 class BurstOut:
     tokens: list[int]
     done: bool
-    record: object = None  # phase.records.BurstRecord (trace level >= 1)
+    records: tuple = ()  # phase.records.BurstRecord (trace level >= 1): this burst's, or the one before's
+    # (the event clock hands a burst's record over in the next burst: phase/clock.py), or both at the end
     prof: object = None  # phase.first_token.FirstTokenProf (profile, first burst)
     rounds: tuple | None = None  # (phase.rounds_log.RoundsLog, final) (profile)
 
@@ -50,13 +51,14 @@ class _Collect:
 
     def __init__(self, spans):
         self.spans = spans
-        self.rec = self.prof = self.log = None
+        self.recs: list = []
+        self.prof = self.log = None
         self.pump = getattr(spans, "pump", None) if spans is not None else None
 
     def burst(self, rec):
         if self.spans is not None:
             self.spans.burst(rec)
-        self.rec = rec  # the session makes a fresh record per burst
+        self.recs.append(rec)  # the session makes a fresh record per burst
 
     def first_token(self, prof):
         if self.spans is not None:
@@ -69,8 +71,8 @@ class _Collect:
         self.log = (log, final)
 
     def take(self) -> tuple:
-        out = (self.rec, self.prof, self.log)
-        self.rec = self.prof = self.log = None
+        out = (tuple(self.recs), self.prof, self.log)
+        self.recs, self.prof, self.log = [], None, None
         return out
 
 
@@ -112,8 +114,16 @@ class Request:
 
     def burst(self, hook: Callable[[list[int]], None] | None = None) -> BurstOut:
         toks = self.session.burst(self.plan.cfg.burst_rounds, hook)
-        rec, prof, log = self.collect.take()
-        return BurstOut(toks, self.session.done, rec, prof, log)
+        recs, prof, log = self.collect.take()
+        return BurstOut(toks, self.session.done, recs, prof, log)
+
+    def flush_trace(self) -> None:
+        """Abandoned before its end: the burst record still held by the event clock is built
+        into spans (best effort: a device that failed may not answer)."""
+        try:
+            self.session.flush_trace()
+        except Exception:  # noqa: BLE001 (tracing never takes the caller's error's place)
+            pass
 
     def finish(self) -> dict:
         """The session's stats, with the fast path the target's steps ran (`fast_path`)."""

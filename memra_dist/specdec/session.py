@@ -126,6 +126,9 @@ class SpecSession:
         self._chains = (sp.greedy and self.prof is None and getattr(drafter, "host_only", False)
                         and callable(getattr(target, "chain", None)))
         self._chain = None
+        # the event clock: a burst's (record, bank) whose events are read in the next burst's
+        # first verify (phase/clock.py), its record reaching the sink then
+        self._unsettled = None
 
     @staticmethod
     def _marks(trace: TraceSettings, engines: list) -> list | None:
@@ -275,6 +278,9 @@ class SpecSession:
         first = self.prof is not None and self.stats.bursts == 0  # the profile implies a record
         if self._ahead is None:  # None until the one-row graph (level 2: its stamped twin) is captured
             self._ahead = ahead_steps(self.target, self.drafter, self.sp, self.trace)
+        deferred = False
+        if self._unsettled is not None and (self._ahead is not None or self._chains):
+            self._settle()  # no round loop this burst to read them in
         if self._ahead is not None:  # never with the profile: its hook share stays 0
             self._burst_ahead(max_rounds, hook, out, rec)
             hook_ns = 0
@@ -284,10 +290,14 @@ class SpecSession:
         else:
             if rec is not None:
                 rec.clock = self.clock.mode
-                self.clock.begin(max_rounds)
+                bank = self.clock.begin(max_rounds)
             hook_ns = self._burst_rounds(max_rounds, hook, rec, first, out)
-            if rec is not None:
-                self.clock.resolve(rec.live())  # the event clock's one wait a burst (phase/clock.py)
+            if self._unsettled is not None:  # the loop ran no round to read them in
+                self._settle()
+            if rec is not None and self.clock.events and not self.done and rec.n:
+                self._unsettled, deferred = (rec, bank), True  # read in the next burst's first verify
+            elif rec is not None:
+                self.clock.resolve(rec.live(), bank)  # the draining clock: nothing to read
                 if self.log is not None:
                     for r in rec.live():
                         self._profile_round(r)
@@ -298,13 +308,32 @@ class SpecSession:
             self._finish_first_burst(rec, (rec.t1 - rec.t0) / 1e6, hook_ns / 1e6, len(out))
         if self.done:
             self.stats.t_end = time.perf_counter()
-        if self.sink is not None and rec is not None:
+        if rec is not None:
             rec.tokens = len(out)
-            if self.trace.level >= 1:
+            rec.t1 = max(rec.t1, rec.rounds[rec.n - 1].t[5]) if rec.n and not deferred else rec.t1
+        if self.sink is not None and rec is not None:
+            if self.trace.level >= 1 and not deferred:
                 self.sink.burst(rec)
             if self.log is not None:
                 self.sink.rounds(self.log, final=self.done or not self.log.wants_more())
         return out
+
+    def flush_trace(self) -> None:
+        """A request left before its end (its caller went away): the last burst's record, whose
+        events the next burst would have read, goes to the sink now (waiting for them)."""
+        if self._unsettled is not None:
+            self._settle()
+
+    def _settle(self) -> None:
+        """The burst before's events read (waiting for its last ones: from a verify in flight,
+        in the device's shadow) and its record handed to the sink."""
+        rec, bank = self._unsettled
+        self._unsettled = None
+        self.clock.resolve(rec.live(), bank)
+        if rec.n:
+            rec.t1 = max(rec.t1, rec.rounds[rec.n - 1].t[5])
+        if self.sink is not None and self.trace.level >= 1:
+            self.sink.burst(rec)
 
     def _round(self, rec: BurstRecord | None) -> list[int]:
         n = len(self.tokens)
@@ -326,6 +355,8 @@ class SpecSession:
             r.h[1] = time.perf_counter_ns()  # the verify launched (before the tracer's own deferred work)
         if self._pump is not None:
             self._pump()
+        if self._unsettled is not None:
+            self._settle()  # the burst before's events, while this verify runs
         if rec is not None:
             # free memory once a round, in the verify's shadow, after the span work (should the
             # driver's query wait for the device, it waits where the readback would anyway);
@@ -347,6 +378,8 @@ class SpecSession:
         except NonFiniteRow as e:  # rows 0 .. j of this verify hold NaN / inf
             raise self._non_finite(ids, n - 1, e.row, f"round {self.stats.rounds}, verify row {e.row}") from None
         if rec is not None:
+            if not slot:
+                c.anchor()  # the streams just ran dry (the readback): the burst's tie to the host clock
             r.h[2] = c.mark(r, slot, 3)
             if self.timer is not None:  # level 2: the verify's laps (a graphed verify's stamps came back by now)
                 r.sub_ns, r.seq_rows = self.timer.take()
