@@ -77,9 +77,9 @@ def _time_resolve() -> None:
 
     inner = PhaseClock.resolve
 
-    def resolve(self, rounds):
+    def resolve(self, rounds, bank=None):
         t = time.perf_counter_ns()
-        inner(self, rounds)
+        inner(self, rounds, bank)
         HOST["resolve_ns"] += time.perf_counter_ns() - t
         HOST["resolves"] += 1
     PhaseClock.resolve = resolve
