@@ -92,7 +92,8 @@ def _event_marks(device) -> EventMarks | StampMarks:
         from .kernels.stamp import stamp  # noqa: PLC0415
 
         m = StampMarks(torch.zeros(STAMP_SLOTS, dtype=torch.int64, device=device), stamp,
-                       host=torch.zeros(STAMP_SLOTS, dtype=torch.int64, pin_memory=True), copied=torch.cuda.Event())
+                       host=[torch.zeros(STAMP_SLOTS, dtype=torch.int64, pin_memory=True) for _ in range(2)],
+                       copied=[torch.cuda.Event() for _ in range(2)])
     else:
         m = EventMarks(_timing_event)
     for name in ("begin", "lap", "scan_begin", "scan_end"):

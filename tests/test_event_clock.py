@@ -96,6 +96,7 @@ class SimTarget:
         self.primed = False
         self.rows = 0
         self.launched: list[int] = []  # host ns of each verify launch
+        self.laps_read: list[tuple[int, int]] = []
 
     def alloc(self, capacity):
         pass
@@ -107,7 +108,12 @@ class SimTarget:
             self.launched.append(time.perf_counter_ns())
             self.stream.launch(VERIFY)
             if timer is not None:  # a graphed level-2 verify: its laps come back later
-                timer.later(lambda: timer.ns.__setitem__("attn", timer.ns["attn"] + 7))
+                i = len(self.launched) - 1
+
+                def read(into, i=i):
+                    self.laps_read.append((i, len(self.launched)))  # (its verify, verifies launched by then)
+                    into.ns["attn"] += 7
+                timer.later(read)
         self.primed = True
         logits = torch.zeros(ids.shape[0], V)
         logits[:, TOKEN] = 1.0
@@ -302,10 +308,13 @@ def test_level_zero_records_no_event_and_the_profile_drains():
 
 
 def test_level_two_laps_from_a_graphed_verify_land_in_their_round():
-    s, sink, *_ = _run(level=2)
+    s, sink, tgt, *_ = _run(level=2)
     (rec,) = sink.bursts
     assert all(r.sub_ns["attn"] == 7 for r in rec.live())
     assert s.timer._later == []
+    # each verify's laps were added up only once the next verify was on its way (its shadow)
+    assert [i for i, _ in tgt.laps_read] == list(range(rec.n))
+    assert all(launched > i + 1 for i, launched in tgt.laps_read), tgt.laps_read
 
 
 def test_stamp_marks_copy_back_later():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-__all__ = ["SubsplitTimer", "EventMarks", "StampMarks", "add_laps", "SUB_BUCKETS"]
+__all__ = ["SubsplitTimer", "Laps", "EventMarks", "StampMarks", "add_laps", "SUB_BUCKETS"]
 
 SUB_BUCKETS = ("kda", "mla", "attn", "ffn", "scan")
 
@@ -32,11 +32,19 @@ class SubsplitTimer:
         self.seq_rows = 0  # verify rows that took a per-row mixer arm instead of the batched one
         self._t = 0
         self._ts = 0
-        self._later: list[Callable[[], None]] = []  # laps whose device stamps are still on their way back
+        self._later: list[Callable[["SubsplitTimer"], None]] = []  # laps whose stamps are on their way back
 
-    def later(self, read: Callable[[], None]) -> None:
-        """A replay's laps to add at the next `take` (its stamps copied back without a wait)."""
+    def later(self, read: Callable[["SubsplitTimer"], None]) -> None:
+        """A replay's laps, added into a timer at the next `take` or `Laps.settle` (its stamps
+        copied back without a wait)."""
         self._later.append(read)
+
+    def detach(self) -> "Laps":
+        """The laps since the last take or detach, to be added up later (`Laps.settle`, off the
+        round's critical path); resets the timer."""
+        out = Laps(self.ns, self.seq_rows, self._later)
+        self.ns, self.seq_rows, self._later = dict.fromkeys(SUB_BUCKETS, 0), 0, []
+        return out
 
     def begin(self) -> None:
         self.drain()
@@ -61,10 +69,28 @@ class SubsplitTimer:
         on their way back are added first (waiting for their copy: called after the round's
         readback, it waits for nothing)."""
         while self._later:
-            self._later.pop(0)()
+            self._later.pop(0)(self)
         ns, rows = self.ns, self.seq_rows
         self.ns, self.seq_rows = dict.fromkeys(SUB_BUCKETS, 0), 0
         return ns, rows
+
+
+class Laps:
+    """One verify's sub-split, detached from the timer: the laps already added (eager walks
+    drain as they go) and the replays' whose stamps are still to be read."""
+
+    def __init__(self, ns: dict[str, int], seq_rows: int, pending: list):
+        self.ns, self.seq_rows, self.pending = ns, seq_rows, pending
+
+    def settle(self) -> tuple[dict[str, int], int]:
+        """(ns per bucket, seq_rows): the pending replays' stamps read in. Their copies are
+        done once the round's readback returned; each replay's buffer is its own until read."""
+        acc = SubsplitTimer(lambda: None)
+        acc.ns, acc.seq_rows = self.ns, self.seq_rows
+        for read in self.pending:
+            read(acc)
+        self.pending = []
+        return acc.ns, acc.seq_rows
 
 
 def add_laps(kinds: list[str], ns: list[int], timer: "SubsplitTimer") -> None:
@@ -134,9 +160,13 @@ class StampMarks(_Marks):
         self.kinds: list[str] = []
         self.slots: list[int] = []  # the buffer slot each boundary reads (a begin right after a lap shares it)
         self.n = 0  # slots written
-        # a pinned host copy of buf and an event after the copy: the stamps come back without a
-        # wait in the verify; the laps are added at the timer's next take (after the readback)
-        self.host, self.copied = host, copied
+        # pinned host copies of buf and an event after each copy: the stamps come back without a
+        # wait in the verify; the laps are added later (after the round's readback, or in the
+        # next verify's shadow). Two of each, used in turn: a replay's copy never overwrites the
+        # one before's before it was read (one replay of a graph a round).
+        self.host = host if host is None or isinstance(host, (list, tuple)) else (host,)
+        self.copied = copied if copied is None or isinstance(copied, (list, tuple)) else (copied,)
+        self._turn = 0
 
     def _mark(self, what: str) -> None:
         """A layer's begin right after the layer before's FFN lap (nothing is launched between
@@ -170,10 +200,12 @@ class StampMarks(_Marks):
         if self.host is None:
             self.laps(self.buf[:n].tolist(), timer)
             return
-        self.host[:n].copy_(self.buf[:n], non_blocking=True)
-        self.copied.record()
-        timer.later(lambda: self._read(timer))
+        b = self._turn
+        self._turn = (b + 1) % len(self.host)
+        self.host[b][:n].copy_(self.buf[:n], non_blocking=True)
+        self.copied[b].record()
+        timer.later(lambda into: self._read(into, b))
 
-    def _read(self, timer: SubsplitTimer) -> None:
-        self.copied.synchronize()
-        self.laps(self.host[: self.n].tolist(), timer)
+    def _read(self, timer: SubsplitTimer, b: int) -> None:
+        self.copied[b].synchronize()
+        self.laps(self.host[b][: self.n].tolist(), timer)

@@ -129,6 +129,7 @@ class SpecSession:
         # the event clock: a burst's (record, bank) whose events are read in the next burst's
         # first verify (phase/clock.py), its record reaching the sink then
         self._unsettled = None
+        self._laps_due: list = []  # level 2: (round record, its verify's Laps) still to add up
 
     @staticmethod
     def _marks(trace: TraceSettings, engines: list) -> list | None:
@@ -297,6 +298,7 @@ class SpecSession:
             if rec is not None and self.clock.events and not self.done and rec.n:
                 self._unsettled, deferred = (rec, bank), True  # read in the next burst's first verify
             elif rec is not None:
+                self._settle_laps()
                 self.clock.resolve(rec.live(), bank)  # the draining clock: nothing to read
                 if self.log is not None:
                     for r in rec.live():
@@ -323,12 +325,21 @@ class SpecSession:
         events the next burst would have read, goes to the sink now (waiting for them)."""
         if self._unsettled is not None:
             self._settle()
+        self._settle_laps()
+
+    def _settle_laps(self) -> None:
+        """Level 2: the verify sub-splits of the rounds before, added up and put in their
+        records (each replay's stamps were copied back before its round's readback returned)."""
+        for r, laps in self._laps_due:
+            r.sub_ns, r.seq_rows = laps.settle()
+        self._laps_due.clear()
 
     def _settle(self) -> None:
         """The burst before's events read (waiting for its last ones: from a verify in flight,
         in the device's shadow) and its record handed to the sink."""
         rec, bank = self._unsettled
         self._unsettled = None
+        self._settle_laps()
         self.clock.resolve(rec.live(), bank)
         if rec.n:
             rec.t1 = max(rec.t1, rec.rounds[rec.n - 1].t[5])
@@ -355,6 +366,8 @@ class SpecSession:
             r.h[1] = time.perf_counter_ns()  # the verify launched (before the tracer's own deferred work)
         if self._pump is not None:
             self._pump()
+        if self._laps_due:
+            self._settle_laps()  # the rounds before's verify sub-split, while this verify runs
         if self._unsettled is not None:
             self._settle()  # the burst before's events, while this verify runs
         if rec is not None:
@@ -381,8 +394,8 @@ class SpecSession:
             if not slot:
                 c.anchor()  # the streams just ran dry (the readback): the burst's tie to the host clock
             r.h[2] = c.mark(r, slot, 3)
-            if self.timer is not None:  # level 2: the verify's laps (a graphed verify's stamps came back by now)
-                r.sub_ns, r.seq_rows = self.timer.take()
+            if self.timer is not None:  # level 2: the verify's laps, added up in the next verify's shadow
+                self._laps_due.append((r, self.timer.detach()))
         self.target.rollback(n + j)  # keep the pending token + j accepted drafts
         if rec is not None:
             r.h[3] = c.mark(r, slot, 4)
