@@ -85,7 +85,24 @@ class SimStream:
         return b.t - a.t
 
 
-class SimTarget:
+class _OnStream:
+    """An engine whose work runs on one SimStream."""
+
+    stream: SimStream
+    free = 1000
+    has_marks = True
+
+    def drain(self):
+        self.stream.drain()
+
+    def free_mb(self):
+        return self.free
+
+    def stream_marks(self):
+        return self.stream if self.has_marks else None
+
+
+class SimTarget(_OnStream):
     """Its verify is device work on its stream; the accept's readback (`greedy_rows`, as a
     batched step hands rows over) waits for it and predicts TOKEN on every row."""
 
@@ -130,18 +147,10 @@ class SimTarget:
         if self.primed:
             self.stream.launch(ROLL)
 
-    def drain(self):
-        self.stream.drain()
 
-    def free_mb(self):
-        return 1000
-
-    def stream_marks(self):
-        return self.stream if self.has_marks else None
-
-
-class SimDrafter(Drafter):
+class SimDrafter(_OnStream, Drafter):
     name = "sim"
+    free = 2000
 
     def __init__(self, stream: SimStream, own_device: bool = False):
         self.stream = stream
@@ -159,15 +168,6 @@ class SimDrafter(Drafter):
 
     def maintain(self, context):
         self.stream.launch(MAINT)
-
-    def drain(self):
-        self.stream.drain()
-
-    def free_mb(self):
-        return 2000
-
-    def stream_marks(self):
-        return self.stream
 
 
 class Sink:
