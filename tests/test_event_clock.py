@@ -404,9 +404,9 @@ def test_an_abandoned_request_hands_its_held_record_over():
     from memra_dist.specdec.request import _Collect
 
     s, sink, *_ = _run(rounds=2)
-    assert len(sink.bursts) == 1 and s._unsettled is not None
+    assert len(sink.bursts) == 1 and s._held.unsettled is not None
     s.flush_trace()
-    assert len(sink.bursts) == 2 and s._unsettled is None
+    assert len(sink.bursts) == 2 and s._held.unsettled is None
     assert [r.index for rec in sink.bursts for r in rec.live()] == list(range(s.stats.rounds))
     c = _Collect(None)
     c.burst(sink.bursts[0])

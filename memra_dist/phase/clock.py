@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Protocol, Sequence
 
-__all__ = ["PhaseClock", "StreamMarks"]
+__all__ = ["PhaseClock", "StreamMarks", "stream_marks_of"]
 
 
 
@@ -167,3 +167,19 @@ class PhaseClock:
                 if v < prev:
                     v = prev
                 t[i] = prev = v
+
+
+def stream_marks_of(trace, engines: list) -> list | None:
+    """The event clock's marks, one per engine's stream (`engine.stream_marks()`), when every
+    one records timing events and the clock is `events`; None = the draining clock (CPU, a
+    batched target, MEMRA_PHASE_CLOCK=drain, the first-token profile: its depth laps drain)."""
+    if trace.clock != "events" or trace.prof:
+        return None
+    marks = []
+    for e in engines:
+        m = getattr(e, "stream_marks", None)
+        m = m() if callable(m) else None
+        if m is None:
+            return None
+        marks.append(m)
+    return marks

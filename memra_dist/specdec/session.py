@@ -15,7 +15,8 @@ from typing import Callable, Protocol
 import torch
 
 from ..errors import UserError
-from ..phase.clock import PhaseClock
+from ..phase.clock import PhaseClock, stream_marks_of
+from ..phase.handover import Handover
 from ..kernels import tuning_tally
 from ..phase.first_token import DepthTimer, FirstTokenProf, lend
 from ..phase.levels import TraceSettings
@@ -101,7 +102,8 @@ class SpecSession:
             engines = [(target.drain, target)]
             if drafter.device is not None and drafter.device != getattr(target, "device", None):
                 engines.append((drafter.drain, getattr(drafter, "runner", None)))  # a drafter on its own device
-            self.clock = PhaseClock([d for d, _ in engines], self._free_mb, self._marks(trace, [e for _, e in engines]))
+            self.clock = PhaseClock([d for d, _ in engines], self._free_mb,
+                                    stream_marks_of(trace, [e for _, e in engines]))
         self.timer = SubsplitTimer(target.drain) if trace.level >= 2 else None
         self.prof = FirstTokenProf() if trace.prof else None
         self.log = RoundsLog() if trace.prof else None
@@ -126,26 +128,9 @@ class SpecSession:
         self._chains = (sp.greedy and self.prof is None and getattr(drafter, "host_only", False)
                         and callable(getattr(target, "chain", None)))
         self._chain = None
-        # the event clock: a burst's (record, bank) whose events are read in the next burst's
-        # first verify (phase/clock.py), its record reaching the sink then
-        self._unsettled = None
-        self._laps_due: list = []  # level 2: (round record, its verify's Laps) still to add up
-
-    @staticmethod
-    def _marks(trace: TraceSettings, engines: list) -> list | None:
-        """The event clock's marks, one per stream (phase/clock.py), when every engine's stream
-        records timing events and the clock is `events`; None = the draining clock (CPU, a
-        batched target, MEMRA_PHASE_CLOCK=drain, the first-token profile: its depth laps drain)."""
-        if trace.clock != "events" or trace.prof:
-            return None
-        marks = []
-        for e in engines:
-            m = getattr(e, "stream_marks", None)
-            m = m() if callable(m) else None
-            if m is None:
-                return None
-            marks.append(m)
-        return marks
+        # records still held: a burst the event clock reads in the next burst's first verify,
+        # level 2's sub-splits added up in the next verify's shadow (phase/handover.py)
+        self._held = Handover(self.clock, sink, trace.level)
 
     @property
     def ran_ahead(self) -> bool:
@@ -279,9 +264,9 @@ class SpecSession:
         first = self.prof is not None and self.stats.bursts == 0  # the profile implies a record
         if self._ahead is None:  # None until the one-row graph (level 2: its stamped twin) is captured
             self._ahead = ahead_steps(self.target, self.drafter, self.sp, self.trace)
-        deferred = False
-        if self._unsettled is not None and (self._ahead is not None or self._chains):
-            self._settle()  # no round loop this burst to read them in
+        deferred, held = False, self._held
+        if held.unsettled is not None and (self._ahead is not None or self._chains):
+            held.settle()  # no round loop this burst to read them in
         if self._ahead is not None:  # never with the profile: its hook share stays 0
             self._burst_ahead(max_rounds, hook, out, rec)
             hook_ns = 0
@@ -293,12 +278,13 @@ class SpecSession:
                 rec.clock = self.clock.mode
                 bank = self.clock.begin(max_rounds)
             hook_ns = self._burst_rounds(max_rounds, hook, rec, first, out)
-            if self._unsettled is not None:  # the loop ran no round to read them in
-                self._settle()
+            if held.unsettled is not None:  # the loop ran no round to read them in
+                held.settle()
             if rec is not None and self.clock.events and not self.done and rec.n:
-                self._unsettled, deferred = (rec, bank), True  # read in the next burst's first verify
+                held.hold(rec, bank)  # read in the next burst's first verify
+                deferred = True
             elif rec is not None:
-                self._settle_laps()
+                held.settle_laps()
                 self.clock.resolve(rec.live(), bank)  # the draining clock: nothing to read
                 if self.log is not None:
                     for r in rec.live():
@@ -323,28 +309,7 @@ class SpecSession:
     def flush_trace(self) -> None:
         """A request left before its end (its caller went away): the last burst's record, whose
         events the next burst would have read, goes to the sink now (waiting for them)."""
-        if self._unsettled is not None:
-            self._settle()
-        self._settle_laps()
-
-    def _settle_laps(self) -> None:
-        """Level 2: the verify sub-splits of the rounds before, added up and put in their
-        records (each replay's stamps were copied back before its round's readback returned)."""
-        for r, laps in self._laps_due:
-            r.sub_ns, r.seq_rows = laps.settle()
-        self._laps_due.clear()
-
-    def _settle(self) -> None:
-        """The burst before's events read (waiting for its last ones: from a verify in flight,
-        in the device's shadow) and its record handed to the sink."""
-        rec, bank = self._unsettled
-        self._unsettled = None
-        self._settle_laps()
-        self.clock.resolve(rec.live(), bank)
-        if rec.n:
-            rec.t1 = max(rec.t1, rec.rounds[rec.n - 1].t[5])
-        if self.sink is not None and self.trace.level >= 1:
-            self.sink.burst(rec)
+        self._held.flush()
 
     def _round(self, rec: BurstRecord | None) -> list[int]:
         n = len(self.tokens)
@@ -366,10 +331,10 @@ class SpecSession:
             r.h[1] = time.perf_counter_ns()  # the verify launched (before the tracer's own deferred work)
         if self._pump is not None:
             self._pump()
-        if self._laps_due:
-            self._settle_laps()  # the rounds before's verify sub-split, while this verify runs
-        if self._unsettled is not None:
-            self._settle()  # the burst before's events, while this verify runs
+        if self._held.laps_due:
+            self._held.settle_laps()  # the rounds before's verify sub-split, while this verify runs
+        if self._held.unsettled is not None:
+            self._held.settle()  # the burst before's events, while this verify runs
         if rec is not None:
             # free memory once a round, in the verify's shadow, after the span work (should the
             # driver's query wait for the device, it waits where the readback would anyway);
@@ -395,7 +360,7 @@ class SpecSession:
                 c.anchor()  # the streams just ran dry (the readback): the burst's tie to the host clock
             r.h[2] = c.mark(r, slot, 3)
             if self.timer is not None:  # level 2: the verify's laps, added up in the next verify's shadow
-                self._laps_due.append((r, self.timer.detach()))
+                self._held.laps(r, self.timer.detach())
         self.target.rollback(n + j)  # keep the pending token + j accepted drafts
         if rec is not None:
             r.h[3] = c.mark(r, slot, 4)
