@@ -184,7 +184,8 @@ class Sink:
         pass
 
 
-def _run(level=1, clock="events", own_device=False, rounds=4, prof=False, marks=True):
+def _started(level=1, clock="events", own_device=False, prof=False, marks=True, max_new=60):
+    """A started session over simulated streams (one, or the drafter's own)."""
     a = SimStream()
     b = SimStream() if own_device else a
     tgt = SimTarget(a, marks)
@@ -193,7 +194,12 @@ def _run(level=1, clock="events", own_device=False, rounds=4, prof=False, marks=
     sink = Sink()
     s = SpecSession(tgt, d, SamplingParams(), torch.Generator().manual_seed(0), 4,
                     TraceSettings(level=level, clock=clock, prof=prof), sink)
-    s.start([1, 2, 3, 4], max_new=60, capacity=128)
+    s.start([1, 2, 3, 4], max_new=max_new, capacity=128)
+    return s, sink, tgt, d, a, b
+
+
+def _run(level=1, clock="events", own_device=False, rounds=4, prof=False, marks=True):
+    s, sink, tgt, d, a, b = _started(level, clock, own_device, prof, marks)
     s.burst(rounds)
     s.burst(1)  # the event clock reads the burst before's events in this one's first verify
     return s, sink, tgt, d, a, b
@@ -254,13 +260,7 @@ def test_a_drafter_on_its_own_stream_bounds_the_draft():
 
 
 def test_a_bursts_record_reaches_the_sink_one_burst_late_and_every_one_by_the_end():
-    a = SimStream()
-    tgt = SimTarget(a)
-    tgt.drafter_stream = a
-    sink = Sink()
-    s = SpecSession(tgt, SimDrafter(a), SamplingParams(), torch.Generator().manual_seed(0), 4,
-                    TraceSettings(level=1), sink)
-    s.start([1, 2, 3, 4], max_new=24, capacity=128)
+    s, sink, _, _, a, _ = _started(max_new=24)
     s.burst(2)
     assert sink.bursts == []  # its events are read in the next burst's first verify
     s.burst(2)
@@ -280,13 +280,7 @@ def test_a_bursts_record_reaches_the_sink_one_burst_late_and_every_one_by_the_en
 def test_a_host_pause_between_rounds_is_in_no_phase():
     """The caller's hook runs between rounds (streaming the tokens): with the device idle by
     then, the next round starts when the host comes back, not at the round before's end."""
-    a = SimStream()
-    tgt = SimTarget(a)
-    tgt.drafter_stream = a
-    sink = Sink()
-    s = SpecSession(tgt, SimDrafter(a), SamplingParams(), torch.Generator().manual_seed(0), 4,
-                    TraceSettings(level=1), sink)
-    s.start([1, 2, 3, 4], max_new=60, capacity=128)
+    s, sink, *_ = _started()
     s.burst(3, lambda new: time.sleep(0.040))
     s.burst(1)
     rec = sink.bursts[0]
