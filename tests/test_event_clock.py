@@ -406,3 +406,16 @@ def test_an_abandoned_request_hands_its_held_record_over():
     c.burst(sink.bursts[0])
     c.burst(sink.bursts[1])
     assert c.take()[0] == tuple(sink.bursts) and c.take()[0] == ()
+
+
+def test_a_pipeline_head_shared_by_sessions_drains():
+    """Sessions in flight on one head stream: the event clock's anchor (the stream running dry
+    after this session's readback) does not hold, so the head offers no marks (drained)."""
+    from types import SimpleNamespace
+
+    from memra_dist.pipeline.head_target import PipelineTarget
+
+    runner = SimpleNamespace(stream_marks=lambda: "marks")
+    alone = SimpleNamespace(runner=runner, shared=False)
+    shared = SimpleNamespace(runner=runner, shared=True)
+    assert PipelineTarget.stream_marks(alone) == "marks" and PipelineTarget.stream_marks(shared) is None

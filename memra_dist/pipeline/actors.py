@@ -264,7 +264,8 @@ class HeadWorker(_Worker):
         with s.turn(seq):
             self.carriers[index] = carrier
             s.target = PipelineTarget(self.ring, s.view, traced=self.cfg.trace.level >= 1, records=self.records,
-                                      request=index, slot=slot, remote_taps=self.remote_taps)
+                                      request=index, slot=slot, remote_taps=self.remote_taps,
+                                      shared=len(self.slots) > 1)
             if self.tracing.enabled:
                 s.spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
             s.request = Request(s.target, plan or self.plan, prompt, s.spans, drafter=s.drafter)

@@ -37,8 +37,9 @@ class PipelineTarget:
     ids_on_device = True  # forward's ids may stay on the device: they ride in the command (specdec/ahead.py)
 
     def __init__(self, ring: Ring, runner: ModelRunner, traced: bool, records: list | None = None,
-                 request: int = 0, slot: int = 0, remote_taps: tuple[int, ...] = ()):
+                 request: int = 0, slot: int = 0, remote_taps: tuple[int, ...] = (), shared: bool = False):
         self.ring, self.runner, self.traced = ring, runner, traced
+        self.shared = shared  # other sessions' forwards run on the head's stream between this one's
         self.records = records if records is not None else []  # (t0, t1, start, rows, round, free_mb, label, request, slot)
         self.request = request  # this request's index among the pipeline's requests
         self.slot = slot  # its cache slot on every stage
@@ -157,6 +158,8 @@ class PipelineTarget:
 
     def stream_marks(self):
         """The head's stream: its verify ends by receiving the last stage's rows (the clock's
-        transitive bound over every stage, phase/clock.py)."""
-        return self.runner.stream_marks()
+        transitive bound over every stage, phase/clock.py). None (the draining clock) while
+        sessions share the stream: the event clock's anchor needs the stream to run dry after
+        this session's readback, which another session's queued work would not let it."""
+        return None if self.shared else self.runner.stream_marks()
 
