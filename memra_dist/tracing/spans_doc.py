@@ -46,7 +46,8 @@ ATTR_DOC = {
     "clock": ("", "spec.burst", "how the burst's phases were timed (phase/clock.py): `events` (a timing event "
               "recorded on every stream at each boundary, read once the burst ends: the device never idles for the "
               "clock; the CUDA default), `drain` (each boundary synchronizes the streams: CPU, the first-token "
-              "profile, a batched request's own rounds, MEMRA_PHASE_CLOCK=drain), `ahead` (plain greedy one step "
+              "profile, a batched request's own rounds, a pipeline head shared by sessions in flight, "
+              "MEMRA_PHASE_CLOCK=drain), `ahead` (plain greedy one step "
               "ahead: each step's device events), `leader` (a batched greedy request: the step leader's stamps)"),
     "host_ms": ("ms", "phase spans (not one step ahead)", "the phase from its start until the host reached its end "
                 "boundary (before its drain, or as it recorded its events): its launches, its host work and any "
