@@ -45,19 +45,10 @@ def _say(*a) -> None:
 
 
 def _span_sink():
-    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: PLC0415
+    """The bench's span sink (bench/sections.py), its pump timed."""
+    from memra_dist.bench.sections import span_sink  # noqa: PLC0415
 
-    from memra_dist.tracing.deferred import DeferredSink  # noqa: PLC0415
-    from memra_dist.tracing.emit import SpanSink  # noqa: PLC0415
-    from memra_dist.tracing.otel import quick_gil_handoff  # noqa: PLC0415
-
-    quick_gil_handoff()  # as the CLI's provider does
-    tp = TracerProvider()
-    exp = InMemorySpanExporter()
-    tp.add_span_processor(BatchSpanProcessor(exp))
-    sink = DeferredSink(SpanSink(tp.get_tracer("memra.trace_cost"), None))
+    sink, tp, exp = span_sink("memra.trace_cost")
     pump = sink.pump
 
     def timed_pump(*a, **kw):  # the host time span building takes inside the rounds (in the verify's shadow)
@@ -66,6 +57,26 @@ def _span_sink():
         HOST["pump_ns"] += time.perf_counter_ns() - t
     sink.pump = timed_pump
     return sink, tp, exp
+
+
+class _AfterRequest:
+    """A DeferredSink without its pump: the session builds no span in its rounds; every span
+    is built at close, after the request's last token (--explain's nopump)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def burst(self, rec) -> None:
+        self.inner.burst(rec)
+
+    def first_token(self, prof) -> None:
+        self.inner.first_token(prof)
+
+    def rounds(self, log, final) -> None:
+        pass
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 HOST = {"pump_ns": 0, "resolve_ns": 0, "resolves": 0}
@@ -99,9 +110,7 @@ def _request(engine, prompt, cfg, level: int, clock: str) -> dict:
     if level and clock != "nospans":
         spans, tp, exp = _span_sink()
         if clock == "nopump":  # built at close, after the last token
-            inner = spans
-            spans = type("NoPump", (), {"burst": lambda _, r: inner.burst(r), "first_token": lambda _, p: inner.first_token(p),
-                                        "rounds": lambda _, lg, f: None, "close": lambda _: inner.close()})()
+            spans = _AfterRequest(spans)
     c = cfg.with_(trace=TraceSettings(level=level, clock="drain" if clock == "drain" else "events"))
     for key in HOST:
         HOST[key] = 0

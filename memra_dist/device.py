@@ -90,8 +90,8 @@ class CudaMarks:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = None
         self._record = torch._C._CudaEventBase.record
+        self.bind()
 
     def bind(self) -> None:
         self.stream = torch.cuda.current_stream(self.device)
@@ -100,7 +100,7 @@ class CudaMarks:
         return torch.cuda.Event(enable_timing=True)
 
     def record(self, ev) -> None:
-        self._record(ev, self.stream if self.stream is not None else torch.cuda.current_stream(self.device))
+        self._record(ev, self.stream)
 
     def wait(self, ev) -> None:
         ev.synchronize()

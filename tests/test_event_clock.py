@@ -326,8 +326,8 @@ def test_stamp_marks_copy_back_later():
 
     buf = torch.zeros(8, dtype=torch.int64)
     ev = Ev()
-    m = StampMarks(buf, lambda b, i: b.__setitem__(i, 100 * (i + 1)), host=torch.zeros(8, dtype=torch.int64),
-                   copied=ev)
+    m = StampMarks(buf, lambda b, i: b.__setitem__(i, 100 * (i + 1)), host=[torch.zeros(8, dtype=torch.int64)],
+                   copied=[ev])
     m.begin()
     m.lap("attn")
     m.lap("ffn")

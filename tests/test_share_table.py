@@ -45,12 +45,12 @@ def test_no_level_2_rows_without_level_2_data():
 def test_the_header_says_how_the_phases_were_timed():
     from memra_dist.phase.records import BurstRecord
 
-    def rec(n, ahead):
+    def rec(n, ahead, clock="drain"):
         r = BurstRecord()
         r.reset(0, 1, n)
         for _ in range(n):
             r.next_round().t = [0, 0, 5, 6, 6, 6]
-        r.ahead = ahead
+        r.clock = "ahead" if ahead else clock
         return r
 
     t = ShareTable()
@@ -63,7 +63,13 @@ def test_the_header_says_how_the_phases_were_timed():
     t2.burst(rec(2, False))
     assert t2.table().splitlines()[0].startswith("phase shares over 6 speculative rounds") and \
         "4 rounds one step ahead" in t2.table().splitlines()[0]
+    t3 = ShareTable()
+    t3.burst(rec(5, False, "events"))
+    first = t3.table().splitlines()[0]
+    assert "boundary's event (no drain)" in first and "from one stream drain" not in first
+    t3.burst(rec(1, False))
+    assert "5 rounds each phase ends when its streams reach" in t3.table().splitlines()[0]
     again = BurstRecord()
-    again.ahead = True
+    again.clock = "ahead"
     again.reset(1, 1, 1)
-    assert not again.ahead  # a reused record starts as a round-loop burst
+    assert not again.ahead and again.clock == "drain"  # a reused record starts as a round-loop burst

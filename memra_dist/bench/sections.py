@@ -15,7 +15,7 @@ from .noise import Fig
 from .roofline import (SPEC_FORMULA, achieved_fraction, expected_tokens, ideal_speedup, per_token_acceptance,
                        roofline_tok_s)
 
-__all__ = ["bandwidth", "steps", "decode", "trace_levels", "plain_decode"]
+__all__ = ["bandwidth", "steps", "decode", "trace_levels", "plain_decode", "span_sink"]
 
 
 def _fig_t(t: dict) -> Fig:
@@ -172,25 +172,32 @@ def decode(s) -> dict:
     return out
 
 
-def _trace_sink(level: int):
-    """(sink, closer): the sink the CLI would build at `level`; closer() flushes and stops it."""
-    if level == 0:
-        return None, lambda: None
+def span_sink(name: str = "memra.bench"):
+    """(span sink, provider, exporter): spans built as the CLI builds them (a DeferredSink over a
+    SpanSink, a BatchSpanProcessor) into an in-memory exporter: the SDK's real cost, no network."""
     from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
     from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: PLC0415
 
-    from ..phase.report import FanOut  # noqa: PLC0415
-    from ..phase.share import ShareTable  # noqa: PLC0415
     from ..tracing.deferred import DeferredSink  # noqa: PLC0415
     from ..tracing.emit import SpanSink  # noqa: PLC0415
-
     from ..tracing.otel import quick_gil_handoff  # noqa: PLC0415
 
     quick_gil_handoff()  # as make_provider does for the CLI's provider
     tp = TracerProvider()
-    tp.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
-    spans = DeferredSink(SpanSink(tp.get_tracer("memra.bench"), None))  # as the CLI builds them
+    exp = InMemorySpanExporter()
+    tp.add_span_processor(BatchSpanProcessor(exp))
+    return DeferredSink(SpanSink(tp.get_tracer(name), None)), tp, exp
+
+
+def _trace_sink(level: int):
+    """(sink, closer): the sink the CLI would build at `level`; closer() flushes and stops it."""
+    if level == 0:
+        return None, lambda: None
+    from ..phase.report import FanOut  # noqa: PLC0415
+    from ..phase.share import ShareTable  # noqa: PLC0415
+
+    spans, tp, _ = span_sink()
 
     def close() -> None:  # after the timed decode, as the CLI does at request end
         spans.close()
@@ -255,6 +262,4 @@ def trace_levels(s) -> dict:
     out["by_drafter"] = cases
     out["note"] = ("level 0 vs a build with the hooks removed is not measurable here; level0_noise_pct is the "
                    "spread of repeated level-0 runs")
-    done = [c for c in cases if "overhead_pct" in c]
-    out["worst_overhead_pct"] = {lv: max(c["overhead_pct"][lv] for c in done) for lv in ("1", "2")}
     return out

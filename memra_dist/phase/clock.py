@@ -41,7 +41,6 @@ from typing import Callable, Protocol, Sequence
 __all__ = ["PhaseClock", "StreamMarks", "stream_marks_of"]
 
 
-
 class StreamMarks(Protocol):
     """Timing events on one engine's stream (device.py: CudaMarks; tests: a simulated stream)."""
 
@@ -152,16 +151,12 @@ class PhaseClock:
         def at(m, e, a, n: int, i: int) -> int:
             return h + m.elapsed_ns(a, e) if (n, i) >= first_after else h - m.elapsed_ns(e, a)
 
-        one = len(self.marks) == 1
-        m0, a0 = self.marks[0], anchors[0]
         prev = 0
         for n, r in enumerate(rounds):
             evs, t = slots[n], r.t
             for i in range(6):
                 if i == 0 and n:
                     v = t[0] if t[0] > prev else prev  # the previous round's end, or the host's arrival
-                elif one:
-                    v = at(m0, evs[i][0], a0, n, i)
                 else:
                     v = max(at(m, e, a, n, i) for m, e, a in zip(self.marks, evs[i], anchors))
                 if v < prev:

@@ -45,7 +45,7 @@ class Handover:
             self.sink.burst(rec)
 
     def flush(self) -> None:
-        """Everything held, to the sink now."""
+        """Everything held, into its records and to the sink now (nothing held: nothing done)."""
         if self.unsettled is not None:
             self.settle()
         self.settle_laps()

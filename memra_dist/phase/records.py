@@ -56,12 +56,15 @@ class BurstRecord:
     rounds: list[RoundRecord] = field(default_factory=list)
     n: int = 0
     tokens: int = 0
-    ahead: bool = False  # its rounds ran one step ahead (specdec/ahead.py): phases from device events, not drains
     clock: str = "drain"  # how its boundaries were timed (phase/clock.py): events | drain | ahead | leader
 
+    @property
+    def ahead(self) -> bool:
+        """Its rounds ran one step ahead (specdec/ahead.py): phases from each step's device events."""
+        return self.clock == "ahead"
+
     def reset(self, index: int, k: int, capacity: int) -> None:
-        self.index, self.k, self.n, self.tokens, self.ahead = index, k, 0, 0, False
-        self.clock = "drain"
+        self.index, self.k, self.n, self.tokens, self.clock = index, k, 0, 0, "drain"
         while len(self.rounds) < capacity:
             self.rounds.append(RoundRecord())
 

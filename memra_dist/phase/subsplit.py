@@ -160,12 +160,11 @@ class StampMarks(_Marks):
         self.kinds: list[str] = []
         self.slots: list[int] = []  # the buffer slot each boundary reads (a begin right after a lap shares it)
         self.n = 0  # slots written
-        # pinned host copies of buf and an event after each copy: the stamps come back without a
-        # wait in the verify; the laps are added later (after the round's readback, or in the
-        # next verify's shadow). Two of each, used in turn: a replay's copy never overwrites the
-        # one before's before it was read (one replay of a graph a round).
-        self.host = host if host is None or isinstance(host, (list, tuple)) else (host,)
-        self.copied = copied if copied is None or isinstance(copied, (list, tuple)) else (copied,)
+        # pinned host copies of buf and an event after each copy (`host`, `copied`: sequences of
+        # the same length, or None): the stamps come back without a wait in the verify; the laps
+        # are added later (in the next verify's shadow). Used in turn: with two, a replay's copy
+        # never overwrites the one before's before it was read (one replay of a graph a round).
+        self.host, self.copied = host, copied
         self._turn = 0
 
     def _mark(self, what: str) -> None:

@@ -331,11 +331,8 @@ class SpecSession:
             r.h[1] = time.perf_counter_ns()  # the verify launched (before the tracer's own deferred work)
         if self._pump is not None:
             self._pump()
-        if self._held.laps_due:
-            self._held.settle_laps()  # the rounds before's verify sub-split, while this verify runs
-        if self._held.unsettled is not None:
-            self._held.settle()  # the burst before's events, while this verify runs
         if rec is not None:
+            self._held.flush()  # the burst before's events, the rounds before's sub-splits: while this verify runs
             # free memory once a round, in the verify's shadow, after the span work (should the
             # driver's query wait for the device, it waits where the readback would anyway);
             # every phase of the round carries this reading
@@ -398,7 +395,7 @@ class SpecSession:
         round is recorded from the step's own device times (`_record_ahead`)."""
         a = self._ahead
         if rec is not None:
-            rec.ahead, rec.clock = True, "ahead"
+            rec.clock = "ahead"
         pump = self._pump
         for _ in range(max_rounds):
             if self.done:
