@@ -20,7 +20,7 @@ No level-2 twin or timed stamp is captured inside a traced request: the first tr
 after a level-0 warm-up is in the repeats, and `max_over_median` says whether one was slow.
 
     python benchmarks/trace_cost.py OUT_DIR [--shape 8b|tiny] [--cases plain,ngram,model,dflash]
-                                    [--new 256] [--repeats 5]
+                                    [--new 256] [--repeats 5] [--warmup 2] [--explain]
 Results: OUT_DIR/trace_cost.json and a markdown table on stdout; a line per run on stderr."""
 
 from __future__ import annotations
@@ -80,6 +80,58 @@ class _AfterRequest:
 
 
 HOST = {"pump_ns": 0, "resolve_ns": 0, "resolves": 0}
+# --explain: the host's critical path of a round whose draft is host work (ngram): from the accept's
+# readback returning to the next verify's launch (within a burst, and across a burst boundary),
+# and the garbage collector's pauses in the request
+GAP: dict = {"rb": 0, "new_burst": False, "in": [], "across": [], "gc": [], "gc_t": 0}
+
+
+def _time_gaps() -> None:
+    """Bench-side wrappers (--explain): the readback's return (greedy_commit), a burst's start,
+    the next verify row built (the launch right after); gc.callbacks for the collector."""
+    import gc  # noqa: PLC0415
+
+    from memra_dist.specdec import session as sm  # noqa: PLC0415
+
+    commit, verify_ids, burst = sm.greedy_commit, sm.SpecSession._verify_ids, sm.SpecSession.burst
+
+    def greedy_commit(*a, **kw):
+        out = commit(*a, **kw)
+        GAP["rb"] = time.perf_counter_ns()
+        return out
+
+    def _verify_ids(self, drafts):
+        if GAP["rb"]:
+            GAP["across" if GAP["new_burst"] else "in"].append(time.perf_counter_ns() - GAP["rb"])
+        GAP["rb"], GAP["new_burst"] = 0, False
+        return verify_ids(self, drafts)
+
+    def burst_(self, *a, **kw):
+        GAP["new_burst"] = True
+        return burst(self, *a, **kw)
+
+    def on_gc(phase, info):
+        if phase == "start":
+            GAP["gc_t"] = time.perf_counter_ns()
+        elif GAP["gc_t"]:
+            GAP["gc"].append((info["generation"], time.perf_counter_ns() - GAP["gc_t"]))
+    sm.greedy_commit, sm.SpecSession._verify_ids, sm.SpecSession.burst = greedy_commit, _verify_ids, burst_
+    gc.callbacks.append(on_gc)
+
+
+def _gap_stats() -> dict:
+    def us(xs: list[int]) -> dict:
+        if not xs:
+            return {"n": 0}
+        xs = sorted(xs)
+        return {"n": len(xs), "p50_us": round(xs[len(xs) // 2] / 1e3, 1), "mean_us": round(sum(xs) / len(xs) / 1e3, 1),
+                "p99_us": round(xs[min(len(xs) - 1, int(len(xs) * 0.99))] / 1e3, 1), "max_us": round(xs[-1] / 1e3, 1)}
+    gcs = GAP["gc"]
+    return {"in_burst": us(GAP["in"]), "across_bursts": us(GAP["across"]),
+            "gc": {f"gen{g}": {"n": sum(1 for x, _ in gcs if x == g),
+                               "ms": round(sum(d for x, d in gcs if x == g) / 1e6, 2),
+                               "max_ms": round(max((d for x, d in gcs if x == g), default=0) / 1e6, 2)}
+                   for g in (0, 1, 2)}}
 
 
 def _time_resolve() -> None:
@@ -114,6 +166,7 @@ def _request(engine, prompt, cfg, level: int, clock: str) -> dict:
     c = cfg.with_(trace=TraceSettings(level=level, clock="drain" if clock == "drain" else "events"))
     for key in HOST:
         HOST[key] = 0
+    GAP.update(rb=0, new_burst=False, **{"in": [], "across": [], "gc": []})
     if clock == "nogc":
         gc.disable()
     try:
@@ -126,7 +179,7 @@ def _request(engine, prompt, cfg, level: int, clock: str) -> dict:
     st = res.stats
     out = {"level": level, "clock": clock, "ids": res.token_ids, "decode_s": t1 - t0,
            "tok_s": n_after / (t1 - t0) if t1 > t0 else 0.0, "rounds": st["rounds"],
-           "tokens_per_round": st["tokens_per_round"], "ttft_ms": st["ttft_ms"]}
+           "tokens_per_round": st["tokens_per_round"], "ttft_ms": st["ttft_ms"], "gaps": _gap_stats()}
     if spans is not None:
         spans.close()
         tp.shutdown()
@@ -177,7 +230,8 @@ def _case(name: str, a, dev, cache: Path, prompt: list[int], recorded: list[int]
                 engine._backend.drafter = TapReplay(real, ReplayDrafter(recorded, len(prompt),
                                                                         engine.model.vocab_size, 0.2, seed=1))
         fresh()
-        _request(engine, prompt, cfg, 0, "events")  # warm-up at level 0 only: level 1 / 2's first requests are timed
+        for _ in range(a.warmup):  # warm-up at level 0 only (clocks up): level 1 / 2's first requests are timed
+            _request(engine, prompt, cfg, 0, "events")
         plan = RUNS + (EXPLAIN if a.explain else ())
         runs = {f"{lv}/{ck}": [] for lv, ck in plan}
         for rep in range(a.repeats):
@@ -211,6 +265,7 @@ def _case(name: str, a, dev, cache: Path, prompt: list[int], recorded: list[int]
             for f in ("pump_ms_per_round", "resolve_ms_per_burst"):
                 row[f] = round(statistics.median(r[f] for r in rs), 4)
             row["table"] = rs[len(rs) // 2]["table"]
+        row["gaps"] = rs[len(rs) // 2]["gaps"]
         out["runs"][key] = row
     for lv in (1, 2):  # the event clock's phases against the draining clock's on the same rounds
         ev, dr = out["runs"][f"{lv}/events"].get("phase_ms"), out["runs"][f"{lv}/drain"].get("phase_ms")
@@ -290,6 +345,18 @@ def table(res: dict) -> str:
         if cmp_:
             lines.append(f"| {c['case']} | " + " | ".join(f"{v['events_ms']:.3f} / {v['drain_ms']:.3f}"
                                                          for v in cmp_.values()) + " |")
+    if any("gaps" in c["runs"]["0/events"] and c["runs"]["0/events"]["gaps"]["in_burst"]["n"] for c in res["cases"]):
+        lines += ["", "Host critical path of a round (--explain): readback to the next verify's launch, us "
+                  "(p50 / mean / p99 / max), within a burst and across a burst boundary; collector pauses:", "",
+                  "| case | run | in burst | across bursts | gc gen0 / gen1 / gen2 (n, ms) |", "|---|---|---|---|---|"]
+        for c in res["cases"]:
+            for key, r in c["runs"].items():
+                g = r.get("gaps")
+                if not g or not g["in_burst"]["n"]:
+                    continue
+                f = lambda d: " / ".join(str(d.get(x, "-")) for x in ("p50_us", "mean_us", "p99_us", "max_us"))  # noqa: E731
+                gc_ = ", ".join(f"{v['n']} {v['ms']}" for v in g["gc"].values())
+                lines.append(f"| {c['case']} | {key} | {f(g['in_burst'])} | {f(g['across_bursts'])} | {gc_} |")
     return "\n".join(lines)
 
 
@@ -300,8 +367,11 @@ def main() -> int:
     ap.add_argument("--cases", default="plain,ngram,model,dflash")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2, help="level-0 requests before the repeats (the GPU's clocks ramp up)")
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--explain", action="store_true", help="also level 1 without spans and with the collector off")
+    ap.add_argument("--explain", action="store_true", help="also level 1 without spans, with the collector off and with spans built after the "
+                    "request; the host's critical path of each run's rounds (readback to next launch) and "
+                    "its collector pauses")
     a = ap.parse_args()
     import torch  # noqa: PLC0415
 
@@ -311,6 +381,8 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     _time_resolve()
+    if a.explain:
+        _time_gaps()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cache = bench_cache_dir()
     prompt = make_prompt(a.prompt, shape_config(a.shape)["vocab_size"])

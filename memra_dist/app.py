@@ -162,6 +162,9 @@ class Engine:
         client that went away), the request is abandoned, its session freed, and the error
         re-raised here."""
         with self._backend.session(self.plan(len(prompt), cfg), prompt, span_sink, carrier) as req:
+            shadow = getattr(req, "feed_in_shadow", None)  # a session in this process
+            if sink is not None and shadow is not None:
+                shadow(sink)  # its burst records reach the sink while a verify runs, not between bursts
             out = [req.start()]
             if stream is not None:
                 stream(out[:])

@@ -47,6 +47,10 @@ class ModelRunner:
     over static-shaped tensors (positions are a tensor, the mask spans the whole capacity)."""
 
     takes_device_ids = True  # forward reads ids already on its device (a session's verify row stays there)
+    # rollback only moves the cache's lengths (KV / latent rows past it are masked, a KDA layer's
+    # state is in its snapshot rings already): no device work, so the event clock records no
+    # event at its end (phase/clock.py)
+    rollback_on_host = True
 
     def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                  first: int = 0, last: int | None = None, has_embed: bool = True,

@@ -231,9 +231,10 @@ def test_each_bucket_holds_its_own_device_time_without_a_drain():
     # two waits (the burst's last event, its anchor), both in the next burst's verify with the
     # device busy: nothing at any boundary, no wait with the device idle
     assert a.waits == 2 and a.busy_waits == 2
-    # the first round's entry, five boundaries a round (a later round's entry is the round
-    # before's end, or the host's arrival), the anchor; the same for the one-round burst after
-    assert a.records == (1 + 5 * rec.n + 1) + (1 + 5 + 1)
+    # the first round's entry, four boundaries a round (a later round's entry is the round
+    # before's end, or the host's arrival; the accept's end is the host's, its readback having
+    # run the one stream dry), the anchor; the same for the one-round burst after
+    assert a.records == (1 + 4 * rec.n + 1) + (1 + 4 + 1)
 
 
 def test_the_draining_clock_gives_the_same_buckets_and_waits_at_every_boundary():
@@ -246,6 +247,96 @@ def test_the_draining_clock_gives_the_same_buckets_and_waits_at_every_boundary()
         assert abs(ev[i] - dr[i]) < 0.15 * dr[i] + 4, (PHASES[i], ev, dr)
     for n, r in enumerate(sink_d.bursts[0].live()):
         assert tgt.launched[n] >= r.t[1]  # drained: the verify only left after the draft was done
+
+
+class HostDrafter(Drafter):
+    """An ngram-like drafter: propose and maintain are host work only (known host times)."""
+
+    name, host_only = "host", True
+    PROPOSE, MAINTAIN = 0.008, 0.004
+
+    def propose(self, context, k, sp, gen):
+        time.sleep(self.PROPOSE)
+        return Proposal(torch.tensor(([TOKEN, TOKEN] + [TOKEN + 1] * k)[:k], dtype=torch.long))
+
+    def maintain(self, context):
+        time.sleep(self.MAINTAIN)
+
+
+class HostRollbackTarget(SimTarget):
+    rollback_on_host = True  # moves lengths only
+
+    def rollback(self, new_len):
+        pass
+
+
+@pytest.mark.parametrize("clock", ["events", "drain"])
+def test_a_host_only_drafters_round_records_one_event_and_keeps_its_buckets(clock):
+    """ngram's case: draft, rollback and maintenance launch nothing on the device, and the
+    accept ends on a readback: the only event of a round is the verify's (recorded after its
+    launch, in its shadow); each bucket still holds its own phase's time, as drained."""
+    a = SimStream()
+    tgt = HostRollbackTarget(a)
+    tgt.drafter_stream = a
+    sink = Sink()
+    s = SpecSession(tgt, HostDrafter(), SamplingParams(), torch.Generator().manual_seed(0), 4,
+                    TraceSettings(level=1, clock=clock), sink)
+    s.start([1, 2, 3, 4], max_new=60, capacity=128)
+    s.burst(4)
+    s.burst(1)
+    rec = sink.bursts[0]
+    if clock == "events":
+        assert s.clock.quiet == (False, True, False, True, True, True)
+        # the first round's entry and the anchor, then one event a round
+        assert a.records == (1 + rec.n + 1) + (1 + 1 + 1)
+    for r in rec.live():
+        got = [_ms(r, i) for i in range(PHASE_COUNT)]
+        assert HostDrafter.PROPOSE * 1e3 - 0.5 <= got[0] < HostDrafter.PROPOSE * 1e3 + 6, got
+        assert VERIFY * 1e3 - 0.5 <= got[1] < VERIFY * 1e3 + 6, got
+        assert 0 <= got[2] < 6 and 0 <= got[3] < 3, got
+        assert HostDrafter.MAINTAIN * 1e3 - 0.5 <= got[4] < HostDrafter.MAINTAIN * 1e3 + 6, got
+        assert r.t == sorted(r.t)
+
+
+def test_quiet_boundaries_need_a_host_only_phase():
+    from types import SimpleNamespace
+
+    from memra_dist.specdec.session import quiet_boundaries
+
+    host, dev = SimpleNamespace(host_only=True), SimpleNamespace()
+    moves = SimpleNamespace(rollback_on_host=True)
+    assert quiet_boundaries(host, moves, ["m"]) == {1, 3, 4, 5}
+    assert quiet_boundaries(dev, SimpleNamespace(), ["m"]) == {3}
+    assert quiet_boundaries(dev, moves, ["m", "m2"]) == {4}  # two streams: the readback ran only one dry
+    assert quiet_boundaries(host, moves, None) == set()  # the draining clock
+    with pytest.raises(ValueError):
+        PhaseClock([], lambda: {}, [SimStream()], quiet={2})  # the verify always ends on an event
+
+
+def test_the_callers_sink_is_fed_while_a_verify_runs():
+    """Request.feed_in_shadow: a burst's record reaches the caller's sink from the session's
+    pump, right after a verify's launch with the device busy, not between bursts."""
+    from memra_dist.specdec.request import _Collect
+
+    a = SimStream()
+    tgt = SimTarget(a)
+    tgt.drafter_stream = a
+    seen = []
+
+    class Caller:
+        def burst(self, rec):
+            seen.append((rec.index, len(tgt.launched), a.tail > a.now()))
+    c = _Collect(None)
+    c.caller = Caller()
+    s = SpecSession(tgt, SimDrafter(a), SamplingParams(), torch.Generator().manual_seed(0), 4,
+                    TraceSettings(level=1), c)
+    s.start([1, 2, 3, 4], max_new=60, capacity=128)
+    s.burst(3)
+    s.burst(2)
+    assert seen == [(0, 4, True)]  # burst 0's record: in burst 1's first verify (the 4th), device busy
+    assert c.take()[0] == ()  # nothing left for BurstOut
+    s.burst(2)
+    assert seen[1] == (1, 6, True)
 
 
 def test_a_drafter_on_its_own_stream_bounds_the_draft():

@@ -29,6 +29,11 @@ Two ways to find when a stream finished a phase (`TraceSettings.clock`, MEMRA_PH
 - `drain` (the seed's literal clock; CPU, engines without events, the first-token profile):
   each boundary synchronizes every stream, then stamps perf_counter. The device then idles
   while the host launches the next phase: that idle time lands in the next phase.
+A boundary whose phase launched no device work (`quiet`: a host-only drafter's draft and
+maintenance, a rollback that only moves the cache's length, the accept's end on one stream,
+which its readback has just run dry) records no event either: the streams reach it when they
+finished the boundary before, or as the host gets there, whichever is later (the rule of a
+later round's entry). An ngram round then records one event, the verify's, in its shadow.
 Only constructed when the clock is on (trace level >= 1 or the profile): level 0 has no
 clock object, hence no drains, no events and no clock reads.
 """
@@ -36,7 +41,7 @@ clock object, hence no drains, no events and no clock reads.
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 __all__ = ["PhaseClock", "StreamMarks", "stream_marks_of"]
 
@@ -56,11 +61,18 @@ class PhaseClock:
     (the same order) for the event clock, or None for the draining clock."""
 
     def __init__(self, drains: Sequence[Callable[[], None]], free_mb: Callable[[], dict[str, int]],
-                 marks: Sequence[StreamMarks] | None = None):
+                 marks: Sequence[StreamMarks] | None = None, quiet: Iterable[int] = ()):
         self.drains = tuple(drains)
         self.free_mb = free_mb  # device label -> free MB, for the devices of this process
         self.marks = tuple(marks) if marks else ()
         self.events = bool(self.marks)
+        # boundaries whose phase launches no device work: no event (the event clock only); the
+        # verify's end (2) always has one, so every round ends its device work on an event
+        quiet = set(quiet)
+        if not quiet <= {1, 3, 4, 5}:
+            raise ValueError(f"quiet boundaries must lie in 1, 3, 4, 5 (got {sorted(quiet)})")
+        self.quiet = tuple(i in quiet for i in range(6))
+        self._last = max(i for i in range(6) if not self.quiet[i])  # a round's last boundary with an event
         # two banks of event slots, [round slot][boundary][stream]: a burst records into one while
         # the burst before's are still to be read (`resolve` runs in the next burst's first verify)
         self._banks: list[list[list[list[object]]]] = [[], []]
@@ -104,11 +116,12 @@ class PhaseClock:
         stream, r.t[i] the host time for now (`resolve` replaces it by the streams' time). A
         round's entry after another round of the burst records no event: nothing was launched
         since the previous round's last boundary, so the streams reach it at that boundary's
-        time or, if they were idle by then, as the host gets there (`resolve` takes the later)."""
+        time or, if they were idle by then, as the host gets there (`resolve` takes the later).
+        Nor does a quiet boundary, by the same rule."""
         host = time.perf_counter_ns()
         if self.events:
             r.t[i] = host
-            if i == 0 and slot:
+            if self.quiet[i] or (i == 0 and slot):
                 return host
             for m, ev in zip(self.marks, self._banks[self.bank][slot][i]):
                 m.record(ev)
@@ -136,7 +149,7 @@ class PhaseClock:
             return
         bank = self.bank if bank is None else bank
         slots, anchors = self._banks[bank], self._anchors[bank]
-        for m, ev in zip(self.marks, slots[len(rounds) - 1][5]):
+        for m, ev in zip(self.marks, slots[len(rounds) - 1][self._last]):
             m.wait(ev)
         h = self._anchor_ns[bank]
         first_after = (0, 3)  # (slot, boundary) of the first event recorded after the anchor
@@ -151,12 +164,12 @@ class PhaseClock:
         def at(m, e, a, n: int, i: int) -> int:
             return h + m.elapsed_ns(a, e) if (n, i) >= first_after else h - m.elapsed_ns(e, a)
 
-        prev = 0
+        prev, quiet = 0, self.quiet
         for n, r in enumerate(rounds):
             evs, t = slots[n], r.t
             for i in range(6):
-                if i == 0 and n:
-                    v = t[0] if t[0] > prev else prev  # the previous round's end, or the host's arrival
+                if quiet[i] or (i == 0 and n):
+                    v = t[i] if t[i] > prev else prev  # the boundary before's time, or the host's arrival
                 else:
                     v = max(at(m, e, a, n, i) for m, e, a in zip(self.marks, evs[i], anchors))
                 if v < prev:

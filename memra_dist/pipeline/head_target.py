@@ -35,6 +35,7 @@ __all__ = ["PipelineTarget"]
 
 class PipelineTarget:
     ids_on_device = True  # forward's ids may stay on the device: they ride in the command (specdec/ahead.py)
+    rollback_on_host = True  # the head's runner moves lengths; each stage rolls back in its next forward
 
     def __init__(self, ring: Ring, runner: ModelRunner, traced: bool, records: list | None = None,
                  request: int = 0, slot: int = 0, remote_taps: tuple[int, ...] = (), shared: bool = False):

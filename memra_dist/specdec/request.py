@@ -47,18 +47,37 @@ class BurstOut:
 
 class _Collect:
     """The session's sink: forwards to the span sink where the session runs, and keeps the
-    burst's records to hand back with its tokens."""
+    burst's records to hand back with its tokens, or, when the caller's own sink runs in this
+    process (`Request.feed_in_shadow`), feeds them to it from `pump`, while a verify is on
+    the device: a share table's sums, `[spec-phase]` lines and metrics then cost the round
+    loop nothing either (between bursts they were on the host's critical path)."""
 
     def __init__(self, spans):
         self.spans = spans
         self.recs: list = []
         self.prof = self.log = None
-        self.pump = getattr(spans, "pump", None) if spans is not None else None
+        self.caller = None  # the caller's sink, fed from pump
+        self.due: list = []  # burst records still to feed it
+        self._spans_pump = getattr(spans, "pump", None) if spans is not None else None
 
     def burst(self, rec):
         if self.spans is not None:
             self.spans.burst(rec)
-        self.recs.append(rec)  # the session makes a fresh record per burst
+        # the session makes a fresh record per burst
+        (self.due if self.caller is not None else self.recs).append(rec)
+
+    def pump(self) -> None:
+        """Called by the session right after it launches a verify."""
+        if self.due:
+            self.feed()
+        if self._spans_pump is not None:
+            self._spans_pump()
+
+    def feed(self) -> None:
+        """Every burst record still due, to the caller's sink now."""
+        due, self.due = self.due, []
+        for rec in due:
+            self.caller.burst(rec)
 
     def first_token(self, prof):
         if self.spans is not None:
@@ -117,16 +136,31 @@ class Request:
         recs, prof, log = self.collect.take()
         return BurstOut(toks, self.session.done, recs, prof, log)
 
+    def feed_in_shadow(self, sink) -> None:
+        """Give the caller's sink (lines, share table, metrics: its `burst`) to the session:
+        each burst record reaches it from the session's pump, in a verify's shadow, instead of
+        in `BurstOut.records`; the last ones in `finish` (or `flush_trace`). Before `start`."""
+        self.collect.caller = sink
+
     def flush_trace(self) -> None:
         """Abandoned before its end: the burst record still held by the event clock is built
-        into spans (best effort: a device that failed may not answer)."""
+        into spans, and what the caller's sink is still due goes to it (best effort: a device
+        that failed may not answer)."""
         try:
             self.session.flush_trace()
         except Exception:  # noqa: BLE001 (tracing never takes the caller's error's place)
             pass
+        if self.collect.caller is not None:
+            try:
+                self.collect.feed()
+            except Exception:  # noqa: BLE001
+                pass
 
     def finish(self) -> dict:
-        """The session's stats, with the fast path the target's steps ran (`fast_path`)."""
+        """The session's stats, with the fast path the target's steps ran (`fast_path`); the
+        caller's sink gets the burst records still due to it first."""
+        if self.collect.caller is not None:
+            self.collect.feed()
         stats = self.session.stats.as_dict()
         target = self.session.target
         runner = getattr(target, "runner", target)  # a pipeline head: the runner of its own layers

@@ -86,6 +86,21 @@ class SessionStats:
                 "acceptance": round(self.acceptance, 4), "tokens_per_round": round(self.tokens_per_round, 3)}
 
 
+def quiet_boundaries(drafter, target, marks) -> set[int]:
+    """The round boundaries whose phase launches no device work, so the event clock records no
+    event there (phase/clock.py): a host-only drafter's draft (1) and maintenance (5), a target
+    whose rollback only moves its cache's length (4), and the accept's end (3) when the clock
+    covers one stream (the accept's readback has just run it dry)."""
+    if not marks:
+        return set()
+    quiet = {1, 5} if getattr(drafter, "host_only", False) else set()
+    if getattr(target, "rollback_on_host", False):
+        quiet.add(4)
+    if len(marks) == 1:
+        quiet.add(3)
+    return quiet
+
+
 class SpecSession:
     def __init__(self, target: Target, drafter: Drafter, sp: SamplingParams, gen: torch.Generator,
                  k: int, trace: TraceSettings = TraceSettings(), sink: SessionSink | None = None,
@@ -102,8 +117,9 @@ class SpecSession:
             engines = [(target.drain, target)]
             if drafter.device is not None and drafter.device != getattr(target, "device", None):
                 engines.append((drafter.drain, getattr(drafter, "runner", None)))  # a drafter on its own device
-            self.clock = PhaseClock([d for d, _ in engines], self._free_mb,
-                                    stream_marks_of(trace, [e for _, e in engines]))
+            marks = stream_marks_of(trace, [e for _, e in engines])
+            self.clock = PhaseClock([d for d, _ in engines], self._free_mb, marks,
+                                    quiet_boundaries(drafter, target, marks))
         self.timer = SubsplitTimer(target.drain) if trace.level >= 2 else None
         self.prof = FirstTokenProf() if trace.prof else None
         self.log = RoundsLog() if trace.prof else None
@@ -131,6 +147,7 @@ class SpecSession:
         # records still held: a burst the event clock reads in the next burst's first verify,
         # level 2's sub-splits added up in the next verify's shadow (phase/handover.py)
         self._held = Handover(self.clock, sink, trace.level)
+        self._spare: BurstRecord | None = None  # the next burst's record (made in a verify's shadow)
 
     @property
     def ran_ahead(self) -> bool:
@@ -257,8 +274,8 @@ class SpecSession:
             return []  # nothing to run, nothing to record
         out: list[int] = []
         rec = None  # level 0 without the profile: no record, no clock read in the loop
-        if self.clock is not None:  # a fresh record per burst (between bursts): sinks may keep it
-            rec = BurstRecord()
+        if self.clock is not None:  # a fresh record per burst (sinks may keep it), built in a verify's shadow
+            rec, self._spare = self._spare or BurstRecord(), None
             rec.reset(self.stats.bursts, self.k, max_rounds)
             rec.t0 = time.perf_counter_ns()
         first = self.prof is not None and self.stats.bursts == 0  # the profile implies a record
@@ -329,16 +346,20 @@ class SpecSession:
         logits = self.target.forward(ids, n - 1, self.timer)  # (kk+1, V)
         if rec is not None:
             r.h[1] = time.perf_counter_ns()  # the verify launched (before the tracer's own deferred work)
+        if rec is not None:  # the burst before's events, the rounds before's sub-splits: while this verify runs
+            self._held.flush()  # (before the pump, which hands the settled record on)
         if self._pump is not None:
             self._pump()
         if rec is not None:
-            self._held.flush()  # the burst before's events, the rounds before's sub-splits: while this verify runs
             # free memory once a round, in the verify's shadow, after the span work (should the
             # driver's query wait for the device, it waits where the readback would anyway);
             # every phase of the round carries this reading
             fm = c.free_mb()
             for i in range(len(r.free_mb)):
                 r.free_mb[i] = fm
+            if self._spare is None:  # the next burst's record, built here rather than between bursts
+                self._spare = BurstRecord()
+                self._spare.reset(0, self.k, len(rec.rounds))
             c.mark(r, slot, 2)
             r.batch = getattr(self.target, "last_step", None)  # a batched request: the step its rows rode in
         try:
