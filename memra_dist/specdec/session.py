@@ -3,7 +3,7 @@ draft K -> verify K+1 rows in one target forward -> accept -> rollback -> maint.
 
 The phase clock (phase/clock.py) runs only when tracing or the profile is on: at level 0
 each boundary costs one boolean test - no drains, no clock reads, no records. Records are
-numbers only; lines and spans are built from them by the sink after each burst.
+numbers only; lines and spans are built from them by the sinks, in a later verify's shadow.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class Target(Protocol):
 
 
 class SessionSink(Protocol):
-    """Receives records after each burst (lines, spans, metrics). Never called mid-burst."""
+    """Receives records once they are settled (lines, spans, metrics): at a burst's end, or,
+    with the event clock, in the next burst's first verify; never between a readback and the
+    next launch."""
 
     def burst(self, rec: BurstRecord) -> None: ...
     def first_token(self, prof: FirstTokenProf) -> None: ...

@@ -1,5 +1,5 @@
-"""Records -> spans, after each burst, with explicit start and end times (never inside the
-round loop). Times are perf_counter ns in the records; one offset per sink maps them to the
+"""Records -> spans, from each settled burst record, with explicit start and end times (built a
+round at a time in the verify's shadow: tracing/deferred.py). Times are perf_counter ns in the records; one offset per sink maps them to the
 epoch ns OpenTelemetry wants."""
 
 from __future__ import annotations

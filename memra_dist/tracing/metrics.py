@@ -1,4 +1,4 @@
-"""Records -> OpenTelemetry metrics, after each burst (never inside the round loop).
+"""Records -> OpenTelemetry metrics, from each settled burst record (in a verify's shadow).
 
 `MetricsSink` has the session-sink interface (`burst`, `first_token`, `rounds`) and turns the
 same numbers the spans carry into instruments named in `conventions.METRICS`. Exporters follow
