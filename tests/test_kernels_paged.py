@@ -81,9 +81,14 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
             ([11, 12, 13, 11, 12, 13, 11], 12)]  # the third prefills beside the others' decode rows
     with open_engine(_cfg(wide_llama, drafter), capacity=96) as eng:
         solo = [eng.generate(p, _cfg(wide_llama, drafter, n)).token_ids for p, n in reqs]
-    launches = []
+    from memra_dist.model.attention import Attention
+
+    launches, folded = [], []
     real = pa.paged_attention
     monkeypatch.setattr(pa, "paged_attention", lambda q, *a, **kw: launches.append(a[3].numel()) or real(q, *a, **kw))
+    fused = Attention.fused_step  # a batched step's decode / verify rows fold the norms and residuals (<= 16 rows)
+    monkeypatch.setattr(Attention, "fused_step", lambda self, x, ctx, *a: folded.append(
+        (ctx.batch is not None, x.shape[0])) or fused(self, x, ctx, *a))
     got: dict[int, list[int]] = {}
     with open_engine(_cfg(wide_llama, drafter), capacity=96, max_batch=4) as eng:
         _on_kernels(eng._backend)
@@ -99,6 +104,7 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
         stats = eng._backend.stats()
     assert [got.get(i) for i in range(len(reqs))] == solo
     assert max(launches) >= 2, launches  # one launch held several requests' rows
+    assert any(b and rows >= 2 for b, rows in folded), folded  # several requests' rows in one folded step
     assert stats["max_requests"] >= 2, stats
 
 

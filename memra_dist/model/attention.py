@@ -130,17 +130,21 @@ class Attention(nn.Module):
         rotary and the K/V write at the rows' pool slots in one kernel, then one paged
         split-sequence launch for every decode / verify segment; prefill chunks (segments
         left in view.segments) gather their keys and run the prefix attention."""
+        return self.o_proj(self._attend_paged(self.qkv_proj(x), ctx, state))
+
+    def _attend_paged(self, qkv: torch.Tensor, ctx, state) -> torch.Tensor:
+        """`_attend` over a batched step's paged K/V: (T, (nh + 2 nkv) hd) -> (T, nh hd)."""
         from ..kernels.paged_attention import paged_attention  # noqa: PLC0415 (Triton: only where installed)
         from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415
 
         view, pg = ctx.batch, ctx.batch.paged
         cos, sin = ctx.rope_for(self.rope_dim)
-        q = rope_kv_write(self.qkv_proj(x), cos, sin, state.k, state.v, view.slots, self.nh)  # (T, nh, hd)
+        q = rope_kv_write(qkv, cos, sin, state.k, state.v, view.slots, self.nh)  # (T, nh, hd)
         o = paged_attention(q, state.k, state.v, ctx.pos, pg.lo, pg.nrows, pg.table, pg.block, pg.max_rows,
                             pg.max_len)  # (T, nh * hd)
         for seg in view.segments:
             o[seg.lo:seg.hi] = self._segment(q[seg.lo:seg.hi], state, seg)
-        return self.o_proj(o)
+        return o
 
     def rope_kernel_ok(self) -> bool:
         """Whether kernels/rope_kv.py can take this layer's rotary and cache write: fused QKV,
@@ -158,10 +162,12 @@ class Attention(nn.Module):
     def fused_step(self, x: torch.Tensor, ctx, state: KVLayer, norm: RMSNorm) -> torch.Tensor:
         """x + self(norm(x)) for a decode row or verify rows, in five kernels: the QKV GEMV (row
         GEMM) with the norm folded in, `_attend`'s three, the o_proj GEMV (row GEMM) with the
-        residual add folded in."""
+        residual add folded in. A batched step's rows over the paged K/V (several requests'
+        decode / verify rows, up to the row GEMM's rows) attend through `_attend_paged`."""
         qkv, o = self.qkv_proj, self.o_proj
         y = torch.ops.memra.gemv(x, qkv.weight, qkv.bias, False, norm.weight, norm.eps, None)
-        return torch.ops.memra.gemv(self._attend(y, ctx, state), o.weight, o.bias, False, None, 0.0, x)
+        a = self._attend(y, ctx, state) if ctx.batch is None else self._attend_paged(y, ctx, state)
+        return torch.ops.memra.gemv(a, o.weight, o.bias, False, None, 0.0, x)
 
     def _attend(self, qkv: torch.Tensor, ctx, state: KVLayer) -> torch.Tensor:
         """(T, (nh + 2 nkv) hd) -> (T, nh hd): rotary and the K/V cache write in one kernel,

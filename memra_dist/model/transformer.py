@@ -83,7 +83,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepCtx, state) -> torch.Tensor:
         tm = ctx.timer
-        fused = x.shape[0] <= self.fused_rows and state is not None and ctx.batch is None
+        # a batched step folds too when its attention is the paged kernel's (batching/paged.py)
+        fused = (x.shape[0] <= self.fused_rows and state is not None
+                 and (ctx.batch is None or ctx.batch.paged is not None))
         if tm is not None:
             tm.begin()  # level 2: drained laps, so each class gets its device share
         if fused:
