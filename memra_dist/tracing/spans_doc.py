@@ -44,7 +44,7 @@ ATTR_DOC = {
     "draft_forwards": ("{forward}", "spec.draft", "draft-network forwards in the phase, where the drafter says: dflash "
                        "drafts its whole block in ONE forward (1; 0 in a round that drafted nothing)"),
     "clock": ("", "spec.burst", "how the burst's phases were timed (phase/clock.py): `events` (a timing event "
-              "recorded on every stream at each boundary, read once the burst ends: the device never idles for the "
+              "recorded on every stream at each boundary, read in the next burst's first verify; a boundary whose phase launched no device work takes the boundary before's time or the host's arrival: the device never idles for the "
               "clock; the CUDA default), `drain` (each boundary synchronizes the streams: CPU, the first-token "
               "profile, a batched request's own rounds, a pipeline head shared by sessions in flight, "
               "MEMRA_PHASE_CLOCK=drain), `ahead` (plain greedy one step "
@@ -120,7 +120,7 @@ _SPANS = [
     (C.SPAN_REQUEST, "-", "driver", "one per request; root, or child of an incoming W3C traceparent (--traceparent / TRACEPARENT)"),
     (C.SPAN_BURST, C.SPAN_REQUEST, "driver (pp=1) / head", "a burst of rounds; tokens stream to the caller per round inside it"),
     (C.SPAN_ROUND, C.SPAN_BURST, "driver / head", "one speculative round; its five phase spans tile it in clock order"),
-    *[(C.PHASE_SPANS[p], C.SPAN_ROUND, "driver / head", f"the {p} phase, bounded on both sides by the moment its streams reached the boundary: timing events read after the burst (CUDA), or drained clock stamps (CPU, MEMRA_PHASE_CLOCK=drain) (plain greedy decoding one step ahead: from its step's device events, no drain; a batched greedy request with a host drafter: the step leader's stamps, the verify ending at its step's readback)") for p in C.PHASES],
+    *[(C.PHASE_SPANS[p], C.SPAN_ROUND, "driver / head", f"the {p} phase, bounded on both sides by the moment its streams reached the boundary: timing events read in the next burst's first verify (CUDA; a phase that launched no device work ends at the boundary before's time or the host's arrival), or drained clock stamps (CPU, MEMRA_PHASE_CLOCK=drain) (plain greedy decoding one step ahead: from its step's device events, no drain; a batched greedy request with a host drafter: the step leader's stamps, the verify ending at its step's readback)") for p in C.PHASES],
     *[(C.VERIFY_SUB_SPANS[b], C.PHASE_SPANS["verify"], "driver / head", f"level 2: the {b} share of the verify walk (per-layer laps summed: drained, or the graph's device-clock stamps; laid end to end)") for b in C.VERIFY_SUB_SPANS],
     (C.SPAN_FIRST_TOKEN, C.SPAN_REQUEST, "driver / head", "profile on: everything between the session's prime and the first burst's end"),
     *[(C.ttft_span(b), C.SPAN_FIRST_TOKEN, "driver / head", "first-token bucket " + b) for b in C.TTFT_BUCKETS],
