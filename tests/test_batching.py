@@ -156,6 +156,26 @@ def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
         assert eng.generate([5, 6, 7], _cfg(llama, "none", max_new_tokens=20)).token_ids  # the engine still serves
 
 
+def test_max_batch_auto_batches_on_a_gpu_where_the_model_and_drafter_batch(llama):
+    """--max-batch auto (batch's default): AUTO_MAX_BATCH on CUDA at pp 1 with a batchable
+    drafter and family (the measured choice), one request at a time elsewhere."""
+    import argparse
+    import dataclasses
+
+    from memra_dist.batching.policy import AUTO_MAX_BATCH, auto_max_batch, max_batch_arg
+    from memra_dist.model.config import load_config
+
+    mcfg = load_config(llama)
+    assert AUTO_MAX_BATCH == 16
+    assert auto_max_batch(_cfg(llama, "ngram"), mcfg, "cuda") == (16, "a GPU")
+    assert auto_max_batch(_cfg(llama, "ngram"), mcfg, "cpu")[0] == 1
+    assert auto_max_batch(_cfg(llama, "ngram").with_(pp=2), mcfg, "cuda")[0] == 1
+    assert auto_max_batch(_cfg(llama, "none"), dataclasses.replace(mcfg, arch="kimi_linear"), "cuda")[0] == 1
+    assert max_batch_arg("auto") is None and max_batch_arg(" AUTO ") is None and max_batch_arg("8") == 8
+    with pytest.raises(argparse.ArgumentTypeError, match="a count or auto"):
+        max_batch_arg("many")
+
+
 def _jsonl(path, rows):
     import json
 
@@ -197,6 +217,7 @@ def test_batch_job_with_max_batch_writes_the_records_of_one_at_a_time(llama, tmp
     said = [line for line in p4.stderr.splitlines() if line.startswith("[batch] batched: ")]
     assert len(said) == 1 and " steps, " in said[0] and "busy" in said[0], p4.stderr[-2000:]
     assert "[batch] batched" not in p1.stderr  # one at a time: no batch steps to account for
+    assert "--max-batch auto" not in p1.stderr  # the default, auto, is one at a time on CPU (no note)
     bad = run(tmp_path / "bad.jsonl", "--max-batch", "4", "--pp", "2")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("memra-dist: error: --max-batch > 1 runs at --pp 1")

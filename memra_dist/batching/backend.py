@@ -32,32 +32,13 @@ from ..errors import UserError
 from .batcher import Batcher
 from .blocks import BlockPool, blocks_for
 from .paged import PagedKV
+from .policy import check_batchable
 from .slot import BatchSlot
 
-__all__ = ["BatchedBackend", "check_batchable", "BLOCK", "BATCHABLE_DRAFTERS", "BATCHABLE_FAMILIES"]
+__all__ = ["BatchedBackend", "check_batchable", "BLOCK"]
 
 BLOCK = 16
-BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model", "dflash", "eagle3", "mtp")
 TAP_DRAFTERS = ("dflash", "eagle3", "mtp")  # read the target's hidden states: each request's own tap sink
-BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3", "glm4_moe")
-MAX_BATCH = 256
-
-
-def check_batchable(cfg, mcfg, max_batch: int, draft=None) -> None:
-    """One line for what --max-batch > 1 does not run yet."""
-    if not 1 <= max_batch <= MAX_BATCH:
-        raise UserError(f"--max-batch must be in [1, {MAX_BATCH}] (got {max_batch})")
-    if max_batch == 1:
-        return
-    if cfg.pp > 1:
-        raise UserError("--max-batch > 1 runs at --pp 1 for now (at pp > 1, --sessions interleaves requests)")
-    if cfg.drafter not in BATCHABLE_DRAFTERS:
-        raise UserError(f"--max-batch > 1 takes --drafter {', '.join(BATCHABLE_DRAFTERS)} for now "
-                        f"(got {cfg.drafter})")
-    for what, c in (("model", mcfg), ("draft model", draft)):
-        if c is not None and c.arch not in BATCHABLE_FAMILIES:
-            raise UserError(f"--max-batch > 1 runs the {', '.join(BATCHABLE_FAMILIES)} families for now "
-                            f"(the {what} is {c.arch})")
 
 
 def graph_bytes(stage, budget: int) -> int:

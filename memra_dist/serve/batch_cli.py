@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Callable
 
+from ..batching.policy import AUTO_MAX_BATCH, auto_max_batch, max_batch_arg
 from ..errors import UserError
 
 __all__ = ["add_batch_parser", "run_batch"]
@@ -45,11 +46,11 @@ def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
     b.add_argument("--sessions", type=int, default=None, metavar="S",
                    help="requests in flight at once (--pp > 1; default: one per stage, so every stage "
                         "works; each is a cache slot of --ctx rows on every stage); --pp 1 runs one at a time")
-    b.add_argument("--max-batch", type=int, default=1, metavar="B",
+    b.add_argument("--max-batch", type=max_batch_arg, default=None, metavar="B",
                    help="--pp 1: up to B requests in flight with their forwards joined into one (continuous "
                         "batching over a paged KV cache; every drafter; llama / qwen2 / qwen3 / glm4_moe for "
-                        "now); each request gets the ids it gets alone "
-                        "(default 1: one after another)")
+                        f"now); each request gets the ids it gets alone; 1: one after another (default auto: "
+                        f"{AUTO_MAX_BATCH} on a GPU where the model and drafter batch, else 1)")
     b.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="with --max-batch: at most N rows a forward (default: max(--prefill-chunk, B x (k + 1)))")
     b.add_argument("--kv-rows", type=int, default=None, metavar="N",
@@ -103,8 +104,15 @@ def _run(args) -> int:
     cfg = config_from_args(args, args.model, args.draft_model)
     mcfg = load_config(cfg.model)
     batching = None
+    if args.max_batch is None:  # auto: by measurement, where the batched engine runs the request
+        from ..device import resolve_device  # noqa: PLC0415
+
+        args.max_batch, why = auto_max_batch(cfg, mcfg, resolve_device(cfg.device).type)
+        if args.max_batch > 1:
+            print(f"memra-dist: note: --max-batch auto: {args.max_batch} requests at once on {why} "
+                  "(--max-batch 1: one after another)", file=sys.stderr)
     if args.max_batch != 1 or args.max_batch_tokens is not None or args.kv_rows is not None:
-        from ..batching.backend import check_batchable  # noqa: PLC0415
+        from ..batching.policy import check_batchable  # noqa: PLC0415
 
         check_batchable(cfg, mcfg, args.max_batch)
         for flag, v in (("--max-batch-tokens", args.max_batch_tokens), ("--kv-rows", args.kv_rows)):

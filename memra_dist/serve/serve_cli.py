@@ -208,7 +208,7 @@ def validate(args):
     cfg = config_from_args(args, args.model, args.draft_model)
     mcfg = load_config(cfg.model)
     if getattr(args, "max_batch", 1) != 1:
-        from ..batching.backend import check_batchable  # noqa: PLC0415
+        from ..batching.policy import check_batchable  # noqa: PLC0415
 
         check_batchable(cfg, mcfg, args.max_batch)
     tok = load_tokenizer(cfg.model)

@@ -1,0 +1,60 @@
+"""What `--max-batch` may be, and what `auto` picks: no torch here (the CLI's parsers use it)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UserError
+
+__all__ = ["check_batchable", "auto_max_batch", "max_batch_arg", "BATCHABLE_DRAFTERS", "BATCHABLE_FAMILIES",
+           "MAX_BATCH", "AUTO_MAX_BATCH"]
+
+BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model", "dflash", "eagle3", "mtp")
+BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3", "glm4_moe")
+MAX_BATCH = 256
+# `--max-batch auto` on a GPU, by measurement (BENCHMARKS.md, "Batched steps fold their norms and
+# residual adds"; one H200, the 8B shape): 16 requests decode at 14.1x one request's rate with
+# each one's inter-token latency 1.10x its own alone (the issue's bound: 1.3x); 64 reach 35x but
+# at 1.8x the latency. On CPU (2 cores, the tiny shape) batching measured no gain: 1 there.
+AUTO_MAX_BATCH = 16
+
+
+def max_batch_arg(s: str) -> int | None:
+    """argparse type of --max-batch: a count, or `auto` (None)."""
+    if s.strip().lower() == "auto":
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or auto (got {s!r})") from None
+
+
+def auto_max_batch(cfg, mcfg, device_type: str) -> tuple[int, str]:
+    """`--max-batch auto`: (B, why): AUTO_MAX_BATCH where the batched engine runs the request
+    (a CUDA device, pp 1, a batchable drafter and family), else 1 (one request at a time)."""
+    if device_type != "cuda":
+        return 1, "not a GPU (batching measured no gain on CPU)"
+    if cfg.pp > 1:
+        return 1, "--pp > 1 (sessions interleave requests there)"
+    if cfg.drafter not in BATCHABLE_DRAFTERS:
+        return 1, f"--drafter {cfg.drafter} does not batch yet"
+    if mcfg.arch not in BATCHABLE_FAMILIES:
+        return 1, f"the {mcfg.arch} family does not batch yet"
+    return AUTO_MAX_BATCH, "a GPU"
+
+
+def check_batchable(cfg, mcfg, max_batch: int, draft=None) -> None:
+    """One line for what --max-batch > 1 does not run yet."""
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise UserError(f"--max-batch must be in [1, {MAX_BATCH}] (got {max_batch})")
+    if max_batch == 1:
+        return
+    if cfg.pp > 1:
+        raise UserError("--max-batch > 1 runs at --pp 1 for now (at pp > 1, --sessions interleaves requests)")
+    if cfg.drafter not in BATCHABLE_DRAFTERS:
+        raise UserError(f"--max-batch > 1 takes --drafter {', '.join(BATCHABLE_DRAFTERS)} for now "
+                        f"(got {cfg.drafter})")
+    for what, c in (("model", mcfg), ("draft model", draft)):
+        if c is not None and c.arch not in BATCHABLE_FAMILIES:
+            raise UserError(f"--max-batch > 1 runs the {', '.join(BATCHABLE_FAMILIES)} families for now "
+                            f"(the {what} is {c.arch})")
