@@ -222,6 +222,10 @@ def _batch_panels() -> list:
         panel(20, "Batch: paged KV blocks", [target(f"max by ({kv}) ({m('kv_blocks')})", f"{{{{{kv}}}}}")],
               (16, 76, 8, 8), unit="none", stack="normal",
               desc="Blocks of the paged KV pool in use and free. Free near 0: new requests wait for blocks."),
+        panel(21, "Batch: preemptions", [target(f"max({m('batch_preemptions')})", "preempted so far")],
+              (0, 84, 8, 8), unit="none",
+              desc="Requests the batched engine has preempted (K/V swapped to host so another could grow; "
+                   "each resumes bitwise). Rising: the paged KV pool (--kv-rows) is short for the load."),
     ]
 
 

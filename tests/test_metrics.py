@@ -67,7 +67,7 @@ def test_burst_records_every_instrument(sink):
     rounds[1].h = [rounds[1].t[i + 1] - MS // 2 for i in range(len(PHASES))]  # each phase's last 0.5 ms drained
     s.burst(_burst(rounds))
     pts = _points(reader)
-    batch_only = {METRICS[k] for k in ("batch_requests", "batch_wait", "kv_blocks")}  # a batched engine's rounds
+    batch_only = {METRICS[k] for k in ("batch_requests", "batch_wait", "kv_blocks", "batch_preemptions")}  # a batched engine's rounds
     assert set(pts) == set(METRICS.values()) - {METRICS["verify_sub_duration"], METRICS["first_token"]} - batch_only
     host = _by(pts[METRICS["phase_host_duration"]], METRIC_ATTR["phase"])
     assert host["verify"].count == 1 and host["verify"].sum == pytest.approx(3.5)  # only the round that has it
@@ -220,7 +220,7 @@ def test_batched_rounds_record_the_step_size_the_wait_and_the_kv_blocks(sink):
     rounds = [_round(i, [1, 4, 0.5, 0.2, 0.3], k=4, j=2, free={"cpu": 900}) for i in range(3)]
     for r, (n, wait_ms, used) in zip(rounds, [(4, 0.5, 10), (6, 2.0, 12), (2, 0.0, 7)]):
         r.batch = BatchStep(id=r.index, requests=n, rows=5 * n, wait_ns=int(wait_ms * MS), forward_ns=3 * MS,
-                            kv_used=used, kv_free=40 - used)
+                            kv_used=used, kv_free=40 - used, preempted=used // 6)
     s.burst(_burst(rounds))
     pts = _points(reader)
     (size,) = pts[METRICS["batch_requests"]]
@@ -229,3 +229,5 @@ def test_batched_rounds_record_the_step_size_the_wait_and_the_kv_blocks(sink):
     assert wait.count == 3 and wait.sum == pytest.approx(2.5)
     kv = _by(pts[METRICS["kv_blocks"]], METRIC_ATTR["kv_state"])
     assert kv["used"].value == 7 and kv["free"].value == 33  # the burst's last step
+    (pre,) = pts[METRICS["batch_preemptions"]]
+    assert pre.value == 1  # the engine's count as of that step

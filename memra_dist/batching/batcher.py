@@ -411,7 +411,7 @@ class Batcher:
         used, free = self.pool.used_blocks, self.pool.free_blocks
         sid = self.stats.steps
         for j in take:
-            j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free)
+            j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free, self.stats.preemptions)
         self.running = False
         s = self.stats
         if self.running_rids & self.prev_rids:  # a request mid-generation waited for this step

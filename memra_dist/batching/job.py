@@ -24,6 +24,7 @@ class BatchStep:
     forward_ns: int  # the step's forward, from its launch to its device work done
     kv_used: int = 0  # the pool's blocks in use / free after the step
     kv_free: int = 0
+    preempted: int = 0  # requests the engine had preempted by then (swapped out), in all
 
 
 @dataclass

@@ -134,6 +134,7 @@ METRICS = {
     "batch_requests": "memra.batch.requests",  # histogram, requests in the batch step of a round's verify
     "batch_wait": "memra.batch.wait.duration",  # histogram, ms, a batched verify waiting for its step
     "kv_blocks": "memra.batch.kv_blocks",  # gauge, blocks of the paged KV pool, attr memra.kv_state (used | free)
+    "batch_preemptions": "memra.batch.preemptions",  # gauge, requests the engine has preempted so far
 }
 METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device", "kv_state": "memra.kv_state"}
 # kind, UCUM unit and description of each instrument (docs/metrics.md and the dashboards read
@@ -158,6 +159,9 @@ METRIC_META = {
                    "(the other requests' submissions: until 5 ms pass with none new, at most 20 ms; or a step already running)."),
     "kv_blocks": ("gauge", "{block}", "Batched engines: blocks of the paged KV pool by memra.kv_state (used, free) "
                   "after the last batch step a burst saw."),
+    "batch_preemptions": ("gauge", "{preemption}", "Batched engines: requests preempted so far (their K/V swapped "
+                          "to host memory to let another grow; each comes back bitwise before its next forward), "
+                          "as of the last batch step a burst saw. Rising: the KV pool (--kv-rows) is short."),
 }
 
 # The Collector's spanmetrics connector turns our spans into these (namespace set in

@@ -131,6 +131,7 @@ class MetricsSink:
         if last is not None:
             m["kv_blocks"].set(last.kv_used, self.a_kv["used"])
             m["kv_blocks"].set(last.kv_free, self.a_kv["free"])
+            m["batch_preemptions"].set(last.preempted)
 
     def _memory(self, free_mb: dict[str, int]) -> None:
         for dev, mb in free_mb.items():
