@@ -2,20 +2,21 @@
 target forwards joined into one forward of the stage (batcher.py), each request's session
 unchanged over its own `BatchSlot` (slot.py).
 
-What runs batched today: the attention families (llama, qwen2, qwen3, glm4_moe) with every
+What runs batched today: the attention families (llama, qwen2, qwen3, glm4_moe) and latent
+attention (deepseek_v3's MLA: each request's latent rows in the pool, model/mla.py `_batched`) with every
 drafter: those that need nothing but the target (none, ngram, replay), the draft model
 (`model`: a second batcher over the draft model's stage and its own paged pool, each request's
 ModelDrafter over its own draft slot, so every request's draft steps share forwards too) and
 the tap drafters DFlash, EAGLE-3 and MTP (their network loaded once; each request's drafter
 reads its own tap sink, which every batched step fills with its rows' outputs of the tapped
-layers; their draft forwards run per request, not batched yet), greedy or sampled. Latent and
-linear attention (deepseek_v3, kimi_linear) and pp > 1 are refused with one line
+layers; their draft forwards run per request, not batched yet), greedy or sampled. Linear
+attention (kimi_linear: a recurrent state per request) and pp > 1 are refused with one line
 (`check_batchable`). On a GPU with the fast path on (`--graphs`, `--kernels`: the defaults)
 the stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged
 split-sequence attention launch for every request's decode / verify rows), and a step whose
 requests bring at most 16 rows each replays a CUDA graph of the whole forward (graphs.py);
-nothing is compiled. glm4_moe's partial rotary keeps the reference attention there, so its
-steps run eager. On CPU the batched forward is the reference.
+nothing is compiled. glm4_moe's partial rotary keeps the reference attention there, and
+deepseek_v3's latent attention gathers each request's latents, so their steps run eager. On CPU the batched forward is the reference.
 
 The KV pool: `kv_rows` slots in blocks of BLOCK rows (default: every request of the batch at
 the engine's capacity, shrunk to what the device's free memory holds, at least one capacity).

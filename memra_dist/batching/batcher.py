@@ -98,7 +98,8 @@ class Batcher:
         self.stage, self.device, self.dtype, self.pool = stage, device, dtype, pool
         self.kv = PagedKV(stage, pool, device, dtype)
         # on our kernels (kernels/ops.py install): decode / verify rows through the paged kernel
-        self.kernels = all(b.self_attn.fast_attn_rows > 0 and b.self_attn.rope_kernel_ok() for b in stage.layers.values())
+        self.kernels = all(getattr(b.self_attn, "fast_attn_rows", 0) > 0 and b.self_attn.rope_kernel_ok()
+                           for b in stage.layers.values())
         self.max_tokens, self.max_wait_s = max_tokens, max_wait_s
         self.tap_layers: tuple[int, ...] = tuple(tap_layers)  # the layers the requests' tap drafters read
         # decode / verify steps replayed as CUDA graphs (graphs.py): on the kernels only (the

@@ -21,6 +21,7 @@ the gather and the prefix attention.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from ..model.prefix_attention import PREFIX_MIN_ROWS
 from .blocks import BlockPool
 
-__all__ = ["PagedKV", "PagedLayer", "BatchView", "Segment", "PagedRows", "PAGED_MAX_ROWS"]
+__all__ = ["PagedKV", "PagedLayer", "PagedLatent", "BatchView", "Segment", "PagedRows", "PAGED_MAX_ROWS"]
 
 PAGED_MAX_ROWS = 16  # a decode / verify segment the paged kernel takes (K + 1 <= 16)
 
@@ -40,20 +41,45 @@ class PagedLayer:
     k: torch.Tensor
     v: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v
+
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+
+@dataclass
+class PagedLatent:
+    """One latent-attention layer's pools (model/mla.py: what MLALayer holds per position): the
+    compressed KV latent (slots, rank) and the shared rotary key part (slots, dr)."""
+
+    latent: torch.Tensor
+    k_shared: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.latent, self.k_shared
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _row_shapes(attn) -> list[tuple[int, ...]]:
+    """The per-slot shape of each pool a mixer's cache rows take."""
+    if getattr(attn, "mixer_class", "attn") == "mla":
+        return [(attn.rank,), (attn.dr,)]
+    return [(attn.nkv, attn.hd), (attn.nkv, attn.hd)]
 
 
 class PagedKV:
     def __init__(self, stage, pool: BlockPool, device, dtype):
         self.pool = pool
         self.scratch = pool.rows  # the slot padded rows write (never in a block table)
-        self.layers: dict[int, PagedLayer] = {}
+        self.layers: dict[int, PagedLayer | PagedLatent] = {}
         for i, blk in stage.layers.items():
             attn = blk.self_attn
-            shape = (pool.rows + 1, attn.nkv, attn.hd)
-            self.layers[int(i)] = PagedLayer(torch.zeros(shape, device=device, dtype=dtype),
-                                             torch.zeros(shape, device=device, dtype=dtype))
+            pools = [torch.zeros((pool.rows + 1, *s), device=device, dtype=dtype) for s in _row_shapes(attn)]
+            kind = PagedLatent if getattr(attn, "mixer_class", "attn") == "mla" else PagedLayer
+            self.layers[int(i)] = kind(*pools)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers.values())
@@ -62,24 +88,23 @@ class PagedKV:
         """Bytes one slot takes over every layer (K and V)."""
         return self.nbytes() / (self.pool.rows + 1)
 
-    def save(self, slots: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The K/V of `slots` in every layer, copied to host memory (a preempted request's rows)."""
-        idx = torch.tensor(slots, dtype=torch.long, device=next(iter(self.layers.values())).k.device)
-        return [(layer.k.index_select(0, idx).cpu(), layer.v.index_select(0, idx).cpu())
-                for layer in self.layers.values()]
+    def save(self, slots: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """The cache rows of `slots` in every layer, copied to host memory (a preempted request's rows)."""
+        dev = next(iter(self.layers.values())).tensors()[0].device
+        idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        return [tuple(t.index_select(0, idx).cpu() for t in layer.tensors()) for layer in self.layers.values()]
 
-    def restore(self, slots: list[int], saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def restore(self, slots: list[int], saved: list[tuple[torch.Tensor, ...]]) -> None:
         """`save`'s rows written back at `slots` (the request's new blocks), bitwise."""
-        for layer, (k, v) in zip(self.layers.values(), saved):
-            idx = torch.tensor(slots, dtype=torch.long, device=layer.k.device)
-            layer.k.index_copy_(0, idx, k.to(layer.k.device))
-            layer.v.index_copy_(0, idx, v.to(layer.v.device))
+        for layer, rows in zip(self.layers.values(), saved):
+            for t, r in zip(layer.tensors(), rows):
+                t.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=t.device), r.to(t.device))
 
     @staticmethod
     def row_bytes(stage, dtype) -> int:
-        """Bytes one slot takes over every layer (K and V)."""
+        """Bytes one slot takes over every layer (K and V, or a latent layer's latent and shared key)."""
         size = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * b.self_attn.nkv * b.self_attn.hd * size for b in stage.layers.values())
+        return sum(size * sum(math.prod(s) for s in _row_shapes(b.self_attn)) for b in stage.layers.values())
 
 
 @dataclass

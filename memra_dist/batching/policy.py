@@ -10,13 +10,16 @@ __all__ = ["check_batchable", "auto_max_batch", "max_batch_arg", "BATCHABLE_DRAF
            "MAX_BATCH", "AUTO_MAX_BATCH"]
 
 BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model", "dflash", "eagle3", "mtp")
-BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3", "glm4_moe")
+BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3", "glm4_moe", "deepseek_v3")
 MAX_BATCH = 256
 # `--max-batch auto` on a GPU, by measurement (BENCHMARKS.md, "Batched steps fold their norms and
 # residual adds"; one H200, the 8B shape): 16 requests decode at 14.1x one request's rate with
 # each one's inter-token latency 1.10x its own alone (the issue's bound: 1.3x); 64 reach 35x but
 # at 1.8x the latency. On CPU (2 cores, the tiny shape) batching measured no gain: 1 there.
 AUTO_MAX_BATCH = 16
+# the families whose batched steps run on the paged kernel as CUDA graphs, as measured; glm4_moe's
+# and deepseek_v3's steps run eager (not measured on a GPU): auto leaves them one at a time
+AUTO_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def max_batch_arg(s: str) -> int | None:
@@ -31,15 +34,16 @@ def max_batch_arg(s: str) -> int | None:
 
 def auto_max_batch(cfg, mcfg, device_type: str) -> tuple[int, str]:
     """`--max-batch auto`: (B, why): AUTO_MAX_BATCH where the batched engine runs the request
-    (a CUDA device, pp 1, a batchable drafter and family), else 1 (one request at a time)."""
+    as measured (a CUDA device, pp 1, a batchable drafter, a family whose steps are graphed),
+    else 1 (one request at a time)."""
     if device_type != "cuda":
         return 1, "not a GPU (batching measured no gain on CPU)"
     if cfg.pp > 1:
         return 1, "--pp > 1 (sessions interleave requests there)"
     if cfg.drafter not in BATCHABLE_DRAFTERS:
         return 1, f"--drafter {cfg.drafter} does not batch yet"
-    if mcfg.arch not in BATCHABLE_FAMILIES:
-        return 1, f"the {mcfg.arch} family does not batch yet"
+    if mcfg.arch not in AUTO_FAMILIES:
+        return 1, f"the {mcfg.arch} family's batched steps are not measured to pay yet (--max-batch B batches it)"
     return AUTO_MAX_BATCH, "a GPU"
 
 

@@ -93,6 +93,8 @@ class MLA(nn.Module):
         q = self._query(x)
         latent, k_shared = self._latents(x)
         q, k_shared = self._rotate(q, k_shared, ctx)
+        if getattr(ctx, "batch", None) is not None:  # several requests' rows over a paged cache
+            return self.o_proj(self._batched(q, latent, k_shared, ctx.batch, state).reshape(T, self.nh * self.dv))
         if state is not None:
             state.latent.index_copy_(0, ctx.pos, latent)
             state.k_shared.index_copy_(0, ctx.pos, k_shared)
@@ -105,6 +107,27 @@ class MLA(nn.Module):
         else:
             o = self._expanded(q, latent, k_shared, ctx.mask)
         return self.o_proj(o.reshape(T, self.nh * self.dv))  # (T, hidden)
+
+    def _batched(self, q, latent, k_shared, view, state) -> torch.Tensor:
+        """Rows of several requests (batching/paged.py `BatchView`; `state` a PagedLatent): the
+        latents written at the rows' pool slots, then each request's rows over its own latents,
+        gathered in position order, on the arm its rows take alone: the prefix attention for a
+        prefill chunk, else the absorbed / expanded attention over a buffer of its capacity, zero
+        and masked past its rows (as its own cache). Returns (T, nh, dv)."""
+        state.latent.index_copy_(0, view.slots, latent)
+        state.k_shared.index_copy_(0, view.slots, k_shared)
+        outs = []
+        for seg in view.segments:
+            qs = q[seg.lo:seg.hi]
+            lat, ks = state.latent.index_select(0, seg.keys), state.k_shared.index_select(0, seg.keys)
+            if seg.prefix is not None:
+                outs.append(self._prefix(qs, lat, ks, seg.prefix))
+                continue
+            lc, kc = lat.new_zeros((seg.capacity, lat.shape[1])), ks.new_zeros((seg.capacity, ks.shape[1]))
+            lc[:lat.shape[0]], kc[:ks.shape[0]] = lat, ks
+            arm = self._absorbed if seg.rows <= ABSORB_MAX_ROWS else self._expanded
+            outs.append(arm(qs, lc, kc, seg.mask))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _rotate(self, q: torch.Tensor, k_shared: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """Positional rotation of the decoupled query / key part: none here (NoPE);

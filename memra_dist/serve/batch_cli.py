@@ -48,7 +48,7 @@ def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
                         "works; each is a cache slot of --ctx rows on every stage); --pp 1 runs one at a time")
     b.add_argument("--max-batch", type=max_batch_arg, default=None, metavar="B",
                    help="--pp 1: up to B requests in flight with their forwards joined into one (continuous "
-                        "batching over a paged KV cache; every drafter; llama / qwen2 / qwen3 / glm4_moe for "
+                        "batching over a paged KV cache; every drafter; llama / qwen2 / qwen3 / glm4_moe / deepseek_v3 for "
                         f"now); each request gets the ids it gets alone; 1: one after another (default auto: "
                         f"{AUTO_MAX_BATCH} on a GPU where the model and drafter batch, else 1)")
     b.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
