@@ -141,9 +141,11 @@ def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
     mcfg = load_config(llama)
     import dataclasses
 
-    arch = "kimi_linear"  # linear attention (KDA): a recurrent state per request, no paged form yet
-    with pytest.raises(UserError, match=f"runs the llama, qwen2, qwen3, glm4_moe, deepseek_v3 families for now "
-                                        f".the model is {arch}."):
+    for arch in ("llama", "qwen2", "qwen3", "glm4_moe", "deepseek_v3", "kimi_linear"):  # every family batches
+        check_batchable(_cfg(llama, "none"), dataclasses.replace(mcfg, arch=arch), 4)
+    arch = "mamba"  # a family the batcher was never given (were the loader to take one)
+    with pytest.raises(UserError, match=f"runs the llama, qwen2, qwen3, glm4_moe, deepseek_v3, kimi_linear families "
+                                        f"for now .the model is {arch}."):
         check_batchable(_cfg(llama, "none"), dataclasses.replace(mcfg, arch=arch), 4)
     with pytest.raises(UserError, match="runs at --pp 1"):
         check_batchable(_cfg(llama, "none").with_(pp=2), mcfg, 4)
@@ -171,7 +173,7 @@ def test_max_batch_auto_batches_on_a_gpu_where_the_model_and_drafter_batch(llama
     assert auto_max_batch(_cfg(llama, "ngram"), mcfg, "cuda") == (16, "a GPU")
     assert auto_max_batch(_cfg(llama, "ngram"), mcfg, "cpu")[0] == 1
     assert auto_max_batch(_cfg(llama, "ngram").with_(pp=2), mcfg, "cuda")[0] == 1
-    for arch in ("kimi_linear", "deepseek_v3", "glm4_moe"):  # not batchable / eager steps, not measured
+    for arch in ("kimi_linear", "deepseek_v3", "glm4_moe"):  # eager steps, not measured on a GPU
         assert auto_max_batch(_cfg(llama, "none"), dataclasses.replace(mcfg, arch=arch), "cuda")[0] == 1
     assert max_batch_arg("auto") is None and max_batch_arg(" AUTO ") is None and max_batch_arg("8") == 8
     with pytest.raises(argparse.ArgumentTypeError, match="a count or auto"):
@@ -495,8 +497,34 @@ def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_
         seen["kinds"] = {type(v) for v in b.kv.layers.values()}
         seen["row"] = PagedKV.row_bytes(b.stage, torch.float32)
         seen["want"] = sum(4 * (blk.self_attn.rank + blk.self_attn.dr) for blk in b.stage.layers.values())
-    batched, stats = _batched(path, "ngram", reqs, max_batch=6, kv_rows=most + 32, on_open=on_open, **kw)
+    batched, stats = _batched(path, "ngram", reqs, max_batch=6, kv_rows=most + 16, on_open=on_open, **kw)
     assert batched == solo
     assert seen["kinds"] == {PagedLatent}
     assert seen["row"] == seen["want"]  # a slot holds a latent and a shared rotary key row per layer
     assert stats["preemptions"] >= 1 and stats["kv_blocks_used"] == 0, stats
+
+
+@pytest.mark.parametrize("drafter,sampled", [("ngram", False), ("ngram", True), ("none", False)])
+def test_a_linear_attention_target_batched_gets_its_solo_ids(drafter, sampled):
+    """kimi_linear (KDA layers, a recurrent state per request, beside MLA layers in the paged
+    pool): prompts over the recurrent form's rows (the chunked scan) and two prefill chunks,
+    rollbacks on rejected drafts (each request's state rolled back at its next forward), a
+    pool short enough to preempt (the latent rows swapped, the states kept): every request's
+    ids are its solo ids, and every state goes when its request does."""
+    from kimi_ckpt import hybrid
+
+    from memra_dist.batching.paged import RecurrentStates
+
+    _, path, _ = hybrid()
+    reqs = _prompts(8)
+    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11) if sampled else {}
+    solo = _solo(path, drafter, reqs, **kw)
+    most = max(len(p) + n + 4 for p, n in reqs)
+    layers = []
+    batched, stats = _batched(path, drafter, reqs, max_batch=6, kv_rows=most + 16,
+                              on_open=lambda e: layers.extend(e._backend.batcher.kv.layers.values()), **kw)
+    assert batched == solo
+    states = [v for v in layers if isinstance(v, RecurrentStates)]
+    assert len(states) == 3 and all(not s.of for s in states)  # the three KDA layers; every request's state gone
+    assert stats["max_requests"] >= 2 and stats["kv_blocks_used"] == 0, stats
+    assert stats["preemptions"] >= 1, stats

@@ -2,21 +2,23 @@
 target forwards joined into one forward of the stage (batcher.py), each request's session
 unchanged over its own `BatchSlot` (slot.py).
 
-What runs batched today: the attention families (llama, qwen2, qwen3, glm4_moe) and latent
-attention (deepseek_v3's MLA: each request's latent rows in the pool, model/mla.py `_batched`) with every
+What runs batched today: every family: the attention families (llama, qwen2, qwen3, glm4_moe),
+latent attention (deepseek_v3's and kimi_linear's MLA: each request's latent rows in the pool,
+model/mla.py `_batched`) and linear attention (kimi_linear's KDA: a recurrent state per request,
+paged.py `RecurrentStates`, model/kda.py `_batched`), with every
 drafter: those that need nothing but the target (none, ngram, replay), the draft model
 (`model`: a second batcher over the draft model's stage and its own paged pool, each request's
 ModelDrafter over its own draft slot, so every request's draft steps share forwards too) and
 the tap drafters DFlash, EAGLE-3 and MTP (their network loaded once; each request's drafter
 reads its own tap sink, which every batched step fills with its rows' outputs of the tapped
-layers; their draft forwards run per request, not batched yet), greedy or sampled. Linear
-attention (kimi_linear: a recurrent state per request) and pp > 1 are refused with one line
-(`check_batchable`). On a GPU with the fast path on (`--graphs`, `--kernels`: the defaults)
+layers; their draft forwards run per request, not batched yet), greedy or sampled. pp > 1 is
+refused with one line (`check_batchable`). On a GPU with the fast path on (`--graphs`, `--kernels`: the defaults)
 the stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged
 split-sequence attention launch for every request's decode / verify rows), and a step whose
 requests bring at most 16 rows each replays a CUDA graph of the whole forward (graphs.py);
-nothing is compiled. glm4_moe's partial rotary keeps the reference attention there, and
-deepseek_v3's latent attention gathers each request's latents, so their steps run eager. On CPU the batched forward is the reference.
+nothing is compiled. glm4_moe's partial rotary keeps the reference attention there,
+deepseek_v3's latent attention gathers each request's latents and kimi_linear's KDA scans each
+request's rows on its own state, so their steps run eager. On CPU the batched forward is the reference.
 
 The KV pool: `kv_rows` slots in blocks of BLOCK rows (default: every request of the batch at
 the engine's capacity, shrunk to what the device's free memory holds, at least one capacity).
@@ -65,6 +67,7 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
     free = free_mb(runner.device) * (1 << 20)
     if kv_rows is None:  # what the step graphs capture next (their logits, fp32) stays free too
         room = free * 0.9 - (graph_bytes(runner.stage, budget) if graphs else 0)
+        room -= max_batch * PagedKV.request_bytes(runner.stage)  # the requests' recurrent states
         kv_rows = max(min(max_batch * capacity, int(room) // max(row, 1)), capacity)
     pool = BlockPool(blocks_for(kv_rows, BLOCK), BLOCK)
     if pool.rows * row > free:

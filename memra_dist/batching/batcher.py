@@ -142,6 +142,7 @@ class Batcher:
             self.stats.waits += waited
             self._order += 1
             self.admitted[rid] = self._order
+            self.kv.admit(rid)  # recurrent layers: the request's own states
 
     def leave(self, rid) -> None:
         with self.cv:
@@ -153,6 +154,7 @@ class Batcher:
             self.pool.release(rid)
             self.admitted.pop(rid, None)
             self.swapped.pop(rid, None)
+            self.kv.leave(rid)
             self.cv.notify_all()  # blocks for a waiting admission; a step that waited for this one
 
     def trim(self, rid, rows: int) -> None:

@@ -29,7 +29,8 @@ import torch
 from ..model.prefix_attention import PREFIX_MIN_ROWS
 from .blocks import BlockPool
 
-__all__ = ["PagedKV", "PagedLayer", "PagedLatent", "BatchView", "Segment", "PagedRows", "PAGED_MAX_ROWS"]
+__all__ = ["PagedKV", "PagedLayer", "PagedLatent", "RecurrentStates", "BatchView", "Segment", "PagedRows",
+           "PAGED_MAX_ROWS"]
 
 PAGED_MAX_ROWS = 16  # a decode / verify segment the paged kernel takes (K + 1 <= 16)
 
@@ -63,10 +64,39 @@ class PagedLatent:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
+class RecurrentStates:
+    """One linear-attention layer's states (model/kda.py KDAState), one per request: O(1) in a
+    request's length, so not paged. Made when a request is admitted, dropped when it leaves,
+    and kept on the device through a preemption (only pooled rows are swapped out); a rollback
+    is the state's own length change at the request's next forward (KDAState.begin)."""
+
+    def __init__(self, mixer, device, dtype):
+        self.mixer, self.device, self.dtype = mixer, device, dtype
+        self.of: dict = {}  # request id -> its state
+
+    def admit(self, rid) -> None:
+        self.of[rid] = self.mixer.new_state(0, self.device, self.dtype)
+
+    def leave(self, rid) -> None:
+        self.of.pop(rid, None)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return ()  # no pooled rows
+
+    def nbytes(self) -> int:
+        return 0  # per request: `PagedKV.request_bytes`
+
+
+def _kind(attn) -> str:
+    return getattr(attn, "mixer_class", "attn")
+
+
 def _row_shapes(attn) -> list[tuple[int, ...]]:
-    """The per-slot shape of each pool a mixer's cache rows take."""
-    if getattr(attn, "mixer_class", "attn") == "mla":
+    """The per-slot shape of each pool a mixer's cache rows take (a recurrent mixer: none)."""
+    if _kind(attn) == "mla":
         return [(attn.rank,), (attn.dr,)]
+    if _kind(attn) == "kda":
+        return []
     return [(attn.nkv, attn.hd), (attn.nkv, attn.hd)]
 
 
@@ -74,12 +104,29 @@ class PagedKV:
     def __init__(self, stage, pool: BlockPool, device, dtype):
         self.pool = pool
         self.scratch = pool.rows  # the slot padded rows write (never in a block table)
-        self.layers: dict[int, PagedLayer | PagedLatent] = {}
+        self.layers: dict[int, PagedLayer | PagedLatent | RecurrentStates] = {}
         for i, blk in stage.layers.items():
             attn = blk.self_attn
+            if _kind(attn) == "kda":
+                self.layers[int(i)] = RecurrentStates(attn, device, dtype)
+                continue
             pools = [torch.zeros((pool.rows + 1, *s), device=device, dtype=dtype) for s in _row_shapes(attn)]
-            kind = PagedLatent if getattr(attn, "mixer_class", "attn") == "mla" else PagedLayer
-            self.layers[int(i)] = kind(*pools)
+            self.layers[int(i)] = (PagedLatent if _kind(attn) == "mla" else PagedLayer)(*pools)
+        self._states = [v for v in self.layers.values() if isinstance(v, RecurrentStates)]
+
+    def admit(self, rid) -> None:
+        """A request joins: its recurrent layers' states (zero: a fresh sequence)."""
+        for st in self._states:
+            st.admit(rid)
+
+    def leave(self, rid) -> None:
+        for st in self._states:
+            st.leave(rid)
+
+    @staticmethod
+    def request_bytes(stage) -> int:
+        """Bytes one request's recurrent states take over every layer (0 without such layers)."""
+        return sum(b.self_attn.state_bytes() for b in stage.layers.values() if _kind(b.self_attn) == "kda")
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers.values())
@@ -90,9 +137,11 @@ class PagedKV:
 
     def save(self, slots: list[int]) -> list[tuple[torch.Tensor, ...]]:
         """The cache rows of `slots` in every layer, copied to host memory (a preempted request's rows)."""
-        dev = next(iter(self.layers.values())).tensors()[0].device
-        idx = torch.tensor(slots, dtype=torch.long, device=dev)
-        return [tuple(t.index_select(0, idx).cpu() for t in layer.tensors()) for layer in self.layers.values()]
+        out = []
+        for layer in self.layers.values():
+            idx = [torch.tensor(slots, dtype=torch.long, device=t.device) for t in layer.tensors()[:1]]
+            out.append(tuple(t.index_select(0, idx[0]).cpu() for t in layer.tensors()))
+        return out
 
     def restore(self, slots: list[int], saved: list[tuple[torch.Tensor, ...]]) -> None:
         """`save`'s rows written back at `slots` (the request's new blocks), bitwise."""
@@ -118,6 +167,7 @@ class Segment:
     keys: torch.Tensor  # (start + hi - lo,) pool slots of positions 0 .. its last row
     mask: torch.Tensor | None = None  # (rows, capacity) decode / verify rows: key slot c <= the row's position
     prefix: int | None = None  # a prefill chunk: its first position (prefix attention)
+    rid: object = None  # the request (a recurrent layer's state is its own)
 
     @property
     def rows(self) -> int:
@@ -158,7 +208,7 @@ class BatchView:
                 lo += rows
                 continue
             keys = torch.tensor(pool.slots(rid, 0, end), dtype=torch.long, device=device)
-            seg = Segment(lo, lo + rows, start, cap, keys)
+            seg = Segment(lo, lo + rows, start, cap, keys, rid=rid)
             if rows > PREFIX_MIN_ROWS:
                 seg.prefix = start
             else:

@@ -10,7 +10,7 @@ __all__ = ["check_batchable", "auto_max_batch", "max_batch_arg", "BATCHABLE_DRAF
            "MAX_BATCH", "AUTO_MAX_BATCH"]
 
 BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model", "dflash", "eagle3", "mtp")
-BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3", "glm4_moe", "deepseek_v3")
+BATCHABLE_FAMILIES = ("llama", "qwen2", "qwen3", "glm4_moe", "deepseek_v3", "kimi_linear")
 MAX_BATCH = 256
 # `--max-batch auto` on a GPU, by measurement (BENCHMARKS.md, "Batched steps fold their norms and
 # residual adds"; one H200, the 8B shape): 16 requests decode at 14.1x one request's rate with

@@ -292,6 +292,13 @@ class KDA(nn.Module):
     def new_state(self, capacity: int, device, dtype) -> KDAState:
         return KDAState.alloc(self.H, self.D, self.D, 3 * self.Q, self.K, RECURRENT_MAX_ROWS, device, dtype)
 
+    def state_bytes(self) -> int:
+        """What `new_state` allocates, in bytes (its snapshots in fp32, its conv history in the
+        weights' dtype)."""
+        size = self.q_proj.weight.element_size()
+        return ((RECURRENT_MAX_ROWS + 1) * self.H * self.D * self.D * 4
+                + (self.K - 1 + RECURRENT_MAX_ROWS) * 3 * self.Q * size)
+
     def _conv(self, xc: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + silu: xc (K-1+T, 3Q) (the window, then the rows) -> (T, 3Q)."""
         w = self.conv1d.weight  # (3Q, 1, K)
@@ -313,6 +320,8 @@ class KDA(nn.Module):
     def forward(self, x: torch.Tensor, ctx, state: KDAState | None) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). With a state the rows continue it (from state.length,
         which StageCache.begin set to the forward's start); without, a fresh sequence."""
+        if getattr(ctx, "batch", None) is not None:  # several requests' rows (batching/paged.py)
+            return self._batched(x, ctx, state)
         T = x.shape[0]
         q, k, v, xc = self._qkv(x, state, ctx.pos)
         g = self.forget_gate(x)  # (T, H, D)
@@ -328,6 +337,20 @@ class KDA(nn.Module):
         o = self.o_norm(o.to(x.dtype), gate).reshape(T, self.Q)  # (T, Q)
         return self.o_proj(o)
 
+    def _batched(self, x: torch.Tensor, ctx, states) -> torch.Tensor:
+        """Rows of several requests (ctx.batch a BatchView, `states` their RecurrentStates):
+        each request's rows continue its own state, exactly as its rows do alone (the state's
+        `begin` rolls it back first where the rows start earlier: the request's rollback)."""
+        outs = []
+        for seg in ctx.batch.segments:
+            st = states.of.get(seg.rid)
+            if st is None:  # its request left while the step ran (a client gone): its rows are dropped
+                outs.append(x.new_zeros(seg.rows, x.shape[1]))
+                continue
+            st.begin(seg.start, seg.rows)
+            outs.append(self.forward(x[seg.lo:seg.hi], _Rows(ctx.pos[seg.lo:seg.hi]), st))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
     def _scan(self, q, k, v, g, beta, state: KDAState | None, xc, pos) -> torch.Tensor:
         if state is not None:
             return state.step(q, k, v, g, beta, xc, pos)
@@ -338,3 +361,12 @@ class KDA(nn.Module):
         else:
             scan = fla.chunked if long else fla.recurrent
         return scan(q, k, v, g, beta, S)[0]
+
+
+@dataclass
+class _Rows:
+    """The step context one request's rows of a batched step see (`KDA._batched`)."""
+
+    pos: torch.Tensor
+    timer: object = None
+    batch: object = None

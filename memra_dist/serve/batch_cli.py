@@ -48,9 +48,9 @@ def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
                         "works; each is a cache slot of --ctx rows on every stage); --pp 1 runs one at a time")
     b.add_argument("--max-batch", type=max_batch_arg, default=None, metavar="B",
                    help="--pp 1: up to B requests in flight with their forwards joined into one (continuous "
-                        "batching over a paged KV cache; every drafter; llama / qwen2 / qwen3 / glm4_moe / deepseek_v3 for "
-                        f"now); each request gets the ids it gets alone; 1: one after another (default auto: "
-                        f"{AUTO_MAX_BATCH} on a GPU where the model and drafter batch, else 1)")
+                        "batching over a paged KV cache; every drafter and family); each request gets the ids "
+                        f"it gets alone; 1: one after another (default auto: {AUTO_MAX_BATCH} on a GPU for "
+                        "llama / qwen2 / qwen3, whose batched steps are measured, else 1)")
     b.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="with --max-batch: at most N rows a forward (default: max(--prefill-chunk, B x (k + 1)))")
     b.add_argument("--kv-rows", type=int, default=None, metavar="N",

@@ -62,8 +62,7 @@ def _add_args(p: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
                         "pipeline stage, --pp; at --pp 1 requests run one at a time)")
     g.add_argument("--max-batch", type=int, default=1, metavar="B",
                    help="--pp 1: up to B requests generate at once with their forwards joined into one "
-                        "(continuous batching over a paged KV cache; every drafter; llama / qwen2 / qwen3 / "
-                        "glm4_moe / deepseek_v3 for now); each gets the ids it gets alone (default 1: one at "
+                        "(continuous batching over a paged KV cache; every drafter and family); each gets the ids it gets alone (default 1: one at "
                         "a time)")
     g.add_argument("--max-queue", type=int, default=16, metavar="Q",
                    help="requests that may wait for a session; one more is answered 429 (default 16)")
