@@ -504,7 +504,7 @@ def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_
     assert stats["preemptions"] >= 1 and stats["kv_blocks_used"] == 0, stats
 
 
-@pytest.mark.parametrize("drafter,sampled", [("ngram", False), ("ngram", True), ("none", False)])
+@pytest.mark.parametrize("drafter,sampled", [("ngram", False), ("ngram", True), ("none", False), ("model", False)])
 def test_a_linear_attention_target_batched_gets_its_solo_ids(drafter, sampled):
     """kimi_linear (KDA layers, a recurrent state per request, beside MLA layers in the paged
     pool): prompts over the recurrent form's rows (the chunked scan) and two prefill chunks,
@@ -515,9 +515,11 @@ def test_a_linear_attention_target_batched_gets_its_solo_ids(drafter, sampled):
 
     from memra_dist.batching.paged import RecurrentStates
 
-    _, path, _ = hybrid()
+    _, path, draft = hybrid()  # the draft model: kimi_linear too (its own batcher's states)
     reqs = _prompts(8)
     kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11) if sampled else {}
+    if drafter == "model":
+        kw["draft_model"] = draft
     solo = _solo(path, drafter, reqs, **kw)
     most = max(len(p) + n + 4 for p, n in reqs)
     layers = []
