@@ -159,6 +159,27 @@ def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
         assert eng.generate([5, 6, 7], _cfg(llama, "none", max_new_tokens=20)).token_ids  # the engine still serves
 
 
+def test_serve_max_batch_auto_is_decided_where_the_engine_runs(llama):
+    """serve's --max-batch default is auto: the driver caps Ray's ongoing requests at
+    AUTO_MAX_BATCH, and the replica's engine host decides (here, on CPU: one at a time)."""
+    import argparse
+
+    from memra_dist.batching.policy import AUTO_MAX_BATCH
+    from memra_dist.serve.host import EngineHost
+
+    pytest.importorskip("ray.serve")
+    from memra_dist.serve.deployment import engine_sessions
+
+    assert engine_sessions(argparse.Namespace(pp=1, max_batch=None, sessions=None)) == AUTO_MAX_BATCH
+    assert engine_sessions(argparse.Namespace(pp=1, max_batch=4, sessions=None)) == 4
+    host = EngineHost(RunConfig(model=str(llama), drafter="ngram", k=3, device="cpu", dtype="fp32", ctx=CAP), None,
+                      max_batch=None)
+    try:
+        assert host.max_batch == 1 and host.sessions == 1
+    finally:
+        host.close()
+
+
 def test_max_batch_auto_batches_on_a_gpu_where_the_model_and_drafter_batch(llama):
     """--max-batch auto (batch's default): AUTO_MAX_BATCH on CUDA at pp 1 with a batchable
     drafter and family (the measured choice), one request at a time elsewhere."""

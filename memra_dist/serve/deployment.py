@@ -19,6 +19,7 @@ import sys
 
 from ray import serve
 
+from ..batching.policy import AUTO_MAX_BATCH
 from ..errors import UserError
 from .api import build_app
 from .host import EngineHost
@@ -56,8 +57,11 @@ class MemraServer:
 
 def engine_sessions(args) -> int:
     """The sessions the engine keeps in flight (open_engine's rule: one per stage by default, 1 at pp=1
-    unless --max-batch batches requests there)."""
-    return getattr(args, "max_batch", 1) if args.pp == 1 else (args.sessions or args.pp)
+    unless --max-batch batches requests there; auto: at most AUTO_MAX_BATCH, as the replica decides)."""
+    if args.pp > 1:
+        return args.sessions or args.pp
+    b = getattr(args, "max_batch", 1)
+    return AUTO_MAX_BATCH if b is None else b
 
 
 def _gpus_for_replica(args) -> float:

@@ -100,10 +100,11 @@ def _opener_takes_sessions(opener) -> bool:
 class EngineHost:
     """Enters `open_engine` once (here) and exits it in `close`; in between, `run` serves
     requests from up to `sessions` threads at once (None: the engine's default; with
-    `max_batch` > 1 at pp=1, that many requests batched into shared forwards)."""
+    `max_batch` > 1 at pp=1, that many requests batched into shared forwards; None: `--max-batch
+    auto`, decided here, where the engine runs: batching/policy.py `auto_max_batch`)."""
 
     def __init__(self, cfg, sessions: int | None = None, *, open_engine=None, tokenizer=None, mcfg=None,
-                 max_batch: int = 1):
+                 max_batch: int | None = 1):
         from ..model.config import load_config  # noqa: PLC0415
         from ..model.tokenizer import load_tokenizer  # noqa: PLC0415
 
@@ -117,6 +118,14 @@ class EngineHost:
                             f"{self.mcfg.vocab_size}")
         self.model_name = Path(cfg.model).name
         self.eos_ids = tuple(self.mcfg.eos_token_ids)
+        if max_batch is None:
+            from ..batching.policy import auto_max_batch  # noqa: PLC0415
+            from ..device import resolve_device  # noqa: PLC0415
+
+            max_batch, why = auto_max_batch(cfg, self.mcfg, resolve_device(cfg.device).type)
+            if max_batch > 1:
+                print(f"memra-dist: note: --max-batch auto: {max_batch} requests at once on {why}", file=sys.stderr)
+        self.max_batch = max_batch
         self.tracing = RequestTracing(cfg)
         self._stack = ExitStack()
         try:

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Callable
 
+from ..batching.policy import AUTO_MAX_BATCH, max_batch_arg
 from ..errors import UserError
 from .body_size import DEFAULT_MAX_BODY_BYTES, parse_size
 
@@ -31,7 +32,7 @@ once, --pp > 1) in one Serve replica, which answers
   GET  /v1/models, GET /health, GET /metrics (Prometheus text)
 
 Up to --sessions requests generate at once (at --pp 1, --max-batch batches that many into
-shared forwards); up to --max-queue more wait for a session, and a
+shared forwards: by default 16 on a GPU for llama / qwen2 / qwen3, else 1); up to --max-queue more wait for a session, and a
 request beyond that is answered 429 at once. A bad body is a 400 naming the field; a prompt
 that does not fit the context (--ctx) is a 400; a body that is not JSON, a 415; one over
 --max-body-bytes, a 413; one not whole within 10 s, a 408. A client that disconnects frees
@@ -60,10 +61,12 @@ def _add_args(p: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
     g.add_argument("--sessions", type=int, default=None, metavar="S",
                    help="requests the engine generates at once, each in its own context rows (default: one per "
                         "pipeline stage, --pp; at --pp 1 requests run one at a time)")
-    g.add_argument("--max-batch", type=int, default=1, metavar="B",
+    g.add_argument("--max-batch", type=max_batch_arg, default=None, metavar="B",
                    help="--pp 1: up to B requests generate at once with their forwards joined into one "
-                        "(continuous batching over a paged KV cache; every drafter and family); each gets the ids it gets alone (default 1: one at "
-                        "a time)")
+                        "(continuous batching over a paged KV cache; every drafter and family); each gets the ids "
+                        f"it gets alone; 1: one at a time (default auto, decided where the engine is placed: "
+                        f"{AUTO_MAX_BATCH} on a GPU for llama / qwen2 / qwen3, whose batched steps are measured, "
+                        "else 1)")
     g.add_argument("--max-queue", type=int, default=16, metavar="Q",
                    help="requests that may wait for a session; one more is answered 429 (default 16)")
     g.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES), metavar="N",
@@ -206,7 +209,7 @@ def validate(args):
                   "is 1; more wait in the queue)", file=sys.stderr)
     cfg = config_from_args(args, args.model, args.draft_model)
     mcfg = load_config(cfg.model)
-    if getattr(args, "max_batch", 1) != 1:
+    if getattr(args, "max_batch", 1) not in (1, None):  # None: auto, decided by the replica (serve/host.py)
         from ..batching.policy import check_batchable  # noqa: PLC0415
 
         check_batchable(cfg, mcfg, args.max_batch)
@@ -247,8 +250,10 @@ def _on_sigterm(signum, frame):
 
 def _serve(args, deploy, undeploy, sessions: int) -> int:
     url = deploy(args)
+    held = (f"up to {sessions} session(s) (--max-batch auto)" if args.pp == 1 and getattr(args, "max_batch", 1) is None
+            else f"{sessions} session(s)")
     print(f"[serve] {os.path.basename(os.path.normpath(args.model))} at {url}/v1 (POST /v1/completions; "
-          f"{sessions} session(s), queue {args.max_queue}); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"{held}, queue {args.max_queue}); Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         while True:
             time.sleep(3600)
