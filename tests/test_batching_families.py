@@ -1,0 +1,99 @@
+"""Every family batched (memra_dist/batching/): grouped attention with partial rotary and MoE
+FFNs (glm4_moe), latent attention (deepseek_v3, kimi_linear's MLA: each request's latent rows
+in the paged pool) and linear attention (kimi_linear's KDA: a recurrent state per request):
+every request gets exactly the ids it gets alone (CPU, fp32), through prefill chunks,
+rollbacks, preemption and sampling, with their MTP layers and draft models."""
+
+from __future__ import annotations
+
+import pytest
+
+from memra_dist.specdec.sampling import SamplingParams
+
+from test_batching import _batched, _prompts, _solo
+
+
+@pytest.mark.parametrize("arch,drafter", [("glm4_moe", "ngram"), ("glm4_moe", "mtp"), ("deepseek_v3", "ngram"),
+                                          ("deepseek_v3", "mtp")])
+def test_an_moe_target_batched_with_its_mtp_layers_drafts_and_decodes_as_alone(tmp_path_factory, arch, drafter,
+                                                                               monkeypatch):
+    """glm4_moe (grouped attention with partial rotary, MoE FFNs) and deepseek_v3 (latent
+    attention, MLA: each request's latents in the paged pool, its rows attending over them on
+    the arm they take alone) batched: each request's ids are its solo ids, and with its MTP
+    layers (the FINAL tap each batched step writes into the request's sink) every proposal
+    equals its solo proposal."""
+    from moe_ckpt import save_moe
+
+    from memra_dist.specdec.drafters.mtp import MTPDrafter
+
+    path, _ = save_moe(tmp_path_factory.mktemp("bmoe") / arch, arch, layers=2, n_mtp=1, seed=2)
+    seen: list = []
+    real = MTPDrafter.propose
+    monkeypatch.setattr(MTPDrafter, "propose", lambda self, c, k, sp, g: seen.append(
+        (tuple(c), tuple((p := real(self, c, k, sp, g)).tokens[:k].tolist()))) or p)
+    reqs = [(p[:14], n) for p, n in _prompts(6)]
+    solo = _solo(path, drafter, reqs)
+    alone, seen[:] = sorted(seen), []
+    batched, stats = _batched(path, drafter, reqs, max_batch=3)
+    assert batched == solo and sorted(seen) == alone
+    assert drafter != "mtp" or len(alone) > 20
+    assert stats["max_requests"] >= 2 and stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_factory):
+    """deepseek_v3 (MLA) with prompts of two prefill chunks (the prefix arm over gathered
+    latents), a pool a little larger than the longest request (its latent rows swapped to host
+    and back, bitwise) and sampled requests (their own generators): every request's ids are
+    its solo ids."""
+    from moe_ckpt import save_moe
+
+    import torch
+
+    from memra_dist.batching.paged import PagedKV, PagedLatent
+
+    path, _ = save_moe(tmp_path_factory.mktemp("bds") / "ds", "deepseek_v3", layers=2, n_mtp=1, seed=3)
+    reqs = _prompts(8)
+    assert max(len(p) for p, _ in reqs) > 40  # two prefill chunks of 40
+    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
+    solo = _solo(path, "ngram", reqs, **kw)
+    most = max(len(p) + n + 4 for p, n in reqs)
+    seen = {}
+
+    def on_open(e):
+        b = e._backend.batcher
+        seen["kinds"] = {type(v) for v in b.kv.layers.values()}
+        seen["row"] = PagedKV.row_bytes(b.stage, torch.float32)
+        seen["want"] = sum(4 * (blk.self_attn.rank + blk.self_attn.dr) for blk in b.stage.layers.values())
+    batched, stats = _batched(path, "ngram", reqs, max_batch=6, kv_rows=most + 16, on_open=on_open, **kw)
+    assert batched == solo
+    assert seen["kinds"] == {PagedLatent}
+    assert seen["row"] == seen["want"]  # a slot holds a latent and a shared rotary key row per layer
+    assert stats["preemptions"] >= 1 and stats["kv_blocks_used"] == 0, stats
+
+
+@pytest.mark.parametrize("drafter,sampled", [("ngram", False), ("ngram", True), ("none", False), ("model", False)])
+def test_a_linear_attention_target_batched_gets_its_solo_ids(drafter, sampled):
+    """kimi_linear (KDA layers, a recurrent state per request, beside MLA layers in the paged
+    pool): prompts over the recurrent form's rows (the chunked scan) and two prefill chunks,
+    rollbacks on rejected drafts (each request's state rolled back at its next forward), a
+    pool short enough to preempt (the latent rows swapped, the states kept): every request's
+    ids are its solo ids, and every state goes when its request does."""
+    from kimi_ckpt import hybrid
+
+    from memra_dist.batching.paged import RecurrentStates
+
+    _, path, draft = hybrid()  # the draft model: kimi_linear too (its own batcher's states)
+    reqs = _prompts(8)
+    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11) if sampled else {}
+    if drafter == "model":
+        kw["draft_model"] = draft
+    solo = _solo(path, drafter, reqs, **kw)
+    most = max(len(p) + n + 4 for p, n in reqs)
+    layers = []
+    batched, stats = _batched(path, drafter, reqs, max_batch=6, kv_rows=most + 16,
+                              on_open=lambda e: layers.extend(e._backend.batcher.kv.layers.values()), **kw)
+    assert batched == solo
+    states = [v for v in layers if isinstance(v, RecurrentStates)]
+    assert len(states) == 3 and all(not s.of for s in states)  # the three KDA layers; every request's state gone
+    assert stats["max_requests"] >= 2 and stats["kv_blocks_used"] == 0, stats
+    assert stats["preemptions"] >= 1, stats
