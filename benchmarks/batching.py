@@ -18,85 +18,18 @@ token to the first request's last): the batch's decode rate with no prefill step
 
     python benchmarks/batching.py OUT_DIR [--shape tiny] [--device cpu] [--concurrency 1,4,16]
         [--max-batch 16] [--new 64] [--prompt 64] [--drafter none]
-Results: OUT_DIR/batching.json and a markdown table on stdout."""
+Results: OUT_DIR/batching.json and a markdown table on stdout. The measurement is
+memra_dist/bench/batching.py's (`memra-dist bench --sections batching` runs its fixed settings
+with repeats and targets)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def run(model: str, device: str, n: int, max_batch: int, new: int, plen: int, drafter: str) -> dict:
-    from memra_dist.app import open_engine
-    from memra_dist.config import RunConfig
-
-    cfg = RunConfig(model=model, drafter=drafter, k=4, device=device, max_new_tokens=new)
-    from memra_dist.bench.runs import make_prompt
-    from memra_dist.model.config import load_config
-
-    vocab = load_config(model).vocab_size  # the bench's copy-with-edits prompts, one seed per request
-    prompts = [make_prompt(plen, vocab, seed=i) for i in range(n)]
-    stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
-    with open_engine(cfg, capacity=plen + new + 8, max_batch=max_batch) as eng:
-        ids: list[list[int] | None] = [None] * n
-
-        def one(i, c, sink):
-            ids[i] = eng.generate(prompts[i], c, stream=sink).token_ids
-
-        def callers(c, sinks):
-            threads = [threading.Thread(target=one, args=(i, c, sinks[i])) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-
-        callers(cfg.with_(max_new_tokens=8), [None] * n)  # warm-up
-        backend = getattr(eng, "_backend", None)
-        if hasattr(backend, "batcher"):
-            from memra_dist.batching.batcher import BatchStats
-
-            backend.batcher.stats = BatchStats()  # the timed run's counts only
-        t0 = time.perf_counter()
-        callers(cfg, [lambda toks, i=i: stamps[i].append((time.perf_counter(), len(toks))) for i in range(n)])
-        bstats = backend.stats() if hasattr(backend, "stats") else None
-    end = max(s[-1][0] for s in stamps)
-    after_first = sum(sum(k for _, k in s[1:]) for s in stamps)
-    itl = [(b[0] - a[0]) * 1e3 / b[1] for s in stamps for a, b in zip(s, s[1:])]
-    ttft = [(s[0][0] - t0) * 1e3 for s in stamps]
-    # every request in flight: from the last request's first token to the first request's last
-    # (no prefill, no request already done: the batch's steady decode rate as the callers see it)
-    lo, hi = max(s[0][0] for s in stamps), min(s[-1][0] for s in stamps)
-    steady = sum(k for s in stamps for t, k in s[1:] if lo < t <= hi)
-    return {"concurrency": n, "max_batch": max_batch, "tokens": sum(sum(k for _, k in s) for s in stamps),
-            "aggregate_tok_s": round(after_first / (end - t0), 1),
-            "decode_tok_s": round(after_first / (end - min(s[0][0] for s in stamps)), 1),
-            "steady_tok_s": round(steady / (hi - lo), 1) if hi > lo else None, "itl_ms_p50": round(_pct(itl, 0.5), 3),
-            "itl_ms_p99": round(_pct(itl, 0.99), 3), "ttft_ms_p50": round(statistics.median(ttft), 1),
-            "ttft_ms_p99": round(_pct(ttft, 0.99), 1), "batcher": bstats, "ids": ids}
-
-
-def _graphed_ms(bs: dict):
-    """The mean step that replayed a graph (the eager ones, prefill chunks, taken out)."""
-    n = bs.get("steps", 0) - bs.get("eager_steps", 0)
-    return round((bs["step_ms"] - bs["eager_step_ms"]) / n, 3) if bs.get("eager_step_ms") is not None and n > 0 else "-"
-
-
-def _per_step(bs: dict, key: str):
-    return round(bs[key] / bs["steps"], 3) if bs.get(key) is not None and bs.get("steps") else "-"
 
 
 def main() -> int:
@@ -113,6 +46,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
+    from memra_dist.bench.batching import concurrent, graphed_ms, per_step
     from memra_dist.bench.checkpoints import bench_cache_dir, ensure_checkpoint
 
     model = str(ensure_checkpoint(a.shape, bench_cache_dir(), torch.device(a.device),
@@ -122,7 +56,7 @@ def main() -> int:
     rows = []
     for n in (int(x) for x in a.concurrency.split(",")):
         for b in (1, min(a.max_batch, n)) if n > 1 else (1,):
-            r = run(model, a.device, n, b, a.new, a.prompt, a.drafter)
+            r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter)
             if b == 1:
                 alone = r["ids"]
             else:  # greedy: each request's ids against the one-at-a-time engine's (bf16 may differ in a near tie)
@@ -140,7 +74,7 @@ def main() -> int:
         print(f"| {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['steady_tok_s'] or '-'} | {r['aggregate_tok_s']} "
               f"| {r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
               f"| {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} | {bs.get('mean_step_ms', '-')} "
-              f"| {_graphed_ms(bs)} | {bs.get('busy', '-')} | {_per_step(bs, 'leader_rounds_ms')} | {r.get('ids_equal_alone', '-')} |")
+              f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'leader_rounds_ms')} | {r.get('ids_equal_alone', '-')} |")
     return 0
 
 

@@ -337,7 +337,7 @@ def test_bad_sections_is_one_line_exit_2():
     p = _cli("bench", "--sections", "decode,bogus")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["memra-dist: error: --sections: unknown bogus "
-                                             "(choose from bandwidth, steps, decode, trace, peer, pp, hybrid, prefill)"]
+                                             "(choose from bandwidth, steps, decode, trace, peer, pp, hybrid, prefill, batching)"]
 
 
 @pytest.mark.slow  # the whole bench on tiny checkpoints
@@ -357,8 +357,9 @@ def test_tiny_cpu_run_writes_every_key(tmp_path):
     assert "section decode: start" in p.stderr and "section decode: done" in p.stderr  # progress on stderr
     res = json.loads(out.read_text())
     for key in ("meta", "formula", "bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid", "prefill",
-                "targets"):
+                "batching", "targets"):
         assert key in res, key
+    assert "--sections batching" in res["batching"]["skipped"]  # not in the default suite
     m = res["meta"]
     assert m["device"] == "cpu" and m["shape"] == "tiny" and m["commit"] and m["graphs"]["active"] is False
     assert res["bandwidth"]["bandwidth_bytes_s"] > 0 and res["bandwidth"]["roofline_tok_s"] > 0
@@ -450,3 +451,52 @@ def test_pp_section_on_cpu_checks_greedy_ids(tmp_path):
     assert pp["pp2"]["tok_s"] > 0 and pp["pp2"]["greedy_ids_equal_pp1"] is True
     assert pp["pp2_over_pp1_step"] > 0 and "pp4" not in pp  # pp=4 only with 4 GPUs
     assert "pp=2 decode" in p.stdout
+
+
+def _batch_row(runs):
+    """A batching section row from its runs' (steady, decode, ITL p50)."""
+    rs = [{"steady_tok_s": s, "decode_tok_s": d, "itl_ms_p50": i} for s, d, i in runs]
+    return {"steady_tok_s": rs[1]["steady_tok_s"], "decode_tok_s": rs[1]["decode_tok_s"],
+            "itl_ms_p50": rs[1]["itl_ms_p50"], "itl_ms_p99": 9.0, "ttft_ms_p50": 250.0, "repeats": 3, "runs": rs,
+            "kv_mb_per_request": 16.0}
+
+
+def test_batching_targets_read_the_ratios_with_their_worst_case_ranges():
+    from memra_dist.bench.batching import figures
+
+    plain = {"1": _batch_row([(240.0, 240.0, 4.1), (241.0, 241.0, 4.15), (242.0, 242.0, 4.2)]),
+             "16": _batch_row([(3400.0, 2200.0, 4.5), (3410.0, 2210.0, 4.57), (3420.0, 2220.0, 4.6)]),
+             "64": _batch_row([(8000.0, 5000.0, 7.4), (8100.0, 5100.0, 7.5), (8200.0, 5200.0, 7.6)])}
+    ngram = {"16": _batch_row([(3500.0, 2190.0, 5.3), (3510.0, 2200.0, 5.4), (3520.0, 2210.0, 5.5)])}
+    figs = figures(plain, ngram)
+    assert figs["x16"][:2] == [round(3410 / 241, 3), round(3400 / 242, 3)]  # median over median; lo = lo / hi
+    res = _fake_result()
+    res["batching"] = {"plain": plain, "ngram": ngram, "figures": figs}
+    rows = {r["name"]: r for r in evaluate(res)}
+    assert rows["batch_x16"]["status"] == "pass"  # 14.0-14.2x against >= 12
+    assert rows["batch_x64"]["status"] == "miss"  # 33-34x against >= 35
+    assert rows["batch_itl_ratio_16"]["status"] == "pass"  # 1.07-1.12x against <= 1.3
+    assert rows["batch_ngram_over_plain_16"]["status"] == "miss"  # ~1.03x against >= 1.3
+    tiny = {r["name"]: r for r in evaluate({**res, "meta": {**res["meta"], "shape": "tiny"}})}
+    assert tiny["batch_x16"]["status"].startswith("n/a")  # stated for the 8B shape on a GPU
+    res["targets"] = evaluate(res)
+    text = markdown(res)
+    assert "plain, 16 concurrent batched" in text and "KV 16.0 MB a request" in text
+
+
+def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
+    """`bench --sections batching` on CPU: plain at 1 and 4 callers, ngram at 1 and 4, three
+    timed runs each on one engine; request 0 gets the ids it gets alone."""
+    out = tmp_path / "bench.json"
+    p = _cli("bench", "--shape", "tiny", "--device", "cpu", "--sections", "batching", "--out", str(out),
+             "--cache-dir", str(tmp_path / "cache"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    b = json.loads(out.read_text())["batching"]
+    assert set(b["plain"]) == {"1", "4"} and set(b["ngram"]) == {"1", "4"}
+    for rows in (b["plain"], b["ngram"]):
+        assert rows["4"]["first_ids_equal_alone"] is True
+        assert rows["4"]["repeats"] == 3 and len(rows["4"]["runs"]) == 3
+        assert rows["4"]["batcher"]["max_requests"] >= 2  # the four callers shared steps
+        assert rows["4"]["kv_mb_per_request"] > 0
+    assert set(b["figures"]) == {"x4", "itl_ratio_4", "ngram_over_plain_4"}
+    assert all(len(v) == 4 and v[3] == 3 for v in b["figures"].values())

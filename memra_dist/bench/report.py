@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
+from .batching import fig as batch_fig, rows as batch_rows
 from .noise import ACC_TOL, Fig, verdict
 
 __all__ = ["evaluate", "markdown", "append_benchmarks", "git_commit", "TARGETS", "Target", "row_flags",
@@ -48,6 +49,14 @@ TARGETS = {
                                                       "weight-read time (worst K)"),
     "ngram_propose_us": Target("<=", 50.0, "n-gram propose per round, us (worst K)"),
     "prefill_ttft_512_ms": Target("<=", 30.0, "time to first token, 512-token prompt, warm engine, ms"),
+    "batch_x16": Target(">=", 12.0, "plain greedy, 16 concurrent requests batched: steady decode tok/s / one "
+                                    "request's", None, 29),
+    "batch_x64": Target(">=", 35.0, "plain greedy, 64 concurrent requests batched: steady decode tok/s / one "
+                                    "request's", None, 29),
+    "batch_itl_ratio_16": Target("<=", 1.3, "inter-token latency p50 at 16 concurrent requests / a request alone",
+                                 None, 29),
+    "batch_ngram_over_plain_16": Target(">=", 1.3, "ngram (K = 4) at 16 concurrent requests / plain at 16, steady "
+                                                   "tok/s", None, 29),
     "prefill_ttft_8k_over_sdpa": Target("<=", 1.0, "time to first token at 8k / transformers' SDPA forward of the "
                                                    "prompt (goal 1 / 1.1)"),
     "prefill_ttft_32k_over_sdpa": Target("<=", 1.0, "time to first token at 32k / transformers' SDPA forward of the "
@@ -61,7 +70,8 @@ TARGETS = {
 # targets stated for the 8b shape (the Llama-3-8B figures they were set from)
 SHAPE_8B_ONLY = ("plain_roofline_fraction", "prefill_ttft_512_ms", "prefill_ttft_8k_over_sdpa",
                  "prefill_ttft_32k_over_sdpa", "prefill_tflops_32k", "prefill_128k_over_weights_kv_gb",
-                 "decode_after_32k_kv_roofline")
+                 "decode_after_32k_kv_roofline", "batch_x16", "batch_x64", "batch_itl_ratio_16",
+                 "batch_ngram_over_plain_16")
 
 RULE = ("pass / miss only when the whole range of the repeats lies on one side of the target, else within "
         "noise; range = min-max of the repeats (10 % trimmed at each end from 10 repeats on), worst case "
@@ -182,6 +192,9 @@ def _figures(res: dict) -> dict:
                                                    "draft_cost_over_weight_read_repeats")
     f["ngram_propose_us"] = _worst_row(res, "ngram", "ngram_propose_us", "ngram_propose_repeats")
     f.update(_prefill_figures(res))
+    f.update({"batch_x16": batch_fig(res, "x16"), "batch_x64": batch_fig(res, "x64"),
+              "batch_itl_ratio_16": batch_fig(res, "itl_ratio_16"),
+              "batch_ngram_over_plain_16": batch_fig(res, "ngram_over_plain_16")})
     out = {name: (fig, None) for name, fig in f.items()}
     for acc in ("0.6", "0.8", "0.9"):
         out[f"spec_fraction_acc{acc}"] = _spec_figure(res, acc)
@@ -299,6 +312,7 @@ def _info_rows(res: dict) -> list[tuple[str, str]]:
                                              f"{_rng(_get(res, 'pp', f'pp{pp}_over_pp1_step_range'))} of pp=1, "
                                              f"greedy ids equal pp=1: {r.get('greedy_ids_equal_pp1')}"))
     rows += _prefill_rows(res)
+    rows += batch_rows(res)
     for k, h in (_get(res, "hybrid", "k") or {}).items():
         rows.append((f"hybrid {res['hybrid']['shape']} K={k}", f"verify/decode {h['ratio_vs_decode']:.2f}, "
                                                              f"KDA rollback {h['rollback_share_of_verify'] * 100:.2f} % of verify"))

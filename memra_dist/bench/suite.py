@@ -158,9 +158,11 @@ def _section_fns() -> dict:
     from .hybrid import hybrid  # noqa: PLC0415
     from .peer import peer  # noqa: PLC0415
     from .prefill import prefill  # noqa: PLC0415
+    from .batching import batching  # noqa: PLC0415
 
     return {"bandwidth": sections.bandwidth, "steps": sections.steps, "decode": sections.decode,
-            "trace": sections.trace_levels, "peer": peer, "pp": pipeline, "hybrid": hybrid, "prefill": prefill}
+            "trace": sections.trace_levels, "peer": peer, "pp": pipeline, "hybrid": hybrid, "prefill": prefill,
+            "batching": batching}
 
 
 def _meta(s: Suite, root: Path) -> dict:
@@ -191,7 +193,9 @@ def run_suite(opts: Options, root: Path) -> dict:
             why = {"pp": "not in this machine's default suite (needs >= 2 GPUs; --sections pp forces it)",
                    "hybrid": "not selected (--hybrid, or the default suite on a GPU, runs it)",
                    "prefill": "not in the default suite (minutes on a GPU: prompts to 128k, the transformers "
-                              "peer, a chunk sweep; --sections prefill runs it)"}.get(name, "not selected")
+                              "peer, a chunk sweep; --sections prefill runs it)",
+                   "batching": "not in the default suite (engines of 1 to 64 concurrent requests; --sections "
+                               "batching runs it)"}.get(name, "not selected")
             res[name] = {"skipped": why}
             continue
         if s.left() <= 0:

@@ -1,0 +1,207 @@
+"""Batched requests against one at a time, timed from the outside (issue 29's benchmark).
+
+N concurrent callers of one engine (`app.open_engine(..., max_batch=B)`: what `batch` and `serve`
+run) each generate one request; every token is stamped as the caller's stream callback
+receives it. Per setting:
+
+    decode tok/s     tokens after each request's first / from the first request's first token
+                     to the last token (prefill steps of later arrivals included)
+    steady tok/s     tokens received while every request was in flight (from the last
+                     request's first token to the first request's last): the batch's decode
+                     rate with no prefill step and no request already done
+    ITL p50 / p99    gaps between a request's stream callbacks, over the tokens each delivered
+    TTFT p50 / p99   from the callers' start to each request's first token
+    KV MB / request  the paged pool's bytes for one request's rows (prompt + new + K + 1, in
+                     whole blocks)
+plus the batcher's own counts (steps, requests and rows a step, graphed step ms, busy share).
+Before the timed run the same callers run 8 tokens each (the warm-up a server gets from its
+first requests); the batcher's counts cover the timed run only.
+
+The section (`memra-dist bench --sections batching`): plain greedy at 1, 16 and 64 concurrent
+callers on a GPU (1 and 4 on CPU), ngram (K = 4) at 16 (CPU: 4), every batched request's ids
+checked against its one-at-a-time ids (request 0's: the same prompt). Three timed runs per
+setting on one engine; its figures, with their worst-case ranges: steady tok/s over one
+request's decode tok/s at 16 and 64, ITL p50 at 16 over alone, ngram over plain at 16. `benchmarks/batching.py` is the same measurement as a script, any settings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+from .noise import Fig
+
+__all__ = ["concurrent", "batching", "graphed_ms", "per_step", "figures", "fig", "rows"]
+
+NEW, PROMPT, K = 64, 64, 4
+REPEATS = 3  # timed runs per setting, on one engine (the figures' ranges)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, plen: int = PROMPT,
+               drafter: str = "none", k: int = K, repeats: int = 1) -> dict:
+    """n callers, each one request (greedy), on an engine of `max_batch` -> the setting's row
+    (its `ids`: each request's token ids, for the caller's check against one at a time). With
+    repeats > 1 the timed run is repeated on the same engine: the row's figures are the
+    medians, `runs` keeps each run's (steady / decode tok/s, ITL p50)."""
+    from ..app import open_engine  # noqa: PLC0415
+    from ..config import RunConfig  # noqa: PLC0415
+    from ..model.config import load_config  # noqa: PLC0415
+    from .runs import make_prompt  # noqa: PLC0415
+
+    cfg = RunConfig(model=model, drafter=drafter, k=k, device=device, max_new_tokens=new)
+    vocab = load_config(model).vocab_size  # the bench's copy-with-edits prompts, one seed per request
+    prompts = [make_prompt(plen, vocab, seed=i) for i in range(n)]
+    kv_mb = None
+    runs: list[dict] = []
+    with open_engine(cfg, capacity=plen + new + 2 * k, max_batch=max_batch) as eng:
+        ids: list[list[int] | None] = [None] * n
+
+        def one(i, c, sink):
+            ids[i] = eng.generate(prompts[i], c, stream=sink).token_ids
+
+        def callers(c, sinks):
+            threads = [threading.Thread(target=one, args=(i, c, sinks[i])) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        callers(cfg.with_(max_new_tokens=8), [None] * n)  # warm-up
+        backend = getattr(eng, "_backend", None)
+        batcher = getattr(backend, "batcher", None)
+        if batcher is not None:
+            rows = -(-(plen + new + k + 1) // batcher.pool.block) * batcher.pool.block
+            kv_mb = round(batcher.kv.slot_bytes() * rows / 2**20, 2)
+        for _ in range(max(1, repeats)):
+            if batcher is not None:
+                from ..batching.batcher import BatchStats  # noqa: PLC0415
+
+                batcher.stats = BatchStats()  # the timed run's counts only
+            stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+            t0 = time.perf_counter()
+            callers(cfg, [lambda toks, i=i, st=stamps: st[i].append((time.perf_counter(), len(toks)))
+                          for i in range(n)])
+            runs.append(_timed(stamps, t0))
+        bstats = backend.stats() if hasattr(backend, "stats") else None
+    mid = sorted(runs, key=lambda r: r["steady_tok_s"] or r["decode_tok_s"])[len(runs) // 2]
+    return {"concurrency": n, "max_batch": max_batch, "drafter": drafter, **mid, "repeats": len(runs),
+            "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")} for r in runs],
+            "kv_mb_per_request": kv_mb, "batcher": bstats, "ids": ids}
+
+
+def _timed(stamps: list[list[tuple[float, int]]], t0: float) -> dict:
+    """One timed run's figures from each request's (time, tokens) stream stamps."""
+    end = max(s[-1][0] for s in stamps)
+    after_first = sum(sum(c for _, c in s[1:]) for s in stamps)
+    itl = [(b[0] - a[0]) * 1e3 / b[1] for s in stamps for a, b in zip(s, s[1:])]
+    ttft = [(s[0][0] - t0) * 1e3 for s in stamps]
+    lo, hi = max(s[0][0] for s in stamps), min(s[-1][0] for s in stamps)
+    steady = sum(c for s in stamps for t, c in s[1:] if lo < t <= hi)
+    return {"tokens": sum(sum(c for _, c in s) for s in stamps),
+            "aggregate_tok_s": round(after_first / (end - t0), 1),
+            "decode_tok_s": round(after_first / (end - min(s[0][0] for s in stamps)), 1),
+            "steady_tok_s": round(steady / (hi - lo), 1) if hi > lo else None,
+            "itl_ms_p50": round(_pct(itl, 0.5), 3) if itl else None,
+            "itl_ms_p99": round(_pct(itl, 0.99), 3) if itl else None,
+            "ttft_ms_p50": round(statistics.median(ttft), 1), "ttft_ms_p99": round(_pct(ttft, 0.99), 1)}
+
+
+def graphed_ms(bs: dict):
+    """The mean step that replayed a graph (the eager ones, prefill chunks, taken out)."""
+    n = bs.get("steps", 0) - bs.get("eager_steps", 0)
+    return round((bs["step_ms"] - bs["eager_step_ms"]) / n, 3) if bs.get("eager_step_ms") is not None and n > 0 else "-"
+
+
+def per_step(bs: dict, key: str):
+    return round(bs[key] / bs["steps"], 3) if bs.get(key) is not None and bs.get("steps") else "-"
+
+
+def _of(row: dict | None, key: str) -> Fig | None:
+    xs = [r[key] for r in (row or {}).get("runs", []) if r.get(key)]
+    return Fig.of(xs) if xs else None
+
+
+def _ratio(a: Fig | None, b: Fig | None) -> list | None:
+    """[value, lo, hi, n]: a / b with its worst-case range (noise.py)."""
+    if a is None or b is None:
+        return None
+    f = a / b
+    return [round(f.value, 3), None if f.lo is None else round(f.lo, 3), None if f.hi is None else round(f.hi, 3), f.n]
+
+
+def figures(plain: dict, ngram: dict) -> dict:
+    """The section's figures from its rows (keyed by concurrency), each [value, lo, hi, n]:
+    steady rate over one request's decode rate, ITL p50 over alone, ngram's steady rate over
+    plain's at the same concurrency."""
+    alone = plain.get("1")
+    out = {}
+    for n in ("4", "16", "64"):
+        row = plain.get(n)
+        if row is None:
+            continue
+        out[f"x{n}"] = _ratio(_of(row, "steady_tok_s"), _of(alone, "decode_tok_s"))
+        out[f"itl_ratio_{n}"] = _ratio(_of(row, "itl_ms_p50"), _of(alone, "itl_ms_p50"))
+        if n in ngram:
+            out[f"ngram_over_plain_{n}"] = _ratio(_of(ngram[n], "steady_tok_s"), _of(row, "steady_tok_s"))
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def batching(s) -> dict:
+    """The suite's section (see the module doc)."""
+    from .checkpoints import ensure_checkpoint  # noqa: PLC0415
+
+    cuda = s.device.type == "cuda"
+    levels = (1, 16, 64) if cuda else (1, 4)
+    at = 16 if cuda else 4
+    new = NEW // 2 if s.opts.quick else NEW
+    model = str(ensure_checkpoint(s.opts.shape, s.cache, s.device, s.say, s.ckpt_dtype))
+    dev = str(s.device)
+    plain: dict = {}
+    ngram: dict = {}
+    alone_ids: dict = {}
+    for drafter, ns, rows in (("none", levels, plain), ("ngram", (1, at), ngram)):
+        for n in ns:
+            if s.left() <= 0:
+                rows[str(n)] = {"skipped": "budget"}
+                continue
+            r = concurrent(model, dev, n, n, new, PROMPT, drafter, repeats=REPEATS)
+            ids = r.pop("ids")
+            if n == 1:
+                alone_ids[drafter] = ids[0]
+            else:  # the requests' prompts differ: request 0's is the one-request run's
+                r["first_ids_equal_alone"] = ids[0] == alone_ids.get(drafter)
+            rows[str(n)] = r
+            s.say(f"  batching {drafter} x{n}: steady {r['steady_tok_s']} tok/s, ITL p50 {r['itl_ms_p50']} ms")
+    done = {k: v for k, v in plain.items() if "skipped" not in v}
+    return {"new": new, "prompt": PROMPT, "k": K, "plain": plain, "ngram": ngram,
+            "figures": figures(done, {k: v for k, v in ngram.items() if "skipped" not in v})}
+
+
+def fig(res: dict, key: str) -> Fig | None:
+    """A figure of the section's results for the report, with its range."""
+    v = ((res.get("batching") or {}).get("figures") or {}).get(key)
+    return None if v is None else Fig(v[0], v[1], v[2], v[3])
+
+
+def rows(res: dict) -> list[tuple[str, str]]:
+    """The report's lines for the section: each setting's steady and decode rates, ITL and TTFT."""
+    b = res.get("batching") or {}
+    out = []
+    for drafter in ("plain", "ngram"):
+        for n, r in (b.get(drafter) or {}).items():
+            if not isinstance(r, dict) or "steady_tok_s" not in r:
+                continue
+            kv = f", KV {r['kv_mb_per_request']} MB a request" if r.get("kv_mb_per_request") is not None else ""
+            out.append((f"{drafter}, {n} concurrent " + ("batched" if n != "1" else "(one request)"),
+                        f"steady {r['steady_tok_s'] or '-'} tok/s, decode {r['decode_tok_s']} tok/s, ITL p50 / p99 "
+                        f"{r['itl_ms_p50']} / {r['itl_ms_p99']} ms, TTFT p50 {r['ttft_ms_p50']} ms{kv} "
+                        f"(median of {r.get('repeats', 1)} runs)"))
+    return out
