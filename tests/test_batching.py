@@ -338,6 +338,59 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama):
         assert first[a["batch_rows"]] >= sum(s.attributes[a["k"]] + 1 for _, s in v)
 
 
+def test_sampled_batched_requests_with_a_host_drafter_are_timed_without_a_drain(llama, monkeypatch):
+    """A sampled request (not chained: its session runs its rounds) with the ngram drafter on a
+    batched engine: each forward returns with its step read back and nothing else of the round
+    touches the device, so its phase clock stamps the host (`host`) and never drains the shared
+    stream (which would wait for the other requests' steps); the caller's sink gets every round,
+    each verify holding its step's forward."""
+    from memra_dist.device import Drainer
+    from memra_dist.phase.levels import TraceSettings
+
+    drains = []
+    real = Drainer.__call__
+    monkeypatch.setattr(Drainer, "__call__", lambda self: drains.append(1) or real(self))
+
+    class Collect:
+        def __init__(self):
+            self.recs = []
+
+        def burst(self, rec):
+            self.recs.append(rec)
+
+        def first_token(self, prof):
+            pass
+
+        def rounds(self, log, final):
+            pass
+
+    reqs = _prompts(4)
+    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
+    solo = _solo(llama, "ngram", reqs, **kw)
+    sinks = [Collect() for _ in reqs]
+    got: dict[int, tuple] = {}
+    traced = _cfg(llama, "ngram", trace=TraceSettings(level=1), **kw)
+    with open_engine(traced, capacity=CAP, max_batch=4) as eng:
+        def one(i, p, n):
+            res = eng.generate(p, traced.with_(max_new_tokens=n), sink=sinks[i])
+            got[i] = (res.token_ids, res.stats["rounds"])
+
+        drains.clear()
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert [got[i][0] for i in range(len(reqs))] == solo
+    assert drains == []
+    for i, sink in enumerate(sinks):
+        rounds = [r for rec in sink.recs for r in rec.live()]
+        assert len(rounds) == got[i][1] and {rec.clock for rec in sink.recs} == {"host"}
+        for r in rounds:
+            assert r.t == sorted(r.t) and r.batch is not None
+            assert r.phase_ns(1) >= r.batch.forward_ns  # the verify holds its step's forward
+
+
 def _stubbed_rounds(llama, monkeypatch, n: int, rounds: int, forward_s: float, before, after) -> dict:
     """n requests of `rounds` forwards each on a batcher whose forward only sleeps
     `forward_s`; request r calls before(r) once, then after(r) around each submission's

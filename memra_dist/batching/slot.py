@@ -37,6 +37,9 @@ class _Cache:
 
 class BatchSlot:
     takes_device_ids = False  # ids come from the host (the session's row buffer)
+    # forward returns once its step ran and was read back; rollback trims blocks on the host: with a
+    # host-only drafter, a round's boundaries need no drain (specdec/session.py: the host clock)
+    synchronous = True
     graphs = None  # no per-request step graphs (the batched steps are the batcher's; the ahead path stays off)
 
     def __init__(self, batcher, need: int, first: int | None = None):

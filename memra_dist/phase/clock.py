@@ -82,7 +82,9 @@ class PhaseClock:
 
     @property
     def mode(self) -> str:
-        return "events" if self.events else "drain"
+        """events | drain | host (no stream to drain: every phase's device work is done when the
+        host leaves it, as in a batched request whose steps return read back)."""
+        return "events" if self.events else ("drain" if self.drains else "host")
 
     # ---- drained stamps (the first-token profile, the draining clock) ----
     def stamp(self) -> int:

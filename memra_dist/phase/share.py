@@ -6,7 +6,16 @@ from ..tracing.conventions import PHASES
 from .lines import sub_totals
 from .records import BurstRecord
 
-__all__ = ["ShareTable"]
+__all__ = ["ShareTable", "CLOCK_HOW"]
+
+# how the rounds of each BurstRecord.clock were timed (phase/clock.py, specdec/ahead.py, batching/chain.py)
+CLOCK_HOW = {
+    "events": "each phase ends when its streams reach its boundary's event (no drain)",
+    "ahead": "one step ahead: verify is each step's device time, accept the rest of its round",
+    "drain": "each phase timed from one stream drain to the next",
+    "leader": "the batch step leader's stamps: the verify ends at its step's readback",
+    "host": "host stamps: each phase's device work is done when the host leaves it (a batched request, no drain)",
+}
 
 
 class ShareTable:
@@ -17,6 +26,7 @@ class ShareTable:
         self.n_rounds = 0
         self.ahead_rounds = 0  # rounds one step ahead (phases from the step's device events)
         self.event_rounds = 0  # rounds timed by the event clock (phase/clock.py: no drain at a boundary)
+        self.by_clock: dict[str, int] = {}  # rounds per BurstRecord.clock
 
     def burst(self, rec: BurstRecord) -> None:
         for i, v in enumerate(rec.totals_ns()):
@@ -26,6 +36,7 @@ class ShareTable:
         self.n_rounds += rec.n
         self.ahead_rounds += rec.n if rec.ahead else 0
         self.event_rounds += rec.n if rec.clock == "events" else 0
+        self.by_clock[rec.clock] = self.by_clock.get(rec.clock, 0) + rec.n
         if any(r.sub_ns for r in rec.live()):
             for key, v in sub_totals(rec).items():
                 self.sub[key] = self.sub.get(key, 0) + v
@@ -37,11 +48,7 @@ class ShareTable:
         pass
 
     def _how(self) -> str:
-        kinds = [(self.event_rounds, "each phase ends when its streams reach its boundary's event (no drain)"),
-                 (self.ahead_rounds, "one step ahead: verify is each step's device time, accept the rest of its round"),
-                 (self.n_rounds - self.event_rounds - self.ahead_rounds,
-                  "each phase timed from one stream drain to the next")]
-        kinds = [(n, how) for n, how in kinds if n]
+        kinds = [(n, CLOCK_HOW.get(clock, CLOCK_HOW["drain"])) for clock, n in self.by_clock.items() if n]
         if len(kinds) == 1:
             return kinds[0][1]
         if not kinds:

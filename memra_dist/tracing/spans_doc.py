@@ -46,9 +46,11 @@ ATTR_DOC = {
     "clock": ("", "spec.burst", "how the burst's phases were timed (phase/clock.py): `events` (a timing event "
               "recorded on every stream at each boundary, read in the next burst's first verify; a boundary whose phase launched no device work takes the boundary before's time or the host's arrival: the device never idles for the "
               "clock; the CUDA default), `drain` (each boundary synchronizes the streams: CPU, the first-token "
-              "profile, a batched request's own rounds, a pipeline head shared by sessions in flight, "
-              "MEMRA_PHASE_CLOCK=drain), `ahead` (plain greedy one step "
-              "ahead: each step's device events), `leader` (a batched greedy request: the step leader's stamps)"),
+              "profile, a batched request whose drafter runs on the device, a pipeline head shared by sessions "
+              "in flight, MEMRA_PHASE_CLOCK=drain), `ahead` (plain greedy one step "
+              "ahead: each step's device events), `leader` (a batched greedy request: the step leader's stamps), "
+              "`host` (a batched request with a host drafter: its steps return read back, so the host's stamps "
+              "are the boundaries, no drain)"),
     "host_ms": ("ms", "phase spans (not one step ahead)", "the phase from its start until the host reached its end "
                 "boundary (before its drain, or as it recorded its events): its launches, its host work and any "
                 "wait inside it (the accept's readback); "
