@@ -484,6 +484,7 @@ def test_batching_targets_read_the_ratios_with_their_worst_case_ranges():
     assert "plain, 16 concurrent batched" in text and "KV 16.0 MB a request" in text
 
 
+@pytest.mark.slow  # a bench subprocess opening six engines
 def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     """`bench --sections batching` on CPU: plain at 1 and 4 callers, ngram at 1 and 4, three
     timed runs each on one engine; request 0 gets the ids it gets alone."""
