@@ -301,7 +301,7 @@ def test_a_host_only_drafters_round_records_one_event_and_keeps_its_buckets(cloc
 def test_quiet_boundaries_need_a_host_only_phase():
     from types import SimpleNamespace
 
-    from memra_dist.specdec.session import quiet_boundaries
+    from memra_dist.phase.clock import quiet_boundaries
 
     host, dev = SimpleNamespace(host_only=True), SimpleNamespace()
     moves = SimpleNamespace(rollback_on_host=True)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Protocol, Sequence
 
-__all__ = ["PhaseClock", "StreamMarks", "stream_marks_of"]
+__all__ = ["PhaseClock", "StreamMarks", "stream_marks_of", "quiet_boundaries"]
 
 
 class StreamMarks(Protocol):
@@ -193,3 +193,18 @@ def stream_marks_of(trace, engines: list) -> list | None:
             return None
         marks.append(m)
     return marks
+
+
+def quiet_boundaries(drafter, target, marks) -> set[int]:
+    """The round boundaries whose phase launches no device work, so the event clock records no
+    event there (phase/clock.py): a host-only drafter's draft (1) and maintenance (5), a target
+    whose rollback only moves its cache's length (4), and the accept's end (3) when the clock
+    covers one stream (the accept's readback has just run it dry)."""
+    if not marks:
+        return set()
+    quiet = {1, 5} if getattr(drafter, "host_only", False) else set()
+    if getattr(target, "rollback_on_host", False):
+        quiet.add(4)
+    if len(marks) == 1:
+        quiet.add(3)
+    return quiet

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..errors import UserError
-from ..phase.clock import PhaseClock, stream_marks_of
+from ..phase.clock import PhaseClock, quiet_boundaries, stream_marks_of
 from ..phase.handover import Handover
 from ..kernels import tuning_tally
 from ..phase.first_token import DepthTimer, FirstTokenProf, lend
@@ -86,21 +86,6 @@ class SessionStats:
                 "tok_per_s": round((self.tokens - 1) / decode, 2) if decode > 0 and self.tokens > 1 else 0.0,
                 "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": round(self.acceptance, 4), "tokens_per_round": round(self.tokens_per_round, 3)}
-
-
-def quiet_boundaries(drafter, target, marks) -> set[int]:
-    """The round boundaries whose phase launches no device work, so the event clock records no
-    event there (phase/clock.py): a host-only drafter's draft (1) and maintenance (5), a target
-    whose rollback only moves its cache's length (4), and the accept's end (3) when the clock
-    covers one stream (the accept's readback has just run it dry)."""
-    if not marks:
-        return set()
-    quiet = {1, 5} if getattr(drafter, "host_only", False) else set()
-    if getattr(target, "rollback_on_host", False):
-        quiet.add(4)
-    if len(marks) == 1:
-        quiet.add(3)
-    return quiet
 
 
 class SpecSession:
