@@ -18,7 +18,8 @@ Before the timed run the same callers run 8 tokens each (the warm-up a server ge
 first requests); the batcher's counts cover the timed run only.
 
 The section (`memra-dist bench --sections batching`): plain greedy at 1, 16 and 64 concurrent
-callers on a GPU (1 and 4 on CPU), ngram (K = 4) at 16 (CPU: 4), every batched request's ids
+callers on a GPU (1 and 4 on CPU), ngram (K = 4) at 16 (CPU: 4), on the suite's copy-with-edits
+prompts (512 tokens on a GPU, each request its own seed), every batched request's ids
 checked against its one-at-a-time ids (request 0's: the same prompt). Three timed runs per
 setting on one engine; its figures, with their worst-case ranges: steady tok/s over one
 request's decode tok/s at 16 and 64, ITL p50 at 16 over alone, ngram over plain at 16. `benchmarks/batching.py` is the same measurement as a script, any settings.
@@ -162,6 +163,7 @@ def batching(s) -> dict:
     levels = (1, 16, 64) if cuda else (1, 4)
     at = 16 if cuda else 4
     new = NEW // 2 if s.opts.quick else NEW
+    plen = s.p.ctx  # the suite's copy-with-edits prompt length (512 on a GPU): what ngram copies from
     model = str(ensure_checkpoint(s.opts.shape, s.cache, s.device, s.say, s.ckpt_dtype))
     dev = str(s.device)
     plain: dict = {}
@@ -172,7 +174,7 @@ def batching(s) -> dict:
             if s.left() <= 0:
                 rows[str(n)] = {"skipped": "budget"}
                 continue
-            r = concurrent(model, dev, n, n, new, PROMPT, drafter, repeats=REPEATS)
+            r = concurrent(model, dev, n, n, new, plen, drafter, repeats=REPEATS)
             ids = r.pop("ids")
             if n == 1:
                 alone_ids[drafter] = ids[0]
@@ -181,7 +183,7 @@ def batching(s) -> dict:
             rows[str(n)] = r
             s.say(f"  batching {drafter} x{n}: steady {r['steady_tok_s']} tok/s, ITL p50 {r['itl_ms_p50']} ms")
     done = {k: v for k, v in plain.items() if "skipped" not in v}
-    return {"new": new, "prompt": PROMPT, "k": K, "plain": plain, "ngram": ngram,
+    return {"new": new, "prompt": plen, "k": K, "plain": plain, "ngram": ngram,
             "figures": figures(done, {k: v for k, v in ngram.items() if "skipped" not in v})}
 
 
