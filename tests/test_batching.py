@@ -351,23 +351,12 @@ def test_sampled_batched_requests_with_a_host_drafter_are_timed_without_a_drain(
     real = Drainer.__call__
     monkeypatch.setattr(Drainer, "__call__", lambda self: drains.append(1) or real(self))
 
-    class Collect:
-        def __init__(self):
-            self.recs = []
-
-        def burst(self, rec):
-            self.recs.append(rec)
-
-        def first_token(self, prof):
-            pass
-
-        def rounds(self, log, final):
-            pass
+    from test_ahead import _Bursts
 
     reqs = _prompts(4)
     kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
     solo = _solo(llama, "ngram", reqs, **kw)
-    sinks = [Collect() for _ in reqs]
+    sinks = [_Bursts() for _ in reqs]
     got: dict[int, tuple] = {}
     traced = _cfg(llama, "ngram", trace=TraceSettings(level=1), **kw)
     with open_engine(traced, capacity=CAP, max_batch=4) as eng:
