@@ -33,6 +33,10 @@ TOKEN = 3
 # device seconds: draft, verify, rollback, maint (all distinct); the accept is host work
 DRAFT, VERIFY, ROLL, MAINT = 0.030, 0.045, 0.012, 0.022
 DEV = (DRAFT, VERIFY, 0.0, ROLL, MAINT)
+# a bucket may run over its own work by a host hiccup (the GIL held by another thread of the test
+# process, up to its 5 ms switch interval, at a wake-up or two), never by a neighbouring phase's
+# work: every phase here takes more than this
+SLACK_MS = 10
 
 
 class SimEvent:
@@ -218,8 +222,8 @@ def test_each_bucket_holds_its_own_device_time_without_a_drain():
         assert (r.k, r.j) == (4, 2)
         got = [_ms(r, i) for i in range(PHASE_COUNT)]
         for i in (0, 1, 3, 4):  # device phases: their own work, no neighbour's
-            assert DEV[i] * 1e3 - 0.5 <= got[i] < DEV[i] * 1e3 + 6, (PHASES[i], got)
-        assert 0 <= got[2] < 6, got  # the accept: the readback found the verify done, then host logic
+            assert DEV[i] * 1e3 - 0.5 <= got[i] < DEV[i] * 1e3 + SLACK_MS, (PHASES[i], got)
+        assert 0 <= got[2] < SLACK_MS, got  # the accept: the readback found the verify done, then host logic
         assert r.t == sorted(r.t)
     # the host went on at every boundary: each verify was launched while its draft still ran,
     # and each next draft while the previous round's maintenance still ran
@@ -253,7 +257,7 @@ class HostDrafter(Drafter):
     """An ngram-like drafter: propose and maintain are host work only (known host times)."""
 
     name, host_only = "host", True
-    PROPOSE, MAINTAIN = 0.008, 0.004
+    PROPOSE, MAINTAIN = 0.015, 0.012  # each above SLACK_MS
 
     def propose(self, context, k, sp, gen):
         time.sleep(self.PROPOSE)
@@ -291,10 +295,10 @@ def test_a_host_only_drafters_round_records_one_event_and_keeps_its_buckets(cloc
         assert a.records == (1 + rec.n + 1) + (1 + 1 + 1)
     for r in rec.live():
         got = [_ms(r, i) for i in range(PHASE_COUNT)]
-        assert HostDrafter.PROPOSE * 1e3 - 0.5 <= got[0] < HostDrafter.PROPOSE * 1e3 + 6, got
-        assert VERIFY * 1e3 - 0.5 <= got[1] < VERIFY * 1e3 + 6, got
-        assert 0 <= got[2] < 6 and 0 <= got[3] < 3, got
-        assert HostDrafter.MAINTAIN * 1e3 - 0.5 <= got[4] < HostDrafter.MAINTAIN * 1e3 + 6, got
+        assert HostDrafter.PROPOSE * 1e3 - 0.5 <= got[0] < HostDrafter.PROPOSE * 1e3 + SLACK_MS, got
+        assert VERIFY * 1e3 - 0.5 <= got[1] < VERIFY * 1e3 + SLACK_MS, got
+        assert 0 <= got[2] < SLACK_MS and 0 <= got[3] < SLACK_MS, got
+        assert HostDrafter.MAINTAIN * 1e3 - 0.5 <= got[4] < HostDrafter.MAINTAIN * 1e3 + SLACK_MS, got
         assert r.t == sorted(r.t)
 
 
@@ -345,8 +349,8 @@ def test_a_drafter_on_its_own_stream_bounds_the_draft():
     (rec,) = sink.bursts
     for r in rec.live():
         got = [_ms(r, i) for i in range(PHASE_COUNT)]
-        assert DRAFT * 1e3 - 0.5 <= got[0] < DRAFT * 1e3 + 6, got  # the drafter's stream, not the idle target's
-        assert VERIFY * 1e3 - 0.5 <= got[1] < VERIFY * 1e3 + 6, got
+        assert DRAFT * 1e3 - 0.5 <= got[0] < DRAFT * 1e3 + SLACK_MS, got  # the drafter's stream, not the idle target's
+        assert VERIFY * 1e3 - 0.5 <= got[1] < VERIFY * 1e3 + SLACK_MS, got
     assert a.waits == 2 and b.waits == 2 and a.busy_waits == 2
 
 
@@ -380,7 +384,7 @@ def test_a_host_pause_between_rounds_is_in_no_phase():
         # the hook's 40 ms began as the host launched the maintenance (h[4]); the device was done
         # before the host came back, so the next round starts at the host's return
         assert r.t[0] - prev.h[4] >= 0.039e9 and r.t[0] > prev.t[5] + 0.004e9, (prev.t, prev.h, r.t)
-        assert DRAFT * 1e3 - 0.5 <= _ms(r, 0) < DRAFT * 1e3 + 6
+        assert DRAFT * 1e3 - 0.5 <= _ms(r, 0) < DRAFT * 1e3 + SLACK_MS
 
 
 def test_level_zero_records_no_event_and_the_profile_drains():
