@@ -131,8 +131,9 @@ class _Uncapturable:
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
-@pytest.mark.parametrize("graph_cls,drafter", [(_Replayed, "ngram"), (_Uncapturable, "ngram"), (_Replayed, "dflash"),
-                                               (_Replayed, "none")])
+@pytest.mark.parametrize("graph_cls,drafter", [  # the interpreter's replays take a minute each: two in the slow tier
+    (_Replayed, "ngram"), (_Uncapturable, "ngram"), pytest.param(_Replayed, "dflash", marks=pytest.mark.slow),
+    pytest.param(_Replayed, "none", marks=pytest.mark.slow)])
 def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_llama, graph_cls, drafter,
                                                                           tmp_path_factory, monkeypatch):
     """Steps of padded rows (ids 0 at the pool's scratch slot) and padded segments (no rows)
