@@ -190,9 +190,7 @@ def _request(engine, prompt, cfg, level: int, clock: str) -> dict:
         out["phase_ms"] = {p: ns / 1e6 / n for p, ns in zip(PHASES, share.ns)}
         out["host_ms"] = {p: ns / 1e6 / n for p, ns in zip(PHASES, share.host_ns)}
         out["spans"] = len(exp.get_finished_spans()) if exp is not None else 0
-        kinds = {"events": share.event_rounds, "ahead": share.ahead_rounds,
-                 "drain": share.n_rounds - share.event_rounds - share.ahead_rounds}
-        out["clock_used"] = "+".join(k for k, v in kinds.items() if v) or "none"
+        out["clock_used"] = "+".join(k for k, v in share.by_clock.items() if v) or "none"
         out["table"] = share.table()
     return out
 

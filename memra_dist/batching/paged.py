@@ -139,15 +139,18 @@ class PagedKV:
         """The cache rows of `slots` in every layer, copied to host memory (a preempted request's rows)."""
         out = []
         for layer in self.layers.values():
-            idx = [torch.tensor(slots, dtype=torch.long, device=t.device) for t in layer.tensors()[:1]]
-            out.append(tuple(t.index_select(0, idx[0]).cpu() for t in layer.tensors()))
+            pools = layer.tensors()  # none for a recurrent layer (its states stay on the device)
+            idx = torch.tensor(slots, dtype=torch.long, device=pools[0].device) if pools else None
+            out.append(tuple(t.index_select(0, idx).cpu() for t in pools))
         return out
 
     def restore(self, slots: list[int], saved: list[tuple[torch.Tensor, ...]]) -> None:
         """`save`'s rows written back at `slots` (the request's new blocks), bitwise."""
         for layer, rows in zip(self.layers.values(), saved):
-            for t, r in zip(layer.tensors(), rows):
-                t.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=t.device), r.to(t.device))
+            pools = layer.tensors()
+            idx = torch.tensor(slots, dtype=torch.long, device=pools[0].device) if pools else None
+            for t, r in zip(pools, rows):
+                t.index_copy_(0, idx, r.to(t.device))
 
     @staticmethod
     def row_bytes(stage, dtype) -> int:
@@ -172,6 +175,14 @@ class Segment:
     @property
     def rows(self) -> int:
         return self.hi - self.lo
+
+    def own_cache(self, pool: torch.Tensor) -> torch.Tensor:
+        """Its rows of `pool` (slots, ...) in position order, in a buffer of its capacity, zero
+        past them: the cache its attention reads alone (decode / verify rows, under `mask`)."""
+        rows = pool.index_select(0, self.keys)
+        buf = rows.new_zeros((self.capacity,) + rows.shape[1:])
+        buf[:rows.shape[0]] = rows
+        return buf
 
 
 @dataclass

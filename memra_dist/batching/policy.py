@@ -6,7 +6,7 @@ import argparse
 
 from ..errors import UserError
 
-__all__ = ["check_batchable", "auto_max_batch", "max_batch_arg", "BATCHABLE_DRAFTERS", "BATCHABLE_FAMILIES",
+__all__ = ["check_batchable", "auto_max_batch", "resolve_max_batch", "max_batch_arg", "BATCHABLE_DRAFTERS", "BATCHABLE_FAMILIES",
            "MAX_BATCH", "AUTO_MAX_BATCH"]
 
 BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model", "dflash", "eagle3", "mtp")
@@ -17,8 +17,8 @@ MAX_BATCH = 256
 # each one's inter-token latency 1.10x its own alone (the issue's bound: 1.3x); 64 reach 35x but
 # at 1.8x the latency. On CPU (2 cores, the tiny shape) batching measured no gain: 1 there.
 AUTO_MAX_BATCH = 16
-# the families whose batched steps run on the paged kernel as CUDA graphs, as measured; glm4_moe's
-# and deepseek_v3's steps run eager (not measured on a GPU): auto leaves them one at a time
+# the families whose batched steps run on the paged kernel as CUDA graphs, as measured; glm4_moe's,
+# deepseek_v3's and kimi_linear's steps run eager (not measured on a GPU): auto leaves them one at a time
 AUTO_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -45,6 +45,22 @@ def auto_max_batch(cfg, mcfg, device_type: str) -> tuple[int, str]:
     if mcfg.arch not in AUTO_FAMILIES:
         return 1, f"the {mcfg.arch} family's batched steps are not measured to pay yet (--max-batch B batches it)"
     return AUTO_MAX_BATCH, "a GPU"
+
+
+def resolve_max_batch(max_batch: int | None, cfg, mcfg) -> int:
+    """--max-batch as given, or `auto` (None) decided on the device this process runs the engine
+    on (`auto_max_batch`), with one stderr note when it batches."""
+    if max_batch is not None:
+        return max_batch
+    import sys  # noqa: PLC0415
+
+    from ..device import resolve_device  # noqa: PLC0415 (torch: only once an engine is opened here)
+
+    b, why = auto_max_batch(cfg, mcfg, resolve_device(cfg.device).type)
+    if b > 1:
+        print(f"memra-dist: note: --max-batch auto: {b} requests at once on {why} (--max-batch 1: one at a time)",
+              file=sys.stderr)
+    return b
 
 
 def check_batchable(cfg, mcfg, max_batch: int, draft=None) -> None:

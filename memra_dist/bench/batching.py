@@ -22,7 +22,8 @@ callers on a GPU (1 and 4 on CPU), ngram (K = 4) at 16 (CPU: 4), on the suite's 
 prompts (512 tokens on a GPU, each request its own seed), every batched request's ids
 checked against its one-at-a-time ids (request 0's: the same prompt). Three timed runs per
 setting on one engine; its figures, with their worst-case ranges: steady tok/s over one
-request's decode tok/s at 16 and 64, ITL p50 at 16 over alone, ngram over plain at 16. `benchmarks/batching.py` is the same measurement as a script, any settings.
+request's decode tok/s at 16 and 64, ITL p50 at 16 over alone, ngram over plain at 16.
+`benchmarks/batching.py` is the same measurement as a script, any settings.
 """
 
 from __future__ import annotations

@@ -117,13 +117,10 @@ class Attention(nn.Module):
     def _segment(self, qs: torch.Tensor, state, seg) -> torch.Tensor:
         """One request's rows qs (rows, nh, hd) over its paged keys, gathered in position order,
         on the arm its rows take alone -> (rows, nh * hd)."""
-        ks, vs = state.k.index_select(0, seg.keys), state.v.index_select(0, seg.keys)
         if seg.prefix is not None:
+            ks, vs = state.k.index_select(0, seg.keys), state.v.index_select(0, seg.keys)
             return prefix_attention(qs, ks, vs, seg.prefix, self.hd ** -0.5).reshape(seg.rows, -1)
-        kc = ks.new_zeros((seg.capacity,) + ks.shape[1:])  # the buffer of its capacity, zero past its rows
-        vc = vs.new_zeros((seg.capacity,) + vs.shape[1:])
-        kc[:ks.shape[0]], vc[:vs.shape[0]] = ks, vs
-        return cached_attention(qs, kc, vc, seg.mask, self.nkv)
+        return cached_attention(qs, seg.own_cache(state.k), seg.own_cache(state.v), seg.mask, self.nkv)
 
     def _batched_paged(self, x: torch.Tensor, ctx, state) -> torch.Tensor:
         """`_batched` on the kernels (kernels/ops.py install; batching/paged.py `PagedRows`):

@@ -119,14 +119,12 @@ class MLA(nn.Module):
         outs = []
         for seg in view.segments:
             qs = q[seg.lo:seg.hi]
-            lat, ks = state.latent.index_select(0, seg.keys), state.k_shared.index_select(0, seg.keys)
             if seg.prefix is not None:
+                lat, ks = state.latent.index_select(0, seg.keys), state.k_shared.index_select(0, seg.keys)
                 outs.append(self._prefix(qs, lat, ks, seg.prefix))
                 continue
-            lc, kc = lat.new_zeros((seg.capacity, lat.shape[1])), ks.new_zeros((seg.capacity, ks.shape[1]))
-            lc[:lat.shape[0]], kc[:ks.shape[0]] = lat, ks
             arm = self._absorbed if seg.rows <= ABSORB_MAX_ROWS else self._expanded
-            outs.append(arm(qs, lc, kc, seg.mask))
+            outs.append(arm(qs, seg.own_cache(state.latent), seg.own_cache(state.k_shared), seg.mask))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _rotate(self, q: torch.Tensor, k_shared: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:

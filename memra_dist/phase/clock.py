@@ -24,7 +24,8 @@ Two ways to find when a stream finished a phase (`TraceSettings.clock`, MEMRA_PH
   A burst's events are read in the next burst's first verify, in the device's shadow (a
   request's last burst: at its end, the one wait the clock adds), and placed on the host's
   clock by an anchor event recorded right after the burst's first readback, when the streams
-  have just run dry; the burst's record reaches the sinks then, one burst late. A phase bound by its host (launches, the accept's readback and host logic) still shows it:
+  have just run dry; the burst's record reaches the sinks then, one burst late. A phase bound
+  by its host (launches, the accept's readback and host logic) still shows it:
   the device cannot reach a boundary's event before the host has recorded it.
 - `drain` (the seed's literal clock; CPU, engines without events, the first-token profile):
   each boundary synchronizes every stream, then stamps perf_counter. The device then idles
@@ -43,7 +44,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Protocol, Sequence
 
-__all__ = ["PhaseClock", "StreamMarks", "stream_marks_of", "quiet_boundaries"]
+__all__ = ["PhaseClock", "StreamMarks", "stream_marks_of", "quiet_boundaries", "session_clock"]
 
 
 class StreamMarks(Protocol):
@@ -208,3 +209,20 @@ def quiet_boundaries(drafter, target, marks) -> set[int]:
     if len(marks) == 1:
         quiet.add(3)
     return quiet
+
+
+def session_clock(target, drafter, trace, free_mb: Callable[[], dict[str, int]]) -> PhaseClock:
+    """A speculative session's clock: the target's stream, and the drafter's where it sits on
+    a device of its own; timing events where every stream has them (`stream_marks_of`), with
+    the quiet boundaries of this target and drafter. A batched request with a host drafter
+    (`target.synchronous`: each forward returns with its step read back) drains nothing: no
+    other phase of its round touches the device, so the host's stamps are the boundaries, and a
+    drain would wait for the other requests' steps on the shared stream (mode `host`)."""
+    engines = [(target.drain, target)]
+    if drafter.device is not None and drafter.device != getattr(target, "device", None):
+        engines.append((drafter.drain, getattr(drafter, "runner", None)))  # a drafter on its own device
+    marks = stream_marks_of(trace, [e for _, e in engines])
+    drains = [d for d, _ in engines]
+    if getattr(target, "synchronous", False) and getattr(drafter, "host_only", False) and not trace.prof:
+        drains = []
+    return PhaseClock(drains, free_mb, marks, quiet_boundaries(drafter, target, marks))

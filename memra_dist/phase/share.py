@@ -24,8 +24,6 @@ class ShareTable:
         self.host_ns = [0] * len(PHASES)  # each phase's host part (RoundRecord.host_ns), drained rounds only
         self.sub: dict[str, int] = {}
         self.n_rounds = 0
-        self.ahead_rounds = 0  # rounds one step ahead (phases from the step's device events)
-        self.event_rounds = 0  # rounds timed by the event clock (phase/clock.py: no drain at a boundary)
         self.by_clock: dict[str, int] = {}  # rounds per BurstRecord.clock
 
     def burst(self, rec: BurstRecord) -> None:
@@ -34,12 +32,20 @@ class ShareTable:
         for i, v in enumerate(rec.host_totals_ns()):
             self.host_ns[i] += v
         self.n_rounds += rec.n
-        self.ahead_rounds += rec.n if rec.ahead else 0
-        self.event_rounds += rec.n if rec.clock == "events" else 0
         self.by_clock[rec.clock] = self.by_clock.get(rec.clock, 0) + rec.n
         if any(r.sub_ns for r in rec.live()):
             for key, v in sub_totals(rec).items():
                 self.sub[key] = self.sub.get(key, 0) + v
+
+    @property
+    def ahead_rounds(self) -> int:
+        """Rounds one step ahead (phases from the step's device events)."""
+        return self.by_clock.get("ahead", 0)
+
+    @property
+    def event_rounds(self) -> int:
+        """Rounds timed by the event clock (phase/clock.py: no drain at a boundary)."""
+        return self.by_clock.get("events", 0)
 
     def first_token(self, prof) -> None:
         pass

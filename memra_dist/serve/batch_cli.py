@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Callable
 
-from ..batching.policy import AUTO_MAX_BATCH, auto_max_batch, max_batch_arg
+from ..batching.policy import AUTO_MAX_BATCH, check_batchable, max_batch_arg, resolve_max_batch
 from ..errors import UserError
 
 __all__ = ["add_batch_parser", "run_batch"]
@@ -104,16 +104,8 @@ def _run(args) -> int:
     cfg = config_from_args(args, args.model, args.draft_model)
     mcfg = load_config(cfg.model)
     batching = None
-    if args.max_batch is None:  # auto: by measurement, where the batched engine runs the request
-        from ..device import resolve_device  # noqa: PLC0415
-
-        args.max_batch, why = auto_max_batch(cfg, mcfg, resolve_device(cfg.device).type)
-        if args.max_batch > 1:
-            print(f"memra-dist: note: --max-batch auto: {args.max_batch} requests at once on {why} "
-                  "(--max-batch 1: one after another)", file=sys.stderr)
+    args.max_batch = resolve_max_batch(args.max_batch, cfg, mcfg)  # auto: where this job runs its engine
     if args.max_batch != 1 or args.max_batch_tokens is not None or args.kv_rows is not None:
-        from ..batching.policy import check_batchable  # noqa: PLC0415
-
         check_batchable(cfg, mcfg, args.max_batch)
         for flag, v in (("--max-batch-tokens", args.max_batch_tokens), ("--kv-rows", args.kv_rows)):
             if v is not None and v < 1:

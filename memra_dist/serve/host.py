@@ -118,14 +118,9 @@ class EngineHost:
                             f"{self.mcfg.vocab_size}")
         self.model_name = Path(cfg.model).name
         self.eos_ids = tuple(self.mcfg.eos_token_ids)
-        if max_batch is None:
-            from ..batching.policy import auto_max_batch  # noqa: PLC0415
-            from ..device import resolve_device  # noqa: PLC0415
+        from ..batching.policy import resolve_max_batch  # noqa: PLC0415
 
-            max_batch, why = auto_max_batch(cfg, self.mcfg, resolve_device(cfg.device).type)
-            if max_batch > 1:
-                print(f"memra-dist: note: --max-batch auto: {max_batch} requests at once on {why}", file=sys.stderr)
-        self.max_batch = max_batch
+        self.max_batch = max_batch = resolve_max_batch(max_batch, cfg, self.mcfg)  # auto: decided here
         self.tracing = RequestTracing(cfg)
         self._stack = ExitStack()
         try:

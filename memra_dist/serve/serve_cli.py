@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable
 
-from ..batching.policy import AUTO_MAX_BATCH, max_batch_arg
+from ..batching.policy import AUTO_MAX_BATCH, check_batchable, max_batch_arg
 from ..errors import UserError
 from .body_size import DEFAULT_MAX_BODY_BYTES, parse_size
 
@@ -210,8 +210,6 @@ def validate(args):
     cfg = config_from_args(args, args.model, args.draft_model)
     mcfg = load_config(cfg.model)
     if getattr(args, "max_batch", 1) not in (1, None):  # None: auto, decided by the replica (serve/host.py)
-        from ..batching.policy import check_batchable  # noqa: PLC0415
-
         check_batchable(cfg, mcfg, args.max_batch)
     tok = load_tokenizer(cfg.model)
     if tok.vocab_size > mcfg.vocab_size:

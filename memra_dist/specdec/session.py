@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 import torch
 
 from ..errors import UserError
-from ..phase.clock import PhaseClock, quiet_boundaries, stream_marks_of
+from ..phase.clock import PhaseClock, session_clock
 from ..phase.handover import Handover
 from ..kernels import tuning_tally
 from ..phase.first_token import DepthTimer, FirstTokenProf, lend
@@ -99,19 +99,7 @@ class SpecSession:
         self.prefill_chunk = prefill_chunk
         self.target, self.drafter, self.sp, self.gen, self.k = target, drafter, sp, gen, k
         self.trace, self.sink, self.eos = trace, sink, set(eos_ids)
-        self.clock: PhaseClock | None = None
-        if trace.clock_on:
-            engines = [(target.drain, target)]
-            if drafter.device is not None and drafter.device != getattr(target, "device", None):
-                engines.append((drafter.drain, getattr(drafter, "runner", None)))  # a drafter on its own device
-            marks = stream_marks_of(trace, [e for _, e in engines])
-            drains = [d for d, _ in engines]
-            if getattr(target, "synchronous", False) and getattr(drafter, "host_only", False) and not trace.prof:
-                # a batched request with a host drafter: each forward returns with its step read back and
-                # nothing else of the round touches the device, so the host's stamps are the boundaries; a
-                # drain would wait for the other requests' steps on the shared stream
-                drains = []
-            self.clock = PhaseClock(drains, self._free_mb, marks, quiet_boundaries(drafter, target, marks))
+        self.clock: PhaseClock | None = session_clock(target, drafter, trace, self._free_mb) if trace.clock_on else None
         self.timer = SubsplitTimer(target.drain) if trace.level >= 2 else None
         self.prof = FirstTokenProf() if trace.prof else None
         self.log = RoundsLog() if trace.prof else None
@@ -338,7 +326,7 @@ class SpecSession:
         logits = self.target.forward(ids, n - 1, self.timer)  # (kk+1, V)
         if rec is not None:
             r.h[1] = time.perf_counter_ns()  # the verify launched (before the tracer's own deferred work)
-        if rec is not None:  # the burst before's events, the rounds before's sub-splits: while this verify runs
+            # the burst before's events, the rounds before's sub-splits: while this verify runs
             self._held.flush()  # (before the pump, which hands the settled record on)
         if self._pump is not None:
             self._pump()
