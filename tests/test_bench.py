@@ -468,7 +468,11 @@ def test_batching_targets_read_the_ratios_with_their_worst_case_ranges():
              "16": _batch_row([(3400.0, 2200.0, 4.5), (3410.0, 2210.0, 4.57), (3420.0, 2220.0, 4.6)]),
              "64": _batch_row([(8000.0, 5000.0, 7.4), (8100.0, 5100.0, 7.5), (8200.0, 5200.0, 7.6)])}
     ngram = {"16": _batch_row([(3500.0, 2190.0, 5.3), (3510.0, 2200.0, 5.4), (3520.0, 2210.0, 5.5)])}
+    traced = _batch_row([(3360.0, 2190.0, 4.6), (3370.0, 2200.0, 4.62), (3380.0, 2210.0, 4.65)])
+    plain["16"]["by_level"] = {"0": {"runs": plain["16"]["runs"]}, "1": {"runs": traced["runs"]}}
     figs = figures(plain, ngram)
+    assert figs["l1_cost_pct_16"][:3] == [round((3410 / 3370 - 1) * 100, 3), round((3400 / 3380 - 1) * 100, 3),
+                                          round((3420 / 3360 - 1) * 100, 3)]
     assert figs["x16"][:2] == [round(3410 / 241, 3), round(3400 / 242, 3)]  # median over median; lo = lo / hi
     res = _fake_result()
     res["batching"] = {"plain": plain, "ngram": ngram, "figures": figs}
@@ -477,6 +481,7 @@ def test_batching_targets_read_the_ratios_with_their_worst_case_ranges():
     assert rows["batch_x64"]["status"] == "miss"  # 33-34x against >= 35
     assert rows["batch_itl_ratio_16"]["status"] == "pass"  # 1.07-1.12x against <= 1.3
     assert rows["batch_ngram_over_plain_16"]["status"] == "miss"  # ~1.03x against >= 1.3
+    assert rows["batch_l1_cost_pct_16"]["status"] == "pass"  # 0.6-1.8 % against <= 3 %
     tiny = {r["name"]: r for r in evaluate({**res, "meta": {**res["meta"], "shape": "tiny"}})}
     assert tiny["batch_x16"]["status"].startswith("n/a")  # stated for the 8B shape on a GPU
     res["targets"] = evaluate(res)
@@ -499,5 +504,7 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
         assert rows["4"]["repeats"] == 3 and len(rows["4"]["runs"]) == 3
         assert rows["4"]["batcher"]["max_requests"] >= 2  # the four callers shared steps
         assert rows["4"]["kv_mb_per_request"] > 0
-    assert set(b["figures"]) == {"x4", "itl_ratio_4", "ngram_over_plain_4"}
+    assert set(b["figures"]) == {"x4", "itl_ratio_4", "ngram_over_plain_4", "l1_cost_pct_4"}
+    by = b["plain"]["4"]["by_level"]  # level 1 interleaved with level 0, three runs each
+    assert set(by) == {"0", "1"} and all(len(v["runs"]) == 3 for v in by.values())
     assert all(len(v) == 4 and v[3] == 3 for v in b["figures"].values())

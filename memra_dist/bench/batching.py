@@ -21,8 +21,10 @@ The section (`memra-dist bench --sections batching`): plain greedy at 1, 16 and 
 callers on a GPU (1 and 4 on CPU), ngram (K = 4) at 16 (CPU: 4), on the suite's copy-with-edits
 prompts (512 tokens on a GPU, each request its own seed), every batched request's ids
 checked against its one-at-a-time ids (request 0's: the same prompt). Three timed runs per
-setting on one engine; its figures, with their worst-case ranges: steady tok/s over one
-request's decode tok/s at 16 and 64, ITL p50 at 16 over alone, ngram over plain at 16.
+setting on one engine; plain at 16 (CPU: 4) runs each repeat at trace levels 0 and 1 in turn
+(each request its share table and span sink, as the CLI builds them). Its figures, with their
+worst-case ranges: steady tok/s over one request's decode tok/s at 16 and 64, ITL p50 at 16
+over alone, ngram over plain at 16, level 1's cost in % of the steady rate at 16.
 `benchmarks/batching.py` is the same measurement as a script, any settings.
 """
 
@@ -47,27 +49,54 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def _level_sinks(level: int, n: int):
+    """(share tables, span sinks, closer) for n callers at trace `level`, as the CLI builds
+    them: each request its share table and its span sink, one tracer provider for them all
+    (a server's), spans into an in-memory exporter (the SDK's real cost, no network)."""
+    if level == 0:
+        return [None] * n, [None] * n, lambda: None
+    from ..phase.share import ShareTable  # noqa: PLC0415
+    from ..tracing.deferred import DeferredSink  # noqa: PLC0415
+    from ..tracing.emit import SpanSink  # noqa: PLC0415
+    from .sections import span_sink  # noqa: PLC0415
+
+    first, tp, _ = span_sink("memra.bench.batching")
+    tracer = tp.get_tracer("memra.bench.batching")
+    spans = [first] + [DeferredSink(SpanSink(tracer, None)) for _ in range(n - 1)]
+
+    def close() -> None:
+        for s in spans:
+            s.close()
+        tp.shutdown()
+    return [ShareTable() for _ in range(n)], spans, close
+
+
 def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, plen: int = PROMPT,
-               drafter: str = "none", k: int = K, repeats: int = 1) -> dict:
+               drafter: str = "none", k: int = K, repeats: int = 1, levels: tuple[int, ...] = (0,)) -> dict:
     """n callers, each one request (greedy), on an engine of `max_batch` -> the setting's row
     (its `ids`: each request's token ids, for the caller's check against one at a time). With
     repeats > 1 the timed run is repeated on the same engine: the row's figures are the
-    medians, `runs` keeps each run's (steady / decode tok/s, ITL p50)."""
+    medians, `runs` keeps each run's (steady / decode tok/s, ITL p50). With more than one trace
+    level, each repeat runs every level in turn (interleaved): the figures are the first
+    level's, `by_level` each level's median steady tok/s and its runs."""
     from ..app import open_engine  # noqa: PLC0415
     from ..config import RunConfig  # noqa: PLC0415
     from ..model.config import load_config  # noqa: PLC0415
+    from ..phase.levels import TraceSettings  # noqa: PLC0415
     from .runs import make_prompt  # noqa: PLC0415
 
     cfg = RunConfig(model=model, drafter=drafter, k=k, device=device, max_new_tokens=new)
     vocab = load_config(model).vocab_size  # the bench's copy-with-edits prompts, one seed per request
     prompts = [make_prompt(plen, vocab, seed=i) for i in range(n)]
     kv_mb = None
-    runs: list[dict] = []
+    runs: dict[int, list[dict]] = {lv: [] for lv in levels}
     with open_engine(cfg, capacity=plen + new + 2 * k, max_batch=max_batch) as eng:
         ids: list[list[int] | None] = [None] * n
+        tables: list = [None] * n
+        spans: list = [None] * n
 
         def one(i, c, sink):
-            ids[i] = eng.generate(prompts[i], c, stream=sink).token_ids
+            ids[i] = eng.generate(prompts[i], c, stream=sink, sink=tables[i], span_sink=spans[i]).token_ids
 
         def callers(c, sinks):
             threads = [threading.Thread(target=one, args=(i, c, sinks[i])) for i in range(n)]
@@ -82,21 +111,32 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
         if batcher is not None:
             rows = -(-(plen + new + k + 1) // batcher.pool.block) * batcher.pool.block
             kv_mb = round(batcher.kv.slot_bytes() * rows / 2**20, 2)
+        bstats = None
         for _ in range(max(1, repeats)):
-            if batcher is not None:
-                from ..batching.batcher import BatchStats  # noqa: PLC0415
+            for lv in levels:
+                if batcher is not None and lv == levels[0]:
+                    from ..batching.batcher import BatchStats  # noqa: PLC0415
 
-                batcher.stats = BatchStats()  # the timed run's counts only
-            stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
-            t0 = time.perf_counter()
-            callers(cfg, [lambda toks, i=i, st=stamps: st[i].append((time.perf_counter(), len(toks)))
-                          for i in range(n)])
-            runs.append(_timed(stamps, t0))
-        bstats = backend.stats() if hasattr(backend, "stats") else None
-    mid = sorted(runs, key=lambda r: r["steady_tok_s"] or r["decode_tok_s"])[len(runs) // 2]
-    return {"concurrency": n, "max_batch": max_batch, "drafter": drafter, **mid, "repeats": len(runs),
-            "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")} for r in runs],
-            "kv_mb_per_request": kv_mb, "batcher": bstats, "ids": ids}
+                    batcher.stats = BatchStats()  # the timed runs' counts only (the first level's)
+                tables[:], spans[:], close = _level_sinks(lv, n)
+                stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+                t0 = time.perf_counter()
+                callers(cfg.with_(trace=TraceSettings(level=lv)),
+                        [lambda toks, i=i, st=stamps: st[i].append((time.perf_counter(), len(toks))) for i in range(n)])
+                close()
+                runs[lv].append(_timed(stamps, t0))
+                if lv == levels[0] and hasattr(backend, "stats"):
+                    bstats = backend.stats()
+    first = runs[levels[0]]
+    mid = sorted(first, key=lambda r: r["steady_tok_s"] or r["decode_tok_s"])[len(first) // 2]
+    row = {"concurrency": n, "max_batch": max_batch, "drafter": drafter, **mid, "repeats": len(first),
+           "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")} for r in first],
+           "kv_mb_per_request": kv_mb, "batcher": bstats, "ids": ids}
+    if len(levels) > 1:
+        row["by_level"] = {str(lv): {"steady_tok_s": statistics.median(r["steady_tok_s"] or r["decode_tok_s"] for r in rs),
+                                     "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")}
+                                              for r in rs]} for lv, rs in runs.items()}
+    return row
 
 
 def _timed(stamps: list[list[tuple[float, int]]], t0: float) -> dict:
@@ -139,10 +179,22 @@ def _ratio(a: Fig | None, b: Fig | None) -> list | None:
     return [round(f.value, 3), None if f.lo is None else round(f.lo, 3), None if f.hi is None else round(f.hi, 3), f.n]
 
 
+def _level_cost(row: dict | None, level: str = "1") -> list | None:
+    """[value, lo, hi, n]: the % of steady tok/s that trace `level` costs against level 0 (the
+    row's interleaved runs, `by_level`), with its worst-case range."""
+    by = (row or {}).get("by_level") or {}
+    if "0" not in by or level not in by:
+        return None
+    f0, f1 = (Fig.of([r["steady_tok_s"] or r["decode_tok_s"] for r in by[lv]["runs"]]) for lv in ("0", level))
+    c = (f0 / f1).map(lambda x: (x - 1) * 100)
+    return [round(c.value, 3), None if c.lo is None else round(c.lo, 3), None if c.hi is None else round(c.hi, 3), c.n]
+
+
 def figures(plain: dict, ngram: dict) -> dict:
     """The section's figures from its rows (keyed by concurrency), each [value, lo, hi, n]:
     steady rate over one request's decode rate, ITL p50 over alone, ngram's steady rate over
-    plain's at the same concurrency."""
+    plain's at the same concurrency, and trace level 1's cost in % of the steady rate where the
+    row ran levels 0 and 1 interleaved."""
     alone = plain.get("1")
     out = {}
     for n in ("4", "16", "64"):
@@ -153,6 +205,7 @@ def figures(plain: dict, ngram: dict) -> dict:
         out[f"itl_ratio_{n}"] = _ratio(_of(row, "itl_ms_p50"), _of(alone, "itl_ms_p50"))
         if n in ngram:
             out[f"ngram_over_plain_{n}"] = _ratio(_of(ngram[n], "steady_tok_s"), _of(row, "steady_tok_s"))
+        out[f"l1_cost_pct_{n}"] = _level_cost(row)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -175,7 +228,8 @@ def batching(s) -> dict:
             if s.left() <= 0:
                 rows[str(n)] = {"skipped": "budget"}
                 continue
-            r = concurrent(model, dev, n, n, new, plen, drafter, repeats=REPEATS)
+            traced = (0, 1) if drafter == "none" and n == at else (0,)  # level 1's cost where the target states it
+            r = concurrent(model, dev, n, n, new, plen, drafter, repeats=REPEATS, levels=traced)
             ids = r.pop("ids")
             if n == 1:
                 alone_ids[drafter] = ids[0]
