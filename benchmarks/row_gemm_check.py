@@ -1,5 +1,6 @@
 """kernels/gemm_rows.py on CUDA: correct against the reference, and timed against cuBLAS on the
-verify step's 8B weight shapes at 5 and 16 rows.
+verify step's 8B weight shapes at 5 and 16 rows (and a batched step's wider row counts, given
+as a second argument: `32,64,96,128`).
 
 For each shape: cuBLAS `F.linear` vs `gemm_rows` plain, and the per-layer chain as the verify
 step runs it (cuBLAS with the compiled norm / gating / residual kernels beside it, as the
@@ -7,7 +8,7 @@ default path's kernel table shows) vs gemm_rows with the folds (qkv with the pre
 with the residual, gate_up with the pre-norm, down with the gating and the residual). Each
 case is captured 20 times in one CUDA graph over 4 weight copies (more than L2 holds), replayed
 and timed by events. Errors: max |ours - reference| over max |reference|, bf16.
-usage: python benchmarks/row_gemm_check.py OUT_DIR
+usage: python benchmarks/row_gemm_check.py OUT_DIR [ROWS, default 5,16]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.nn import functional as F
 
 from memra_dist.bench.checkpoints import shape_config
 from memra_dist.bench.timing import capture_graph, graph_replay_ms
-from memra_dist.kernels.gemm_rows import _tuned, gemm_rows
+from memra_dist.kernels.gemm_rows import MAX_ROWS, _tuned, _wide, gemm_rows
 from memra_dist.model.layers import RMSNorm
 
 dev = torch.device("cuda")
@@ -53,7 +54,7 @@ def rel(a, b) -> float:
 
 
 ok = True
-for rows in (5, 16):
+for rows in (int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "5,16").split(",")):
     r: dict = {}
     for name, (n, k, fold) in shapes.items():
         copies = 2 if name == "lm_head" else 4
@@ -84,7 +85,7 @@ for rows in (5, 16):
         c = {"cublas_us": timed(lambda i=0: F.linear(xp, ws[i % copies])),
              "ours_us": timed(lambda i=0: gemm_rows(xp, ws[i % copies])),
              "cublas_chain_us": timed(ref_chain), "ours_folded_us": timed(our_chain),
-             "err_plain": e_plain, "err_folded": e_fold, "best": str(_tuned.best_config)}
+             "err_plain": e_plain, "err_folded": e_fold, "best": str((_tuned if rows <= MAX_ROWS else _wide).best_config)}
         c = {key: (round(v, 2) if isinstance(v, float) and key.endswith("us") else v) for key, v in c.items()}
         c["weight_TB_s_ours"] = round(n * k * 2 / (c["ours_us"] * 1e-6) / 1e12, 3)
         ok &= e_plain < 2e-2 and e_fold < 3e-2

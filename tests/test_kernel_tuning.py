@@ -12,7 +12,8 @@ from memra_dist.kernels import gemm_rows, gemv, moe_gemv, tuning  # noqa: E402
 
 
 def _tuners():
-    return {"gemv": gemv._tuned, "gemm_rows": gemm_rows._tuned, "moe_up": moe_gemv._up_tuned,
+    return {"gemv": gemv._tuned, "gemm_rows": gemm_rows._tuned, "gemm_rows_wide": gemm_rows._wide,
+            "moe_up": moe_gemv._up_tuned,
             "moe_down": moe_gemv._down_tuned}
 
 

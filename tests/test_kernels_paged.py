@@ -86,7 +86,7 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
     launches, folded = [], []
     real = pa.paged_attention
     monkeypatch.setattr(pa, "paged_attention", lambda q, *a, **kw: launches.append(a[3].numel()) or real(q, *a, **kw))
-    fused = Attention.fused_step  # a batched step's decode / verify rows fold the norms and residuals (<= 16 rows)
+    fused = Attention.fused_step  # a batched step's rows fold the norms and residuals (up to the row GEMM's 128)
     monkeypatch.setattr(Attention, "fused_step", lambda self, x, ctx, *a: folded.append(
         (ctx.batch is not None, x.shape[0])) or fused(self, x, ctx, *a))
     got: dict[int, list[int]] = {}
@@ -106,6 +106,40 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
     assert max(launches) >= 2, launches  # one launch held several requests' rows
     assert any(b and rows >= 2 for b, rows in folded), folded  # several requests' rows in one folded step
     assert stats["max_requests"] >= 2, stats
+
+
+def test_a_wide_batched_step_folds_and_equals_the_unfolded_step(wide_llama, monkeypatch):
+    """A step of 6 requests x 4 verify rows (24 rows, past a verify's 16) runs the folded blocks
+    on the row GEMM's wider column block (kernels/gemm_rows.py, BM 32), and its logits equal
+    the same step through the unfolded layers (cuBLAS-style linears, separate norms and adds)."""
+    from memra_dist.batching.job import Job
+    from memra_dist.model.transformer import Block
+
+    torch.manual_seed(0)
+    n, rows, plen, cap = 6, 4, 9, 32
+    ids = [torch.randint(0, 100, (plen + rows,)) for _ in range(n)]
+    out, folded = {}, []
+    fwd = Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, x, ctx, st: folded.append(
+        (x.shape[0], ctx.batch is not None and x.shape[0] <= self.batch_rows)) or fwd(self, x, ctx, st))
+    for fold in (True, False):
+        with open_engine(_cfg(wide_llama, "none"), capacity=cap, max_batch=n) as eng:
+            _on_kernels(eng._backend)
+            b = eng._backend.batcher
+            if not fold:
+                for blk in b.stage.layers.values():
+                    monkeypatch.setattr(blk, "batch_rows", 0)
+            folded.clear()
+            rids = [("wide", i) for i in range(n)]
+            for r, t in zip(rids, ids):
+                b.admit(r, cap)
+                b._forward([Job(r, t[:plen], 0, cap, True)])
+            with torch.inference_mode():
+                out[fold] = b._forward([Job(r, t[plen:], plen, cap, False) for r, t in zip(rids, ids)]).clone()
+            for r in rids:
+                b.leave(r)
+        assert (n * rows, fold) in folded, folded
+    torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4)
 
 
 class _Replayed:
@@ -167,6 +201,11 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
         solo = [eng.generate(p, cfg(n)).token_ids for p, n in reqs]
     alone, seen[:] = sorted(seen), []
     got: dict[int, list[int]] = {}
+    import memra_dist.kernels.paged_attention as pa
+
+    slots, real_pa = [], pa.paged_attention  # each launch's (rows, request slots)
+    monkeypatch.setattr(pa, "paged_attention", lambda q, *a, **k: slots.append((q.shape[0], k.get("segments")))
+                        or real_pa(q, *a, **k))
     with open_engine(cfg(), capacity=96, max_batch=5) as eng:
         b = eng._backend.batcher
         _on_kernels(eng._backend)
@@ -190,5 +229,8 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
     if graph_cls is _Replayed:  # every step size the requests took was captured before them
         assert warmed >= 6 and g["captured"] == warmed and g["eager_buckets"] == 0, g
         assert g["replays"] > 0 and g["padded_rows"] > 0, g
+        graphed = [(t, s) for t, s in slots if s is not None]  # a graph launches min(rows, 5) request slots
+        assert graphed and all(s == min(t, 5) for t, s in graphed), graphed
+        assert any(t > s for t, s in graphed), graphed  # steps of more rows than requests: not a slot a row
     else:
         assert g["replays"] == 0 and g["captured"] == 0 and g["eager_buckets"] >= 1, g

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpret
 TOL = dict(rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("m", [2, 5, 16, 17, 80])  # 17, 80: a batched step's wider column blocks (32, 128)
 @pytest.mark.parametrize("n,k", [(48, 64), (40, 72)])  # 40 x 72: ragged tiles on both axes
 def test_row_gemm_equals_linear_with_each_fold(m, n, k):
     from memra_dist.kernels.gemm_rows import gemm_rows

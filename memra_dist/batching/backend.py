@@ -74,7 +74,7 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
         raise UserError(f"out of memory: a KV pool of {pool.rows} rows needs {pool.rows * row / 2**20:.0f} MB on "
                         f"{runner.label}, free {free // 2**20} MB (lower --kv-rows or --ctx)")
     return Batcher(runner.stage, runner.device, runner.dtype, pool, budget,
-                   graphs=graphs and runner.device.type == "cuda", tap_layers=tap_layers)
+                   graphs=graphs and runner.device.type == "cuda", tap_layers=tap_layers, max_requests=max_batch)
 
 
 class BatchedBackend:

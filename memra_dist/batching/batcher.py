@@ -92,7 +92,7 @@ class BatchStats:
 
 class Batcher:
     def __init__(self, stage, device, dtype, pool: BlockPool, max_tokens: int, max_wait_s: float = MAX_WAIT_S,
-                 graphs: bool = False, graph_cls=None, tap_layers: tuple[int, ...] = ()):
+                 graphs: bool = False, graph_cls=None, tap_layers: tuple[int, ...] = (), max_requests: int | None = None):
         if max_tokens < 1:
             raise UserError(f"--max-batch-tokens must be >= 1 (got {max_tokens})")
         self.stage, self.device, self.dtype, self.pool = stage, device, dtype, pool
@@ -101,6 +101,7 @@ class Batcher:
         self.kernels = all(getattr(b.self_attn, "fast_attn_rows", 0) > 0 and b.self_attn.rope_kernel_ok()
                            for b in stage.layers.values())
         self.max_tokens, self.max_wait_s = max_tokens, max_wait_s
+        self.max_requests = max_requests  # requests a step holds at most (the backend's --max-batch): the graphs' grid
         self.tap_layers: tuple[int, ...] = tuple(tap_layers)  # the layers the requests' tap drafters read
         # decode / verify steps replayed as CUDA graphs (graphs.py): on the kernels only (the
         # paged kernel takes every segment, no gather); graph_cls: a test's emulation

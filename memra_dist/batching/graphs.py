@@ -96,6 +96,10 @@ class StepGraphs:
         self.graph_cls = graph_cls
         self.cuda = batcher.device.type == "cuda"
         self.steps: dict[tuple[int, int, int, int], _Step] = {}
+        # the paged kernel's request slots in a graph of T rows: min(T, this). Padded slots are
+        # programs with nothing to do, but a grid of T slots (one a row) for 16 requests' verify
+        # rows cost 2x the attention (benchmarks/paged_attention_check.py)
+        self.max_segments = batcher.max_requests or self.max_rows
         self.failed: set = set()
         self.pool = None
         self.replays = 0
@@ -105,7 +109,7 @@ class StepGraphs:
     def eligible(self, jobs) -> bool:
         """Decode / verify rows only: a prefill chunk (`last`) rides an eager step (one a request,
         and its lengths would each meet a new bucket)."""
-        return (sum(j.n for j in jobs) <= self.max_rows
+        return (sum(j.n for j in jobs) <= self.max_rows and len(jobs) <= self.max_segments
                 and all(j.n <= PAGED_MAX_ROWS and not j.last for j in jobs))
 
     def warm(self, max_requests: int, rows_each: tuple[int, ...], width: int) -> tuple[int, float]:
@@ -124,9 +128,11 @@ class StepGraphs:
             with torch.inference_mode():  # as every step runs (batcher._forward)
                 for c in sorted(set(rows_each)):
                     lo = 1 if c == 1 else 2  # a class-c step holds one segment of 2..c rows at least
-                    top = bucket_rows(min(max_requests * c, self.max_rows))
+                    most = min(max_requests, self.max_segments)
+                    top = bucket_rows(min(most * c, self.max_rows))
                     for T in sorted({bucket_rows(n) for n in range(lo, top + 1)}):
-                        rows = [min(c, T - i) for i in range(0, T, c)]
+                        n = min(T, most * c)  # the bucket's rows (bucket_rows(n) == T), in <= `most` segments
+                        rows = [min(c, n - i) for i in range(0, n, c)]
                         jobs = [Job(rid, torch.zeros(n, dtype=torch.long), 0, width, False) for n in rows]
                         if self.eligible(jobs) and self._key(jobs) not in self.steps:
                             self.run(jobs)
@@ -202,7 +208,7 @@ class StepGraphs:
         b, stage = self.b, self.b.stage
         ids, pos, slots, lo, nrows, table = st.views()
         view = BatchView(slots, [], PagedRows(lo.to(torch.int32), nrows.to(torch.int32), table.to(torch.int32),
-                                              b.pool.block, rclass, max_len))
+                                              b.pool.block, rclass, max_len, min(st.rows, self.max_segments)))
         h, tapped = b._layers(ids, pos, view)
         out = self._logits_buf(stage)[:st.rows]
         out.copy_(stage.logits(h))  # the temporary goes back to the pool: the next capture reuses it

@@ -195,6 +195,7 @@ class PagedRows:
     block: int
     max_rows: int
     max_len: int  # the longest capacity among them: the kernel's chunk grid
+    segments: int | None = None  # the launch's request slots (a graph's: its step's most requests; None: all of lo)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""A verify step's few rows (2 .. 16) through a linear layer in one Triton kernel, with the
+"""A verify step's few rows (2 .. 16), or a batched step's (up to 128), through a linear layer
+in one Triton kernel, with the
 same folds as the one-row GEMV (kernels/gemv.py): the block's RMSNorm on the input, the
 SwiGLU gating on the input, the residual add on the output; and `glu`, the gate-up projection
 that writes silu(gate) * up itself (each program computes matching gate and up columns), so
@@ -8,10 +9,14 @@ BENCHMARKS.md): the gating on the down projection's input load ran at half speed
 Each program owns BN whole output rows (no split-K, no reduce kernel) and streams its slice of
 W once (evicted from L2); the MMA runs "swap AB": the weight tile (BN, BK), as it lies in memory,
 is the row operand and the rows' input tile (BK, 16) the column operand, so 16 rows cost one MMA
-column block. The input rows are re-read from L2 by every program (at most 16 x K values).
+column block. The input rows are re-read from L2 by every program (at most BM x K values).
+A step of more than 16 rows (a batched step: many requests' decode or verify rows) takes a
+wider column block, BM = the next power of two (32, 64, 128), with its own tuned configs: the
+weight is still streamed once, and the folds keep the norms and residual adds out of the
+step's kernel count (benchmarks/row_gemm_check.py measures it against cuBLAS).
 With `norm`, the pass sums each row's squares and the MMA takes x * norm_weight; the per-row
 1 / rms scales the result at the end (the norm rounds once, where the reference rounds the
-normed rows to the input dtype). Rows past M are masked: a (M, K) input of any M <= 16 runs the
+normed rows to the input dtype). Rows past M are masked: a (M, K) input of any M <= BM runs the
 same kernel.
 """
 
@@ -23,9 +28,19 @@ import triton.language as tl
 
 from .tuning import autotune
 
-__all__ = ["gemm_rows", "ROW_CONFIGS", "MAX_ROWS"]
+__all__ = ["gemm_rows", "ROW_CONFIGS", "WIDE_CONFIGS", "MAX_ROWS", "BATCH_ROWS", "row_block"]
 
-MAX_ROWS = 16
+MAX_ROWS = 16  # a single request's verify rows (K + 1): one column block of 16
+BATCH_ROWS = 128  # a batched step's rows: up to 128 in one program's column block
+
+
+def row_block(m: int) -> int:
+    """The kernel's column block for m rows: 16 up to 16 rows, else the next power of two.
+
+    >>> [row_block(m) for m in (1, 16, 17, 33, 80, 128)]
+    [16, 16, 32, 64, 128, 128]
+    """
+    return max(MAX_ROWS, triton.next_power_of_2(m))
 
 
 @triton.jit
@@ -96,12 +111,20 @@ _even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BN"] == 0 and a["K"] % 
 _tuned = autotune(
     [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in ROW_CONFIGS],
     ["N", "K", "SILU_MUL", "NORM", "GLU"])(_even)
+# wider column blocks (BM 32 .. 128): a bigger input tile per stage (shared memory: (BN + BM) x BK
+# x 2 bytes a stage). The configs that won some 8B shape at 32 or 64 rows on an H200 out of eight
+# tried (row_gemm_check.py), plus a small-register one for the gate-up's two accumulators: each
+# config tried is a compile and a benchmark on a fresh machine's first batched step
+WIDE_CONFIGS = [(64, 128, 8, 4), (32, 256, 4, 3), (128, 64, 8, 4), (32, 128, 4, 4), (64, 64, 4, 4)]
+_wide = autotune(
+    [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in WIDE_CONFIGS],
+    ["N", "K", "SILU_MUL", "NORM", "GLU", "BM"])(_even)
 
 
 def gemm_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
               norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
               glu: bool = False) -> torch.Tensor:
-    """x (M, K) [(M, 2K) with `silu_mul`], M <= 16, @ w (N, K)^T (+ bias) (+ residual (M, N))
+    """x (M, K) [(M, 2K) with `silu_mul`], M <= BATCH_ROWS, @ w (N, K)^T (+ bias) (+ residual (M, N))
     -> (M, N) in x's dtype; `norm` (K,): RMSNorm(norm, eps) on the input first. gemv.py's
     arguments, for a few rows. `glu`: w is a fused gate-up weight (2N', K), gate rows first,
     and the result is silu(x Wg^T) * (x Wu^T), (M, N') (a SwiGLU's input to its down
@@ -111,7 +134,7 @@ def gemm_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     if glu:
         assert N % 2 == 0 and bias is None and residual is None and not silu_mul
         N //= 2
-    assert 1 <= M <= MAX_ROWS and x.shape[-1] == (2 * K if silu_mul else K) and w.stride(1) == 1
+    assert 1 <= M <= BATCH_ROWS and x.shape[-1] == (2 * K if silu_mul else K) and w.stride(1) == 1
     assert not (silu_mul and norm is not None), "the gating and the pre-norm do not meet in one kernel"
     x = x.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
@@ -121,11 +144,12 @@ def gemm_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     assert residual is None or tuple(r.shape) == (M, N)
     flags = dict(SILU_MUL=silu_mul, HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None,
                  GLU=glu, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    bm = row_block(M)
     if x.device.type == "cuda":
-        _tuned[lambda m: (triton.cdiv(N, m["BN"]),)](x, w, b, nw, r, y, M, N, K, x.stride(0), w.stride(0), eps,
-                                                     BM=MAX_ROWS, **flags)
+        (_tuned if bm == MAX_ROWS else _wide)[lambda m: (triton.cdiv(N, m["BN"]),)](
+            x, w, b, nw, r, y, M, N, K, x.stride(0), w.stride(0), eps, BM=bm, **flags)
         return y
     bn, bk = 16, 32  # the interpreter
-    _even[(triton.cdiv(N, bn),)](x, w, b, nw, r, y, M, N, K, x.stride(0), w.stride(0), eps, BM=MAX_ROWS,
+    _even[(triton.cdiv(N, bn),)](x, w, b, nw, r, y, M, N, K, x.stride(0), w.stride(0), eps, BM=bm,
                                  BN=bn, BK=bk, **flags)
     return y

@@ -9,20 +9,26 @@ from torch import nn
 from torch.nn import functional as F
 
 from .decode_attention import decode_attention
-from .gemm_rows import MAX_ROWS, gemm_rows
+from .gemm_rows import BATCH_ROWS, MAX_ROWS, gemm_rows
 from .gemv import gemv
 from .moe_gemv import moe_experts
 
-__all__ = ["FastLinear", "install_stage", "install_mtp", "MAX_ATTN_ROWS", "MAX_MOE_ROWS"]
+__all__ = ["FastLinear", "install_stage", "install_mtp", "MAX_ATTN_ROWS", "MAX_MOE_ROWS", "BATCH_FOLD_ROWS"]
 
 MAX_ATTN_ROWS = 64  # decode / verify rows; a prefill keeps the reference attention
 MAX_MOE_ROWS = 16  # decode / verify / drafter rows through the per-slot expert GEMVs; more: the grouped GEMM
+# a batched step folds its blocks (norms and residual adds inside the row GEMMs) up to this many
+# rows: measured on an H200 at the 8B's shapes (benchmarks/row_gemm_check.py), a layer's folded
+# row GEMMs beat cuBLAS with its separate norm / gating / residual kernels by 25 % at 32 rows and
+# 16 % at 64, and lost by 15-25 % at 96 and 128 (the norm fold on a 128-wide column block)
+BATCH_FOLD_ROWS = 64
+assert BATCH_FOLD_ROWS <= BATCH_ROWS
 
 
 @torch.library.custom_op("memra::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
             norm: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """One row: the GEMV (kernels/gemv.py); 2 .. MAX_ROWS rows: the row GEMM (kernels/gemm_rows.py)."""
+    """One row: the GEMV (kernels/gemv.py); 2 .. BATCH_ROWS rows: the row GEMM (kernels/gemm_rows.py)."""
     if x.shape[0] == 1:
         return gemv(x, w, bias, silu_mul, norm, eps, residual)
     return gemm_rows(x, w, bias, silu_mul, norm, eps, residual)
@@ -35,7 +41,7 @@ def _(x, w, bias, silu_mul, norm=None, eps=0.0, residual=None):
 
 @torch.library.custom_op("memra::glu_rows", mutates_args=())
 def glu_rows_op(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
-    """silu(g) * u of RMSNorm(x) through a fused gate-up weight, for 2 .. MAX_ROWS rows."""
+    """silu(g) * u of RMSNorm(x) through a fused gate-up weight, for 2 .. BATCH_ROWS rows."""
     return gemm_rows(x, w, None, False, norm, eps, None, glu=True)
 
 
@@ -126,6 +132,7 @@ def install_block(blk) -> int:
         n += _install_moe(mlp)
     if fast_attn and fast_mlp and attn.rope_kernel_ok():
         blk.fused_rows = MAX_ROWS  # decode and verify rows: norms and residual adds inside the GEMVs / row GEMMs
+        blk.batch_rows = BATCH_FOLD_ROWS  # a batched step's rows over the paged K/V, where the fold pays
     return n
 
 

@@ -10,6 +10,14 @@ through the request's block table, and runs the same online softmax; the second 
 request (its furthest row's position, read on the device), split evenly over the chunks, so
 a short request in a batch of long ones costs its own length.
 
+How many chunks: a step of many requests already gives the device programs to run (KV heads
+x requests), so a request's length is split over only as many chunks as bring the launch to
+about PROGRAMS programs (at most the capacity's `chunking`): on an H200 at the 8B's heads and
+600 positions, 16 requests' verify rows of 5 took 42.5 us a layer over 10 chunks and 22 us over
+2; 64 requests' decode rows 68 us over 10 and 46 us over 1 (benchmarks/paged_attention_check.py).
+The launch's request slots are the step's requests, not its rows: a graph (batching/graphs.py)
+launches min(rows, its most requests) slots, padded ones with no rows; a slot a row cost 2x.
+
 Rows are causal within a request's own step: row t reads positions 0..pos[t], whose K/V the
 step has already written. Scores and the softmax are fp32, the probabilities enter PV in the
 cache dtype, as in the single-request kernel.
@@ -23,7 +31,19 @@ import triton.language as tl
 
 from .decode_attention import chunking, merge_splits, split_buffers
 
-__all__ = ["paged_attention"]
+__all__ = ["paged_attention", "batch_chunks", "PROGRAMS"]
+
+PROGRAMS = 256  # a launch's partial programs to aim for (~2 a streaming multiprocessor on an H200)
+
+
+def batch_chunks(nkv: int, segments: int, most: int) -> int:
+    """The chunks each request's live length is split over: enough for ~PROGRAMS programs,
+    at least 1, at most `most` (the capacity's chunk grid).
+
+    >>> [batch_chunks(8, s, 10) for s in (1, 4, 16, 64)]
+    [10, 8, 2, 1]
+    """
+    return max(1, min(most, -(-PROGRAMS // (nkv * segments))))
 
 
 @triton.jit
@@ -73,12 +93,15 @@ def _paged_partial_kernel(Q, K, V, POS, LO, NROWS, TBL, PM, PL, PO, ROWS, stride
 
 def paged_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, pos: torch.Tensor, lo: torch.Tensor,
                     nrows: torch.Tensor, table: torch.Tensor, block: int, max_rows: int, max_len: int,
-                    chunk: int | None = None) -> torch.Tensor:
+                    chunk: int | None = None, segments: int | None = None, n_chunks: int | None = None,
+                    num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q (T, nh, hd): the rows of n requests, request i's at [lo[i], lo[i] + nrows[i]) (at most
     `max_rows` each), at positions `pos` (T,); kp / vp (slots, nkv, hd) the pool; table (n, B)
     int32 each request's blocks (`block` slots each); `max_len`: the longest a request can be
     (sets the chunk grid). -> (T, nh * hd); rows outside every request hold garbage (the caller
-    writes them: a prefill chunk's rows, attended elsewhere)."""
+    writes them: a prefill chunk's rows, attended elsewhere). `segments`: the launch's request
+    slots (the first of lo / nrows; default all); `n_chunks`: the chunks a request's length is
+    split over (default `batch_chunks`); `chunk`: the chunk grid's slots (default `chunking`)."""
     T, nh, hd = q.shape
     nkv = kp.shape[1]
     rep = nh // nkv
@@ -86,14 +109,16 @@ def paged_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, pos: to
     assert hd & (hd - 1) == 0 and hd >= 16 and kp.stride(2) == 1 and vp.stride(2) == 1 and q.stride(2) == 1
     assert table.dtype == torch.int32 and table.shape[0] == n and table.stride(1) == 1
     if chunk is None:
-        chunk, n_chunks = chunking(max_len)
+        chunk, nc = chunking(max_len)
     else:
-        n_chunks = triton.cdiv(max_len, chunk)
+        nc = triton.cdiv(max_len, chunk)
+    segments = segments or n
+    n_chunks = n_chunks or batch_chunks(nkv, segments, nc)
     pm, pl, po, o = split_buffers(q, nkv, n_chunks)
-    _paged_partial_kernel[(nkv, n_chunks, n)](
+    _paged_partial_kernel[(nkv, n_chunks, segments)](
         q, kp, vp, pos, lo, nrows, table, pm, pl, po, T * rep, q.stride(0), q.stride(1), kp.stride(0),
         kp.stride(1), vp.stride(0), vp.stride(1), table.stride(0), hd ** -0.5, n_chunks, REP=rep, HD=hd,
         BM=max(16, triton.next_power_of_2(max_rows * rep)), BC=min(64, chunk), BLOCK=block,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
     merge_splits(pm, pl, po, o, nkv, rep, n_chunks)
     return o

@@ -138,7 +138,7 @@ class Attention(nn.Module):
         cos, sin = ctx.rope_for(self.rope_dim)
         q = rope_kv_write(qkv, cos, sin, state.k, state.v, view.slots, self.nh)  # (T, nh, hd)
         o = paged_attention(q, state.k, state.v, ctx.pos, pg.lo, pg.nrows, pg.table, pg.block, pg.max_rows,
-                            pg.max_len)  # (T, nh * hd)
+                            pg.max_len, segments=pg.segments)  # (T, nh * hd)
         for seg in view.segments:
             o[seg.lo:seg.hi] = self._segment(q[seg.lo:seg.hi], state, seg)
         return o

@@ -80,12 +80,14 @@ class Block(nn.Module):
         self.mlp = ffn(cfg, idx)
 
     fused_rows = 0  # kernels/ops.py: steps of up to this many rows run each half with its norm and residual folded in
+    batch_rows = 0  # the same for a batched step whose attention is the paged kernel's (batching/paged.py)
 
     def forward(self, x: torch.Tensor, ctx: StepCtx, state) -> torch.Tensor:
         tm = ctx.timer
-        # a batched step folds too when its attention is the paged kernel's (batching/paged.py)
-        fused = (x.shape[0] <= self.fused_rows and state is not None
-                 and (ctx.batch is None or ctx.batch.paged is not None))
+        if ctx.batch is None:
+            fused = x.shape[0] <= self.fused_rows and state is not None
+        else:
+            fused = x.shape[0] <= self.batch_rows and ctx.batch.paged is not None
         if tm is not None:
             tm.begin()  # level 2: drained laps, so each class gets its device share
         if fused:
