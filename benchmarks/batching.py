@@ -43,8 +43,20 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64, help="tokens each request generates")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (copy-with-edits prompts)")
     ap.add_argument("--drafter", default="none", help="none, ngram (greedy; k = 4)")
+    ap.add_argument("--levels", default="0", help="trace levels, comma-separated: each run at each level in turn "
+                    "(the batched rows only; the row's by_level has each level's steady tok/s)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per setting (and level)")
+    ap.add_argument("--no-spans", action="store_true", help="levels >= 1 with the share tables alone, no span sink "
+                    "(what the spans cost)")
+    ap.add_argument("--six-spans", action="store_true", help="a leader's batched round as six spans at level 1 too "
+                    "(specdec/chained.py COMPACT_BELOW = 0: what the one-span round saves)")
     a = ap.parse_args()
     import torch
+
+    if a.six_spans:
+        import memra_dist.specdec.chained as chained
+
+        chained.COMPACT_BELOW = 0
 
     from memra_dist.bench.batching import concurrent, graphed_ms, per_step
     from memra_dist.bench.checkpoints import bench_cache_dir, ensure_checkpoint
@@ -56,7 +68,9 @@ def main() -> int:
     rows = []
     for n in (int(x) for x in a.concurrency.split(",")):
         for b in (1, min(a.max_batch, n)) if n > 1 else (1,):
-            r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter)
+            levels = tuple(int(x) for x in a.levels.split(",")) if b > 1 else (0,)
+            r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
+                           spans_on=not a.no_spans)
             if b == 1:
                 alone = r["ids"]
             else:  # greedy: each request's ids against the one-at-a-time engine's (bf16 may differ in a near tie)

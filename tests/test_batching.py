@@ -290,22 +290,25 @@ def test_served_requests_batched_get_their_solo_completions(llama, draft_llama, 
         assert backend.draft_batcher.stats.max_requests >= 2
 
 
-def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama):
-    """Level 1 on a batched engine: every request keeps its own trace (its own k, accepted,
-    ids equal to alone), and each spec.verify names the batch step its rows rode in, with the
-    step's requests and rows and the verify's split into waiting for the step and its forward."""
+@pytest.mark.parametrize("level", [1, 2])
+def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, level):
+    """Levels 1 and 2 on a batched engine: every request keeps its own trace (its own k,
+    accepted, ids equal to alone), and each verify names the batch step its rows rode in, with
+    the step's requests and rows and the verify's split into waiting for the step and its
+    forward. At level 1 a greedy round the step's leader ran (chained.py) is ONE span,
+    spec.round, its phases' ms its attributes; at level 2 the phase spans carry them."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from memra_dist.phase.levels import TraceSettings
-    from memra_dist.tracing.conventions import ATTR, PHASE_SPANS
+    from memra_dist.tracing.conventions import ATTR, PHASE_SPANS, PHASES, SPAN_ROUND
     from memra_dist.tracing.emit import SpanSink
 
     reqs = _prompts(4)
     solo = _solo(llama, "ngram", reqs)
     exps = [InMemorySpanExporter() for _ in reqs]  # each request's spans apart
-    kw = dict(trace=TraceSettings(level=1))
+    kw = dict(trace=TraceSettings(level=level))
     got: dict[int, list[int]] = {}
     with open_engine(_cfg(llama, "ngram", **kw), capacity=CAP, max_batch=4) as eng:
         def one(i, p, n):
@@ -323,13 +326,24 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama):
     a = ATTR
     by_step: dict[int, list] = {}
     for i, exp in enumerate(exps):
-        verifies = [s for s in exp.get_finished_spans() if s.name == PHASE_SPANS["verify"]]
+        spans = exp.get_finished_spans()
+        names = {s.name for s in spans}
+        if level == 1:  # one span a round: no phase span at all
+            verifies = [s for s in spans if s.name == SPAN_ROUND]
+            assert not names & set(PHASE_SPANS.values()), names
+            for s in verifies:
+                ms = [s.attributes[a[f"{p}_ms"]] for p in PHASES]
+                assert min(ms) >= 0 and abs(sum(ms) * 1e6 - (s.end_time - s.start_time)) < 1e3  # the round's laps
+        else:
+            verifies = [s for s in spans if s.name == PHASE_SPANS["verify"]]
+            assert set(PHASE_SPANS.values()) <= names, names
         assert verifies and all(s.attributes[a["k"]] >= 0 for s in verifies)
         for s in verifies:
             by_step.setdefault(s.attributes[a["batch_step"]], []).append((i, s))
             wait, fwd = s.attributes[a["batch_wait_ms"]], s.attributes[a["batch_forward_ms"]]
+            verify_ns = s.attributes[a["verify_ms"]] * 1e6 if level == 1 else s.end_time - s.start_time
             assert wait >= 0 and fwd > 0
-            assert (wait + fwd) * 1e6 <= s.end_time - s.start_time + 1e5  # shares of the verify (0.1 ms of slack)
+            assert (wait + fwd) * 1e6 <= verify_ns + 1e5  # shares of the verify (0.1 ms of slack)
     assert any(len({i for i, _ in v}) >= 2 for v in by_step.values()), "no batch step held two requests' verifies"
     for v in by_step.values():  # every request of a step names the same step, its requests and rows
         assert len({(s.attributes[a["batch_requests"]], s.attributes[a["batch_rows"]]) for _, s in v}) == 1

@@ -49,13 +49,16 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _level_sinks(level: int, n: int):
+def _level_sinks(level: int, n: int, spans_on: bool = True):
     """(share tables, span sinks, closer) for n callers at trace `level`, as the CLI builds
     them: each request its share table and its span sink, one tracer provider for them all
     (a server's), spans into an in-memory exporter (the SDK's real cost, no network)."""
     if level == 0:
         return [None] * n, [None] * n, lambda: None
     from ..phase.share import ShareTable  # noqa: PLC0415
+
+    if not spans_on:  # the share tables alone (what the spans cost, taken apart)
+        return [ShareTable() for _ in range(n)], [None] * n, lambda: None
     from ..tracing.deferred import DeferredSink  # noqa: PLC0415
     from ..tracing.emit import SpanSink  # noqa: PLC0415
     from .sections import span_sink  # noqa: PLC0415
@@ -72,7 +75,8 @@ def _level_sinks(level: int, n: int):
 
 
 def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, plen: int = PROMPT,
-               drafter: str = "none", k: int = K, repeats: int = 1, levels: tuple[int, ...] = (0,)) -> dict:
+               drafter: str = "none", k: int = K, repeats: int = 1, levels: tuple[int, ...] = (0,),
+               spans_on: bool = True) -> dict:
     """n callers, each one request (greedy), on an engine of `max_batch` -> the setting's row
     (its `ids`: each request's token ids, for the caller's check against one at a time). With
     repeats > 1 the timed run is repeated on the same engine: the row's figures are the
@@ -118,7 +122,7 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
                     from ..batching.batcher import BatchStats  # noqa: PLC0415
 
                     batcher.stats = BatchStats()  # the timed runs' counts only (the first level's)
-                tables[:], spans[:], close = _level_sinks(lv, n)
+                tables[:], spans[:], close = _level_sinks(lv, n, spans_on)
                 stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
                 t0 = time.perf_counter()
                 callers(cfg.with_(trace=TraceSettings(level=lv)),

@@ -57,6 +57,7 @@ class BurstRecord:
     n: int = 0
     tokens: int = 0
     clock: str = "drain"  # how its boundaries were timed (phase/clock.py): events | drain | ahead | leader
+    compact: bool = False  # each round one span, its phases attributes (a batched leader's rounds at level 1)
 
     @property
     def ahead(self) -> bool:
@@ -64,7 +65,7 @@ class BurstRecord:
         return self.clock == "ahead"
 
     def reset(self, index: int, k: int, capacity: int) -> None:
-        self.index, self.k, self.n, self.tokens, self.clock = index, k, 0, 0, "drain"
+        self.index, self.k, self.n, self.tokens, self.clock, self.compact = index, k, 0, 0, "drain", False
         while len(self.rounds) < capacity:
             self.rounds.append(RoundRecord())
 

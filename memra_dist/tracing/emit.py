@@ -21,6 +21,7 @@ __all__ = ["SpanSink", "verify_sub_layout"]
 
 _PRIME_BUCKETS = TTFT_BUCKETS[:6]  # cache_alloc .. draft_prime: contiguous laps from t0
 _ROUND1_BUCKETS = TTFT_BUCKETS[6:]  # first_draft .. first_maint: contiguous from round 1's entry
+_PHASE_MS = {p: ATTR[f"{p}_ms"] for p in PHASES}
 
 
 def verify_sub_layout(r: RoundRecord) -> list[tuple[str, int, dict]]:
@@ -89,8 +90,24 @@ class SpanSink:
             ATTR["burst"]: rec.index, ATTR["k"]: rec.k, ATTR["rounds"]: rec.n, ATTR["tokens"]: rec.tokens,
             ATTR["clock"]: rec.clock})
         for r in rec.live():
-            self._round(r, b)
+            if rec.compact:
+                self._round_compact(r, b)
+            else:
+                self._round(r, b)
             yield
+
+    def _round_compact(self, r: RoundRecord, burst: SpanContext) -> None:
+        """A batched leader's round at level 1 (chained.py COMPACT_BELOW): one spec.round span
+        with its phases' ms, the batch step it rode in and the free memory at its verify."""
+        attrs = {ATTR["round"]: r.index, ATTR["k"]: r.k, ATTR["accepted"]: r.j, ATTR["ctx"]: r.ctx,
+                 **self._mem(r.free_mb[1])}
+        for i, ph in enumerate(PHASES):
+            attrs[_PHASE_MS[ph]] = r.phase_ns(i) / 1e6
+        b = r.batch
+        if b is not None:
+            attrs.update({ATTR["batch_step"]: b.id, ATTR["batch_requests"]: b.requests, ATTR["batch_rows"]: b.rows,
+                          ATTR["batch_wait_ms"]: b.wait_ns / 1e6, ATTR["batch_forward_ms"]: b.forward_ns / 1e6})
+        self._span(SPAN_ROUND, burst, r.t[0], r.t[5], attrs)
 
     def _round(self, r: RoundRecord, burst: SpanContext) -> None:
         base = {ATTR["round"]: r.index, ATTR["k"]: r.k, ATTR["accepted"]: r.j, ATTR["ctx"]: r.ctx}

@@ -113,6 +113,9 @@ ATTR_DOC = {
                       "(the others' submissions: until 5 ms pass with none new, at most 20 ms; or a step already running)"),
     "batch_forward_ms": ("ms", "spec.verify", "share of the verify: the batch step's forward, host to host (on a "
                          "GPU its launches; the device's finish is the verify's drain)"),
+    **{f"{p}_ms": ("ms", "spec.round (leader)", f"a batched round the step's leader ran (`memra.clock` = leader), at "
+                   f"level 1: its {p} phase; such a round is one span, its phases these attributes (level 2: the "
+                   f"phase spans)") for p in ("draft", "verify", "accept", "rollback", "maint")},
     "fast_path": ("", "memra.request", "what the target's decode / verify steps ran: `graphs`, `compile`, `kernels` "
                   "and `ahead` (plain greedy decoding one step ahead of the host) joined by `+` (a default CUDA "
                   "run: `graphs+compile+kernels`, plain greedy: `graphs+compile+kernels+ahead`), or `eager`"),
