@@ -48,11 +48,19 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per setting (and level)")
     ap.add_argument("--no-spans", action="store_true", help="levels >= 1 with the share tables alone, no span sink "
                     "(what the spans cost)")
+    ap.add_argument("--switch-ms", type=float, default=None, help="the interpreter's GIL switch interval for the run "
+                    "(sys.setswitchinterval; tracing sets 0.5 ms)")
+    ap.add_argument("--only-batched", action="store_true", help="skip the one-at-a-time engine at N > 1")
     ap.add_argument("--six-spans", action="store_true", help="a leader's batched round as six spans at level 1 too "
                     "(specdec/chained.py COMPACT_BELOW = 0: what the one-span round saves)")
     a = ap.parse_args()
     import torch
 
+    if a.switch_ms is not None:
+        import memra_dist.tracing.otel as otel
+
+        otel.GIL_SWITCH_S = a.switch_ms / 1e3
+        sys.setswitchinterval(a.switch_ms / 1e3)
     if a.six_spans:
         import memra_dist.specdec.chained as chained
 
@@ -67,13 +75,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for n in (int(x) for x in a.concurrency.split(",")):
-        for b in (1, min(a.max_batch, n)) if n > 1 else (1,):
+        for b in ((1,) if n == 1 else (min(a.max_batch, n),) if a.only_batched else (1, min(a.max_batch, n))):
             levels = tuple(int(x) for x in a.levels.split(",")) if b > 1 else (0,)
             r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
                            spans_on=not a.no_spans)
             if b == 1:
                 alone = r["ids"]
-            else:  # greedy: each request's ids against the one-at-a-time engine's (bf16 may differ in a near tie)
+            elif not a.only_batched:  # greedy: each request's ids against the one-at-a-time engine's (bf16 may differ)
                 r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], alone))
             del r["ids"]
             rows.append(r)

@@ -521,3 +521,24 @@ def test_a_rollback_gives_back_the_whole_blocks_past_the_kept_rows(llama):
         slot.release()
         other.release()
         assert b.pool.free_blocks == free0
+
+
+def test_an_open_batched_engine_lowers_the_gil_switch_interval_and_puts_it_back(llama):
+    """While a batched engine is open the process's switch interval is at most
+    BATCH_GIL_SWITCH_S (the step's leader waits at most that long for the GIL behind the
+    requests' threads); the last engine to close puts back what the first found."""
+    import sys
+
+    from memra_dist.batching.backend import BATCH_GIL_SWITCH_S
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(5e-3)
+    try:
+        with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=2):
+            assert sys.getswitchinterval() == pytest.approx(BATCH_GIL_SWITCH_S)
+            with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=2):
+                assert sys.getswitchinterval() == pytest.approx(BATCH_GIL_SWITCH_S)
+            assert sys.getswitchinterval() == pytest.approx(BATCH_GIL_SWITCH_S)  # one still open
+        assert sys.getswitchinterval() == pytest.approx(5e-3)
+    finally:
+        sys.setswitchinterval(before)

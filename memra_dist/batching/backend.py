@@ -22,6 +22,14 @@ request's rows on its own state, so their steps run eager. On CPU the batched fo
 
 The KV pool: `kv_rows` slots in blocks of BLOCK rows (default: every request of the batch at
 the engine's capacity, shrunk to what the device's free memory holds, at least one capacity).
+
+The GIL: the step's leader launches every step and runs the chained requests' rounds; the
+requests' threads stream their tokens and, traced, build their spans. A thread that wants the
+GIL asks its holder to drop it only after the switch interval, so while the backend is open
+the process's interval is at most BATCH_GIL_SWITCH_S (put back at close). Measured on an H200,
+8B, 16 concurrent greedy requests, trace level 1 against level 0 in the same run: 8.9 % of the
+batch's steady rate lost at 0.5 ms (tracing's own setting, otel.py), 4.3 % at 0.15 ms, 0.5 %
+(within the runs' noise) at 0.05 ms; level 0's rate the same at each.
 """
 
 from __future__ import annotations
@@ -38,9 +46,25 @@ from .paged import PagedKV
 from .policy import check_batchable
 from .slot import BatchSlot
 
-__all__ = ["BatchedBackend", "check_batchable", "BLOCK"]
+__all__ = ["BatchedBackend", "check_batchable", "BLOCK", "BATCH_GIL_SWITCH_S"]
 
 BLOCK = 16
+BATCH_GIL_SWITCH_S = 5e-5  # the GIL switch interval while a batched engine is open (see the module doc)
+_OPEN = {"n": 0, "before": None}
+_OPEN_LOCK = threading.Lock()
+
+
+def _switch(delta: int) -> None:
+    """Count the open backends: the first lowers the switch interval, the last puts back what
+    it found (unless something else changed it meanwhile)."""
+    with _OPEN_LOCK:
+        _OPEN["n"] += delta
+        if delta > 0 and _OPEN["n"] == 1:
+            _OPEN["before"] = sys.getswitchinterval()
+            if _OPEN["before"] > BATCH_GIL_SWITCH_S:
+                sys.setswitchinterval(BATCH_GIL_SWITCH_S)
+        elif _OPEN["n"] == 0 and abs(sys.getswitchinterval() - BATCH_GIL_SWITCH_S) < 1e-7:  # ours (us-rounded)
+            sys.setswitchinterval(_OPEN["before"])
 TAP_DRAFTERS = ("dflash", "eagle3", "mtp")  # read the target's hidden states: each request's own tap sink
 
 
@@ -114,6 +138,7 @@ class BatchedBackend:
         self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target")
         if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
             self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model")
+        _switch(+1)  # last: a backend that failed to open is never closed
 
     def _load_tap_net(self, cfg, plan) -> tuple[int, ...]:
         """A tap drafter's network, loaded once for every request (each request's drafter holds
@@ -195,3 +220,4 @@ class BatchedBackend:
 
     def close(self) -> None:
         self.torch.set_num_threads(self.threads_before)
+        _switch(-1)
