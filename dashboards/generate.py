@@ -147,7 +147,9 @@ def _span_panels() -> list:
     return [
         panel(10, "Phase span p90 (collector span metrics; exemplars link to traces)",
               [target(p90, "{{span_name}}", exemplar=True)], (0, 34, 24, 8), unit="ms",
-              desc="p90 of each phase and verify sub-span, from the Collector's spanmetrics connector."),
+              desc="p90 of each phase and verify sub-span, from the Collector's spanmetrics connector. A "
+                   "batched request's rounds run by the step's leader have no phase spans at level 1 (one "
+                   "spec.round each): their phases are in the phase-duration panels."),
         panel(11, "Slowest rounds (Tempo: spec.round past $slow_round_ms ms)", [tempo(slow, "A")], (0, 42, 12, 10),
               kind="table", ds=TEMPO, options=table_opts,
               desc="Round spans slower than the threshold variable; click a trace id to open the trace."),

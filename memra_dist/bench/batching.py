@@ -14,8 +14,8 @@ receives it. Per setting:
     KV MB / request  the paged pool's bytes for one request's rows (prompt + new + K + 1, in
                      whole blocks)
 plus the batcher's own counts (steps, requests and rows a step, graphed step ms, busy share).
-Before the timed run the same callers run 8 tokens each (the warm-up a server gets from its
-first requests); the batcher's counts cover the timed run only.
+Before the timed run the same callers run 8 tokens each at each level timed (the warm-up a
+server gets from its first requests); the batcher's counts cover the timed run only.
 
 The section (`memra-dist bench --sections batching`): plain greedy at 1, 16 and 64 concurrent
 callers on a GPU (1 and 4 on CPU), ngram (K = 4) at 16 (CPU: 4), on the suite's copy-with-edits
@@ -109,7 +109,10 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
             for t in threads:
                 t.join()
 
-        callers(cfg.with_(max_new_tokens=8), [None] * n)  # warm-up
+        for lv in levels:  # warm-up at every level timed (a traced server's first requests meet the SDK's first use)
+            tables[:], spans[:], close = _level_sinks(lv, n, spans_on)
+            callers(cfg.with_(max_new_tokens=8, trace=TraceSettings(level=lv)), [None] * n)
+            close()
         backend = getattr(eng, "_backend", None)
         batcher = getattr(backend, "batcher", None)
         if batcher is not None:

@@ -107,11 +107,11 @@ ATTR_DOC = {
     "batch_step": ("", "spec.round, spec.verify", "a batched request (--max-batch > 1): the id of the batch step its "
                    "verify rows rode in; every request of that step names the same id, so filtering on it shows "
                    "the step's requests side by side"),
-    "batch_requests": ("", "spec.verify", "requests whose rows the batch step held (decode, verify and prefill)"),
-    "batch_rows": ("{row}", "spec.verify", "rows the batch step held, every request's"),
-    "batch_wait_ms": ("ms", "spec.verify", "share of the verify: its rows waiting for the batch step to start "
+    "batch_requests": ("", "spec.verify, spec.round (leader, level 1)", "requests whose rows the batch step held (decode, verify and prefill)"),
+    "batch_rows": ("{row}", "spec.verify, spec.round (leader, level 1)", "rows the batch step held, every request's"),
+    "batch_wait_ms": ("ms", "spec.verify, spec.round (leader, level 1)", "share of the verify: its rows waiting for the batch step to start "
                       "(the others' submissions: until 5 ms pass with none new, at most 20 ms; or a step already running)"),
-    "batch_forward_ms": ("ms", "spec.verify", "share of the verify: the batch step's forward, host to host (on a "
+    "batch_forward_ms": ("ms", "spec.verify, spec.round (leader, level 1)", "share of the verify: the batch step's forward, host to host (on a "
                          "GPU its launches; the device's finish is the verify's drain)"),
     **{f"{p}_ms": ("ms", "spec.round (leader)", f"a batched round the step's leader ran (`memra.clock` = leader), at "
                    f"level 1: its {p} phase; such a round is one span, its phases these attributes (level 2: the "
