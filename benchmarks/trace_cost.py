@@ -46,7 +46,7 @@ def _say(*a) -> None:
 
 def _span_sink():
     """The bench's span sink (bench/sections.py), its pump timed."""
-    from memra_dist.bench.sections import span_sink  # noqa: PLC0415
+    from memra_dist.bench.spans import span_sink  # noqa: PLC0415
 
     sink, tp, exp = span_sink("memra.trace_cost")
     pump = sink.pump

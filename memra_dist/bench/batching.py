@@ -61,7 +61,7 @@ def _level_sinks(level: int, n: int, spans_on: bool = True):
         return [ShareTable() for _ in range(n)], [None] * n, lambda: None
     from ..tracing.deferred import DeferredSink  # noqa: PLC0415
     from ..tracing.emit import SpanSink  # noqa: PLC0415
-    from .sections import span_sink  # noqa: PLC0415
+    from .spans import span_sink  # noqa: PLC0415
 
     first, tp, _ = span_sink("memra.bench.batching")
     tracer = tp.get_tracer("memra.bench.batching")

@@ -12,6 +12,7 @@ from ..phase.levels import TraceSettings
 from .checkpoints import shape_config, weight_bytes
 from .drafting import bandwidth_run, phase_fields
 from .noise import Fig
+from .spans import span_sink
 from .roofline import (SPEC_FORMULA, achieved_fraction, expected_tokens, ideal_speedup, per_token_acceptance,
                        roofline_tok_s)
 
@@ -170,24 +171,6 @@ def decode(s) -> dict:
     if "draft_read" in s.memo:  # the model drafter's weight-read time the model rows were set against
         out["draft_weight_read"] = {k: v for k, v in s.memo["draft_read"].items() if k != "fig"}
     return out
-
-
-def span_sink(name: str = "memra.bench"):
-    """(span sink, provider, exporter): spans built as the CLI builds them (a DeferredSink over a
-    SpanSink, a BatchSpanProcessor) into an in-memory exporter: the SDK's real cost, no network."""
-    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: PLC0415
-
-    from ..tracing.deferred import DeferredSink  # noqa: PLC0415
-    from ..tracing.emit import SpanSink  # noqa: PLC0415
-    from ..tracing.otel import quick_gil_handoff  # noqa: PLC0415
-
-    quick_gil_handoff()  # as make_provider does for the CLI's provider
-    tp = TracerProvider()
-    exp = InMemorySpanExporter()
-    tp.add_span_processor(BatchSpanProcessor(exp))
-    return DeferredSink(SpanSink(tp.get_tracer(name), None)), tp, exp
 
 
 def _trace_sink(level: int):
