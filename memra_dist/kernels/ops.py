@@ -13,7 +13,8 @@ from .gemm_rows import BATCH_ROWS, MAX_ROWS, gemm_rows
 from .gemv import gemv
 from .moe_gemv import moe_experts
 
-__all__ = ["FastLinear", "install_stage", "install_mtp", "MAX_ATTN_ROWS", "MAX_MOE_ROWS", "BATCH_FOLD_ROWS"]
+__all__ = ["FastLinear", "install_stage", "install_mtp", "install_eagle3", "eagle3_foldable", "MAX_ATTN_ROWS",
+           "MAX_MOE_ROWS", "BATCH_FOLD_ROWS"]
 
 MAX_ATTN_ROWS = 64  # decode / verify rows; a prefill keeps the reference attention
 MAX_MOE_ROWS = 16  # decode / verify / drafter rows through the per-slot expert GEMVs; more: the grouped GEMM
@@ -152,3 +153,28 @@ def install_mtp(head) -> int:
     layer's block and its eh_proj (a chained draft step is one row)."""
     head.requires_grad_(False)
     return sum(install_block(layer) + _fast(layer.eh_proj) for layer in head.layers.values())
+
+
+def eagle3_foldable(net) -> bool:
+    """Whether an EAGLE-3 head's layer fits the kernels: a power-of-two head dim of at least 16
+    (the attention and rotary kernels' tiles), rotary over the whole head."""
+    hd = net.ec.base.head_dim
+    return hd >= 16 and hd & (hd - 1) == 0
+
+
+def install_eagle3(net) -> bool:
+    """An EAGLE-3 head (model/eagle3.py) onto the kernels, as its target's blocks: q, k, v fused
+    into one weight and the FFN's gate and up into another, so a few rows' step (the round's
+    first forward, each chained step) runs `Eagle3Net.step_folded` and the logits take the final
+    norm inside the lm_head's GEMV. Returns whether it was installed."""
+    if not eagle3_foldable(net):
+        return False
+    net.requires_grad_(False)
+    layer = net.midlayer
+    if not hasattr(layer.self_attn, "qkv_proj"):
+        layer.self_attn.fuse()
+    if not hasattr(layer.mlp, "gate_up_proj"):
+        layer.mlp.fuse()
+    layer.mlp.fast_rows = 1
+    net.folded = True
+    return True

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..errors import UserError
 from .attention import cached_attention
@@ -166,16 +167,42 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, nkv * hd, bias=c.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, h, bias=c.o_bias)
 
+    def fuse(self) -> None:
+        """q, k and v as one (nh + 2 nkv) hd x 2H weight, `qkv_proj` (the folded step's one GEMV);
+        k and v are row slices of it (a context row's `kv`)."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        w = torch.cat([q.weight, k.weight, v.weight])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=q.bias is not None, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(w)
+            if q.bias is not None:
+                fused.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _proj(self, x2: torch.Tensor, lo: int) -> torch.Tensor:
+        """Rows [lo:] of the fused projection (0: q, k, v; nh hd: k, v)."""
+        w = self.qkv_proj.weight[lo:]
+        b = self.qkv_proj.bias[lo:] if self.qkv_proj.bias is not None else None
+        return F.linear(x2, w, b)
+
     def kv(self, x2: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, 2H) -> k, v (T, nkv, hd): what a context row leaves in the cache."""
-        k = apply_rope(self.k_proj(x2).view(-1, self.nkv, self.hd), *rope)
-        return k, self.v_proj(x2).view(-1, self.nkv, self.hd)
+        if hasattr(self, "qkv_proj"):
+            k, v = self._proj(x2, self.nh * self.hd).split(self.nkv * self.hd, dim=-1)
+        else:
+            k, v = self.k_proj(x2), self.v_proj(x2)
+        return apply_rope(k.reshape(-1, self.nkv, self.hd), *rope), v.reshape(-1, self.nkv, self.hd)
 
     def qkv(self, x2: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, 2H) -> q (T, nh, hd), k, v (T, nkv, hd); rotary at the rows' positions."""
-        q = apply_rope(self.q_proj(x2).view(-1, self.nh, self.hd), *rope)
-        k = apply_rope(self.k_proj(x2).view(-1, self.nkv, self.hd), *rope)
-        return q, k, self.v_proj(x2).view(-1, self.nkv, self.hd)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self._proj(x2, 0).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x2), self.k_proj(x2), self.v_proj(x2)
+        q = apply_rope(q.reshape(-1, self.nh, self.hd), *rope)
+        k = apply_rope(k.reshape(-1, self.nkv, self.hd), *rope)
+        return q, k, v.reshape(-1, self.nkv, self.hd)
 
 
 class Eagle3Layer(nn.Module):
@@ -237,6 +264,28 @@ class Eagle3Net(nn.Module):
         o = attend(q, K, V) if attend is not None else cached_attention(q, K, V, mask, layer.self_attn.nkv)
         return layer.finish(resid, o)
 
+    folded = False  # kernels/ops.py install_eagle3: a few rows' step and the logits on our kernels
+
+    def step_folded(self, emb: torch.Tensor, g: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
+                    vc: torch.Tensor) -> torch.Tensor:
+        """`step` for a few rows (<= 16: the round's first forward, a chained step) on our
+        kernels (kernels/ops.py install_eagle3), the cache kc / vc (C, nkv, hd) written at pos:
+        both input norms in one kernel, the QKV GEMV (row GEMM), rotary with the K/V write, the
+        split attention over the live rows, o_proj with the residual add folded in, the FFN's two
+        folded GEMVs. -> pre-norm outputs (T, H)."""
+        from ..kernels.decode_attention import decode_attention  # noqa: PLC0415 (Triton: only where installed)
+        from ..kernels.pair_norm import pair_rmsnorm  # noqa: PLC0415
+        from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415
+
+        layer = self.midlayer
+        a, n_in, n_h = layer.self_attn, layer.input_layernorm, layer.hidden_norm
+        x2, gn = pair_rmsnorm(emb, g, n_in.weight, n_h.weight, n_in.eps, n_h.eps, layer.norm_before_residual)
+        qkv = torch.ops.memra.gemv(x2, a.qkv_proj.weight, a.qkv_proj.bias, False, None, 0.0, None)
+        q = rope_kv_write(qkv, *self.rope(pos), kc, vc, pos, a.nh)
+        o = decode_attention(q, kc, vc, pos)
+        h = torch.ops.memra.gemv(o, a.o_proj.weight, a.o_proj.bias, False, None, 0.0, gn if gn is not None else g)
+        return layer.mlp.fused_step(h, layer.post_attention_layernorm)
+
     def context_kv(self, emb: torch.Tensor, g: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows whose outputs nobody reads (the prompt's, before the last): only their k, v
         (T, nkv, hd), no attention, o_proj or MLP."""
@@ -245,7 +294,10 @@ class Eagle3Net(nn.Module):
         return layer.self_attn.kv(x2, self.rope(pos))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (T, draft_vocab)."""
+        """fp32 logits (T, draft_vocab); folded: the final norm inside the lm_head's GEMV."""
+        if self.folded and h.shape[0] <= 16:
+            return torch.ops.memra.gemv(h, self.lm_head.weight, None, False, self.norm.weight, self.norm.eps,
+                                        None).float()
         return self.lm_head(self.norm(h)).float()
 
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:

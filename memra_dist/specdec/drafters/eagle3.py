@@ -36,7 +36,9 @@ from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
 from .eagle3_graph import eagle3_graphs
 
-__all__ = ["Eagle3Drafter"]
+__all__ = ["Eagle3Drafter", "FOLD_ROWS"]
+
+FOLD_ROWS = 16  # rows a folded step takes (the row GEMM's verify block); more: the reference step
 
 
 class Eagle3Drafter(Drafter):
@@ -58,7 +60,12 @@ class Eagle3Drafter(Drafter):
 
     @classmethod
     def load(cls, model_dir, ec, target) -> "Eagle3Drafter":
-        return cls(load_eagle3(model_dir, ec, target.device, target.dtype), target)
+        net = load_eagle3(model_dir, ec, target.device, target.dtype)
+        if getattr(target, "kernel_modules", 0):  # the target runs our kernels: its drafter's steps too
+            from ...kernels.ops import install_eagle3  # noqa: PLC0415 (Triton: only where installed)
+
+            install_eagle3(net)
+        return cls(net, target)
 
     # ---- state ----
     def alloc(self, capacity: int) -> float:
@@ -93,7 +100,10 @@ class Eagle3Drafter(Drafter):
 
     def _rows(self, tokens: torch.Tensor, g: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rows at positions pos (a device tensor: the graphs pass theirs) under the causal mask
-        over the whole cache -> pre-norm outputs (T, H); their K/V land at those positions."""
+        over the whole cache -> pre-norm outputs (T, H); their K/V land at those positions. On
+        the kernels (`Eagle3Net.folded`) a few rows run the folded step instead."""
+        if self.net.folded and tokens.shape[0] <= FOLD_ROWS:
+            return self.net.step_folded(self.embed(tokens), g, pos, self.state.k, self.state.v)
         return self.net.step(self.embed(tokens), g, pos, self._kv_of(pos), causal_mask(pos, self.capacity))
 
     def _run(self, tokens: torch.Tensor, g: torch.Tensor, lo: int) -> torch.Tensor:

@@ -39,8 +39,11 @@ Behind the runner's graph switch, as mtp_graph.py: built only when the target ca
 steps (CUDA, graphs on); the eager steps stay the reference (CPU, tests:
 tests/test_eagle3_graph_emulated.py). The graphs bake in the tap sink's buffers: a new sink (the
 target reallocated) drops them until the next alloc recaptures them. The captured forward is
-the eager one (its fp32 norms and rotary as small kernels, the attention over the whole K/V
-allocation under a mask): no compiled pieces yet (dflash_compile.py's pattern would fuse them).
+the drafter's `_rows`: where the target runs our kernels, the folded step (kernels/ops.py
+install_eagle3: both input norms in one kernel, the QKV GEMV, rotary with the K/V write, the
+split attention over the live rows, o_proj with the residual, the FFN's two folded GEMVs, the
+final norm inside the lm_head GEMV: ~12 kernels a chained step), else the eager one (its fp32
+norms and rotary as small kernels, the attention over the whole K/V allocation under a mask).
 """
 
 from __future__ import annotations
