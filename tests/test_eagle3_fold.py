@@ -103,3 +103,23 @@ def test_a_session_drafting_through_the_folded_head_proposes_the_reference_draft
         runs[name] = (ids, rounds, s.stats.accepted)
     assert runs["fold"] == runs["ref"]
     assert len(runs["ref"][1]) >= 5 and len({t for r in runs["ref"][1] for t in r}) > 3  # many rounds, varied drafts
+
+
+def test_a_head_whose_folded_step_fails_its_probe_drafts_on_the_reference_step(llama, eagle_dir, monkeypatch, capfd):
+    """install_eagle3 probes the folded step before any capture: a kernel that cannot build on
+    this machine leaves the head on the reference step, with one warning line."""
+    from memra_dist.kernels import pair_norm
+    from memra_dist.kernels.ops import install_eagle3
+
+    target = ModelRunner(llama, CPU, F32, max_pos=CAP)
+    d = Eagle3Drafter.load(eagle_dir, load_eagle3_config(eagle_dir, load_config(llama)), target)
+
+    def broken(*a, **k):
+        raise RuntimeError("no assembler here")
+    monkeypatch.setattr(pair_norm, "pair_rmsnorm", broken)
+    assert install_eagle3(d.net) is False and not d.net.folded
+    assert "drafts on the reference step" in capfd.readouterr().err
+    d.alloc(CAP)
+    with torch.inference_mode():  # the reference step runs over the fused weights
+        out = d._rows(torch.tensor([3, 4]), torch.zeros(2, d.ec.base.hidden_size), torch.arange(2))
+    assert out.shape == (2, d.ec.base.hidden_size) and torch.isfinite(out).all()

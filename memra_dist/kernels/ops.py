@@ -4,6 +4,8 @@ a target's MTP layers."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -177,4 +179,23 @@ def install_eagle3(net) -> bool:
         layer.mlp.fuse()
     layer.mlp.fast_rows = 1
     net.folded = True
-    return True
+    try:  # a probe before any capture: a kernel that cannot build here leaves the reference step
+        _probe_eagle3(net)
+    except Exception as e:  # noqa: BLE001 (any failure: compiler, launch, shapes)
+        net.folded = False
+        print(f"memra-dist: warning: the EAGLE-3 head's folded step failed its probe ({type(e).__name__}: "
+              f"{(str(e).strip().splitlines() or [''])[0][:160]}); it drafts on the reference step", file=sys.stderr)
+    return net.folded
+
+
+def _probe_eagle3(net) -> None:
+    """One folded step of one row and one of two (the GEMV and the row GEMM arms), and their
+    logits, over a scratch cache of a few rows: builds every kernel the rounds will launch."""
+    c, w = net.ec.base, net.lm_head.weight
+    kc = torch.zeros(4, c.num_kv_heads, c.head_dim, device=w.device, dtype=w.dtype)
+    vc = torch.zeros_like(kc)
+    with torch.inference_mode():
+        for rows in (1, 2):
+            x = torch.zeros(rows, c.hidden_size, device=w.device, dtype=w.dtype)
+            h = net.step_folded(x, x, torch.arange(rows, device=w.device), kc, vc)
+            net.logits(h[-1:])
