@@ -498,13 +498,15 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
              "--cache-dir", str(tmp_path / "cache"))
     assert p.returncode == 0, p.stderr[-3000:]
     b = json.loads(out.read_text())["batching"]
-    assert set(b["plain"]) == {"1", "4"} and set(b["ngram"]) == {"1", "4"}
-    for rows in (b["plain"], b["ngram"]):
+    assert set(b["plain"]) == {"1", "4"} and set(b["ngram"]) == {"1", "4"} and set(b["replay"]) == {"1", "4"}
+    for rows in (b["plain"], b["ngram"], b["replay"]):
         assert rows["4"]["first_ids_equal_alone"] is True
-        assert rows["4"]["repeats"] == 3 and len(rows["4"]["runs"]) == 3
+        n = 5 if rows is b["plain"] else 3  # the row timing level 1 runs five
+        assert rows["4"]["repeats"] == n and len(rows["4"]["runs"]) == n
         assert rows["4"]["batcher"]["max_requests"] >= 2  # the four callers shared steps
         assert rows["4"]["kv_mb_per_request"] > 0
-    assert set(b["figures"]) == {"x4", "itl_ratio_4", "ngram_over_plain_4", "l1_cost_pct_4"}
-    by = b["plain"]["4"]["by_level"]  # level 1 interleaved with level 0, three runs each
-    assert set(by) == {"0", "1"} and all(len(v["runs"]) == 3 for v in by.values())
-    assert all(len(v) == 4 and v[3] == 3 for v in b["figures"].values())
+    assert set(b["figures"]) == {"x4", "itl_ratio_4", "ngram_over_plain_4", "replay_over_plain_4", "l1_cost_pct_4"}
+    by = b["plain"]["4"]["by_level"]  # level 1 interleaved with level 0, five runs each
+    assert set(by) == {"0", "1"} and all(len(v["runs"]) == 5 for v in by.values())
+    assert b["replay"]["4"]["tokens_per_round"] > 1.5  # ~0.8 of its K = 4 drafts right: speculation ran
+    assert all(len(v) == 4 and v[3] in (3, 5) for v in b["figures"].values())

@@ -17,11 +17,13 @@ plus the batcher's own counts (steps, requests and rows a step, graphed step ms,
 Before the timed run the same callers run 8 tokens each at each level timed (the warm-up a
 server gets from its first requests); the batcher's counts cover the timed run only.
 
-The section (`memra-dist bench --sections batching`): plain greedy at 1, 16 and 64 concurrent
-callers on a GPU (1 and 4 on CPU), ngram (K = 4) at 16 (CPU: 4), on the suite's copy-with-edits
+The section (`memra-dist bench --sections batching`): plain greedy at 1, 4, 16 and 64 concurrent
+callers on a GPU (1 and 4 on CPU), ngram (K = 4) and the replay drafter (K = 4, each request's
+own greedy continuation corrupted at REPLAY_CORRUPT: a set acceptance, no draft cost) at 1 and
+16 (CPU: 4), on the suite's copy-with-edits
 prompts (512 tokens on a GPU, each request its own seed), every batched request's ids
 checked against its one-at-a-time ids (request 0's: the same prompt). Three timed runs per
-setting on one engine; plain at 16 (CPU: 4) runs each repeat at trace levels 0 and 1 in turn
+setting on one engine; plain at 16 (CPU: 4) runs five, each at trace levels 0 and 1 in turn
 (each request its share table and span sink, as the CLI builds them). Its figures, with their
 worst-case ranges: steady tok/s over one request's decode tok/s at 16 and 64, ITL p50 at 16
 over alone, ngram over plain at 16, level 1's cost in % of the steady rate at 16.
@@ -40,6 +42,8 @@ __all__ = ["concurrent", "batching", "graphed_ms", "per_step", "figures", "fig",
 
 NEW, PROMPT, K = 64, 64, 4
 REPEATS = 3  # timed runs per setting, on one engine (the figures' ranges)
+REPEATS_TRACED = 5  # the row timing level 1 against level 0: a cost of a few % needs tighter ranges
+REPLAY_CORRUPT = 0.2  # the replay drafter's corruption rate: ~0.8 of its drafts right
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -76,7 +80,7 @@ def _level_sinks(level: int, n: int, spans_on: bool = True):
 
 def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, plen: int = PROMPT,
                drafter: str = "none", k: int = K, repeats: int = 1, levels: tuple[int, ...] = (0,),
-               spans_on: bool = True) -> dict:
+               spans_on: bool = True, corrupt: float = REPLAY_CORRUPT) -> dict:
     """n callers, each one request (greedy), on an engine of `max_batch` -> the setting's row
     (its `ids`: each request's token ids, for the caller's check against one at a time). With
     repeats > 1 the timed run is repeated on the same engine: the row's figures are the
@@ -89,7 +93,7 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     from ..phase.levels import TraceSettings  # noqa: PLC0415
     from .runs import make_prompt  # noqa: PLC0415
 
-    cfg = RunConfig(model=model, drafter=drafter, k=k, device=device, max_new_tokens=new)
+    cfg = RunConfig(model=model, drafter=drafter, k=k, device=device, max_new_tokens=new, replay_corrupt=corrupt)
     vocab = load_config(model).vocab_size  # the bench's copy-with-edits prompts, one seed per request
     prompts = [make_prompt(plen, vocab, seed=i) for i in range(n)]
     kv_mb = None
@@ -99,8 +103,11 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
         tables: list = [None] * n
         spans: list = [None] * n
 
+        tpr: list = [None] * n  # each request's tokens a round (its last run's)
+
         def one(i, c, sink):
-            ids[i] = eng.generate(prompts[i], c, stream=sink, sink=tables[i], span_sink=spans[i]).token_ids
+            res = eng.generate(prompts[i], c, stream=sink, sink=tables[i], span_sink=spans[i])
+            ids[i], tpr[i] = res.token_ids, res.stats.get("tokens_per_round")
 
         def callers(c, sinks):
             threads = [threading.Thread(target=one, args=(i, c, sinks[i])) for i in range(n)]
@@ -138,7 +145,8 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     mid = sorted(first, key=lambda r: r["steady_tok_s"] or r["decode_tok_s"])[len(first) // 2]
     row = {"concurrency": n, "max_batch": max_batch, "drafter": drafter, **mid, "repeats": len(first),
            "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")} for r in first],
-           "kv_mb_per_request": kv_mb, "batcher": bstats, "ids": ids}
+           "kv_mb_per_request": kv_mb, "batcher": bstats, "ids": ids,
+           "tokens_per_round": round(statistics.mean(t for t in tpr if t is not None), 3) if any(tpr) else None}
     if len(levels) > 1:
         row["by_level"] = {str(lv): {"steady_tok_s": statistics.median(r["steady_tok_s"] or r["decode_tok_s"] for r in rs),
                                      "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")}
@@ -197,11 +205,11 @@ def _level_cost(row: dict | None, level: str = "1") -> list | None:
     return [round(c.value, 3), None if c.lo is None else round(c.lo, 3), None if c.hi is None else round(c.hi, 3), c.n]
 
 
-def figures(plain: dict, ngram: dict) -> dict:
+def figures(plain: dict, ngram: dict, replay: dict | None = None) -> dict:
     """The section's figures from its rows (keyed by concurrency), each [value, lo, hi, n]:
-    steady rate over one request's decode rate, ITL p50 over alone, ngram's steady rate over
-    plain's at the same concurrency, and trace level 1's cost in % of the steady rate where the
-    row ran levels 0 and 1 interleaved."""
+    steady rate over one request's decode rate, ITL p50 over alone, ngram's (and replay's)
+    steady rate over plain's at the same concurrency, and trace level 1's cost in % of the
+    steady rate where the row ran levels 0 and 1 interleaved."""
     alone = plain.get("1")
     out = {}
     for n in ("4", "16", "64"):
@@ -212,6 +220,8 @@ def figures(plain: dict, ngram: dict) -> dict:
         out[f"itl_ratio_{n}"] = _ratio(_of(row, "itl_ms_p50"), _of(alone, "itl_ms_p50"))
         if n in ngram:
             out[f"ngram_over_plain_{n}"] = _ratio(_of(ngram[n], "steady_tok_s"), _of(row, "steady_tok_s"))
+        if n in (replay or {}):
+            out[f"replay_over_plain_{n}"] = _ratio(_of(replay[n], "steady_tok_s"), _of(row, "steady_tok_s"))
         out[f"l1_cost_pct_{n}"] = _level_cost(row)
     return {k: v for k, v in out.items() if v is not None}
 
@@ -221,7 +231,7 @@ def batching(s) -> dict:
     from .checkpoints import ensure_checkpoint  # noqa: PLC0415
 
     cuda = s.device.type == "cuda"
-    levels = (1, 16, 64) if cuda else (1, 4)
+    levels = (1, 4, 16, 64) if cuda else (1, 4)
     at = 16 if cuda else 4
     new = NEW // 2 if s.opts.quick else NEW
     plen = s.p.ctx  # the suite's copy-with-edits prompt length (512 on a GPU): what ngram copies from
@@ -229,14 +239,16 @@ def batching(s) -> dict:
     dev = str(s.device)
     plain: dict = {}
     ngram: dict = {}
+    replay: dict = {}
     alone_ids: dict = {}
-    for drafter, ns, rows in (("none", levels, plain), ("ngram", (1, at), ngram)):
+    for drafter, ns, rows in (("none", levels, plain), ("ngram", (1, at), ngram), ("replay", (1, at), replay)):
         for n in ns:
             if s.left() <= 0:
                 rows[str(n)] = {"skipped": "budget"}
                 continue
             traced = (0, 1) if drafter == "none" and n == at else (0,)  # level 1's cost where the target states it
-            r = concurrent(model, dev, n, n, new, plen, drafter, repeats=REPEATS, levels=traced)
+            r = concurrent(model, dev, n, n, new, plen, drafter, repeats=REPEATS_TRACED if len(traced) > 1 else REPEATS,
+                           levels=traced)
             ids = r.pop("ids")
             if n == 1:
                 alone_ids[drafter] = ids[0]
@@ -244,9 +256,10 @@ def batching(s) -> dict:
                 r["first_ids_equal_alone"] = ids[0] == alone_ids.get(drafter)
             rows[str(n)] = r
             s.say(f"  batching {drafter} x{n}: steady {r['steady_tok_s']} tok/s, ITL p50 {r['itl_ms_p50']} ms")
-    done = {k: v for k, v in plain.items() if "skipped" not in v}
-    return {"new": new, "prompt": plen, "k": K, "plain": plain, "ngram": ngram,
-            "figures": figures(done, {k: v for k, v in ngram.items() if "skipped" not in v})}
+    def ran(rows):
+        return {k: v for k, v in rows.items() if "skipped" not in v}
+    return {"new": new, "prompt": plen, "k": K, "replay_corrupt": REPLAY_CORRUPT, "plain": plain, "ngram": ngram,
+            "replay": replay, "figures": figures(ran(plain), ran(ngram), ran(replay))}
 
 
 def fig(res: dict, key: str) -> Fig | None:
@@ -259,12 +272,15 @@ def rows(res: dict) -> list[tuple[str, str]]:
     """The report's lines for the section: each setting's steady and decode rates, ITL and TTFT."""
     b = res.get("batching") or {}
     out = []
-    for drafter in ("plain", "ngram"):
+    for drafter in ("plain", "ngram", "replay"):
         for n, r in (b.get(drafter) or {}).items():
             if not isinstance(r, dict) or "steady_tok_s" not in r:
                 continue
             kv = f", KV {r['kv_mb_per_request']} MB a request" if r.get("kv_mb_per_request") is not None else ""
-            out.append((f"{drafter}, {n} concurrent " + ("batched" if n != "1" else "(one request)"),
+            if drafter != "plain" and r.get("tokens_per_round") is not None:
+                kv += f", {r['tokens_per_round']} tokens a round"
+            name = f"replay (corrupt {b.get('replay_corrupt')})" if drafter == "replay" else drafter
+            out.append((f"{name}, {n} concurrent " + ("batched" if n != "1" else "(one request)"),
                         f"steady {r['steady_tok_s'] or '-'} tok/s, decode {r['decode_tok_s']} tok/s, ITL p50 / p99 "
                         f"{r['itl_ms_p50']} / {r['itl_ms_p99']} ms, TTFT p50 {r['ttft_ms_p50']} ms{kv} "
                         f"(median of {r.get('repeats', 1)} runs)"))
