@@ -172,7 +172,7 @@ def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, m
     assert 1 in calls  # the decode steps (and the short prefill) ran rotary + the cache write in one kernel
     def watched():
         r = _runner(wide_llama, True)
-        assert r.stage.fused_head == 16 and all(b.fused_rows == 16 for b in r.stage.layers.values())
+        assert r.stage.fused_head == 64 and all(b.fused_rows == 16 for b in r.stage.layers.values())
         rows = []
         for blk in r.stage.layers.values():
             real_step = blk.self_attn.fused_step

@@ -110,8 +110,9 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
 
 def test_a_wide_batched_step_folds_and_equals_the_unfolded_step(wide_llama, monkeypatch):
     """A step of 6 requests x 4 verify rows (24 rows, past a verify's 16) runs the folded blocks
-    on the row GEMM's wider column block (kernels/gemm_rows.py, BM 32), and its logits equal
-    the same step through the unfolded layers (cuBLAS-style linears, separate norms and adds)."""
+    and the folded head on the row GEMM's wider column block (kernels/gemm_rows.py, BM 32), and
+    its logits equal the same step through the unfolded layers and head (cuBLAS-style linears,
+    separate norms and adds)."""
     from memra_dist.batching.job import Job
     from memra_dist.model.transformer import Block
 
@@ -126,9 +127,11 @@ def test_a_wide_batched_step_folds_and_equals_the_unfolded_step(wide_llama, monk
         with open_engine(_cfg(wide_llama, "none"), capacity=cap, max_batch=n) as eng:
             _on_kernels(eng._backend)
             b = eng._backend.batcher
+            assert b.stage.fused_head >= n * rows  # the lm_head's final norm folded over the step's rows too
             if not fold:
                 for blk in b.stage.layers.values():
                     monkeypatch.setattr(blk, "batch_rows", 0)
+                monkeypatch.setattr(b.stage, "fused_head", 0)
             folded.clear()
             rids = [("wide", i) for i in range(n)]
             for r, t in zip(rids, ids):

@@ -117,7 +117,7 @@ def test_dflash_block_folded_into_our_gemms_equals_the_reference(tmp_path):
     d.net.fuse()
     assert folds(d) and not folds(SimpleNamespace(B=17, net=d.net))  # a block past the row GEMM's 16 rows
     target.kernel_modules = _on_kernels(target)  # the target on the kernels, as the runner installs them (CUDA)
-    assert target.stage.fused_head == 16
+    assert target.stage.fused_head == 64  # a batched step's rows too (ops.BATCH_FOLD_ROWS)
     with torch.no_grad():  # norm weights away from 1 (the tiny checkpoint's are ones: a norm applied twice would pass)
         for m in d.net.modules():
             if isinstance(m, RMSNorm):
