@@ -296,13 +296,15 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, leve
     accepted, ids equal to alone), and each verify names the batch step its rows rode in, with
     the step's requests and rows and the verify's split into waiting for the step and its
     forward. At level 1 a greedy round the step's leader ran (chained.py) is ONE span,
-    spec.round, its phases' ms its attributes; at level 2 the phase spans carry them."""
+    spec.round, its phases' ms its attributes; at level 2 the phase spans carry them, and every
+    verify has its batch step's sub-split by mixer class (batching/laps.py): attention and FFN
+    shares inside the verify."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from memra_dist.phase.levels import TraceSettings
-    from memra_dist.tracing.conventions import ATTR, PHASE_SPANS, PHASES, SPAN_ROUND
+    from memra_dist.tracing.conventions import ATTR, PHASE_SPANS, PHASES, SPAN_ROUND, VERIFY_SUB_SPANS
     from memra_dist.tracing.emit import SpanSink
 
     reqs = _prompts(4)
@@ -337,6 +339,14 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, leve
         else:
             verifies = [s for s in spans if s.name == PHASE_SPANS["verify"]]
             assert set(PHASE_SPANS.values()) <= names, names
+            subs = {}  # each verify's sub-spans by name
+            for s in spans:
+                if s.name in VERIFY_SUB_SPANS.values():
+                    subs.setdefault(s.parent.span_id, {})[s.name] = s.end_time - s.start_time
+            for v in verifies:
+                got = subs.get(v.context.span_id, {})
+                assert VERIFY_SUB_SPANS["attn"] in got and VERIFY_SUB_SPANS["ffn"] in got, (names, got)
+                assert sum(got.values()) <= v.end_time - v.start_time + 1000  # shares of the verify
         assert verifies and all(s.attributes[a["k"]] >= 0 for s in verifies)
         for s in verifies:
             by_step.setdefault(s.attributes[a["batch_step"]], []).append((i, s))

@@ -48,6 +48,7 @@ from .blocks import BlockPool
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
 from .job import BatchStep, Job, Launched
+from .laps import timed_step
 from .paged import BatchView, PagedKV
 
 __all__ = ["Batcher", "BatchStats", "BatchStep"]
@@ -205,13 +206,14 @@ class Batcher:
         return True
 
     # ---- one forward's rows ----
-    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool, taps=None):
+    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool, taps=None, timer=None):
         """Request `rid`'s rows `ids` at positions [start, start + len) (its attention as over a
         cache of `width` rows); returns what its runner's forward would (fp32 logits of every
         row, or of the last with `last`), the step it rode in, and its rows' argmax and the
         logit at each (host lists: the step reads every request's back at once). `taps`: the
-        request's TapSink, which gets its rows' outputs of the tapped layers."""
-        job = Job(rid, ids, start, width, last, taps=taps)
+        request's TapSink, which gets its rows' outputs of the tapped layers. `timer`: a level-2
+        request's sub-split timer, which gets the step's laps (laps.py)."""
+        job = Job(rid, ids, start, width, last, taps=taps, timer=timer)
         with self.cv:
             self._hold(rid, start + ids.shape[0])
             # no notify here: a submission that makes the step ready leads it itself (below), and
@@ -444,6 +446,8 @@ class Batcher:
         A graphed step's logits are copied out of the graphs' shared buffer only when a job
         reads them: a chained round reads only its greedy rows, computed before any replay."""
         try:
+            if any(j.timer is not None for j in jobs):  # level 2: the step's own sub-split (laps.py)
+                return timed_step(self, jobs, ids_dev)
             if self.graphs is not None and self.graphs.eligible(jobs):
                 out = self.graphs.run(jobs, lambda: _wake(wakes), ids_dev, any(j.chain is None for j in jobs))
                 if out is not None:
@@ -452,13 +456,13 @@ class Batcher:
         finally:
             _wake(wakes)  # again (a no-op once woken): also when the step failed before its launch
 
-    def _eager(self, jobs: list[Job], ids_dev: torch.Tensor | None = None) -> torch.Tensor:
+    def _eager(self, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None) -> torch.Tensor:
         dev = self.device
         view = BatchView.build(self.pool, [(j.rid, j.start, j.n, j.width) for j in jobs], dev,
                                kernels=self.kernels)
         x = ids_dev if ids_dev is not None else torch.cat([torch.as_tensor(j.ids, dtype=torch.long) for j in jobs]).to(dev)
         pos = torch.cat([torch.arange(j.start, j.start + j.n) for j in jobs]).to(dev)
-        h, tapped = self._layers(x, pos, view)
+        h, tapped = self._layers(x, pos, view, timer)
         self.scatter_taps(jobs, tapped, pos)
         keep, lo = [], 0
         for j in jobs:
@@ -467,13 +471,13 @@ class Batcher:
             lo += n
         return self.stage.logits(h[torch.tensor(keep, device=dev)])
 
-    def _layers(self, x: torch.Tensor, pos: torch.Tensor, view: BatchView):
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, view: BatchView, timer=None):
         """The stage's embedding and blocks over the step's rows (ids x at positions pos) ->
         (hidden rows, {tap layer: its output rows}) (the eager step and the graphed one,
         graphs.py, run this; the tapped rows go to each request's sink: `scatter_taps`)."""
         st = self.stage
         rope = {d: rope_rows(pos, f, st._rope_scale) for d, f in st._inv_freq.items()}
-        ctx = StepCtx(pos=pos, mask=None, rope=rope, batch=view)
+        ctx = StepCtx(pos=pos, mask=None, rope=rope, batch=view, timer=timer)
         h = st.embed_tokens(x)
         tapped = {}
         for i, blk in st.layers.items():

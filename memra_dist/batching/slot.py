@@ -80,7 +80,7 @@ class BatchSlot:
             raise UserError(f"context full: {start + rows} rows needed, the request holds {self.capacity}")
         self.length = start + rows
         out, self.last_step, self.greedy_rows = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity,
-                                                                    last, self.cache.taps)
+                                                                    last, self.cache.taps, timer)
         return out
 
     def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
