@@ -41,3 +41,17 @@ def test_the_tally_counts_benchmarked_configs_and_cache_hits(monkeypatch):
     knobs = getattr(triton, "knobs", None)
     if knobs is not None and hasattr(knobs.autotuning, "listener"):
         assert knobs.autotuning.listener is tuning._listen
+
+
+def test_a_tiny_weight_takes_the_row_gemms_first_config_untried():
+    """kernels/gemm_rows.py small_first: a tiny model's weight is launch-bound whatever its
+    config, so its keys try one config (no compile and benchmark of the others on a fresh
+    machine); an 8B weight tries them all."""
+    from memra_dist.kernels.gemm_rows import SMALL_WEIGHT, small_first
+
+    configs = ["a", "b", "c"]
+    assert small_first(configs, {"N": 256, "K": 128}) == ["a"]
+    assert small_first(configs, {"N": SMALL_WEIGHT // 4096, "K": 4096}) == ["a"]
+    assert small_first(configs, {"N": 6144, "K": 4096}) == configs
+    for t in (gemm_rows._tuned, gemm_rows._wide):
+        assert t.early_config_prune is small_first

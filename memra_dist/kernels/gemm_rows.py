@@ -108,17 +108,29 @@ def _rows_kernel(X, W, B, NW, R, Y, M, N, K, stride_xm, stride_w, eps,
 ROW_CONFIGS = [(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)] + \
     [(64, 128, 8, 4), (128, 128, 8, 4), (32, 512, 4, 3), (16, 512, 4, 3)]
 _even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BN"] == 0 and a["K"] % a["BK"] == 0})(_rows_kernel)
+SMALL_WEIGHT = 1 << 22  # elements (8 MB in bf16): a tiny model's weight, launch-bound whatever its config
+
+
+def small_first(configs, named_args, **kwargs):
+    """A weight of at most SMALL_WEIGHT elements takes the first config untried: each config
+    tried is a compile and a benchmark, which a fresh machine's first batched steps paid for
+    every (shape, fold, column block) key (the GPU smoke's `batch` row: its first token
+    1.7 -> 14.5 s once the wide blocks came, with eight configs each)."""
+    return configs[:1] if named_args["N"] * named_args["K"] <= SMALL_WEIGHT else configs
+
+
 _tuned = autotune(
     [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in ROW_CONFIGS],
-    ["N", "K", "SILU_MUL", "NORM", "GLU"])(_even)
+    ["N", "K", "SILU_MUL", "NORM", "GLU"], prune=small_first)(_even)
 # wider column blocks (BM 32 .. 128): a bigger input tile per stage (shared memory: (BN + BM) x BK
 # x 2 bytes a stage). The configs that won some 8B shape at 32 or 64 rows on an H200 out of eight
-# tried (row_gemm_check.py), plus a small-register one for the gate-up's two accumulators: each
-# config tried is a compile and a benchmark on a fresh machine's first batched step
-WIDE_CONFIGS = [(64, 128, 8, 4), (32, 256, 4, 3), (128, 64, 8, 4), (32, 128, 4, 4), (64, 64, 4, 4)]
+# tried (row_gemm_check.py), after a small-register one (the gate-up's two accumulators; a tiny
+# weight's only config: small_first): each config tried is a compile and a benchmark on a fresh
+# machine's first batched step
+WIDE_CONFIGS = [(64, 64, 4, 4), (64, 128, 8, 4), (32, 256, 4, 3), (128, 64, 8, 4), (32, 128, 4, 4)]
 _wide = autotune(
     [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in WIDE_CONFIGS],
-    ["N", "K", "SILU_MUL", "NORM", "GLU", "BM"])(_even)
+    ["N", "K", "SILU_MUL", "NORM", "GLU", "BM"], prune=small_first)(_even)
 
 
 def gemm_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,

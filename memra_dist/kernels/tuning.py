@@ -66,7 +66,10 @@ def tune_kwargs() -> dict:
     return kw
 
 
-def autotune(configs, key):
-    """`triton.autotune(configs=configs, key=key)` with the on-disk timings and the short bench."""
+def autotune(configs, key, prune=None):
+    """`triton.autotune(configs=configs, key=key)` with the on-disk timings and the short bench;
+    `prune(configs, named_args, **kwargs)`: Triton's early config pruning (a key it leaves one
+    config is not benchmarked)."""
     _install_listener()
-    return triton.autotune(configs=configs, key=key, **tune_kwargs())
+    extra = {"prune_configs_by": {"early_config_prune": prune}} if prune is not None else {}
+    return triton.autotune(configs=configs, key=key, **tune_kwargs(), **extra)
