@@ -49,11 +49,9 @@ def _batched(model, drafter, reqs, max_batch=6, kv_rows=None, on_open=None, each
         if on_open is not None:
             on_open(eng)
         sem = threading.Semaphore(0)
-        go = threading.Barrier(len(reqs))  # every request submits at once: they overlap however the threads start
 
         def one(i, p, n):
             try:
-                go.wait(timeout=60)
                 own = {**kw, **(each[i] if each else {})}
                 got[i] = eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **own)).token_ids
             except BaseException as e:  # noqa: BLE001
