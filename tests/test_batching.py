@@ -40,14 +40,44 @@ def _solo(model, drafter, reqs, **kw) -> list[list[int]]:
         return [eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw)).token_ids for p, n in reqs]
 
 
-def _batched(model, drafter, reqs, max_batch=6, kv_rows=None, on_open=None, each=None, **kw):
+def _crowded(n: int = 4, new: int = 40, longest: int = 34) -> tuple[list[tuple[list[int], int]], int]:
+    """(requests, kv_rows): n requests whose prompts' blocks all fit the pool at once with one
+    block to spare, while each needs at least two more blocks to finish: admitted together
+    (`_batched(gate=True)`), their growth must preempt one of them, whatever the threads'
+    timing. (A request growing into a full pool waits while every other request is in a
+    step; the next one to grow then finds it idle and swaps it out.)"""
+    reqs = [(p[:longest], new) for p, _ in _prompts(2 * n) if len(p) >= 20][:n]
+    assert len(reqs) == n
+    blocks = sum(-(-(len(p) + 1) // 16) for p, _ in reqs)  # admitted with len(prompt) + 1 rows (backend.session)
+    return reqs, 16 * (blocks + 1)
+
+
+def _gate_admissions(eng, n: int) -> None:
+    """The target batcher's first n admissions wait for each other, so those requests hold their
+    prompts' blocks before any of them runs a forward."""
+    b = eng._backend.batcher
+    admit, seen, bar = b.admit, [0], threading.Barrier(n, timeout=120)
+
+    def gated(rid, rows, need=None):
+        admit(rid, rows, need)
+        seen[0] += 1
+        if seen[0] <= n:
+            bar.wait()
+    b.admit = gated
+
+
+def _batched(model, drafter, reqs, max_batch=6, kv_rows=None, on_open=None, each=None, gate=False, **kw):
     """The requests from concurrent threads on one batched engine -> (their ids, its stats).
-    `on_open(engine)` runs before them; `each[i]`: request i's own config fields."""
+    `on_open(engine)` runs before them; `each[i]`: request i's own config fields; `gate`: every
+    request is admitted before any runs a forward (`_gate_admissions`)."""
     got: dict[int, list[int]] = {}
     errors = []
+    assert not gate or len(reqs) <= max_batch  # more would wait for a batch slot, not at the gate
     with open_engine(_cfg(model, drafter, **kw), capacity=CAP, max_batch=max_batch, kv_rows=kv_rows) as eng:
         if on_open is not None:
             on_open(eng)
+        if gate:
+            _gate_admissions(eng, len(reqs))
         sem = threading.Semaphore(0)
 
         def one(i, p, n):
@@ -118,15 +148,14 @@ def test_a_short_kv_pool_makes_requests_wait_and_loses_nothing(llama):
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 def test_running_out_of_blocks_preempts_by_swap_and_loses_nothing(llama, draft_llama, drafter):
-    """A pool a little larger than the longest request: requests are admitted with their
-    prompt's blocks, grow as they decode, and when a growth finds the pool empty another
-    request is swapped out to host memory and back later; every request still gets its solo
-    ids (its swapped rows come back bitwise), no out-of-memory, every block given back."""
-    reqs = _prompts(8)
+    """Four requests admitted together into a pool that holds their prompts but not their
+    growth (`_crowded`): when a growth finds the pool empty another request is swapped out to
+    host memory and back later; every request still gets its solo ids (its swapped rows come
+    back bitwise), no out-of-memory, every block given back."""
+    reqs, kv_rows = _crowded()
     kw = dict(draft_model=str(draft_llama)) if drafter == "model" else {}
     solo = _solo(llama, drafter, reqs, **kw)
-    most = max(len(p) + n + 4 for p, n in reqs)
-    batched, stats = _batched(llama, drafter, reqs, max_batch=6, kv_rows=most + 32, **kw)
+    batched, stats = _batched(llama, drafter, reqs, max_batch=6, kv_rows=kv_rows, gate=True, **kw)
     assert batched == solo
     assert stats["preemptions"] >= 1, stats
     assert stats["kv_blocks_used"] == 0

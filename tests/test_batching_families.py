@@ -10,7 +10,7 @@ import pytest
 
 from memra_dist.specdec.sampling import SamplingParams
 
-from test_batching import _batched, _prompts, _solo
+from test_batching import _batched, _crowded, _prompts, _solo
 
 
 @pytest.mark.parametrize("arch,drafter", [("glm4_moe", "ngram"), ("glm4_moe", "mtp"), ("deepseek_v3", "ngram"),
@@ -42,9 +42,9 @@ def test_an_moe_target_batched_with_its_mtp_layers_drafts_and_decodes_as_alone(t
 
 def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_factory):
     """deepseek_v3 (MLA) with prompts of two prefill chunks (the prefix arm over gathered
-    latents), a pool a little larger than the longest request (its latent rows swapped to host
-    and back, bitwise) and sampled requests (their own generators): every request's ids are
-    its solo ids."""
+    latents), four requests admitted together into a pool that holds their prompts but not
+    their growth (latent rows swapped to host and back, bitwise) and sampled requests (their
+    own generators): every request's ids are its solo ids."""
     from moe_ckpt import save_moe
 
     import torch
@@ -52,11 +52,10 @@ def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_
     from memra_dist.batching.paged import PagedKV, PagedLatent
 
     path, _ = save_moe(tmp_path_factory.mktemp("bds") / "ds", "deepseek_v3", layers=2, n_mtp=1, seed=3)
-    reqs = _prompts(8)
+    reqs, kv_rows = _crowded(longest=58)
     assert max(len(p) for p, _ in reqs) > 40  # two prefill chunks of 40
     kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
     solo = _solo(path, "ngram", reqs, **kw)
-    most = max(len(p) + n + 4 for p, n in reqs)
     seen = {}
 
     def on_open(e):
@@ -64,7 +63,7 @@ def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_
         seen["kinds"] = {type(v) for v in b.kv.layers.values()}
         seen["row"] = PagedKV.row_bytes(b.stage, torch.float32)
         seen["want"] = sum(4 * (blk.self_attn.rank + blk.self_attn.dr) for blk in b.stage.layers.values())
-    batched, stats = _batched(path, "ngram", reqs, max_batch=6, kv_rows=most + 16, on_open=on_open, **kw)
+    batched, stats = _batched(path, "ngram", reqs, max_batch=6, kv_rows=kv_rows, on_open=on_open, gate=True, **kw)
     assert batched == solo
     assert seen["kinds"] == {PagedLatent}
     assert seen["row"] == seen["want"]  # a slot holds a latent and a shared rotary key row per layer
@@ -75,22 +74,22 @@ def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_
 def test_a_linear_attention_target_batched_gets_its_solo_ids(drafter, sampled):
     """kimi_linear (KDA layers, a recurrent state per request, beside MLA layers in the paged
     pool): prompts over the recurrent form's rows (the chunked scan) and two prefill chunks,
-    rollbacks on rejected drafts (each request's state rolled back at its next forward), a
-    pool short enough to preempt (the latent rows swapped, the states kept): every request's
-    ids are its solo ids, and every state goes when its request does."""
+    rollbacks on rejected drafts (each request's state rolled back at its next forward), four
+    requests admitted together into a pool that must preempt one (the latent rows swapped, the
+    states kept): every request's ids are its solo ids, and every state goes when its request
+    does."""
     from kimi_ckpt import hybrid
 
     from memra_dist.batching.paged import RecurrentStates
 
     _, path, draft = hybrid()  # the draft model: kimi_linear too (its own batcher's states)
-    reqs = _prompts(8)
+    reqs, kv_rows = _crowded(longest=58)
     kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11) if sampled else {}
     if drafter == "model":
         kw["draft_model"] = draft
     solo = _solo(path, drafter, reqs, **kw)
-    most = max(len(p) + n + 4 for p, n in reqs)
     layers = []
-    batched, stats = _batched(path, drafter, reqs, max_batch=6, kv_rows=most + 16,
+    batched, stats = _batched(path, drafter, reqs, max_batch=6, kv_rows=kv_rows, gate=True,
                               on_open=lambda e: layers.extend(e._backend.batcher.kv.layers.values()), **kw)
     assert batched == solo
     states = [v for v in layers if isinstance(v, RecurrentStates)]
