@@ -170,15 +170,17 @@ def test_a_step_that_fails_fails_each_chained_request_it_held(llama, monkeypatch
     reqs = _prompts(3)
     errs: dict[int, BaseException] = {}
     with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=3) as eng:
-        b = eng._backend.batcher
-        real = b._eager
+        from memra_dist.batching import step_forward
 
-        def eager(jobs, ids_dev=None):
+        b = eng._backend.batcher
+        real = step_forward.eager
+
+        def eager(batcher, jobs, ids_dev=None, timer=None):
             if not any(j.last for j in jobs) and b.stats.chained >= 6:
                 raise RuntimeError("device lost")
-            return real(jobs, ids_dev)
+            return real(batcher, jobs, ids_dev, timer)
 
-        monkeypatch.setattr(b, "_eager", eager)
+        monkeypatch.setattr(step_forward, "eager", eager)
 
         def one(i, p, n):
             try:
@@ -192,7 +194,7 @@ def test_a_step_that_fails_fails_each_chained_request_it_held(llama, monkeypatch
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads), "a chained request waited forever"
-        monkeypatch.setattr(b, "_eager", real)
+        monkeypatch.setattr(step_forward, "eager", real)
         again = eng.generate(reqs[0][0], _cfg(llama, "none", max_new_tokens=reqs[0][1])).token_ids
         assert eng._backend.stats()["kv_blocks_used"] == 0
     assert sorted(errs) == [0, 1, 2] and all("device lost" in str(e) for e in errs.values()), errs

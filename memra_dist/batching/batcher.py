@@ -41,15 +41,12 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-from ..model.layers import rope_rows
-from ..model.taps import FINAL
-from ..model.transformer import StepCtx
 from .blocks import BlockPool
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
-from .job import BatchStep, Job, Launched
-from .laps import timed_step
-from .paged import BatchView, PagedKV
+from .job import BatchStep, Job
+from .paged import PagedKV
+from .step_forward import forward, launch, wake
 
 __all__ = ["Batcher", "BatchStats", "BatchStep"]
 
@@ -285,7 +282,7 @@ class Batcher:
         step is launched (or none is due), so their host work (commit, stream) runs while the
         device works, and none of them holds the GIL while the leader packs the next step."""
         wakes, self._wakes = self._wakes, []
-        _wake(wakes)
+        wake(wakes)
 
     def _chain_rounds(self, jobs: list[Job]) -> None:
         """Called holding the lock, right after a step: each chained job's round (accept,
@@ -354,7 +351,7 @@ class Batcher:
             self.cv.release()
             if behind is None:
                 t0 = time.perf_counter_ns()
-                out = self._launch(take, wakes)
+                out = launch(self, take, wakes)
             else:
                 out, t0 = behind
             nxt = staged = None
@@ -367,7 +364,7 @@ class Batcher:
                 if nxt is not None:
                     self.stats.ahead += 1
                     t_next = time.perf_counter_ns()
-                    out_next = self._launch(nxt, (), ids_dev=out.pred)  # its ids: this step's argmax
+                    out_next = launch(self, nxt, (), ids_dev=out.pred)  # its ids: this step's argmax
             self._hand_out(take, out, staged)
             t1 = time.perf_counter_ns()
             self.cv.acquire()
@@ -376,21 +373,6 @@ class Batcher:
                 return
             self._flush_wakes()  # their rounds are in: the device runs the next step meanwhile
             take, rows, behind, wakes = nxt, len(nxt), (out_next, max(t_next, t1)), ()
-
-    def _launch(self, jobs: list[Job], wakes, ids_dev=None):
-        """The step's forward launched -> its `Launched`, or the exception that stopped it."""
-        try:
-            replays = self.graphs.replays if self.graphs is not None else 0
-            logits = self._forward(jobs, wakes, ids_dev)
-            # every row's argmax and the logit at it in ONE readback, which is also where the
-            # step ends on a GPU (its device work done; the wait releases the GIL): the
-            # requests' greedy accepts then need no device op and no readback of their own
-            pred = logits.argmax(-1)
-            val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
-            graphed = self.graphs is not None and self.graphs.replays > replays
-            return Launched(logits, torch.cat((pred.double(), val.double())), pred, graphed)
-        except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
-            return e
 
     @staticmethod
     def _hand_out(take: list[Job], out, staged) -> None:
@@ -437,69 +419,6 @@ class Batcher:
             j.done = True
         self.cv.notify_all()
 
-    @torch.inference_mode()
     def _forward(self, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's forward -> fp32 logits of the rows used, in job order: every row of a
-        job, or its last with `last` (one lm_head over them). `wakes`: chains whose threads
-        are woken once the step is launched (before the readback; _flush_wakes). `ids_dev`:
-        the rows' ids on the device (a step launched ahead: the previous step's argmax).
-        A graphed step's logits are copied out of the graphs' shared buffer only when a job
-        reads them: a chained round reads only its greedy rows, computed before any replay."""
-        try:
-            if any(j.timer is not None for j in jobs):  # level 2: the step's own sub-split (laps.py)
-                return timed_step(self, jobs, ids_dev)
-            if self.graphs is not None and self.graphs.eligible(jobs):
-                out = self.graphs.run(jobs, lambda: _wake(wakes), ids_dev, any(j.chain is None for j in jobs))
-                if out is not None:
-                    return out
-            return self._eager(jobs, ids_dev)
-        finally:
-            _wake(wakes)  # again (a no-op once woken): also when the step failed before its launch
-
-    def _eager(self, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None) -> torch.Tensor:
-        dev = self.device
-        view = BatchView.build(self.pool, [(j.rid, j.start, j.n, j.width) for j in jobs], dev,
-                               kernels=self.kernels)
-        x = ids_dev if ids_dev is not None else torch.cat([torch.as_tensor(j.ids, dtype=torch.long) for j in jobs]).to(dev)
-        pos = torch.cat([torch.arange(j.start, j.start + j.n) for j in jobs]).to(dev)
-        h, tapped = self._layers(x, pos, view, timer)
-        self.scatter_taps(jobs, tapped, pos)
-        keep, lo = [], 0
-        for j in jobs:
-            n = j.n
-            keep.extend([lo + n - 1] if j.last else range(lo, lo + n))
-            lo += n
-        return self.stage.logits(h[torch.tensor(keep, device=dev)])
-
-    def _layers(self, x: torch.Tensor, pos: torch.Tensor, view: BatchView, timer=None):
-        """The stage's embedding and blocks over the step's rows (ids x at positions pos) ->
-        (hidden rows, {tap layer: its output rows}) (the eager step and the graphed one,
-        graphs.py, run this; the tapped rows go to each request's sink: `scatter_taps`)."""
-        st = self.stage
-        rope = {d: rope_rows(pos, f, st._rope_scale) for d, f in st._inv_freq.items()}
-        ctx = StepCtx(pos=pos, mask=None, rope=rope, batch=view, timer=timer)
-        h = st.embed_tokens(x)
-        tapped = {}
-        for i, blk in st.layers.items():
-            h = blk(h, ctx, self.kv.layers[int(i)])
-            if int(i) in self.tap_layers:
-                tapped[int(i)] = h
-        if FINAL in self.tap_layers:
-            tapped[FINAL] = st.norm(h)
-        return h, tapped
-
-    @staticmethod
-    def scatter_taps(jobs, tapped: dict, pos: torch.Tensor) -> None:
-        """Each tapping request's rows of the tapped layers into its own sink, at its positions."""
-        lo = 0
-        for j in jobs:
-            n = j.n
-            if j.taps is not None:
-                for layer in j.taps.layers:
-                    j.taps.write(layer, pos[lo:lo + n], tapped[layer][lo:lo + n])
-            lo += n
-
-
-def _wake(chains) -> None:
-    for ch in chains:
-        ch.wake()
+        """The step's forward -> its rows' logits (step_forward.forward)."""
+        return forward(self, jobs, wakes, ids_dev)

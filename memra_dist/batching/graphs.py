@@ -33,6 +33,7 @@ import torch
 from ..graphs import CapturedGraph
 from .job import Job
 from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
+from .step_forward import layers, scatter_taps
 
 __all__ = ["StepGraphs", "bucket_rows", "row_class"]
 
@@ -171,7 +172,7 @@ class StepGraphs:
         self.replays += 1
         self.padded += st.rows - rows
         logits, tapped = st.graph.out
-        self.b.scatter_taps(jobs, tapped, st.views()[1])  # the tapped rows into each request's sink
+        scatter_taps(jobs, tapped, st.views()[1])  # the tapped rows into each request's sink
         return logits[:rows].clone() if copy else logits[:rows]  # the next replay rewrites it
 
     def stats(self) -> dict:
@@ -209,7 +210,7 @@ class StepGraphs:
         ids, pos, slots, lo, nrows, table = st.views()
         view = BatchView(slots, [], PagedRows(lo.to(torch.int32), nrows.to(torch.int32), table.to(torch.int32),
                                               b.pool.block, rclass, max_len, min(st.rows, self.max_segments)))
-        h, tapped = b._layers(ids, pos, view)
+        h, tapped = layers(b, ids, pos, view)
         out = self._logits_buf(stage)[:st.rows]
         out.copy_(stage.logits(h))  # the temporary goes back to the pool: the next capture reuses it
         return out, tapped

@@ -17,7 +17,9 @@ def timed_step(batcher, jobs, ids_dev=None):
     from ..phase.subsplit import SubsplitTimer  # noqa: PLC0415
 
     step = SubsplitTimer(Drainer(batcher.device))
-    out = batcher._eager(jobs, ids_dev, step)
+    from .step_forward import eager  # noqa: PLC0415 (it imports this module)
+
+    out = eager(batcher, jobs, ids_dev, step)
     ns, rows = step.take()
     for t in {id(j.timer): j.timer for j in jobs if j.timer is not None}.values():
         for bucket, v in ns.items():

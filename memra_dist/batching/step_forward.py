@@ -1,0 +1,108 @@
+"""A batched step's forward (the batcher's device side): the jobs' rows through the stage's
+embedding, blocks and lm_head in ONE forward over the paged K/V, as a CUDA graph's replay
+(graphs.py) where the step is eligible, else eager; level 2's timed step (laps.py) runs the
+eager one under a sub-split timer. The scheduler around it (admission, growth, preemption,
+who leads a step) is batcher.py's.
+
+`launch` is what the step's leader calls: the forward, then every row's argmax and the logit
+at it in ONE device row (the step's readback; ahead.py stages it), or the exception that
+stopped the step (every job of the step gets it)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.layers import rope_rows
+from ..model.taps import FINAL
+from ..model.transformer import StepCtx
+from .job import Job, Launched
+from .laps import timed_step
+from .paged import BatchView
+
+__all__ = ["launch", "forward", "eager", "layers", "scatter_taps", "wake"]
+
+
+def launch(b, jobs: list[Job], wakes, ids_dev=None):
+    """The step's forward launched -> its `Launched`, or the exception that stopped it."""
+    try:
+        replays = b.graphs.replays if b.graphs is not None else 0
+        logits = forward(b, jobs, wakes, ids_dev)
+        # every row's argmax and the logit at it in ONE readback, which is also where the
+        # step ends on a GPU (its device work done; the wait releases the GIL): the
+        # requests' greedy accepts then need no device op and no readback of their own
+        pred = logits.argmax(-1)
+        val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
+        graphed = b.graphs is not None and b.graphs.replays > replays
+        return Launched(logits, torch.cat((pred.double(), val.double())), pred, graphed)
+    except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
+        return e
+
+
+@torch.inference_mode()
+def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's forward -> fp32 logits of the rows used, in job order: every row of a job,
+    or its last with `last` (one lm_head over them). `wakes`: chains whose threads are woken
+    once the step is launched (before the readback; batcher._flush_wakes). `ids_dev`: the
+    rows' ids on the device (a step launched ahead: the previous step's argmax). A graphed
+    step's logits are copied out of the graphs' shared buffer only when a job reads them: a
+    chained round reads only its greedy rows, computed before any replay."""
+    try:
+        if any(j.timer is not None for j in jobs):  # level 2: the step's own sub-split (laps.py)
+            return timed_step(b, jobs, ids_dev)
+        if b.graphs is not None and b.graphs.eligible(jobs):
+            out = b.graphs.run(jobs, lambda: wake(wakes), ids_dev, any(j.chain is None for j in jobs))
+            if out is not None:
+                return out
+        return eager(b, jobs, ids_dev)
+    finally:
+        wake(wakes)  # again (a no-op once woken): also when the step failed before its launch
+
+
+def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None) -> torch.Tensor:
+    """The step launched kernel by kernel (prefill chunks, CPU, a bucket without a graph)."""
+    dev = b.device
+    view = BatchView.build(b.pool, [(j.rid, j.start, j.n, j.width) for j in jobs], dev, kernels=b.kernels)
+    x = ids_dev if ids_dev is not None else torch.cat([torch.as_tensor(j.ids, dtype=torch.long) for j in jobs]).to(dev)
+    pos = torch.cat([torch.arange(j.start, j.start + j.n) for j in jobs]).to(dev)
+    h, tapped = layers(b, x, pos, view, timer)
+    scatter_taps(jobs, tapped, pos)
+    keep, lo = [], 0
+    for j in jobs:
+        n = j.n
+        keep.extend([lo + n - 1] if j.last else range(lo, lo + n))
+        lo += n
+    return b.stage.logits(h[torch.tensor(keep, device=dev)])
+
+
+def layers(b, x: torch.Tensor, pos: torch.Tensor, view: BatchView, timer=None):
+    """The stage's embedding and blocks over the step's rows (ids x at positions pos) ->
+    (hidden rows, {tap layer: its output rows}) (the eager step and the graphed one,
+    graphs.py, run this; the tapped rows go to each request's sink: `scatter_taps`)."""
+    st = b.stage
+    rope = {d: rope_rows(pos, f, st._rope_scale) for d, f in st._inv_freq.items()}
+    ctx = StepCtx(pos=pos, mask=None, rope=rope, batch=view, timer=timer)
+    h = st.embed_tokens(x)
+    tapped = {}
+    for i, blk in st.layers.items():
+        h = blk(h, ctx, b.kv.layers[int(i)])
+        if int(i) in b.tap_layers:
+            tapped[int(i)] = h
+    if FINAL in b.tap_layers:
+        tapped[FINAL] = st.norm(h)
+    return h, tapped
+
+
+def scatter_taps(jobs, tapped: dict, pos: torch.Tensor) -> None:
+    """Each tapping request's rows of the tapped layers into its own sink, at its positions."""
+    lo = 0
+    for j in jobs:
+        n = j.n
+        if j.taps is not None:
+            for layer in j.taps.layers:
+                j.taps.write(layer, pos[lo:lo + n], tapped[layer][lo:lo + n])
+        lo += n
+
+
+def wake(chains) -> None:
+    for ch in chains:
+        ch.wake()
