@@ -117,6 +117,10 @@ class _Pipeline:
     def __init__(self, pipe):
         self.pipe = pipe
 
+    def stats(self) -> dict | None:
+        """A batched pipeline's counts (the head's batcher), None when not batched."""
+        return self.pipe.batch_stats()
+
     @contextmanager
     def session(self, plan: RequestPlan, prompt: list[int], span_sink, carrier):
         req = self.pipe.request(plan, prompt, carrier)
@@ -199,13 +203,23 @@ def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir:
     `capacity` rows on every stage); pp=1 serves one at a time.
     run_dir / lost: the pipeline actors' span files, and the lines naming any role whose
     spans did not all arrive.
-    max_batch (pp=1): up to this many requests in flight, their target forwards joined into
-    one forward (batching/: continuous batching over a paged KV cache of `kv_rows` rows, at
-    most `max_batch_tokens` rows a forward); 1 runs requests one after another."""
+    max_batch: up to this many requests in flight, their target forwards joined into one
+    forward (batching/: continuous batching over a paged KV cache of `kv_rows` rows, at most
+    `max_batch_tokens` rows a forward; at pp > 1 one step down the ring, pipeline/batch_head.py);
+    1 runs requests one after another (pp > 1: `sessions` interleave)."""
     mcfg = mcfg or load_config(cfg.model)
     cap = capacity or cfg.ctx or min(mcfg.max_position_embeddings, DEFAULT_ENGINE_CTX)
     n = check_sessions(sessions, cfg.pp)
     base = plan_request(cfg.with_(ctx=cap), 1, mcfg)
+    if max_batch != 1 and cfg.pp > 1:  # the sessions' forwards joined into one step down the ring
+        from .batching.policy import check_batchable  # noqa: PLC0415
+        from .pipeline.driver import open_pipeline  # noqa: PLC0415
+
+        check_batchable(cfg, mcfg, max_batch, base.draft if cfg.drafter == "model" else None)
+        batched = {"max_tokens": max_batch_tokens, "kv_rows": kv_rows}
+        with open_pipeline(base, run_dir, lost, max_batch, batched) as pipe:
+            yield Engine(base, _Pipeline(pipe), max_batch)
+        return
     if max_batch != 1:
         from .batching.backend import BatchedBackend  # noqa: PLC0415
 

@@ -102,7 +102,10 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
 
 
 class BatchedBackend:
-    def __init__(self, plan, max_batch: int, max_tokens: int | None = None, kv_rows: int | None = None):
+    def __init__(self, plan, max_batch: int, max_tokens: int | None = None, kv_rows: int | None = None,
+                 runner=None):
+        """runner: the target's runner already loaded (a batched pipeline's head: the last
+        stage's layers and the head, pipeline/batch_head.py); its steps then run eager."""
         import torch  # noqa: PLC0415
 
         from ..device import resolve_device, resolve_dtype  # noqa: PLC0415
@@ -122,10 +125,11 @@ class BatchedBackend:
             return ModelRunner(path, self.device, self.dtype, cfg=mcfg, max_pos=plan.capacity,
                                progress=LoadProgress(Path(path).name), graphs=fast["graphs"], kernels=fast["kernels"])
 
-        self.runner = load(cfg.model, plan.model)
+        self.runner = runner if runner is not None else load(cfg.model, plan.model)
         budget = max_tokens if max_tokens is not None else max(cfg.prefill_chunk, max_batch * (cfg.k + 1))
         taps = self._load_tap_net(cfg, plan)
-        self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, fast["graphs"], taps)
+        graphs = fast["graphs"] and runner is None
+        self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, graphs, taps)
         self.draft_batcher = None
         if cfg.drafter == "model":  # the draft model's steps batched too, over its own pool
             self.draft_runner = load(cfg.draft_model, plan.draft)

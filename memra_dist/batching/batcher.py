@@ -121,6 +121,7 @@ class Batcher:
         self.last_submit = 0  # perf_counter_ns of the latest submission
         self.finished: set = set()  # requests whose chain ended with them: no step waits for their rows
         self.ahead = self.graphs is not None  # plain greedy chains one step ahead (ahead.py): the GPU's graphed steps
+        self.remote = None  # pp > 1: the earlier stages down the ring (pipeline/batch_head.py RingWalk)
         self.stepper: threading.Thread | None = None  # leads the steps while chained rows are queued (start_chain)
         self._wakes: list[Chain] = []  # chains with a new round (or ended), their threads not yet woken
         self.stats = BatchStats()
@@ -185,7 +186,7 @@ class Batcher:
 
     def _swap_out(self, rid) -> None:
         rows = self.pool.capacity(rid)
-        saved = self.kv.save(self.pool.slots(rid, 0, rows))
+        saved = self.kv.save(self.pool.slots(rid, 0, rows), rid)
         self.pool.release(rid)
         del self.admitted[rid]
         self.swapped[rid] = (rows, saved)
@@ -196,7 +197,7 @@ class Batcher:
         rows, saved = self.swapped[rid]
         if not self.pool.reserve(rid, rows):
             return False
-        self.kv.restore(self.pool.slots(rid, 0, rows), saved)
+        self.kv.restore(self.pool.slots(rid, 0, rows), saved, rid)
         del self.swapped[rid]
         self._order += 1
         self.admitted[rid] = self._order

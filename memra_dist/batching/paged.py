@@ -135,7 +135,7 @@ class PagedKV:
         """Bytes one slot takes over every layer (K and V)."""
         return self.nbytes() / (self.pool.rows + 1)
 
-    def save(self, slots: list[int]) -> list[tuple[torch.Tensor, ...]]:
+    def save(self, slots: list[int], rid=None) -> list[tuple[torch.Tensor, ...]]:
         """The cache rows of `slots` in every layer, copied to host memory (a preempted request's rows)."""
         out = []
         for layer in self.layers.values():
@@ -144,7 +144,7 @@ class PagedKV:
             out.append(tuple(t.index_select(0, idx).cpu() for t in pools))
         return out
 
-    def restore(self, slots: list[int], saved: list[tuple[torch.Tensor, ...]]) -> None:
+    def restore(self, slots: list[int], saved: list[tuple[torch.Tensor, ...]], rid=None) -> None:
         """`save`'s rows written back at `slots` (the request's new blocks), bitwise."""
         for layer, rows in zip(self.layers.values(), saved):
             pools = layer.tensors()

@@ -19,7 +19,7 @@ from .job import Job, Launched
 from .laps import timed_step
 from .paged import BatchView
 
-__all__ = ["launch", "forward", "eager", "layers", "scatter_taps", "wake"]
+__all__ = ["launch", "forward", "eager", "layers", "stage_layers", "scatter_taps", "wake"]
 
 
 def launch(b, jobs: list[Job], wakes, ids_dev=None):
@@ -64,7 +64,11 @@ def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None) -
     view = BatchView.build(b.pool, [(j.rid, j.start, j.n, j.width) for j in jobs], dev, kernels=b.kernels)
     x = ids_dev if ids_dev is not None else torch.cat([torch.as_tensor(j.ids, dtype=torch.long) for j in jobs]).to(dev)
     pos = torch.cat([torch.arange(j.start, j.start + j.n) for j in jobs]).to(dev)
+    remote = {}
+    if b.remote is not None:  # pp > 1: the earlier stages' layers first, down the ring
+        x, remote = b.remote.walk(b.pool, jobs, x, pos, timer)
     h, tapped = layers(b, x, pos, view, timer)
+    tapped.update(remote)
     scatter_taps(jobs, tapped, pos)
     keep, lo = [], 0
     for j in jobs:
@@ -75,19 +79,25 @@ def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None) -
 
 
 def layers(b, x: torch.Tensor, pos: torch.Tensor, view: BatchView, timer=None):
-    """The stage's embedding and blocks over the step's rows (ids x at positions pos) ->
-    (hidden rows, {tap layer: its output rows}) (the eager step and the graphed one,
-    graphs.py, run this; the tapped rows go to each request's sink: `scatter_taps`)."""
-    st = b.stage
+    """The stage's embedding and blocks over the step's rows (ids x at positions pos; at
+    pp > 1 the hidden rows the ring brought) -> (hidden rows, {tap layer: its output rows})
+    (the eager step and the graphed one, graphs.py, run this; the tapped rows go to each
+    request's sink: `scatter_taps`)."""
+    return stage_layers(b.stage, b.kv, b.tap_layers, x, pos, view, timer, embed=b.remote is None)
+
+
+def stage_layers(st, kv, tap_layers, x: torch.Tensor, pos: torch.Tensor, view: BatchView, timer=None,
+                 embed: bool = True):
+    """`layers` over any stage and its paged pool (a pipeline stage's too: pipeline/batch_stage.py)."""
     rope = {d: rope_rows(pos, f, st._rope_scale) for d, f in st._inv_freq.items()}
     ctx = StepCtx(pos=pos, mask=None, rope=rope, batch=view, timer=timer)
-    h = st.embed_tokens(x)
+    h = st.embed_tokens(x) if embed else x
     tapped = {}
     for i, blk in st.layers.items():
-        h = blk(h, ctx, b.kv.layers[int(i)])
-        if int(i) in b.tap_layers:
+        h = blk(h, ctx, kv.layers[int(i)])
+        if int(i) in tap_layers:
             tapped[int(i)] = h
-    if FINAL in b.tap_layers:
+    if FINAL in tap_layers:
         tapped[FINAL] = st.norm(h)
     return h, tapped
 

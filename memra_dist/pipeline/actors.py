@@ -35,6 +35,7 @@ from ..phase.subsplit import SUB_BUCKETS, SubsplitTimer
 from ..runner import ModelRunner
 from ..specdec.drafters import TAP_DRAFTERS, tap_layers
 from .actor_tracing import ActorTracing
+from .batch_stage import BATCH_OPS, StageBatch
 from .head_target import PipelineTarget
 from .ring import Ring
 from .transport import Flag, Link, Op, free_port
@@ -60,7 +61,9 @@ class _Worker:
             self.runner.keep_taps(taps)
         # tap columns (each H wide) arriving behind a forward's input rows / leaving behind its output
         self.remote_taps = shipped_before(taps, plan.stages, stage)
-        self.taps_out = len(self.remote_taps) + len(stage_taps(taps, plan.stages, stage))
+        self.own_taps = stage_taps(taps, plan.stages, stage)
+        self.taps_out = len(self.remote_taps) + len(self.own_taps)
+        self.batch = None  # a batched pipeline's part of this stage (batch_stage.py / batch_head.py)
         self.link = Link(rank, world, self.device)
         self.tracing = ActorTracing(self.role, stage, run_dir, cfg.trace.clock_on)
         self.carriers: dict[int, dict] = {}  # each request's W3C context, by request index
@@ -144,6 +147,15 @@ class StageWorker(_Worker):
             elif op == Op.ALLOC:
                 self.view(slot).alloc(start)
                 self.slot_req[slot] = arg
+            elif op in BATCH_OPS:  # a batched pipeline's (batch_stage.py): an int64 row follows
+                row = link.recv((start,), torch.long)
+                if link.next != 0:
+                    link.send(row)
+                row = row.tolist()
+                if op == Op.BATCH_OPEN:
+                    self.batch = StageBatch(self, row[0], row[1])
+                else:
+                    served += self.batch.op(op, row, rows, flags)
             elif op == Op.END:
                 return served
 
@@ -191,6 +203,7 @@ class _Slot:
         self.stream = torch.cuda.Stream(view.device) if cuda else None  # its phase clock drains only its own work
         self.drafter = None  # a draft model's runner view, kept between requests
         self.target = self.request = self.spans = None
+        self.held = None  # a batched pipeline's session context (batch_head.py), left at finish
         self.cv = threading.Condition()
         self.seq = 0  # the sequence number of the call whose turn it is
         self.busy = False
@@ -228,10 +241,20 @@ class HeadWorker(_Worker):
         self._spans_lock = threading.Lock()
         self.failed = False  # a forward raised (a dead peer): no END is sent into the ring
 
-    def prepare(self, sessions: int, capacity: int) -> int:
+    def prepare(self, sessions: int, capacity: int, batched: dict | None = None) -> int:
         """S cache slots on every rank, allocated (and their graphs captured) now, before
         any session runs: no capture ever lands beside another session's work. A draft
-        model is loaded once; each slot drafts on a view of it."""
+        model is loaded once; each slot drafts on a view of it. `batched` (max_tokens,
+        kv_rows): the S sessions' forwards joined into one step instead (batch_head.py),
+        over a paged pool on every rank rather than a cache slot each."""
+        if batched is not None:
+            from .batch_head import open_batched  # noqa: PLC0415
+
+            self.batch = open_batched(self, sessions, batched.get("max_tokens"), batched.get("kv_rows"))
+            for i in range(sessions):
+                self.slots[i] = _Slot(i, self.runner)
+                self.slots[i].stream = None  # whichever session leads a step launches it: one stream for all
+            return sessions
         for i in range(sessions):
             slot = self.slots[i] = _Slot(i, self.view(i))
             self.ring.command(Op.ALLOC, capacity, arg=-1, slot=i)
@@ -263,12 +286,18 @@ class HeadWorker(_Worker):
         s = self.slots[slot]
         with s.turn(seq):
             self.carriers[index] = carrier
-            s.target = PipelineTarget(self.ring, s.view, traced=self.cfg.trace.level >= 1, records=self.records,
-                                      request=index, slot=slot, remote_taps=self.remote_taps,
-                                      shared=len(self.slots) > 1)
+            if self.batch is None:
+                s.target = PipelineTarget(self.ring, s.view, traced=self.cfg.trace.level >= 1, records=self.records,
+                                          request=index, slot=slot, remote_taps=self.remote_taps,
+                                          shared=len(self.slots) > 1)
             if self.tracing.enabled:
                 s.spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
-            s.request = Request(s.target, plan or self.plan, prompt, s.spans, drafter=s.drafter)
+            if self.batch is not None:  # a batch slot's session (batching/backend.py), released at finish
+                s.target = None
+                s.held = self.batch.session(plan or self.plan, prompt, s.spans, carrier)
+                s.request = s.held.__enter__()
+            else:
+                s.request = Request(s.target, plan or self.plan, prompt, s.spans, drafter=s.drafter)
             first = self._guarded(s.request.start)
             return first, s.request.done
 
@@ -297,9 +326,18 @@ class HeadWorker(_Worker):
             if s.request is not None:
                 s.request.flush_trace()  # a request given up on: its last burst's record too
             self._finish_spans(s)
-            stats = s.request.finish() if s.request is not None else {}
-            s.request = None
+            try:
+                stats = s.request.finish() if s.request is not None else {}
+            finally:
+                s.request = None
+                if s.held is not None:  # the batch slot's blocks given back, on every rank
+                    held, s.held = s.held, None
+                    held.__exit__(None, None, None)
             return stats
+
+    def batch_stats(self) -> dict | None:
+        """The batched pipeline's counts (batching/backend.py stats), None when not batched."""
+        return self.batch.stats() if self.batch is not None else None
 
     def _finish_spans(self, s: _Slot) -> None:
         if s.spans is not None:
@@ -315,6 +353,8 @@ class HeadWorker(_Worker):
         self.loop_done.set()
         if not self.failed:
             self.ring.command(Op.END)
+        if self.batch is not None:
+            self.batch.close()
         for s in self.slots.values():
             self._finish_spans(s)
 

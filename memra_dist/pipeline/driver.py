@@ -114,7 +114,7 @@ def _ray_up():
 class Pipeline:
     """The actors of one ppN split, placed and connected."""
 
-    def __init__(self, plan, run_dir: str | None, sessions: int = 1):
+    def __init__(self, plan, run_dir: str | None, sessions: int = 1, batched: dict | None = None):
         import ray  # noqa: PLC0415
         from ray.util.placement_group import placement_group  # noqa: PLC0415
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
@@ -155,12 +155,16 @@ class Pipeline:
         except ray.exceptions.ActorDiedError as e:  # an actor refused its stage (e.g. a cache that does not fit)
             raise _creation_error(e) from None
         self.serving = [s.serve.remote() for s in self.stages]  # one serve loop per stage, every request
-        ray.get(self.head.prepare.remote(sessions, plan.capacity))  # every slot allocated before any request
+        # every slot allocated (or, batched, every rank's paged pool made) before any request
+        ray.get(self.head.prepare.remote(sessions, plan.capacity, batched))
         self._free: queue.Queue = queue.Queue()
         for i in range(sessions):
             self._free.put(i)
         self._seq = [0] * sessions  # the next call's sequence number, per slot
         self._index = itertools.count()  # request indices (the stages' and the head's trace contexts)
+
+    def batch_stats(self) -> dict | None:
+        return self.ray.get(self.head.batch_stats.options(concurrency_group=CONTROL).remote())
 
     def failure(self, e: BaseException) -> UserError:
         """One line for an error from the head: the stage that died, when one did."""
@@ -351,7 +355,8 @@ class PipelineRequest:
 
 
 @contextmanager
-def open_pipeline(plan, run_dir: str | None = None, lost: list | None = None, sessions: int = 1):
+def open_pipeline(plan, run_dir: str | None = None, lost: list | None = None, sessions: int = 1,
+                  batched: dict | None = None):
     """Ray up and the actors placed, for any number of requests, up to `sessions` of them in
     flight at once; everything torn down on the way out. `lost` gets one line per role whose
     spans did not all arrive (also printed)."""
@@ -367,7 +372,7 @@ def open_pipeline(plan, run_dir: str | None = None, lost: list | None = None, se
     try:
         if run_dir is None and plan.cfg.trace.clock_on and not otlp_endpoint():
             run_dir = default_run_dir()  # the actors' spans need somewhere to go (as the CLI's do)
-        pipe = Pipeline(plan, str(run_dir) if run_dir else None, sessions)
+        pipe = Pipeline(plan, str(run_dir) if run_dir else None, sessions, batched)
         yield pipe
     finally:
         if pipe is not None:

@@ -38,6 +38,7 @@ class Ring:
         self._turn = threading.Condition()
         self._issued = 0  # tickets handed out (forwards sent)
         self._next = 0  # the ticket whose results are received next
+        self._row_buf = CmdBuffer(self.device)  # the batched pipeline's commands (sent under _send)
 
     def buffer(self) -> CmdBuffer:
         """A command row for one session (each sends from its own)."""
@@ -47,6 +48,21 @@ class Ring:
         """A command that returns nothing to the head (ALLOC, END)."""
         with self._send, self._io:
             self.link.send_cmd(op, start, 0, 0, arg, slot=slot, buf=buf)
+
+    def command_row(self, op: int, row: list[int], rows: int = 0, flags: int = 0, arg: int = 0) -> int:
+        """A command with an int64 row behind it (a batched pipeline's: batching/step_plan.py);
+        returns its ticket (a BATCH step's results are received with it; others return none
+        and take no ticket)."""
+        t = torch.tensor(row, dtype=torch.long).to(self.device)
+        with self._send:
+            with self._io:
+                self.link.send_cmd(op, len(row), rows, flags, arg, buf=self._row_buf)
+                self.link.send(t)
+            if op != Op.BATCH:
+                return -1
+            ticket = self._issued
+            self._issued += 1
+        return ticket
 
     def forward(self, ids: torch.Tensor, start: int, flags: int, rnd: int, slot: int, buf: CmdBuffer) -> int:
         """Send a forward's command (and its ids as a payload when they do not fit it);

@@ -48,6 +48,13 @@ class Op:
     FORWARD = 1
     ALLOC = 3
     END = 4
+    # a batched pipeline (batching/step_plan.py): each carries an int64 row behind it (its
+    # length in `start`), which every stage passes on to the next
+    BATCH_OPEN = 5  # start: the pool's rows, arg: its block; every stage makes its paged pool
+    BATCH = 6  # a step: rows = its rows, the row its plan; then the stages' forwards as FORWARD's
+    SWAP_OUT = 7  # a preempted request's rows to host memory (the row: rid, its slots)
+    SWAP_IN = 8  # ... and back into its new slots
+    LEAVE = 9  # arg: a request that ended (its recurrent states and any swapped rows go)
 
 
 class Flag:
