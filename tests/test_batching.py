@@ -176,8 +176,7 @@ def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
     with pytest.raises(UserError, match=f"runs the llama, qwen2, qwen3, glm4_moe, deepseek_v3, kimi_linear families "
                                         f"for now .the model is {arch}."):
         check_batchable(_cfg(llama, "none"), dataclasses.replace(mcfg, arch=arch), 4)
-    with pytest.raises(UserError, match="runs at --pp 1"):
-        check_batchable(_cfg(llama, "none").with_(pp=2), mcfg, 4)
+    check_batchable(_cfg(llama, "none").with_(pp=2), mcfg, 4)  # pp > 1 batches too (test_batching_pp.py)
     check_batchable(_cfg(llama, "model", draft_model=str(draft_llama)), mcfg, 4, load_config(draft_llama))  # a llama draft model batches
     with pytest.raises(UserError, match="--max-batch must be in"):
         with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=0):
@@ -272,9 +271,14 @@ def test_batch_job_with_max_batch_writes_the_records_of_one_at_a_time(llama, tmp
     assert len(said) == 1 and " steps, " in said[0] and "busy" in said[0], p4.stderr[-2000:]
     assert "[batch] batched" not in p1.stderr  # one at a time: no batch steps to account for
     assert "--max-batch auto" not in p1.stderr  # the default, auto, is one at a time on CPU (no note)
-    bad = run(tmp_path / "bad.jsonl", "--max-batch", "4", "--pp", "2")
+    pp2 = run(tmp_path / "pp2.jsonl", "--max-batch", "4", "--pp", "2")  # one step down the ring (test_batching_pp.py)
+    assert pp2.returncode == 0, pp2.stderr[-2000:]
+    c = _records(tmp_path / "pp2.jsonl")
+    assert sorted(c) == sorted(a) and all(c[rid]["token_ids"] == a[rid]["token_ids"] for rid in a)
+    assert any(line.startswith("[batch] batched: ") for line in pp2.stderr.splitlines()), pp2.stderr[-2000:]
+    bad = run(tmp_path / "bad.jsonl", "--max-batch", "999")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip().splitlines()[-1].startswith("memra-dist: error: --max-batch > 1 runs at --pp 1")
+    assert bad.stderr.strip().splitlines()[-1].startswith("memra-dist: error: --max-batch must be in [1, 256]")
     assert not (tmp_path / "bad.jsonl").exists()
 
 

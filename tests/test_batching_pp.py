@@ -1,0 +1,137 @@
+"""Batched speculative decoding at pp > 1 (pipeline/batch_head.py, pipeline/batch_stage.py): the
+head's batcher joins the requests' rows into one step that walks the ring (a local Ray, CPU
+actors), every stage over a paged pool of the head's geometry. Every request gets exactly the
+ids it gets alone at pp = 1 (CPU, fp32), with every drafter: its drafts too, shown by each
+request's drafted and accepted counts equal to its solo run's (a tap drafter fed a wrong tap
+row drafts otherwise); through prefill chunks, rollbacks, sampling and preemption."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from memra_dist.app import open_engine
+from memra_dist.specdec.sampling import SamplingParams
+
+from test_batching import CAP, _cfg, _crowded, _prompts
+
+
+def _runs(model, drafter, reqs, pp=1, max_batch=1, kv_rows=None, **kw):
+    """Each request's (ids, drafted, accepted): one after another on an unbatched engine at pp = 1,
+    or from concurrent threads on a batched one; and the engine's batch stats."""
+    got: dict[int, tuple] = {}
+    errors: list = []
+    with open_engine(_cfg(model, drafter, pp=pp, **kw), capacity=CAP, max_batch=max_batch, kv_rows=kv_rows) as eng:
+        def one(i, p, n):
+            try:
+                r = eng.generate(p, _cfg(model, drafter, pp=pp, max_new_tokens=n, **kw))
+                got[i] = (r.token_ids, r.stats["drafted"], r.stats["accepted"])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        if max_batch == 1:
+            for i, (p, n) in enumerate(reqs):
+                one(i, p, n)
+        else:
+            threads = [threading.Thread(target=one, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(reqs)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+        stats = eng.batch_stats()
+    assert not errors, errors
+    return [got[i] for i in range(len(reqs))], stats
+
+
+@pytest.mark.parametrize("pp,drafter", [(2, "none"), (2, "ngram"), (2, "model"), (3, "ngram"), (3, "model")])
+def test_requests_batched_down_the_ring_get_their_solo_ids_and_drafts(ray_local, llama, draft_llama, pp, drafter):
+    """Eight requests of 3 to 58 prompt tokens (two prefill chunks of 40 for the long ones) and 5
+    to 40 new tokens, four at a time, ending in the middle of others and admitted while others
+    decode."""
+    kw = dict(draft_model=str(draft_llama)) if drafter == "model" else {}
+    reqs = _prompts(8)
+    solo, _ = _runs(llama, drafter, reqs, **kw)
+    batched, stats = _runs(llama, drafter, reqs, pp=pp, max_batch=4, **kw)
+    assert batched == solo
+    assert stats["max_requests"] >= 2 and stats["eager_steps"] == stats["steps"], stats
+    assert stats["kv_blocks_used"] == 0, stats
+
+
+def test_sampled_requests_batched_down_the_ring_keep_their_generators(ray_local, llama):
+    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
+    reqs = _prompts(6)
+    solo, _ = _runs(llama, "ngram", reqs, **kw)
+    batched, _ = _runs(llama, "ngram", reqs, pp=2, max_batch=3, **kw)
+    assert batched == solo
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_tap_drafters_batched_down_the_ring_read_their_own_taps(ray_local, llama, tmp_path_factory, drafter):
+    """The tapped layers' rows of every request ride behind the step's hidden rows from the
+    stage that holds them to the head, into each request's own sink: every request drafts and
+    accepts what it does alone (pp = 2: taps 0 (and 1) on stage 0, the rest on the head). The
+    random DFlash drafter accepts some drafts, so a wrong tap row would change its counts; the
+    random EAGLE-3 head accepts none, so its case shows the ring's taps do not break it."""
+    if drafter == "dflash":
+        from memra_dist.demo.tiny_dflash import random_dflash
+
+        ddir = random_dflash(tmp_path_factory.mktemp("ppdflash") / "d", llama, seed=2, layers=2, block_size=4,
+                             taps=(0, 2), mask_token_id=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
+    else:
+        from memra_dist.demo.tiny_eagle3 import random_eagle3
+
+        ddir = random_eagle3(tmp_path_factory.mktemp("ppeagle") / "e", llama, seed=2, taps=(0, 1, 3), heads=2,
+                             kv_heads=1, head_dim=16, intermediate_size=64, draft_vocab=96)
+    reqs = _prompts(6)
+    solo, _ = _runs(llama, drafter, reqs, draft_model=str(ddir))
+    batched, stats = _runs(llama, drafter, reqs, pp=2, max_batch=3, draft_model=str(ddir))
+    assert batched == solo
+    assert sum(d for _, d, _ in solo) > 30 and (drafter != "dflash" or any(a for _, _, a in solo))
+    assert stats["max_requests"] >= 2, stats
+
+
+def test_mtp_batched_down_the_ring_drafts_from_the_final_tap(ray_local, tmp_path_factory):
+    """glm4_moe's MTP layer reads the final norm's rows (the head's own tap) and decodes as alone."""
+    from moe_ckpt import save_moe
+
+    path, _ = save_moe(tmp_path_factory.mktemp("ppmtp") / "glm", "glm4_moe", layers=2, n_mtp=1, seed=2)
+    reqs = [(p[:14], n) for p, n in _prompts(5)]
+    solo, _ = _runs(path, "mtp", reqs)
+    batched, _ = _runs(path, "mtp", reqs, pp=2, max_batch=3)
+    assert batched == solo and sum(d for _, d, _ in solo) > 10
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_linear"])
+def test_latent_and_linear_attention_batched_down_the_ring(ray_local, tmp_path_factory, arch):
+    """Latent rows (MLA) in every stage's pool, a recurrent state per request on each stage
+    that holds a KDA layer (made at its first step there, gone at its end)."""
+    if arch == "kimi_linear":
+        from kimi_ckpt import hybrid
+
+        _, path, _ = hybrid()
+    else:
+        from moe_ckpt import save_moe
+
+        path, _ = save_moe(tmp_path_factory.mktemp("ppds") / "ds", "deepseek_v3", layers=2, n_mtp=1, seed=3)
+    reqs = _prompts(5)
+    solo, _ = _runs(path, "ngram", reqs)
+    batched, stats = _runs(path, "ngram", reqs, pp=2, max_batch=3)
+    assert batched == solo
+    assert stats["max_requests"] >= 2 and stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_request_preempted_down_the_ring_comes_back_on_every_stage(ray_local, llama):
+    """A pool that holds four requests' prompts but not their growth (`_crowded`): a growth
+    swaps a request out on every rank (its rows to each stage's host memory) and back into new
+    blocks; every request's ids are its solo ids. The head cannot be gated from here, so a run
+    that happened to admit the requests one after another (no preemption) is run once more."""
+    reqs, kv_rows = _crowded()
+    solo, _ = _runs(llama, "ngram", reqs)
+    for _ in range(3):
+        batched, stats = _runs(llama, "ngram", reqs, pp=2, max_batch=4, kv_rows=kv_rows)
+        assert batched == solo
+        assert stats["kv_blocks_used"] == 0, stats
+        if stats["preemptions"]:
+            break
+    assert stats["preemptions"] >= 1, stats
