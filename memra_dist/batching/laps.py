@@ -11,14 +11,13 @@ from __future__ import annotations
 __all__ = ["timed_step"]
 
 
-def timed_step(batcher, jobs, ids_dev=None):
-    """The step's logits, run eager under one timer; its laps added to each job's timer."""
+def timed_step(batcher, jobs, ids_dev, eager):
+    """The step's logits, run by `eager` (step_forward.eager) under one timer; its laps added to
+    each job's timer."""
     from ..device import Drainer  # noqa: PLC0415
     from ..phase.subsplit import SubsplitTimer  # noqa: PLC0415
 
     step = SubsplitTimer(Drainer(batcher.device))
-    from .step_forward import eager  # noqa: PLC0415 (it imports this module)
-
     out = eager(batcher, jobs, ids_dev, step)
     ns, rows = step.take()
     for t in {id(j.timer): j.timer for j in jobs if j.timer is not None}.values():

@@ -48,7 +48,7 @@ def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -
     chained round reads only its greedy rows, computed before any replay."""
     try:
         if any(j.timer is not None for j in jobs):  # level 2: the step's own sub-split (laps.py)
-            return timed_step(b, jobs, ids_dev)
+            return timed_step(b, jobs, ids_dev, eager)
         if b.graphs is not None and b.graphs.eligible(jobs):
             out = b.graphs.run(jobs, lambda: wake(wakes), ids_dev, any(j.chain is None for j in jobs))
             if out is not None:
