@@ -200,6 +200,8 @@ def test_serve_max_batch_auto_is_decided_where_the_engine_runs(llama):
 
     assert engine_sessions(argparse.Namespace(pp=1, max_batch=None, sessions=None)) == AUTO_MAX_BATCH
     assert engine_sessions(argparse.Namespace(pp=1, max_batch=4, sessions=None)) == 4
+    assert engine_sessions(argparse.Namespace(pp=2, max_batch=6, sessions=None)) == 6  # batched down the ring
+    assert engine_sessions(argparse.Namespace(pp=2, max_batch=None, sessions=None)) == 2  # auto: not at pp > 1
     host = EngineHost(RunConfig(model=str(llama), drafter="ngram", k=3, device="cpu", dtype="fp32", ctx=CAP), None,
                       max_batch=None)
     try:
@@ -217,13 +219,19 @@ def test_max_batch_auto_batches_on_a_gpu_where_the_model_and_drafter_batch(llama
     from memra_dist.batching.policy import AUTO_MAX_BATCH, auto_max_batch, max_batch_arg
     from memra_dist.model.config import load_config
 
-    mcfg = load_config(llama)
+    mcfg = dataclasses.replace(load_config(llama), head_dim=128)  # a shape the paged kernel takes
     assert AUTO_MAX_BATCH == 16
     assert auto_max_batch(_cfg(llama, "ngram"), mcfg, "cuda") == (16, "a GPU")
     assert auto_max_batch(_cfg(llama, "ngram"), mcfg, "cpu")[0] == 1
     assert auto_max_batch(_cfg(llama, "ngram").with_(pp=2), mcfg, "cuda")[0] == 1
     for arch in ("kimi_linear", "deepseek_v3", "glm4_moe"):  # eager steps, not measured on a GPU
         assert auto_max_batch(_cfg(llama, "none"), dataclasses.replace(mcfg, arch=arch), "cuda")[0] == 1
+    # a shape the paged kernel does not take (head_dim 8, the smoke's tiny llama: its lone request
+    # decoded ~140 tok/s batched on an H200, ~3,000 alone), or q / k norms (qwen3): eager steps
+    b, why = auto_max_batch(_cfg(llama, "none"), dataclasses.replace(mcfg, head_dim=8), "cuda")
+    assert b == 1 and "head_dim 8" in why
+    assert auto_max_batch(_cfg(llama, "none"), dataclasses.replace(mcfg, arch="qwen3", qk_norm=True), "cuda")[0] == 1
+    assert auto_max_batch(_cfg(llama, "none", graphs="off"), mcfg, "cuda")[0] == 1
     assert max_batch_arg("auto") is None and max_batch_arg(" AUTO ") is None and max_batch_arg("8") == 8
     with pytest.raises(argparse.ArgumentTypeError, match="a count or auto"):
         max_batch_arg("many")

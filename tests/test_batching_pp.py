@@ -135,3 +135,43 @@ def test_a_request_preempted_down_the_ring_comes_back_on_every_stage(ray_local, 
         if stats["preemptions"]:
             break
     assert stats["preemptions"] >= 1, stats
+
+
+def test_served_requests_batched_down_the_ring_get_their_solo_completions(ray_local, llama):
+    """`serve --pp 2 --max-batch 3`'s engine host behind the HTTP API: five concurrent clients,
+    each completion the one the one-at-a-time server at pp = 1 gives."""
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from memra_dist.config import RunConfig
+    from memra_dist.serve.api import build_app
+    from memra_dist.serve.host import EngineHost
+
+    from test_serve_api import _uvicorn
+
+    bodies = [{"prompt": "the drafter proposes " * (1 + i), "max_tokens": 6 + 4 * i, "temperature": 0} for i in range(5)]
+
+    def serve(pp, max_batch):
+        host = EngineHost(RunConfig(model=str(llama), drafter="ngram", k=3, device="cpu", dtype="fp32", ctx=CAP,
+                                    pp=pp), None, max_batch=max_batch)
+        got = {}
+        try:
+            assert host.sessions == max_batch
+            with _uvicorn(build_app(host, 8)) as base:
+                def one(i):
+                    with httpx.Client(timeout=120) as c:
+                        got[i] = c.post(f"{base}/v1/completions", json=bodies[i]).json()
+
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(120)
+                stats = host.engine.batch_stats()  # before the app's shutdown closes the engine
+        finally:
+            host.close()
+        return [got[i]["choices"][0]["text"] for i in range(len(bodies))], stats
+
+    solo, _ = serve(1, 1)
+    batched, stats = serve(2, 3)
+    assert all(solo) and batched == solo
+    assert stats["max_requests"] >= 2, stats

@@ -6,7 +6,7 @@ import argparse
 
 from ..errors import UserError
 
-__all__ = ["check_batchable", "auto_max_batch", "resolve_max_batch", "max_batch_arg", "BATCHABLE_DRAFTERS", "BATCHABLE_FAMILIES",
+__all__ = ["check_batchable", "auto_max_batch", "eager_steps", "resolve_max_batch", "max_batch_arg", "BATCHABLE_DRAFTERS", "BATCHABLE_FAMILIES",
            "MAX_BATCH", "AUTO_MAX_BATCH"]
 
 BATCHABLE_DRAFTERS = ("none", "ngram", "replay", "model", "dflash", "eagle3", "mtp")
@@ -17,7 +17,8 @@ MAX_BATCH = 256
 # each one's inter-token latency 1.10x its own alone (the issue's bound: 1.3x); 64 reach 35x but
 # at 1.8x the latency. On CPU (2 cores, the tiny shape) batching measured no gain: 1 there.
 AUTO_MAX_BATCH = 16
-# the families whose batched steps run on the paged kernel as CUDA graphs, as measured; glm4_moe's,
+# the families whose batched steps run on the paged kernel as CUDA graphs, as measured (where
+# `eager_steps` finds nothing against it: qwen3's q / k norms keep its steps eager); glm4_moe's,
 # deepseek_v3's and kimi_linear's steps run eager (not measured on a GPU): auto leaves them one at a time
 AUTO_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -34,8 +35,8 @@ def max_batch_arg(s: str) -> int | None:
 
 def auto_max_batch(cfg, mcfg, device_type: str) -> tuple[int, str]:
     """`--max-batch auto`: (B, why): AUTO_MAX_BATCH where the batched engine runs the request
-    as measured (a CUDA device, pp 1, a batchable drafter, a family whose steps are graphed),
-    else 1 (one request at a time)."""
+    as measured (a CUDA device, pp 1, a batchable drafter, a family and shape whose steps are
+    graphed: `eager_steps`), else 1 (one request at a time)."""
     if device_type != "cuda":
         return 1, "not a GPU (batching measured no gain on CPU)"
     if cfg.pp > 1:
@@ -44,7 +45,38 @@ def auto_max_batch(cfg, mcfg, device_type: str) -> tuple[int, str]:
         return 1, f"--drafter {cfg.drafter} does not batch yet"
     if mcfg.arch not in AUTO_FAMILIES:
         return 1, f"the {mcfg.arch} family's batched steps are not measured to pay yet (--max-batch B batches it)"
+    eager = eager_steps(cfg, mcfg)
+    if eager:
+        return 1, f"its batched steps would run eager ({eager}; --max-batch B batches it)"
     return AUTO_MAX_BATCH, "a GPU"
+
+
+def eager_steps(cfg, mcfg) -> str | None:
+    """Why a GPU's batched decode / verify steps would run eager (kernel by kernel, no CUDA graph:
+    batching/graphs.py needs the paged kernel in every layer), or None when they replay graphs.
+    Eager, a step costs ~8.5 ms of host launches even for a tiny model (measured on an H200: a
+    lone request of a 2-layer model decoded 120-170 tok/s batched, 1,800-3,200 alone), so auto
+    does not batch there.
+
+    >>> from types import SimpleNamespace as NS
+    >>> c = NS(graphs="auto", kernels="auto")
+    >>> eager_steps(c, NS(head_dim=128, qk_norm=False)) is None
+    True
+    >>> eager_steps(c, NS(head_dim=8, qk_norm=False))
+    'head_dim 8: the paged kernel takes powers of two from 16'
+    >>> eager_steps(c, NS(head_dim=128, qk_norm=True))
+    'q / k norms: the rotary kernel does not take them'
+    >>> eager_steps(NS(graphs="off", kernels="auto"), NS(head_dim=128, qk_norm=False))
+    '--graphs off'
+    """
+    if cfg.graphs == "off" or cfg.kernels == "off":
+        return "--graphs off" if cfg.graphs == "off" else "--kernels off"
+    hd = mcfg.head_dim
+    if hd < 16 or hd & (hd - 1):
+        return f"head_dim {hd}: the paged kernel takes powers of two from 16"
+    if mcfg.qk_norm:
+        return "q / k norms: the rotary kernel does not take them"
+    return None
 
 
 def resolve_max_batch(max_batch: int | None, cfg, mcfg) -> int:

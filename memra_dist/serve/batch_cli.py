@@ -47,10 +47,11 @@ def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
                    help="requests in flight at once (--pp > 1; default: one per stage, so every stage "
                         "works; each is a cache slot of --ctx rows on every stage); --pp 1 runs one at a time")
     b.add_argument("--max-batch", type=max_batch_arg, default=None, metavar="B",
-                   help="--pp 1: up to B requests in flight with their forwards joined into one (continuous "
-                        "batching over a paged KV cache; every drafter and family); each request gets the ids "
+                   help="up to B requests in flight with their forwards joined into one (at --pp > 1 one step "
+                        "down the ring; continuous batching over a paged KV cache; every drafter and family); each "
+                        "request gets the ids "
                         f"it gets alone; 1: one after another (default auto: {AUTO_MAX_BATCH} on a GPU for "
-                        "llama / qwen2 / qwen3, whose batched steps are measured, else 1)")
+                        "llama / qwen2 / qwen3 shapes whose batched steps replay CUDA graphs, as measured, else 1)")
     b.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="with --max-batch: at most N rows a forward (default: max(--prefill-chunk, B x (k + 1)))")
     b.add_argument("--kv-rows", type=int, default=None, metavar="N",

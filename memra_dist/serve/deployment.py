@@ -56,11 +56,12 @@ class MemraServer:
 
 
 def engine_sessions(args) -> int:
-    """The sessions the engine keeps in flight (open_engine's rule: one per stage by default, 1 at pp=1
-    unless --max-batch batches requests there; auto: at most AUTO_MAX_BATCH, as the replica decides)."""
-    if args.pp > 1:
-        return args.sessions or args.pp
+    """The sessions the engine keeps in flight (open_engine's rule: one per stage by default, 1 at pp=1,
+    unless --max-batch batches requests; auto: at most AUTO_MAX_BATCH at pp=1, as the replica
+    decides, and no batching at pp > 1)."""
     b = getattr(args, "max_batch", 1)
+    if args.pp > 1:
+        return b if b not in (None, 1) else args.sessions or args.pp
     return AUTO_MAX_BATCH if b is None else b
 
 

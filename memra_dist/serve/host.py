@@ -100,7 +100,7 @@ def _opener_takes_sessions(opener) -> bool:
 class EngineHost:
     """Enters `open_engine` once (here) and exits it in `close`; in between, `run` serves
     requests from up to `sessions` threads at once (None: the engine's default; with
-    `max_batch` > 1 at pp=1, that many requests batched into shared forwards; None: `--max-batch
+    `max_batch` > 1, that many requests batched into shared forwards; None: `--max-batch
     auto`, decided here, where the engine runs: batching/policy.py `auto_max_batch`)."""
 
     def __init__(self, cfg, sessions: int | None = None, *, open_engine=None, tokenizer=None, mcfg=None,
@@ -125,7 +125,7 @@ class EngineHost:
         self._stack = ExitStack()
         try:
             self.concurrent = _opener_takes_sessions(open_engine)
-            if max_batch != 1:  # pp=1: the requests' forwards joined (memra_dist/batching/)
+            if max_batch != 1:  # the requests' forwards joined (memra_dist/batching/; pp > 1: down the ring)
                 cm = open_engine(cfg, None, sessions=sessions, max_batch=max_batch)
             elif self.concurrent:
                 cm = open_engine(cfg, None, sessions=sessions)

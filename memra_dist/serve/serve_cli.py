@@ -31,8 +31,9 @@ once, --pp > 1) in one Serve replica, which answers
                           "seed": 0, "stream": true}  (stream: Server-Sent Events, data: [DONE] last)
   GET  /v1/models, GET /health, GET /metrics (Prometheus text)
 
-Up to --sessions requests generate at once (at --pp 1, --max-batch batches that many into
-shared forwards: by default 16 on a GPU for llama / qwen2 / qwen3, else 1); up to --max-queue more wait for a session, and a
+Up to --sessions requests generate at once (--max-batch batches that many into shared
+forwards: by default 16 on a GPU at --pp 1 for llama / qwen2 / qwen3 shapes whose batched
+steps replay CUDA graphs, else 1); up to --max-queue more wait for a session, and a
 request beyond that is answered 429 at once. A bad body is a 400 naming the field; a prompt
 that does not fit the context (--ctx) is a 400; a body that is not JSON, a 415; one over
 --max-body-bytes, a 413; one not whole within 10 s, a 408. A client that disconnects frees
@@ -62,11 +63,12 @@ def _add_args(p: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
                    help="requests the engine generates at once, each in its own context rows (default: one per "
                         "pipeline stage, --pp; at --pp 1 requests run one at a time)")
     g.add_argument("--max-batch", type=max_batch_arg, default=None, metavar="B",
-                   help="--pp 1: up to B requests generate at once with their forwards joined into one "
+                   help="up to B requests generate at once with their forwards joined into one (at --pp > 1 "
+                        "one step down the ring) "
                         "(continuous batching over a paged KV cache; every drafter and family); each gets the ids "
                         f"it gets alone; 1: one at a time (default auto, decided where the engine is placed: "
-                        f"{AUTO_MAX_BATCH} on a GPU for llama / qwen2 / qwen3, whose batched steps are measured, "
-                        "else 1)")
+                        f"{AUTO_MAX_BATCH} on a GPU for llama / qwen2 / qwen3 shapes whose batched steps "
+                        "replay CUDA graphs, as measured, else 1)")
     g.add_argument("--max-queue", type=int, default=16, metavar="Q",
                    help="requests that may wait for a session; one more is answered 429 (default 16)")
     g.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES), metavar="N",
