@@ -268,4 +268,6 @@ def test_a_request_going_ahead_streams_each_token_as_its_step_ends(llama):
         stats = eng._backend.stats()
     assert len(out.token_ids) == n and stats["ahead_steps"] >= n // 2, stats
     lag = [s - i for i, s in enumerate(seen)]  # steps ended when the stream got its i-th call (the anchor: 1 step)
-    assert max(lag) - min(lag) <= 4, seen  # a burst at the end would lag by the whole run
+    # a burst at the end would lag by the whole run (~n); a woken thread may wait a few steps for
+    # the GIL on a loaded machine (one run on 2 busy cores lagged 5), so the bound is n / 4
+    assert max(lag) - min(lag) <= n // 4, seen
