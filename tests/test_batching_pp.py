@@ -175,3 +175,40 @@ def test_served_requests_batched_down_the_ring_get_their_solo_completions(ray_lo
     batched, stats = serve(2, 3)
     assert all(solo) and batched == solo
     assert stats["max_requests"] >= 2, stats
+
+
+@pytest.mark.slow  # a CLI process with its own Ray
+def test_each_batch_step_down_the_ring_is_a_stage_span_on_every_rank(llama, tmp_path):
+    """`batch --pp 2 --max-batch 3 --trace-level 1`: every rank records its part of each batch
+    step as one stage.forward span (phase "batch", the step's id, requests and rows), inside the
+    trace of a request that rode the step, so "which stage is the bottleneck" reads across the
+    ranks for batched steps too; each request keeps its own spec.round spans."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from test_trace_pipeline import _attr, _env, _spans_by_role
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": "the phase clock drains " * (1 + i % 3),
+                                       "max_new_tokens": 8 + 3 * i}) + "\n" for i in range(5)))
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "memra_dist.cli", "batch", "--model", str(llama), "--input", str(inp),
+                        "--output", str(tmp_path / "out.jsonl"), "--device", "cpu", "--pp", "2", "--max-batch", "3",
+                        "--trace-level", "1", "--run-dir", str(run_dir)],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    steps = int(re.search(r"\[batch\] batched: (\d+) steps", p.stderr).group(1))
+    spans = _spans_by_role(run_dir)
+    traces = {s["traceId"] for s in spans["driver"] if s["name"] == "memra.request"}
+    assert len(traces) == 5
+    for role, stage in (("stage", 0), ("head", 1)):
+        fw = [s for s in spans[role] if s["name"] == "stage.forward"]
+        assert sorted(_attr(s, "memra.batch.step") for s in fw) == list(range(steps)), role
+        assert all(_attr(s, "memra.phase") == "batch" and _attr(s, "memra.stage") == stage for s in fw)
+        assert all(_attr(s, "memra.rows") == _attr(s, "memra.batch.rows") >= _attr(s, "memra.batch.requests") >= 1
+                   for s in fw)
+        assert {s["traceId"] for s in fw} <= traces and len({s["traceId"] for s in fw}) >= 2
+    rounds = [s for s in spans["head"] if s["name"] == "spec.round"]
+    assert {s["traceId"] for s in rounds} == traces

@@ -45,9 +45,10 @@ class ActorTracing:
     def stage_spans(self, carriers: dict[int, dict], records: list[tuple]) -> None:
         """records: (t0_ns, t1_ns, start, rows, round, free_mb, label, request, slot) per
         forward, `request` keying `carriers` (each request's W3C context: its own trace) and
-        `slot` the session's cache slot (sessions in flight interleave). Only the
-        records not yet emitted become spans (a later call with the same, longer list adds
-        the rest)."""
+        `slot` the session's cache slot (sessions in flight interleave); a batched pipeline's
+        step (pipeline/batch_stage.py) adds its attributes (the step's id, requests and rows:
+        phase "batch"), under the trace of its first request. Only the records not yet emitted
+        become spans (a later call with the same, longer list adds the rest)."""
         if not self.enabled:
             return
         with self._emit_lock:  # held while building: a second caller waits, then finds nothing left
@@ -55,15 +56,17 @@ class ActorTracing:
             todo = records[emitted:]
             self._tally = (made + len(todo), len(records))  # at stake from here, built or not
             parents: dict[int, object] = {}
-            for t0, t1, start, rows, rnd, mb, label, req, slot in todo:
+            for t0, t1, start, rows, rnd, mb, label, req, slot, *batch in todo:
                 if req not in parents:
                     parents[req] = self.parent(carriers.get(req, {}))
+                attrs = {ATTR["stage"]: self.stage, ATTR["rows"]: rows, free_mb_attr(label): mb}
+                if batch:
+                    attrs.update(batch[0], **{ATTR["phase"]: "batch"})
+                else:
+                    attrs.update({ATTR["session"]: slot, ATTR["ctx"]: start, ATTR["round"]: rnd,
+                                  ATTR["phase"]: "verify" if rnd >= 0 else "prime"})
                 s = self.tracer.start_span(SPAN_STAGE_FORWARD, context=parents[req], start_time=t0 + self.offset,
-                                           attributes={ATTR["stage"]: self.stage, ATTR["session"]: slot,
-                                                       ATTR["rows"]: rows,
-                                                       ATTR["ctx"]: start, ATTR["round"]: rnd,
-                                                       ATTR["phase"]: "verify" if rnd >= 0 else "prime",
-                                                       free_mb_attr(label): mb})
+                                           attributes=attrs)
                 s.end(end_time=t1 + self.offset)
 
     def at_stake(self, records: list) -> int:

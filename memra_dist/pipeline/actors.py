@@ -155,7 +155,7 @@ class StageWorker(_Worker):
                 if op == Op.BATCH_OPEN:
                     self.batch = StageBatch(self, row[0], row[1])
                 else:
-                    served += self.batch.op(op, row, rows, flags)
+                    served += self.batch.op(op, row, rows, flags, arg, slot)
             elif op == Op.END:
                 return served
 
@@ -296,6 +296,7 @@ class HeadWorker(_Worker):
                 s.target = None
                 s.held = self.batch.session(plan or self.plan, prompt, s.spans, carrier)
                 s.request = s.held.__enter__()
+                self.batch.batcher.remote.index_of[s.request.target.rid] = index  # its steps' spans join its trace
             else:
                 s.request = Request(s.target, plan or self.plan, prompt, s.spans, drafter=s.drafter)
             first = self._guarded(s.request.start)

@@ -17,28 +17,47 @@ has (the phase clock's transitive bound, as for a single request's verify at pp 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..batching.step_plan import pack, swap_row
+from ..device import free_mb
 from ..phase.subsplit import SUB_BUCKETS
+from ..tracing.conventions import ATTR
 from .transport import Flag, Op
 
 __all__ = ["RingWalk", "RemoteKV", "open_batched"]
 
 
 class RingWalk:
-    """The earlier stages of a batched step, down the ring (Batcher.remote)."""
+    """The earlier stages of a batched step, down the ring (Batcher.remote). Traced (level >= 1),
+    every stage records its part of each step (a `stage.forward` span with the step's id,
+    requests and rows, under the trace of the step's first request: `index_of`), the head's own
+    part between two drains of its stream (`head`)."""
 
-    def __init__(self, ring, hidden: int, dtype, remote_taps: tuple[int, ...]):
+    def __init__(self, ring, hidden: int, dtype, remote_taps: tuple[int, ...], traced: bool = False,
+                 records: list | None = None, label: str = "", drain=None):
         self.ring, self.hidden, self.dtype, self.remote_taps = ring, hidden, dtype, tuple(remote_taps)
+        self.traced, self.records, self.label = traced, records if records is not None else [], label
+        self.drain = drain  # the head's stream drained (traced: its part of a step between two drains)
+        self.index_of: dict = {}  # batch slot id -> the request's index (its trace context on every rank)
 
-    def walk(self, pool, jobs, x: torch.Tensor, pos: torch.Tensor, timer=None):
+    def _tag(self, b, jobs) -> tuple[int, int, dict]:
+        """(the request whose trace a step's spans join, the step's id, its span attributes)."""
+        rows = sum(j.n for j in jobs)
+        return self.index_of.get(jobs[0].rid, -1), b.stats.steps, {ATTR["batch_step"]: b.stats.steps,
+                                                                    ATTR["batch_requests"]: len(jobs),
+                                                                    ATTR["batch_rows"]: rows}
+
+    def walk(self, b, jobs, x: torch.Tensor, pos: torch.Tensor, timer=None):
         """The step's plan sent, the last stage's rows received -> (hidden rows, {tap: rows})."""
-        parts = [(j.rid, j.start, j.n, j.width, pool.table(j.rid)) for j in jobs]
+        parts = [(j.rid, j.start, j.n, j.width, b.pool.table(j.rid)) for j in jobs]
         ids = [int(i) for j in jobs for i in (j.ids.tolist() if torch.is_tensor(j.ids) else j.ids)]
         rows = len(ids)
-        flags = Flag.TIMED if timer is not None else 0
-        ticket = self.ring.command_row(Op.BATCH, pack(parts, ids), rows=rows, flags=flags)
+        flags = (Flag.TIMED if timer is not None else 0) | (Flag.TRACED if self.traced else 0)
+        index, step, _ = self._tag(b, jobs)
+        ticket = self.ring.command_row(Op.BATCH, pack(parts, ids), rows=rows, flags=flags, arg=index, slot=step)
         H = self.hidden
         want = [((rows, H), self.dtype)]
         if self.remote_taps:
@@ -48,9 +67,23 @@ class RingWalk:
         got = self.ring.receive(ticket, want)
         taps = {t: got[1][:, i * H:(i + 1) * H] for i, t in enumerate(self.remote_taps)} if self.remote_taps else {}
         if timer is not None:
-            for b, ns in zip(SUB_BUCKETS, got[-1].tolist()):
-                timer.ns[b] += ns
+            for bucket, ns in zip(SUB_BUCKETS, got[-1].tolist()):
+                timer.ns[bucket] += ns
         return got[0], taps
+
+    def head(self, b, jobs, run):
+        """The head's own layers of a step (`run()`), recorded between drains when traced."""
+        if not self.traced:
+            return run()
+        drain = self.drain
+        drain()
+        t0 = time.perf_counter_ns()
+        out = run()
+        drain()
+        index, _, attrs = self._tag(b, jobs)
+        self.records.append((t0, time.perf_counter_ns(), 0, attrs[ATTR["batch_rows"]], -1, free_mb(b.device),
+                             self.label, index, -1, attrs))
+        return out
 
 
 class RemoteKV:
@@ -83,7 +116,9 @@ def open_batched(head, max_batch: int, max_tokens: int | None, kv_rows: int | No
 
     backend = BatchedBackend(head.plan, max_batch, max_tokens, kv_rows, runner=head.runner)
     b = backend.batcher
-    b.remote = RingWalk(head.ring, head.runner.cfg.hidden_size, head.runner.dtype, head.remote_taps)
+    b.remote = RingWalk(head.ring, head.runner.cfg.hidden_size, head.runner.dtype, head.remote_taps,
+                        traced=head.cfg.trace.level >= 1, records=head.records, label=head.runner.label,
+                        drain=head.runner.drain)
     b.kv = RemoteKV(b.kv, head.ring)
     head.ring.command_row(Op.BATCH_OPEN, [b.pool.rows, b.pool.block])
     return backend

@@ -12,12 +12,16 @@ back into its new slots at SWAP_IN, bitwise."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..batching.paged import BatchView, PagedKV
 from ..batching.step_forward import stage_layers
 from ..batching.step_plan import TablePool, unpack, unswap_row
+from ..device import free_mb
 from ..phase.subsplit import SUB_BUCKETS, SubsplitTimer
+from ..tracing.conventions import ATTR
 from .transport import Flag, Op
 
 __all__ = ["StageBatch", "BATCH_OPS"]
@@ -37,10 +41,20 @@ class StageBatch:
         self.saved: dict = {}  # preempted requests' rows in host memory
         self.mine = worker.own_taps  # the tap layers this stage holds, in tap order
 
-    def op(self, op: int, row: list[int], rows: int, flags: int) -> int:
-        """One batched command; returns the forwards it served."""
+    def op(self, op: int, row: list[int], rows: int, flags: int, arg: int = -1, slot: int = 0) -> int:
+        """One batched command; returns the forwards it served. A traced step (arg: the request
+        whose trace its span joins, slot: the step's id) is recorded between drains."""
         if op == Op.BATCH:
-            self._step(row, rows, flags)
+            if not flags & Flag.TRACED:
+                self._step(row, rows, flags)
+                return 1
+            run = self.run
+            run.drain()
+            t0 = time.perf_counter_ns()
+            nseg = self._step(row, rows, flags)
+            run.drain()
+            self.w.records.append((t0, time.perf_counter_ns(), 0, rows, -1, free_mb(run.device), run.label, arg, -1,
+                                   {ATTR["batch_step"]: slot, ATTR["batch_requests"]: nseg, ATTR["batch_rows"]: rows}))
             return 1
         if op == Op.SWAP_OUT:
             rid, slots = unswap_row(row)
@@ -56,7 +70,7 @@ class StageBatch:
         return 0
 
     @torch.inference_mode()
-    def _step(self, row: list[int], rows: int, flags: int) -> None:
+    def _step(self, row: list[int], rows: int, flags: int) -> int:
         w, run, link = self.w, self.run, self.w.link
         parts, ids = unpack(row)
         dev = run.device
@@ -87,3 +101,4 @@ class StageBatch:
             ns, _rows = timer.take()
             sub += torch.tensor([ns[b] for b in SUB_BUCKETS], device=dev)
             link.send(sub)
+        return len(parts)

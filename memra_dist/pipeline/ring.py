@@ -49,14 +49,14 @@ class Ring:
         with self._send, self._io:
             self.link.send_cmd(op, start, 0, 0, arg, slot=slot, buf=buf)
 
-    def command_row(self, op: int, row: list[int], rows: int = 0, flags: int = 0, arg: int = 0) -> int:
+    def command_row(self, op: int, row: list[int], rows: int = 0, flags: int = 0, arg: int = 0, slot: int = 0) -> int:
         """A command with an int64 row behind it (a batched pipeline's: batching/step_plan.py);
         returns its ticket (a BATCH step's results are received with it; others return none
         and take no ticket)."""
         t = torch.tensor(row, dtype=torch.long).to(self.device)
         with self._send:
             with self._io:
-                self.link.send_cmd(op, len(row), rows, flags, arg, buf=self._row_buf)
+                self.link.send_cmd(op, len(row), rows, flags, arg, slot=slot, buf=self._row_buf)
                 self.link.send(t)
             if op != Op.BATCH:
                 return -1

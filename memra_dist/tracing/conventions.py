@@ -35,7 +35,7 @@ TTFT_BUCKETS = (
     "first_draft", "first_verify", "first_accept", "first_roll", "first_maint",
 )
 SPAN_PRIME_CHUNK = "ttft.prime.chunk"  # one prefill chunk of the target's prime (under ttft.prime)
-SPAN_STAGE_FORWARD = "stage.forward"  # a pipeline stage's share of one forward walk
+SPAN_STAGE_FORWARD = "stage.forward"  # a pipeline stage's share of one forward walk (or of one batch step)
 
 
 def ttft_span(bucket: str) -> str:
@@ -51,7 +51,7 @@ ATTR = {
     "ctx": "memra.ctx",  # committed target rows at round entry (int)
     "stage": "memra.stage",  # pipeline stage index (int)
     "session": "memra.session",  # on stage spans: the cache slot of the session served (int)
-    "phase": "memra.phase",  # on stage spans: the phase the forward served
+    "phase": "memra.phase",  # on stage spans: the phase the forward served (prime, verify; batch: a batched pipeline step)
     "rows": "memra.rows",  # rows in a forward (int)
     "scan_ms": "memra.scan_ms",  # KDA recurrent-scan share inside spec.verify.kda (ms)
     "seq_rows": "memra.seq_rows",  # verify rows that took a per-row mixer arm (int)

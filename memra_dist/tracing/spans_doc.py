@@ -30,7 +30,8 @@ ATTR_DOC = {
     "ctx": ("{row}", "round, phase, stage spans", "committed target rows at round entry (a stage span: the forward's first row)"),
     "stage": ("", "stage.forward", "pipeline stage index (0 = the first layers)"),
     "session": ("", "stage.forward", "the session slot the forward served (sessions in flight interleave across the stages)"),
-    "phase": ("", "stage.forward", "`prime` or `verify`: what the forward served"),
+    "phase": ("", "stage.forward", "`prime` or `verify`: what the forward served; `batch`: one step of a batched "
+                                   "pipeline (--pp > 1 --max-batch B), with the step's memra.batch.* attributes"),
     "rows": ("{row}", "stage.forward, ttft.prime.chunk", "rows in the forward (a prime chunk: the chunk's rows)"),
     "chunk": ("", "ttft.prime.chunk", "the chunk's index in the target's prime (0 = the prompt's first rows)"),
     "prime_chunks": ("", "memra.first_token", "prefill forwards of the target's prime (--prefill-chunk rows at most; "
@@ -104,11 +105,11 @@ ATTR_DOC = {
                         "(the drafter reads no taps)"),
     "drafted": ("{token}", "memra.request", "drafted tokens over the request"),
     "accepted_total": ("{token}", "memra.request", "accepted drafts over the request"),
-    "batch_step": ("", "spec.round, spec.verify", "a batched request (--max-batch > 1): the id of the batch step its "
+    "batch_step": ("", "spec.round, spec.verify, stage.forward", "a batched request (--max-batch > 1): the id of the batch step its "
                    "verify rows rode in; every request of that step names the same id, so filtering on it shows "
                    "the step's requests side by side"),
-    "batch_requests": ("", "spec.verify, spec.round (leader, level 1)", "requests whose rows the batch step held (decode, verify and prefill)"),
-    "batch_rows": ("{row}", "spec.verify, spec.round (leader, level 1)", "rows the batch step held, every request's"),
+    "batch_requests": ("", "spec.verify, spec.round (leader, level 1), stage.forward", "requests whose rows the batch step held (decode, verify and prefill)"),
+    "batch_rows": ("{row}", "spec.verify, spec.round (leader, level 1), stage.forward", "rows the batch step held, every request's"),
     "batch_wait_ms": ("ms", "spec.verify, spec.round (leader, level 1)", "share of the verify: its rows waiting for the batch step to start "
                       "(the others' submissions: until 5 ms pass with none new, at most 20 ms; or a step already running)"),
     "batch_forward_ms": ("ms", "spec.verify, spec.round (leader, level 1)", "share of the verify: the batch step's forward, host to host (on a "
@@ -131,7 +132,8 @@ _SPANS = [
     *[(C.ttft_span(b), C.SPAN_FIRST_TOKEN, "driver / head", "first-token bucket " + b) for b in C.TTFT_BUCKETS],
     (C.SPAN_PRIME_CHUNK, C.ttft_span("prime"), "driver / head", "profile on: one prefill chunk of the target's prime "
      "(laid end to end inside ttft.prime; pp > 1: each stage's own chunk spans are its stage.forward spans)"),
-    (C.SPAN_STAGE_FORWARD, C.SPAN_REQUEST, "stage", "pp > 1: a stage actor's share of one forward walk (its layers, drained)"),
+    (C.SPAN_STAGE_FORWARD, C.SPAN_REQUEST, "stage", "pp > 1: a stage actor's share of one forward walk (its layers, drained); batched, of one "
+     "step of every request's rows, in the trace of the step's first request"),
 ]
 
 
