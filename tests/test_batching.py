@@ -290,37 +290,46 @@ def test_batch_job_with_max_batch_writes_the_records_of_one_at_a_time(llama, tmp
     assert not (tmp_path / "bad.jsonl").exists()
 
 
+def _five_clients(host, during=None) -> list[str]:
+    """Five concurrent HTTP clients of `host` behind the API (prompts and lengths of their own,
+    greedy) -> their completions' texts; `during(host)` runs once they are done, before the
+    app's shutdown closes the engine."""
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from memra_dist.serve.api import build_app
+
+    from test_serve_api import _uvicorn
+
+    bodies = [{"prompt": "the drafter proposes " * (1 + i), "max_tokens": 6 + 4 * i, "temperature": 0} for i in range(5)]
+    got = {}
+    with _uvicorn(build_app(host, 8)) as base:
+        def one(i):
+            with httpx.Client(timeout=120) as c:
+                got[i] = c.post(f"{base}/v1/completions", json=bodies[i]).json()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        if during is not None:
+            during(host)
+    return [got[i]["choices"][0]["text"] for i in range(len(bodies))]
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 def test_served_requests_batched_get_their_solo_completions(llama, draft_llama, drafter):
     """`serve --max-batch 3`'s engine host behind the HTTP API: five concurrent clients, each
     completion equal to the one the one-at-a-time server gives (the draft model's steps
     batched too, over its own pool)."""
-    pytest.importorskip("uvicorn")
-    httpx = pytest.importorskip("httpx")
-    from memra_dist.serve.api import build_app
     from memra_dist.serve.host import EngineHost
-
-    from test_serve_api import _uvicorn
-
-    bodies = [{"prompt": "the drafter proposes " * (1 + i), "max_tokens": 6 + 4 * i, "temperature": 0} for i in range(5)]
 
     def serve(max_batch):
         cfg = RunConfig(model=str(llama), drafter=drafter, k=3, device="cpu", dtype="fp32", ctx=CAP,
                         **({"draft_model": str(draft_llama)} if drafter == "model" else {}))
         host = EngineHost(cfg, None, max_batch=max_batch)
         assert host.sessions == max_batch
-        got = {}
-        with _uvicorn(build_app(host, 8)) as base:
-            def one(i):
-                with httpx.Client(timeout=120) as c:
-                    got[i] = c.post(f"{base}/v1/completions", json=bodies[i]).json()
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-        return [got[i]["choices"][0]["text"] for i in range(len(bodies))], host
+        return _five_clients(host), host
 
     solo, _ = serve(1)
     batched, host = serve(3)
@@ -507,6 +516,19 @@ def test_requests_coming_back_one_after_another_ride_one_step(llama, monkeypatch
     assert st["gap_ms"] >= 12 * (rounds - 2) and st["busy"] < 0.2, st
 
 
+def _tap_drafter(drafter: str, llama, tmp_path_factory):
+    """A random tiny DFlash drafter (taps 0, 2) or EAGLE-3 head (taps 0, 1, 3) over `llama`."""
+    if drafter == "dflash":
+        from memra_dist.demo.tiny_dflash import random_dflash
+
+        return random_dflash(tmp_path_factory.mktemp("bdflash") / "d", llama, seed=2, layers=2, block_size=4,
+                             taps=(0, 2), mask_token_id=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
+    from memra_dist.demo.tiny_eagle3 import random_eagle3
+
+    return random_eagle3(tmp_path_factory.mktemp("beagle") / "e", llama, seed=2, taps=(0, 1, 3), heads=2,
+                         kv_heads=1, head_dim=16, intermediate_size=64, draft_vocab=96)
+
+
 @pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
 def test_tap_drafters_batched_draft_exactly_what_they_draft_alone(llama, tmp_path_factory, drafter, monkeypatch):
     """A tap drafter reads its request's own tap sink, which every batched step fills with the
@@ -514,17 +536,10 @@ def test_tap_drafters_batched_draft_exactly_what_they_draft_alone(llama, tmp_pat
     every proposal of every round equals the request's solo proposal (greedy ids alone could
     not show it: they are the target's whatever the drafts), and the ids are the solo ids."""
     if drafter == "dflash":
-        from memra_dist.demo.tiny_dflash import random_dflash
         from memra_dist.specdec.drafters.dflash import DFlashDrafter as cls
-
-        ddir = random_dflash(tmp_path_factory.mktemp("bdflash") / "d", llama, seed=2, layers=2, block_size=4,
-                             taps=(0, 2), mask_token_id=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
     else:
-        from memra_dist.demo.tiny_eagle3 import random_eagle3
         from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter as cls
-
-        ddir = random_eagle3(tmp_path_factory.mktemp("beagle") / "e", llama, seed=2, taps=(0, 1, 3), heads=2,
-                             kv_heads=1, head_dim=16, intermediate_size=64, draft_vocab=96)
+    ddir = _tap_drafter(drafter, llama, tmp_path_factory)
     seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     real = cls.propose
 

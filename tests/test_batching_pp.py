@@ -14,7 +14,7 @@ import pytest
 from memra_dist.app import open_engine
 from memra_dist.specdec.sampling import SamplingParams
 
-from test_batching import CAP, _cfg, _crowded, _prompts
+from test_batching import CAP, _cfg, _crowded, _five_clients, _prompts, _tap_drafter
 
 
 def _runs(model, drafter, reqs, pp=1, max_batch=1, kv_rows=None, **kw):
@@ -73,16 +73,7 @@ def test_tap_drafters_batched_down_the_ring_read_their_own_taps(ray_local, llama
     accepts what it does alone (pp = 2: taps 0 (and 1) on stage 0, the rest on the head). The
     random DFlash drafter accepts some drafts, so a wrong tap row would change its counts; the
     random EAGLE-3 head accepts none, so its case shows the ring's taps do not break it."""
-    if drafter == "dflash":
-        from memra_dist.demo.tiny_dflash import random_dflash
-
-        ddir = random_dflash(tmp_path_factory.mktemp("ppdflash") / "d", llama, seed=2, layers=2, block_size=4,
-                             taps=(0, 2), mask_token_id=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
-    else:
-        from memra_dist.demo.tiny_eagle3 import random_eagle3
-
-        ddir = random_eagle3(tmp_path_factory.mktemp("ppeagle") / "e", llama, seed=2, taps=(0, 1, 3), heads=2,
-                             kv_heads=1, head_dim=16, intermediate_size=64, draft_vocab=96)
+    ddir = _tap_drafter(drafter, llama, tmp_path_factory)
     reqs = _prompts(6)
     solo, _ = _runs(llama, drafter, reqs, draft_model=str(ddir))
     batched, stats = _runs(llama, drafter, reqs, pp=2, max_batch=3, draft_model=str(ddir))
@@ -140,36 +131,19 @@ def test_a_request_preempted_down_the_ring_comes_back_on_every_stage(ray_local, 
 def test_served_requests_batched_down_the_ring_get_their_solo_completions(ray_local, llama):
     """`serve --pp 2 --max-batch 3`'s engine host behind the HTTP API: five concurrent clients,
     each completion the one the one-at-a-time server at pp = 1 gives."""
-    pytest.importorskip("uvicorn")
-    httpx = pytest.importorskip("httpx")
     from memra_dist.config import RunConfig
-    from memra_dist.serve.api import build_app
     from memra_dist.serve.host import EngineHost
-
-    from test_serve_api import _uvicorn
-
-    bodies = [{"prompt": "the drafter proposes " * (1 + i), "max_tokens": 6 + 4 * i, "temperature": 0} for i in range(5)]
 
     def serve(pp, max_batch):
         host = EngineHost(RunConfig(model=str(llama), drafter="ngram", k=3, device="cpu", dtype="fp32", ctx=CAP,
                                     pp=pp), None, max_batch=max_batch)
-        got = {}
+        stats = {}
         try:
             assert host.sessions == max_batch
-            with _uvicorn(build_app(host, 8)) as base:
-                def one(i):
-                    with httpx.Client(timeout=120) as c:
-                        got[i] = c.post(f"{base}/v1/completions", json=bodies[i]).json()
-
-                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(120)
-                stats = host.engine.batch_stats()  # before the app's shutdown closes the engine
+            texts = _five_clients(host, lambda h: stats.update(h.engine.batch_stats() or {}))
         finally:
             host.close()
-        return [got[i]["choices"][0]["text"] for i in range(len(bodies))], stats
+        return texts, stats
 
     solo, _ = serve(1, 1)
     batched, stats = serve(2, 3)
