@@ -44,15 +44,16 @@ def _runs(model, drafter, reqs, pp=1, max_batch=1, kv_rows=None, **kw):
     return [got[i] for i in range(len(reqs))], stats
 
 
-@pytest.mark.parametrize("pp,drafter", [(2, "none"), (2, "ngram"), (2, "model"), (3, "ngram"), (3, "model")])
+@pytest.mark.parametrize("pp,drafter", [(2, "none"), (2, "ngram"), (2, "model"), (3, "none"), (3, "ngram"),
+                                        (3, "model")])
 def test_requests_batched_down_the_ring_get_their_solo_ids_and_drafts(ray_local, llama, draft_llama, pp, drafter):
-    """Eight requests of 3 to 58 prompt tokens (two prefill chunks of 40 for the long ones) and 5
-    to 40 new tokens, four at a time, ending in the middle of others and admitted while others
+    """Twelve requests of 3 to 58 prompt tokens (two prefill chunks of 40 for the long ones) and
+    5 to 40 new tokens, six at a time, ending in the middle of others and admitted while others
     decode."""
     kw = dict(draft_model=str(draft_llama)) if drafter == "model" else {}
-    reqs = _prompts(8)
+    reqs = _prompts(12)
     solo, _ = _runs(llama, drafter, reqs, **kw)
-    batched, stats = _runs(llama, drafter, reqs, pp=pp, max_batch=4, **kw)
+    batched, stats = _runs(llama, drafter, reqs, pp=pp, max_batch=6, **kw)
     assert batched == solo
     assert stats["max_requests"] >= 2 and stats["eager_steps"] == stats["steps"], stats
     assert stats["kv_blocks_used"] == 0, stats
@@ -66,30 +67,32 @@ def test_sampled_requests_batched_down_the_ring_keep_their_generators(ray_local,
     assert batched == solo
 
 
-@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
-def test_tap_drafters_batched_down_the_ring_read_their_own_taps(ray_local, llama, tmp_path_factory, drafter):
+@pytest.mark.parametrize("pp,drafter", [(2, "dflash"), (2, "eagle3"), (3, "dflash"), (3, "eagle3")])
+def test_tap_drafters_batched_down_the_ring_read_their_own_taps(ray_local, llama, tmp_path_factory, pp, drafter):
     """The tapped layers' rows of every request ride behind the step's hidden rows from the
     stage that holds them to the head, into each request's own sink: every request drafts and
-    accepts what it does alone (pp = 2: taps 0 (and 1) on stage 0, the rest on the head). The
+    accepts what it does alone (pp 2: taps 0 (and 1) on stage 0, the rest on the head; pp 3: the
+    4 layers as 2 / 1 / 1, so a middle stage passes stage 0's taps on with its own). The
     random DFlash drafter accepts some drafts, so a wrong tap row would change its counts; the
     random EAGLE-3 head accepts none, so its case shows the ring's taps do not break it."""
     ddir = _tap_drafter(drafter, llama, tmp_path_factory)
     reqs = _prompts(6)
     solo, _ = _runs(llama, drafter, reqs, draft_model=str(ddir))
-    batched, stats = _runs(llama, drafter, reqs, pp=2, max_batch=3, draft_model=str(ddir))
+    batched, stats = _runs(llama, drafter, reqs, pp=pp, max_batch=3, draft_model=str(ddir))
     assert batched == solo
     assert sum(d for _, d, _ in solo) > 30 and (drafter != "dflash" or any(a for _, _, a in solo))
     assert stats["max_requests"] >= 2, stats
 
 
-def test_mtp_batched_down_the_ring_drafts_from_the_final_tap(ray_local, tmp_path_factory):
+@pytest.mark.parametrize("pp", [2, 3])
+def test_mtp_batched_down_the_ring_drafts_from_the_final_tap(ray_local, tmp_path_factory, pp):
     """glm4_moe's MTP layer reads the final norm's rows (the head's own tap) and decodes as alone."""
     from moe_ckpt import save_moe
 
-    path, _ = save_moe(tmp_path_factory.mktemp("ppmtp") / "glm", "glm4_moe", layers=2, n_mtp=1, seed=2)
+    path, _ = save_moe(tmp_path_factory.mktemp("ppmtp") / "glm", "glm4_moe", layers=3, n_mtp=1, seed=2)
     reqs = [(p[:14], n) for p, n in _prompts(5)]
     solo, _ = _runs(path, "mtp", reqs)
-    batched, _ = _runs(path, "mtp", reqs, pp=2, max_batch=3)
+    batched, _ = _runs(path, "mtp", reqs, pp=pp, max_batch=3)
     assert batched == solo and sum(d for _, d, _ in solo) > 10
 
 
