@@ -186,12 +186,14 @@ def _of(row: dict | None, key: str) -> Fig | None:
     return Fig.of(xs) if xs else None
 
 
+def _row(f: Fig) -> list:
+    """[value, lo, hi, n], rounded: how the section stores a figure with its range."""
+    return [round(f.value, 3), None if f.lo is None else round(f.lo, 3), None if f.hi is None else round(f.hi, 3), f.n]
+
+
 def _ratio(a: Fig | None, b: Fig | None) -> list | None:
     """[value, lo, hi, n]: a / b with its worst-case range (noise.py)."""
-    if a is None or b is None:
-        return None
-    f = a / b
-    return [round(f.value, 3), None if f.lo is None else round(f.lo, 3), None if f.hi is None else round(f.hi, 3), f.n]
+    return None if a is None or b is None else _row(a / b)
 
 
 def _level_cost(row: dict | None, level: str = "1") -> list | None:
@@ -201,8 +203,7 @@ def _level_cost(row: dict | None, level: str = "1") -> list | None:
     if "0" not in by or level not in by:
         return None
     f0, f1 = (Fig.of([r["steady_tok_s"] or r["decode_tok_s"] for r in by[lv]["runs"]]) for lv in ("0", level))
-    c = (f0 / f1).map(lambda x: (x - 1) * 100)
-    return [round(c.value, 3), None if c.lo is None else round(c.lo, 3), None if c.hi is None else round(c.hi, 3), c.n]
+    return _row((f0 / f1).map(lambda x: (x - 1) * 100))
 
 
 def figures(plain: dict, ngram: dict, replay: dict | None = None) -> dict:
