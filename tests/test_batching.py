@@ -134,16 +134,40 @@ def test_sampled_requests_keep_their_own_generators(llama, draft_llama, drafter)
     assert batched == solo
 
 
+def _first_waits_for_a_short_pool(eng) -> None:
+    """The first request admitted holds its blocks but runs no forward until another admission
+    has found the pool short (a reserve that failed), so an admission waits whatever the
+    threads' timing (60 s at most)."""
+    b = eng._backend.batcher
+    reserve, admit, short, lock, first = b.pool.reserve, b.admit, threading.Event(), threading.Lock(), []
+
+    def reserve_(rid, rows):
+        ok = reserve(rid, rows)
+        if not ok:
+            short.set()
+        return ok
+
+    def admit_(rid, rows, need=None):
+        admit(rid, rows, need)
+        with lock:
+            lead = not first
+            first.append(rid)
+        if lead:
+            short.wait(60)
+    b.pool.reserve, b.admit = reserve_, admit_
+
+
 def test_a_short_kv_pool_makes_requests_wait_and_loses_nothing(llama):
-    """A pool for about two requests at a time with six slots: admissions wait for blocks
-    (never an out-of-memory), and every request still gets its solo ids."""
-    reqs = _prompts(8)
+    """A pool of five blocks, three requests of three blocks' prompts (each fits the pool
+    alone, no two at once) with six slots: admissions wait for blocks (never an out-of-memory),
+    and every request still gets its solo ids."""
+    reqs = [(p[:34], 40) for p, _ in _prompts(12) if len(p) >= 34][:3]
+    assert len(reqs) == 3
     solo = _solo(llama, "ngram", reqs)
-    most = max(len(p) + n + 4 for p, n in reqs)
-    batched, stats = _batched(llama, "ngram", reqs, max_batch=6, kv_rows=2 * most)
+    batched, stats = _batched(llama, "ngram", reqs, max_batch=6, kv_rows=5 * 16, on_open=_first_waits_for_a_short_pool)
     assert batched == solo
     assert stats["admission_waits"] >= 1, stats
-    assert stats["kv_rows"] <= 2 * most + 16
+    assert stats["kv_rows"] == 80 and stats["max_requests"] == 1, stats
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
