@@ -294,8 +294,9 @@ class HeadWorker(_Worker):
                 s.spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
             if self.batch is not None:  # a batch slot's session (batching/backend.py), released at finish
                 s.target = None
-                s.held = self.batch.session(plan or self.plan, prompt, s.spans, carrier)
-                s.request = s.held.__enter__()
+                held = self.batch.session(plan or self.plan, prompt, s.spans, carrier)
+                s.request = held.__enter__()
+                s.held = held  # entered: left at finish
                 self.batch.batcher.remote.index_of[s.request.target.rid] = index  # its steps' spans join its trace
             else:
                 s.request = Request(s.target, plan or self.plan, prompt, s.spans, drafter=s.drafter)
@@ -330,10 +331,12 @@ class HeadWorker(_Worker):
             try:
                 stats = s.request.finish() if s.request is not None else {}
             finally:
-                s.request = None
                 if s.held is not None:  # the batch slot's blocks given back, on every rank
                     held, s.held = s.held, None
+                    if s.request is not None:
+                        self.batch.batcher.remote.index_of.pop(s.request.target.rid, None)
                     held.__exit__(None, None, None)
+                s.request = None
             return stats
 
     def batch_stats(self) -> dict | None:
