@@ -155,11 +155,13 @@ def test_served_requests_batched_down_the_ring_get_their_solo_completions(ray_lo
 
 
 @pytest.mark.slow  # a CLI process with its own Ray
-def test_each_batch_step_down_the_ring_is_a_stage_span_on_every_rank(llama, tmp_path):
-    """`batch --pp 2 --max-batch 3 --trace-level 1`: every rank records its part of each batch
+@pytest.mark.parametrize("level", [1, 2])
+def test_each_batch_step_down_the_ring_is_a_stage_span_on_every_rank(llama, tmp_path, level):
+    """`batch --pp 2 --max-batch 3 --trace-level 1|2`: every rank records its part of each batch
     step as one stage.forward span (phase "batch", the step's id, requests and rows), inside the
     trace of a request that rode the step, so "which stage is the bottleneck" reads across the
-    ranks for batched steps too; each request keeps its own spec.round spans."""
+    ranks for batched steps too; each request keeps its own spec.round spans, and at level 2 its
+    verify's sub-split (the stages' laps ride back with the step's rows)."""
     import json
     import re
     import subprocess
@@ -173,7 +175,7 @@ def test_each_batch_step_down_the_ring_is_a_stage_span_on_every_rank(llama, tmp_
     run_dir = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "memra_dist.cli", "batch", "--model", str(llama), "--input", str(inp),
                         "--output", str(tmp_path / "out.jsonl"), "--device", "cpu", "--pp", "2", "--max-batch", "3",
-                        "--trace-level", "1", "--run-dir", str(run_dir)],
+                        "--trace-level", str(level), "--run-dir", str(run_dir)],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     steps = int(re.search(r"\[batch\] batched: (\d+) steps", p.stderr).group(1))
@@ -189,3 +191,5 @@ def test_each_batch_step_down_the_ring_is_a_stage_span_on_every_rank(llama, tmp_
         assert {s["traceId"] for s in fw} <= traces and len({s["traceId"] for s in fw}) >= 2
     rounds = [s for s in spans["head"] if s["name"] == "spec.round"]
     assert {s["traceId"] for s in rounds} == traces
+    subs = [s for s in spans["head"] if s["name"] in ("spec.verify.attn", "spec.verify.ffn")]
+    assert len(subs) == (2 * len(rounds) if level == 2 else 0)
