@@ -161,7 +161,8 @@ def test_each_batch_step_down_the_ring_is_a_stage_span_on_every_rank(llama, tmp_
     step as one stage.forward span (phase "batch", the step's id, requests and rows), inside the
     trace of a request that rode the step, so "which stage is the bottleneck" reads across the
     ranks for batched steps too; each request keeps its own spec.round spans, and at level 2 its
-    verify's sub-split (the stages' laps ride back with the step's rows)."""
+    verify's sub-split (the stages' laps ride back with the step's rows); the job ends with the
+    share table of all its rounds."""
     import json
     import re
     import subprocess
@@ -193,3 +194,5 @@ def test_each_batch_step_down_the_ring_is_a_stage_span_on_every_rank(llama, tmp_
     assert {s["traceId"] for s in rounds} == traces
     subs = [s for s in spans["head"] if s["name"] in ("spec.verify.attn", "spec.verify.ffn")]
     assert len(subs) == (2 * len(rounds) if level == 2 else 0)
+    # the job's share table: every request's rounds together, as generate prints one request's
+    assert f"phase shares over {len(rounds)} speculative rounds" in p.stderr, p.stderr[-2000:]

@@ -6,7 +6,7 @@ from ..tracing.conventions import PHASES
 from .lines import sub_totals
 from .records import BurstRecord
 
-__all__ = ["ShareTable", "CLOCK_HOW"]
+__all__ = ["ShareTable", "JobShare", "CLOCK_HOW"]
 
 # how the rounds of each BurstRecord.clock were timed (phase/clock.py, specdec/ahead.py, batching/chain.py)
 CLOCK_HOW = {
@@ -97,3 +97,22 @@ class ShareTable:
             if self.sub.get("ffn", 0) > 0:
                 lines.append(row("    of it ffn", self.sub["ffn"], verify, bar=False))
         return "\n".join(lines)
+
+
+class JobShare(ShareTable):
+    """A ShareTable many requests' threads feed at once (a batch job's: serve/batch.py), each
+    burst's record added under a lock."""
+
+    def __init__(self):
+        super().__init__()
+        import threading  # noqa: PLC0415
+
+        self._lock = threading.Lock()
+
+    def burst(self, rec: BurstRecord) -> None:
+        with self._lock:
+            super().burst(rec)
+
+    def table(self) -> str:
+        with self._lock:
+            return super().table()

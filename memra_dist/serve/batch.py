@@ -35,7 +35,8 @@ Progress goes to stderr, at most one line a second, then one summary line.
 
 Traced (--trace-level >= 1 or --prof, as `generate`): each request gets its memra.request
 span and its bursts' spans, in the job's run directory (--run-dir, else ./runs/<time>-<pid>)
-or over OTLP when an endpoint is set.
+or over OTLP when an endpoint is set; at level >= 1 the job ends with the phase-share table of
+every request's rounds together (as `generate` prints one request's).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+
+from ..phase.share import JobShare
 from typing import Callable, TextIO
 
 from ..errors import UserError
@@ -154,10 +157,11 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
                           "lost": lost if lost is not None else []}
             if batching:
                 traced.update(batching)
+            share = JobShare() if tracing is not None and cfg.trace.level >= 1 else None
             with open_engine(cfg, cap, sessions=sessions, **traced) as engine:
                 prog.start()
                 try:
-                    _serve_all(engine, runnable, out, prog, tok, stop, workers, tracing)
+                    _serve_all(engine, runnable, out, prog, tok, stop, workers, tracing, share)
                 finally:
                     stop.set()  # Ctrl-C or an error: requests in flight end at their next tokens
                     for w in workers:  # before the engine closes: none is left computing on it
@@ -165,6 +169,8 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
                     line = batch_line(getattr(engine, "batch_stats", lambda: None)())
                     if line:
                         say(line)
+                    if share is not None and share.n_rounds:  # where the job's rounds' time went
+                        say(share.table())
             if any(getattr(w, "error", None) for w in workers):
                 raise next(w.error for w in workers if getattr(w, "error", None))
     except KeyboardInterrupt:
@@ -225,7 +231,7 @@ class _Failures:
 
 
 def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threading.Event,
-               workers: list[threading.Thread], tracing=None) -> None:
+               workers: list[threading.Thread], tracing=None, share=None) -> None:
     """Run every request on `engine.sessions` worker threads (appended to `workers`) and
     wait for them, in short joins so Ctrl-C reaches the main thread at once. A request that
     fails gets its error record and the job goes on; a worker's unexpected error (or
@@ -243,7 +249,7 @@ def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threadi
             if item is None:
                 return
             try:
-                _one(engine, out, prog, tok, *item, stop=stop, lock=lock, tracing=tracing, fails=fails)
+                _one(engine, out, prog, tok, *item, stop=stop, lock=lock, tracing=tracing, fails=fails, share=share)
             except _Stopped:
                 return
             except BaseException as e:  # noqa: BLE001 (handed to the main thread)
@@ -254,7 +260,7 @@ def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threadi
     n = max(1, min(getattr(engine, "sessions", 1), len(runnable)))
     if n == 1:  # one session: the requests run on this thread (no torch work in another thread)
         for item in todo:
-            _one(engine, out, prog, tok, *item, tracing=tracing, fails=fails)
+            _one(engine, out, prog, tok, *item, tracing=tracing, fails=fails, share=share)
         return
     for i in range(n):
         t = threading.Thread(target=lambda: work(threading.current_thread()), name=f"batch-{i}", daemon=True)
@@ -266,18 +272,20 @@ def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threadi
             t.join(0.2)
 
 
-def _generate(engine, ids: list[int], rcfg, stream, req: Request, tok, tracing):
-    """engine.generate, inside the request's memra.request span when the job is traced."""
+def _generate(engine, ids: list[int], rcfg, stream, req: Request, tok, tracing, share=None):
+    """engine.generate, inside the request's memra.request span when the job is traced (its
+    bursts' records into the job's share table, `share`)."""
     if tracing is None:
         return engine.generate(ids, rcfg, stream=stream)
     with tracing.request(rcfg, req.prompt, len(ids)) as treq:
-        res = engine.generate(ids, rcfg, stream=stream, span_sink=treq.sink, carrier=treq.carrier())
+        res = engine.generate(ids, rcfg, stream=stream, sink=share, span_sink=treq.sink, carrier=treq.carrier())
         treq.finish(res, tok.decode(res.token_ids) if rcfg.trace_content else "")
     return res
 
 
 def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int], rcfg,
-         stop: threading.Event | None = None, lock=None, tracing=None, fails: _Failures | None = None) -> None:
+         stop: threading.Event | None = None, lock=None, tracing=None, fails: _Failures | None = None,
+         share=None) -> None:
     """One request, its record appended: a result, or {"id", "error", "prompt_sha256"} when the
     engine refused it (a UserError) or failed on it (any other error: "the engine failed:
     <type>: <message>", said on stderr too). A failing request fails alone, unless it is the
@@ -306,7 +314,7 @@ def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int],
                                 "to run those requests again), the same command resumes the rest")
 
     try:
-        res = _generate(engine, ids, rcfg, stream, req, tok, tracing)
+        res = _generate(engine, ids, rcfg, stream, req, tok, tracing, share)
     except (KeyboardInterrupt, _Stopped):
         raise
     except UserError as x:  # the engine refused this request: the job goes on
