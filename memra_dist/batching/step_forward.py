@@ -62,13 +62,14 @@ def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None) -
     """The step launched kernel by kernel (prefill chunks, CPU, a bucket without a graph)."""
     dev = b.device
     view = BatchView.build(b.pool, [(j.rid, j.start, j.n, j.width) for j in jobs], dev, kernels=b.kernels)
-    x = ids_dev if ids_dev is not None else torch.cat([torch.as_tensor(j.ids, dtype=torch.long) for j in jobs]).to(dev)
     pos = torch.cat([torch.arange(j.start, j.start + j.n) for j in jobs]).to(dev)
-    if b.remote is not None:  # pp > 1: the earlier stages' layers first, down the ring
-        x, remote = b.remote.walk(b, jobs, x, pos, timer)
+    if b.remote is not None:  # pp > 1: the earlier stages' layers first, down the ring (ids in the plan)
+        x, remote = b.remote.walk(b, jobs, timer)
         h, tapped = b.remote.head(b, jobs, lambda: layers(b, x, pos, view, timer))
         tapped.update(remote)
     else:
+        x = ids_dev if ids_dev is not None else torch.cat([torch.as_tensor(j.ids, dtype=torch.long)
+                                                           for j in jobs]).to(dev)
         h, tapped = layers(b, x, pos, view, timer)
     scatter_taps(jobs, tapped, pos)
     keep, lo = [], 0

@@ -50,8 +50,9 @@ class RingWalk:
                                                                     ATTR["batch_requests"]: len(jobs),
                                                                     ATTR["batch_rows"]: rows}
 
-    def walk(self, b, jobs, x: torch.Tensor, pos: torch.Tensor, timer=None):
-        """The step's plan sent, the last stage's rows received -> (hidden rows, {tap: rows})."""
+    def walk(self, b, jobs, timer=None):
+        """The step's plan (its ids inside) sent, the last stage's rows received -> (hidden rows,
+        {tap: rows}); `timer`: level 2's, given the stages' laps."""
         parts = [(j.rid, j.start, j.n, j.width, b.pool.table(j.rid)) for j in jobs]
         ids = [int(i) for j in jobs for i in (j.ids.tolist() if torch.is_tensor(j.ids) else j.ids)]
         rows = len(ids)
