@@ -33,6 +33,7 @@ def measure(batcher, n: int, rows: int, plen: int, steps: int, vocab: int, profi
     import torch
 
     from memra_dist.batching.job import Job
+    from memra_dist.batching.step_forward import forward
 
     cap = plen + steps * rows + rows + 8
     rids = [("bs", n, rows, i) for i in range(n)]
@@ -41,11 +42,11 @@ def measure(batcher, n: int, rows: int, plen: int, steps: int, vocab: int, profi
     gen = torch.Generator().manual_seed(0)
     try:
         for r in rids:  # each request's prompt as one prefill step
-            batcher._forward([Job(r, torch.randint(0, vocab, (plen,), generator=gen), 0, cap, True)])
+            forward(batcher, [Job(r, torch.randint(0, vocab, (plen,), generator=gen), 0, cap, True)])
         ids = torch.randint(0, vocab, (rows,), generator=gen)
 
         def step(s):
-            return batcher._forward([Job(r, ids, plen + s * rows, cap, False) for r in rids])
+            return forward(batcher, [Job(r, ids, plen + s * rows, cap, False) for r in rids])
 
         step(0)  # a first step of this shape (kernel variants, allocator)
         _sync(batcher.device)

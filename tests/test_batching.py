@@ -487,8 +487,11 @@ def _stubbed_rounds(llama, monkeypatch, n: int, rounds: int, forward_s: float, b
     import torch
 
     with open_engine(_cfg(llama, "none"), capacity=CAP, max_batch=n) as eng:
+        from memra_dist.batching import step_forward
+
         b = eng._backend.batcher
-        monkeypatch.setattr(b, "_forward", lambda jobs, wakes=(), ids_dev=None: time.sleep(forward_s) or torch.zeros(len(jobs), 8))
+        monkeypatch.setattr(step_forward, "forward",
+                            lambda b, jobs, wakes=(), ids_dev=None: time.sleep(forward_s) or torch.zeros(len(jobs), 8))
         for r in range(n):
             b.admit(("stub", r), 8)
 

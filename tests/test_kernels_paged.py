@@ -114,6 +114,7 @@ def test_a_wide_batched_step_folds_and_equals_the_unfolded_step(wide_llama, monk
     its logits equal the same step through the unfolded layers and head (cuBLAS-style linears,
     separate norms and adds)."""
     from memra_dist.batching.job import Job
+    from memra_dist.batching.step_forward import forward
     from memra_dist.model.transformer import Block
 
     torch.manual_seed(0)
@@ -136,9 +137,9 @@ def test_a_wide_batched_step_folds_and_equals_the_unfolded_step(wide_llama, monk
             rids = [("wide", i) for i in range(n)]
             for r, t in zip(rids, ids):
                 b.admit(r, cap)
-                b._forward([Job(r, t[:plen], 0, cap, True)])
+                forward(b, [Job(r, t[:plen], 0, cap, True)])
             with torch.inference_mode():
-                out[fold] = b._forward([Job(r, t[plen:], plen, cap, False) for r, t in zip(rids, ids)]).clone()
+                out[fold] = forward(b, [Job(r, t[plen:], plen, cap, False) for r, t in zip(rids, ids)]).clone()
             for r in rids:
                 b.leave(r)
         assert (n * rows, fold) in folded, folded

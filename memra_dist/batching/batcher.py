@@ -46,7 +46,7 @@ from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
 from .job import BatchStep, Job
 from .paged import PagedKV
-from .step_forward import forward, launch, wake
+from .step_forward import launch, wake
 
 __all__ = ["Batcher", "BatchStats", "BatchStep"]
 
@@ -419,7 +419,3 @@ class Batcher:
         for j in take:
             j.done = True
         self.cv.notify_all()
-
-    def _forward(self, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's forward -> its rows' logits (step_forward.forward)."""
-        return forward(self, jobs, wakes, ids_dev)

@@ -23,7 +23,13 @@ slot table[p // block] * block + p % block.
 
 from __future__ import annotations
 
-__all__ = ["BlockPool", "blocks_for"]
+__all__ = ["BlockPool", "blocks_for", "table_slots"]
+
+
+def table_slots(table: list[int], block: int, lo: int, hi: int) -> list[int]:
+    """The pool slots of positions [lo, hi) through a block table (slot = its block's first slot
+    plus the position within the block)."""
+    return [table[p // block] * block + p % block for p in range(lo, hi)]
 
 
 def blocks_for(rows: int, block: int) -> int:
@@ -133,5 +139,4 @@ class BlockPool:
         """The pool slots of positions [lo, hi) of request `rid`."""
         if not 0 <= lo <= hi <= self._rows[rid]:
             raise ValueError(f"positions [{lo}, {hi}) outside request {rid!r}'s {self._rows[rid]} rows")
-        t, b = self._tables[rid], self.block
-        return [t[p // b] * b + p % b for p in range(lo, hi)]
+        return table_slots(self._tables[rid], self.block, lo, hi)

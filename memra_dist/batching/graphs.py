@@ -126,7 +126,7 @@ class StepGraphs:
         if not pool.fits(width) or not pool.reserve(rid, width):
             return 0, 0.0
         try:
-            with torch.inference_mode():  # as every step runs (batcher._forward)
+            with torch.inference_mode():  # as every step runs (step_forward.forward)
                 for c in sorted(set(rows_each)):
                     lo = 1 if c == 1 else 2  # a class-c step holds one segment of 2..c rows at least
                     most = min(max_requests, self.max_segments)

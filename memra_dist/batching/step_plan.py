@@ -24,6 +24,8 @@ then the ids (rows)].
 
 from __future__ import annotations
 
+from .blocks import table_slots
+
 __all__ = ["pack", "unpack", "TablePool", "swap_row", "unswap_row"]
 
 
@@ -63,10 +65,10 @@ class TablePool:
         return list(self.tables[rid])
 
     def slots(self, rid, lo: int, hi: int) -> list[int]:
-        t, b = self.tables[rid], self.block
-        if hi > len(t) * b:
+        t = self.tables[rid]
+        if hi > len(t) * self.block:
             raise ValueError(f"positions [{lo}, {hi}) past request {rid}'s {len(t)} blocks")
-        return [t[p // b] * b + p % b for p in range(lo, hi)]
+        return table_slots(t, self.block, lo, hi)
 
 
 def swap_row(rid: int, slots: list[int]) -> list[int]:

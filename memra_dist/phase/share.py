@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from ..tracing.conventions import PHASES
 from .lines import sub_totals
 from .records import BurstRecord
@@ -105,8 +107,6 @@ class JobShare(ShareTable):
 
     def __init__(self):
         super().__init__()
-        import threading  # noqa: PLC0415
-
         self._lock = threading.Lock()
 
     def burst(self, rec: BurstRecord) -> None:

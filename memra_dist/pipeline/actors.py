@@ -286,19 +286,17 @@ class HeadWorker(_Worker):
         s = self.slots[slot]
         with s.turn(seq):
             self.carriers[index] = carrier
-            if self.batch is None:
-                s.target = PipelineTarget(self.ring, s.view, traced=self.cfg.trace.level >= 1, records=self.records,
-                                          request=index, slot=slot, remote_taps=self.remote_taps,
-                                          shared=len(self.slots) > 1)
             if self.tracing.enabled:
                 s.spans = DeferredSink(SpanSink(self.tracing.tracer, self.tracing.parent(carrier), {}))
             if self.batch is not None:  # a batch slot's session (batching/backend.py), released at finish
-                s.target = None
                 held = self.batch.session(plan or self.plan, prompt, s.spans, carrier)
                 s.request = held.__enter__()
                 s.held = held  # entered: left at finish
                 self.batch.batcher.remote.index_of[s.request.target.rid] = index  # its steps' spans join its trace
             else:
+                s.target = PipelineTarget(self.ring, s.view, traced=self.cfg.trace.level >= 1, records=self.records,
+                                          request=index, slot=slot, remote_taps=self.remote_taps,
+                                          shared=len(self.slots) > 1)
                 s.request = Request(s.target, plan or self.plan, prompt, s.spans, drafter=s.drafter)
             first = self._guarded(s.request.start)
             return first, s.request.done

@@ -44,11 +44,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-
-from ..phase.share import JobShare
 from typing import Callable, TextIO
 
 from ..errors import UserError
+from ..phase.share import JobShare
 from .batch_input import Refused, Request, parse_input, prompt_hash, read_input, request_cfg, show
 from .batch_progress import Progress, say as say_to
 from .results_file import Output
