@@ -245,13 +245,16 @@ def test_a_request_ending_at_an_eos_drops_its_row_launched_ahead(llama, tmp_path
 
 def test_plain_chains_ahead_with_blocks_running_out_lose_nothing(llama):
     """Going ahead grows each request's blocks first; a pool too small for that stops going
-    ahead (or parks a chain) and every request keeps its solo ids."""
+    ahead (or parks a chain) and every request keeps its solo ids. Whether a parked chain's
+    session then waits or swaps another request out depends on which thread gets there first
+    (one CI run swapped none), so preemption is held by the tests that crowd the pool on
+    purpose (test_batching.py, _crowded), not here."""
     reqs = _prompts(8)
     solo = _solo(llama, "none", reqs)
     most = max(len(p) + n + 4 for p, n in reqs)
     got, stats = _run_ahead(llama, reqs, kv_rows=most + 32)
     assert got == solo
-    assert stats["ahead_steps"] > 0 and stats["chain_parks"] >= 1 and stats["preemptions"] >= 1, stats
+    assert stats["ahead_steps"] > 0 and stats["chain_parks"] >= 1, stats
     assert stats["kv_blocks_used"] == 0, stats
 
 
