@@ -543,6 +543,28 @@ def test_requests_coming_back_one_after_another_ride_one_step(llama, monkeypatch
     assert st["gap_ms"] >= 12 * (rounds - 2) and st["busy"] < 0.2, st
 
 
+def spy_proposals(monkeypatch, cls) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every proposal drafter class `cls` makes, as (context, drafts): a request's own
+    (`propose`) and those the step leader makes for several chained requests in one forward
+    (`propose_many`, chain_drafts.py)."""
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real, many = cls.propose, cls.propose_many
+
+    def spy(self, context, k, sp, gen):
+        prop = real(self, context, k, sp, gen)
+        seen.append((tuple(context), tuple(prop.tokens[:k].tolist())))
+        return prop
+
+    def spy_many(drafters, contexts, ks):
+        out = many(drafters, contexts, ks)
+        seen.extend((tuple(c), tuple(t[:k])) for c, k, t in zip(contexts, ks, out) if k > 0)
+        return out
+
+    monkeypatch.setattr(cls, "propose", spy)
+    monkeypatch.setattr(cls, "propose_many", staticmethod(spy_many))
+    return seen
+
+
 def _tap_drafter(drafter: str, llama, tmp_path_factory):
     """A random tiny DFlash drafter (taps 0, 2) or EAGLE-3 head (taps 0, 1, 3) over `llama`."""
     if drafter == "dflash":
@@ -567,15 +589,7 @@ def test_tap_drafters_batched_draft_exactly_what_they_draft_alone(llama, tmp_pat
     else:
         from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter as cls
     ddir = _tap_drafter(drafter, llama, tmp_path_factory)
-    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    real = cls.propose
-
-    def spy(self, context, k, sp, gen):
-        prop = real(self, context, k, sp, gen)
-        seen.append((tuple(context), tuple(prop.tokens[:k].tolist())))
-        return prop
-
-    monkeypatch.setattr(cls, "propose", spy)
+    seen = spy_proposals(monkeypatch, cls)
     reqs = _prompts(8)
     solo = _solo(llama, drafter, reqs, draft_model=str(ddir))
     alone, seen[:] = sorted(seen), []
@@ -583,6 +597,8 @@ def test_tap_drafters_batched_draft_exactly_what_they_draft_alone(llama, tmp_pat
     assert batched == solo
     assert sorted(seen) == alone and len(alone) > 50 and any(t for _, t in alone)
     assert stats["max_requests"] >= 3 and stats["kv_blocks_used"] == 0, stats
+    if cls.batched:  # most proposals came from forwards shared with other requests
+        assert stats["chained_rounds"] > 0 and stats["draft_batches"] > 0 and stats["mean_draft_batch"] >= 2, stats
 
 
 def test_a_rollback_gives_back_the_whole_blocks_past_the_kept_rows(llama):

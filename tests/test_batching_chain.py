@@ -274,3 +274,46 @@ def test_a_request_going_ahead_streams_each_token_as_its_step_ends(llama):
     # a burst at the end would lag by the whole run (~n); a woken thread may wait a few steps for
     # the GIL on a loaded machine (one run on 2 busy cores lagged 5), so the bound is n / 4
     assert max(lag) - min(lag) <= n // 4, seen
+
+
+def test_a_shared_draft_forward_that_fails_fails_the_requests_in_it_and_the_engine_serves_on(
+        llama, tmp_path_factory, monkeypatch):
+    """DFlash requests drafted together by the step leader (chain_drafts.py): a block forward that
+    raises ends each chained request that took part in it with the error (none waits forever),
+    their blocks go back, and the next requests get their solo ids."""
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+
+    from test_batching import _tap_drafter
+
+    ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    reqs = _prompts(3)
+    solo = _solo(llama, "dflash", reqs, draft_model=ddir)
+    real, calls = DFlashDrafter.propose_many, [0]
+
+    def failing(drafters, contexts, ks):
+        calls[0] += 1
+        if calls[0] >= 3 and len(drafters) > 1:
+            raise RuntimeError("draft device lost")
+        return real(drafters, contexts, ks)
+
+    errs: dict[int, BaseException] = {}
+    with open_engine(_cfg(llama, "dflash", draft_model=ddir), capacity=CAP, max_batch=3) as eng:
+        monkeypatch.setattr(DFlashDrafter, "propose_many", staticmethod(failing))
+
+        def one(i, p):
+            try:
+                eng.generate(p, _cfg(llama, "dflash", draft_model=ddir, max_new_tokens=40))
+            except RuntimeError as e:
+                errs[i] = e
+
+        threads = [threading.Thread(target=one, args=(i, p), daemon=True) for i, (p, _) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a chained request waited forever"
+        monkeypatch.setattr(DFlashDrafter, "propose_many", staticmethod(real))
+        again = [eng.generate(p, _cfg(llama, "dflash", draft_model=ddir, max_new_tokens=n)).token_ids for p, n in reqs]
+        stats = eng._backend.stats()
+    assert len(errs) >= 2 and all("draft device lost" in str(e) for e in errs.values()), errs
+    assert again == solo and stats["kv_blocks_used"] == 0, stats

@@ -11,7 +11,8 @@ drafter: those that need nothing but the target (none, ngram, replay), the draft
 ModelDrafter over its own draft slot, so every request's draft steps share forwards too) and
 the tap drafters DFlash, EAGLE-3 and MTP (their network loaded once; each request's drafter
 reads its own tap sink, which every batched step fills with its rows' outputs of the tapped
-layers; their draft forwards run per request, not batched yet), greedy or sampled. At pp > 1
+layers; a greedy request's rounds are the step leader's, which drafts the step's requests
+together, in one draft forward: batching/chain_drafts.py), greedy or sampled. At pp > 1
 the head actor opens this backend over its own runner (the last stage's layers and the head)
 and every step walks the ring (pipeline/batch_head.py), eager. On a GPU with the fast path on (`--graphs`, `--kernels`: the defaults)
 the stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged

@@ -44,6 +44,7 @@ from ..errors import UserError
 from .blocks import BlockPool
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
+from .chain_drafts import maintain_rounds, propose_rounds
 from .job import BatchStep, Job
 from .paged import PagedKV
 from .step_forward import launch, wake
@@ -73,6 +74,8 @@ class BatchStats:
     eager_ns: int = 0  # their share of forward_ns
     voids: int = 0  # rows of those past their request's end (an EOS), dropped
     parks: int = 0  # chains whose next rows found no free block (their session ran that round)
+    draft_batches: int = 0  # draft forwards the leader ran for several chained requests at once (chain_drafts.py)
+    draft_batched: int = 0  # the proposals made in them
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "rows": self.rows, "max_requests": self.max_requests,
@@ -82,6 +85,8 @@ class BatchStats:
                 "gap_ms": round(self.gap_ns / 1e6, 1), "step_ms": round(self.forward_ns / 1e6, 1),
                 "busy": round(self.forward_ns / (self.forward_ns + self.gap_ns), 3) if self.steps else 0.0,
                 "chained_rounds": self.chained, "chain_parks": self.parks,
+                "draft_batches": self.draft_batches,
+                "mean_draft_batch": round(self.draft_batched / self.draft_batches, 3) if self.draft_batches else 0.0,
                 "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
                 "eager_steps": self.eager, "eager_step_ms": round(self.eager_ns / 1e6, 1),
                 "admission_waits": self.waits,
@@ -287,41 +292,49 @@ class Batcher:
 
     def _chain_rounds(self, jobs: list[Job]) -> None:
         """Called holding the lock, right after a step: each chained job's round (accept,
-        commit, rollback as a block trim, maintenance), and its next verify rows queued for the
-        next step, or the chain parked where its blocks cannot grow (chain.py)."""
+        commit, rollback as a block trim), then every settled chain's drafter maintained and its
+        next verify rows proposed (chain_drafts.py: the step's DFlash requests in one forward
+        each) and queued for the next step, or the chain parked where its blocks cannot grow
+        (chain.py)."""
+        settled, touched = [], []
         for j in jobs:
             ch = j.chain
             if ch is None or ch.ended or j.void:  # not chained, its request left, or a row past its end
                 continue
+            touched.append(ch)
             try:
                 keep = ch.settle(j)
                 if keep is None:
                     continue
                 if self.pool.holds(ch.rid) and ch.inflight is None:  # (ahead: its next row is the kept one)
                     self.pool.shrink(ch.rid, keep)
-                ch.maintained()
-                self.stats.chained += 1
-                if ch.ended:
-                    self.finished.add(ch.rid)
-                    continue
-                if ch.inflight is not None:  # its next round already runs, one step ahead (ahead.py)
-                    ch.adopt(ch.inflight)
-                    ch.inflight = None
-                    continue
-                nxt = ch.next_job()
-                end = nxt.start + nxt.n
-                if self.pool.capacity(ch.rid) >= end or self.pool.grow(ch.rid, end):
-                    self.pending.append(nxt)
-                else:
-                    self.stats.parks += 1
-                    ch.park()  # its thread submits the next round itself (waits for blocks, or preempts)
-            except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own request only)
+                settled.append(ch)
+            except BaseException as e:  # noqa: BLE001 (ends its own request only)
                 ch.err, ch.ended = e, True
-            finally:
-                if ch.inflight is not None and ch.ended:  # its row launched ahead runs past its end: dropped
-                    ch.inflight.void, ch.inflight = True, None
-                    self.stats.voids += 1
-                self._wakes.append(ch)  # woken once the next step is launched (_flush_wakes)
+        going = []
+        for ch in maintain_rounds(settled):
+            self.stats.chained += 1
+            if ch.ended:
+                self.finished.add(ch.rid)
+            elif ch.inflight is not None:  # its next round already runs, one step ahead (ahead.py)
+                ch.adopt(ch.inflight)
+                ch.inflight = None
+            else:
+                going.append(ch)
+        for ch, nxt in zip(going, propose_rounds(going, self.stats)):
+            if nxt is None:
+                continue  # its proposal failed: the chain ended with the error
+            end = nxt.start + nxt.n
+            if self.pool.capacity(ch.rid) >= end or self.pool.grow(ch.rid, end):
+                self.pending.append(nxt)
+            else:
+                self.stats.parks += 1
+                ch.park()  # its thread submits the next round itself (waits for blocks, or preempts)
+        for ch in touched:
+            if ch.inflight is not None and ch.ended:  # its row launched ahead runs past its end: dropped
+                ch.inflight.void, ch.inflight = True, None
+                self.stats.voids += 1
+            self._wakes.append(ch)  # woken once the next step is launched (_flush_wakes)
 
     def _ready_in(self) -> float:
         """Seconds until a step should run (<= 0: now)."""

@@ -1,5 +1,6 @@
-"""Rounds the step's leader runs for a request: greedy requests with a host drafter (none, ngram,
-replay) in a batched engine.
+"""Rounds the step's leader runs for a request: greedy requests in a batched engine whose drafter
+allows it (`Drafter.chains`: the host drafters none, ngram, replay; DFlash, EAGLE-3 and MTP,
+which the leader drafts for the step's requests together: chain_drafts.py).
 
 A batched request that runs its own rounds (specdec/session.py over a BatchSlot) brings its
 next rows only after its thread has woken, taken the GIL and done its round's host work
@@ -78,15 +79,23 @@ class Chain:
         self.plain = isinstance(drafter, NoDrafter)  # never drafts: its next row is its argmax
         self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
 
-    def next_job(self) -> Job:
+    def draft_k(self) -> int:
+        """The drafts the next round asks for, as the session's round asks (<= 0: none)."""
+        return min(self.k, self.capacity - len(self.tokens), self.max_new - self.produced - 1)
+
+    def next_job(self, drafts: list[int] | None = None, t0: int | None = None) -> Job:
         """The next round's verify rows (the pending token, then this round's drafts), proposed
-        as the session's round proposes them."""
-        self._t0 = time.perf_counter_ns()
-        n = len(self.tokens)
-        k = min(self.k, self.capacity - n, self.max_new - self.produced - 1)
-        prop = self.drafter.propose(self.tokens, k, self.sp, self.gen) if k > 0 else None
-        self._drafts = prop.tokens[:k].tolist() if prop is not None else []
-        return Job(self.rid, [self.tokens[-1], *self._drafts], n - 1, self.capacity, False, chain=self)
+        as the session's round proposes them; or `drafts`, proposed with other requests' in one
+        draft forward that began at `t0` (chain_drafts.py). The rows carry the request's tap
+        sink: the step writes its tap drafter's taps."""
+        self._t0 = t0 if t0 is not None else time.perf_counter_ns()
+        n, k = len(self.tokens), self.draft_k()
+        if drafts is None:
+            prop = self.drafter.propose(self.tokens, k, self.sp, self.gen) if k > 0 else None
+            drafts = prop.tokens[:k].tolist() if prop is not None else []
+        self._drafts = list(drafts[:max(k, 0)])
+        return Job(self.rid, [self.tokens[-1], *self._drafts], n - 1, self.capacity, False, chain=self,
+                   taps=self.slot.cache.taps)
 
     def adopt(self, job: Job) -> None:
         """Its next round is `job`, already launched one step ahead with the token just
@@ -119,10 +128,12 @@ class Chain:
         self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3)
         return n + j
 
-    def maintained(self) -> None:
-        """After the rollback: the drafter's maintenance, and the round handed to the request."""
-        t4 = time.perf_counter_ns()
-        self.drafter.maintain(self.tokens)
+    def maintained(self, t4: int | None = None) -> None:
+        """After the rollback: the drafter's maintenance, and the round handed to the request.
+        `t4`: the maintenance already ran, with other requests' in one forward begun then."""
+        if t4 is None:
+            t4 = time.perf_counter_ns()
+            self.drafter.maintain(self.tokens)
         new, kk, j, ctx, step, t0, t1, t2, t3 = self._pending
         self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns())))
         if self.done:

@@ -85,7 +85,7 @@ class BatchSlot:
 
     def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
               gen) -> Chain:
-        """Hand this greedy request's rounds with a host drafter to the step leader (chain.py)
+        """Hand this greedy request's rounds to the step leader (chain.py)
         from the session's state: its tokens (the last one pending), the tokens produced so
         far and its stop rules; `take` returns them round by round."""
         ch = Chain(self, tokens, produced, max_new, capacity, eos, k, drafter, sp, gen)

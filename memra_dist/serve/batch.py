@@ -342,8 +342,8 @@ def _one(engine, out: Output, prog: Progress, tok, req: Request, ids: list[int],
 def batch_line(st: dict | None) -> str | None:
     """One line on where a batched job's time went: its steps (requests and rows a step, the
     time in them) and the time between them while requests were mid-generation (their host
-    work and the batcher's wait; of it, the rounds the step leader ran for greedy requests with
-    a host drafter: batching/chain.py), as the share the steps took (`busy`).
+    work and the batcher's wait; of it, the rounds the step leader ran for greedy requests:
+    batching/chain.py), as the share the steps took (`busy`).
 
     >>> batch_line({"steps": 40, "mean_requests": 5.5, "mean_rows": 12.0, "step_ms": 80.0, "gap_ms": 20.0,
     ...             "busy": 0.8, "preemptions": 0})

@@ -29,6 +29,18 @@ class Drafter:
     name = "base"
     device: torch.device | None = None  # device the drafter's state lives on (None: host only)
     host_only = False  # propose / maintain touch nothing but host lists (batching/chain.py may run them)
+    # the step leader may run a batched greedy request's rounds (batching/chain.py): host drafters,
+    # and device drafters that draft many requests in one forward (`batched`)
+    chains = False
+    # maintain_many(drafters, contexts) / propose_many(drafters, contexts, ks) -> host drafts: the
+    # chained requests of a step that share this drafter's network, in one forward each
+    batched = False
+
+    @property
+    def batch_key(self):
+        """What the drafters of one batched forward share (their network): requests whose
+        drafters' keys are the same object draft together."""
+        return getattr(self, "net", self)
 
     def alloc(self, capacity: int) -> float:
         """Allocate per-session state; returns the MB allocated (the profile's draft_kv_mb)."""

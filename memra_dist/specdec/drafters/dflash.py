@@ -32,7 +32,13 @@ from ...cache import KVLayer
 from ...model.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
+from .dflash_batch import ingest_many, propose_many
 from .dflash_graph import block_graphs
+
+
+def ingest_many_of_contexts(drafters, contexts) -> None:
+    """Each drafter maintained for its context (maintain's rows: up to len(context) - 1), at once."""
+    ingest_many(drafters, [len(c) - 1 for c in contexts])
 
 __all__ = ["DFlashDrafter"]
 
@@ -40,6 +46,11 @@ __all__ = ["DFlashDrafter"]
 class DFlashDrafter(Drafter):
     name = "dflash"
     forwards_per_draft = 1  # the whole proposal is one forward of the draft network
+    # batched greedy requests: the step leader drafts the step's requests in one forward (dflash_batch.py)
+    chains = True
+    batched = True
+    maintain_many = staticmethod(ingest_many_of_contexts)
+    propose_many = staticmethod(propose_many)
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, net: DFlashNet, target):

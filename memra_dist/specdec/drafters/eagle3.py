@@ -34,6 +34,7 @@ from ...model.eagle3 import Eagle3Net, load_eagle3
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
+from .eagle3_batch import maintain_many, propose_many
 from .eagle3_graph import eagle3_graphs
 
 __all__ = ["Eagle3Drafter", "FOLD_ROWS"]
@@ -43,6 +44,11 @@ FOLD_ROWS = 16  # rows a folded step takes (the row GEMM's verify block); more: 
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
+    # batched greedy requests: the step leader drafts the step's requests as batched chains (eagle3_batch.py)
+    chains = True
+    batched = True
+    maintain_many = staticmethod(maintain_many)
+    propose_many = staticmethod(propose_many)
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, net: Eagle3Net, target):

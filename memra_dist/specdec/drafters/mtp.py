@@ -31,6 +31,7 @@ from ...model.mtp import MTPHead, check_mtp, load_mtp
 from ...model.taps import FINAL
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
+from .mtp_batch import maintain_many, propose_many
 from .mtp_graph import mtp_graphs
 
 __all__ = ["MTPDrafter"]
@@ -38,6 +39,15 @@ __all__ = ["MTPDrafter"]
 
 class MTPDrafter(Drafter):
     name = "mtp"
+    # batched greedy requests: the step leader drafts the step's requests as batched chains (mtp_batch.py)
+    chains = True
+    batched = True
+    maintain_many = staticmethod(maintain_many)
+    propose_many = staticmethod(propose_many)
+
+    @property
+    def batch_key(self):
+        return self.head
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, head: MTPHead, target):

@@ -73,7 +73,8 @@ class NgramIndex:
 
 class NgramDrafter(Drafter):
     name = "ngram"
-    host_only = True  # nothing but the host: a batched greedy request's rounds run in the step leader
+    host_only = True  # nothing but the host
+    chains = True  # a batched greedy request's rounds run in the step leader (batching/chain.py)
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.index = NgramIndex(max_n, min_n)

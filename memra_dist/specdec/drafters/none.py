@@ -10,7 +10,8 @@ __all__ = ["NoDrafter"]
 
 class NoDrafter(Drafter):
     name = "none"
-    host_only = True  # nothing but the host: a batched greedy request's rounds run in the step leader
+    host_only = True  # nothing but the host
+    chains = True  # a batched greedy request's rounds run in the step leader (batching/chain.py)
 
     def propose(self, context, k, sp, gen) -> Proposal:
         return EMPTY

@@ -13,7 +13,8 @@ __all__ = ["ReplayDrafter"]
 
 class ReplayDrafter(Drafter):
     name = "replay"
-    host_only = True  # nothing but the host: a batched greedy request's rounds run in the step leader
+    host_only = True  # nothing but the host
+    chains = True  # a batched greedy request's rounds run in the step leader (batching/chain.py)
 
     def __init__(self, recorded: list[int], prompt_len: int, vocab_size: int, corrupt: float = 0.0, seed: int = 0):
         if not 0.0 <= corrupt <= 1.0:

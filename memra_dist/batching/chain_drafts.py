@@ -1,0 +1,86 @@
+"""The drafter work of the step leader's chained rounds (chain.py), request by request or, for a
+drafter that drafts many requests in one forward, the step's requests together.
+
+Right after a step the leader settles every chained request's round (acceptance, commit,
+rollback: host work), then maintains each one's drafter and proposes its next drafts. A host
+drafter (none, ngram, replay) does that per request on host lists. A tap drafter whose class
+says `batched = True` (DFlash: dflash_batch.py) has both done for every chained request of the
+step that shares its network, in ONE draft forward each: one ingest of all their verified
+rows, one block forward of all their blocks, one readback of all their drafts. Each request's
+attention still reads only its own draft K/V, so its drafts are the drafts it makes alone.
+
+A failure in a request's own drafter ends that request's chain only; a failure in a shared
+forward ends the chains that took part in it (each session raises it as it would its own).
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["maintain_rounds", "propose_rounds"]
+
+
+def _groups(chains) -> list[list]:
+    """Chains in groups that draft together: those whose drafters batch and share a network
+    (first-seen order), each other chain alone."""
+    out: list[list] = []
+    by_net: dict[int, list] = {}
+    for ch in chains:
+        d = ch.drafter
+        if getattr(d, "batched", False):
+            key = id(d.batch_key)
+            if key not in by_net:
+                by_net[key] = []
+                out.append(by_net[key])
+            by_net[key].append(ch)
+        else:
+            out.append([ch])
+    return out
+
+
+def _fail(group, e: BaseException) -> None:
+    for ch in group:
+        ch.err, ch.ended = e, True
+
+
+def maintain_rounds(chains) -> list:
+    """Each settled chain's drafter maintained and its round handed over (chain.Chain.maintained);
+    returns the chains whose maintenance did not fail."""
+    ok = []
+    for group in _groups(chains):
+        try:
+            if len(group) > 1:
+                t4 = time.perf_counter_ns()
+                type(group[0].drafter).maintain_many([ch.drafter for ch in group], [ch.tokens for ch in group])
+                for ch in group:
+                    ch.maintained(t4)
+            else:
+                group[0].maintained()
+            ok.extend(group)
+        except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own requests only)
+            _fail(group, e)
+    return ok
+
+
+def propose_rounds(chains, stats=None) -> list:
+    """Each chain's next verify job (chain.Chain.next_job), its drafts proposed in its group's
+    one forward; None for a chain whose proposal failed (its chain ended with the error).
+    `stats` (the batcher's BatchStats) counts the shared draft forwards and the proposals in them."""
+    jobs: dict[int, object] = {}
+    for group in _groups(chains):
+        try:
+            if len(group) > 1:
+                t0 = time.perf_counter_ns()
+                ks = [ch.draft_k() for ch in group]
+                drafts = type(group[0].drafter).propose_many([ch.drafter for ch in group],
+                                                             [ch.tokens for ch in group], ks)
+                for ch, dr in zip(group, drafts):
+                    jobs[id(ch)] = ch.next_job(dr, t0)
+                if stats is not None:
+                    stats.draft_batches += 1
+                    stats.draft_batched += len(group)
+            else:
+                jobs[id(group[0])] = group[0].next_job()
+        except BaseException as e:  # noqa: BLE001
+            _fail(group, e)
+    return [jobs.get(id(ch)) for ch in chains]

@@ -1,0 +1,97 @@
+"""EAGLE-3 for many requests at once: the step leader's chained rounds (batching/chain_drafts.py)
+draft every greedy EAGLE-3 request of a step together, as batched chains.
+
+A round's first forward runs every request's committed rows not yet in its cache (after a
+verify that accepted a drafts: a + 1 rows each) stacked into ONE step of the head (its
+projections, FFN and the lm_head over all rows at once); each following chain step runs one
+row per request still drafting (requests ask for different k) in one step again. Each request's
+rows write and read only its own draft K/V, under its own causal mask (or, for a long run of
+rows, the prefix attention its solo step takes: Eagle3Drafter._run), so each request drafts
+exactly what it drafts alone. The picks stay on the device until one readback of them all.
+Eager: the head is one layer, so n requests' step launches each GEMM once instead of n times.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...model.attention import cached_attention, causal_mask
+from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
+
+__all__ = ["maintain_many", "propose_many"]
+
+
+def maintain_many(drafters, contexts) -> None:
+    for d, c in zip(drafters, contexts):
+        d.maintain(c)
+
+
+def _step(net, ds, los: list[int], lens: list[int], tokens: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Rows of several requests in one step of the head: request r's `lens[r]` rows at positions
+    los[r] .. (tokens / hiddens stacked in request order) -> pre-norm outputs (rows, H)."""
+    dev = g.device
+    poss = [torch.arange(lo, lo + n, device=dev) for lo, n in zip(los, lens)]
+    nkv, scale = net.midlayer.self_attn.nkv, ds[0].ec.base.head_dim ** -0.5
+
+    def kv_of(k, v):  # each request's rows into its own draft cache
+        for d, p, kr, vr in zip(ds, poss, k.split(lens), v.split(lens)):
+            d.state.k.index_copy_(0, p, kr)
+            d.state.v.index_copy_(0, p, vr)
+        return None, None
+
+    def attend(q, _K, _V):  # per request, over its own cache, as its solo step attends
+        outs = []
+        for d, p, lo, qr in zip(ds, poss, los, q.split(lens)):
+            T = qr.shape[0]
+            if T > PREFIX_MIN_ROWS:
+                outs.append(prefix_attention(qr, d.state.k[:lo + T], d.state.v[:lo + T], lo, scale).reshape(T, -1))
+            else:
+                outs.append(cached_attention(qr, d.state.k, d.state.v, causal_mask(p, d.capacity), nkv))
+        return torch.cat(outs)
+
+    return net.step(ds[0].embed(tokens), g, torch.cat(poss), kv_of, None, attend)
+
+
+@torch.inference_mode()
+def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
+    """Each drafter's greedy drafts (k of them; none where k <= 0) after its context, as host
+    lists: the round's first forward and each chain step shared by every request still drafting."""
+    out: list[list[int]] = [[] for _ in drafters]
+    live = [(i, d, c, k) for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)) if k > 0]
+    if not live:
+        return out
+    d0 = live[0][1]
+    net, dev = d0.net, d0.device
+    ds = [d for _, d, _, _ in live]
+    Ns = [len(c) for _, _, c, _ in live]
+    los = [min(d.n, N - 2) for d, N in zip(ds, Ns)]  # at least the last committed row: its output gives d_1
+    lens = [N - 1 - lo for N, lo in zip(Ns, los)]
+    tokens = torch.tensor([t for (_, _, c, _), lo, N in zip(live, los, Ns) for t in c[lo + 1:N]],
+                          dtype=torch.long, device=dev)
+    g = net.features(torch.cat([d._taps().rows(lo, N - 1) for d, lo, N in zip(ds, los, Ns)]))
+    h = _step(net, ds, los, lens, tokens, g)
+    ends = torch.tensor(lens).cumsum(0) - 1
+    last = h[ends.to(dev)]  # (n, H): each request's last committed row
+    for d, N in zip(ds, Ns):
+        d.n = N - 1
+    active = list(range(len(live)))
+    picks: list[torch.Tensor] = []
+    order: list[list[int]] = []
+    for s in range(max(k for *_, k in live)):
+        tok = net.hot[net.logits(last).argmax(-1)]  # (len(active),) target ids, on the device
+        picks.append(tok)
+        order.append(active)
+        keep = [a for a, r in enumerate(active) if s + 1 < live[r][3]]
+        if not keep:
+            break
+        sel = torch.tensor(keep, device=dev)
+        active = [active[a] for a in keep]
+        last = _step(net, [ds[r] for r in active], [Ns[r] - 1 + s for r in active], [1] * len(active),
+                     tok[sel], last[sel])
+    flat = torch.cat(picks).tolist()  # one readback
+    lo = 0
+    for rs in order:
+        for r in rs:
+            out[live[r][0]].append(flat[lo])
+            lo += 1
+    return out

@@ -1,0 +1,93 @@
+"""MTP for many requests at once: the step leader's chained rounds (batching/chain_drafts.py)
+draft every greedy MTP request of a step together, as batched chains.
+
+Step s of a round runs the same MTP layer (s % n) for every request still drafting (requests
+ask for different k), so the step is ONE forward of that layer over all their rows: its input
+projection, its FFN (the target's MoE kind) and the lm_head over every request's rows at once,
+the attention per request over its own draft cache under its own mask (MTPDrafter._rows /
+_rows_chain: the same step context its solo step builds). Each request drafts exactly what it
+drafts alone; the picks stay on the device until one readback of them all. Eager.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["maintain_many", "propose_many"]
+
+
+def maintain_many(drafters, contexts) -> None:
+    for d, c in zip(drafters, contexts):
+        d.maintain(c)
+
+
+def _layer(head, j: int, ds, los: list[int], lens: list[int], tokens: torch.Tensor, hidden: torch.Tensor,
+           chained: bool) -> torch.Tensor:
+    """MTP layer j over several requests' rows (request r: lens[r] rows from position los[r]) ->
+    normed outputs (rows, H). `chained`: one row each past the layers (no output kept)."""
+    blk, dev = head.layer(j), hidden.device
+    poss = [torch.arange(lo, lo + n, device=dev) for lo, n in zip(los, lens)]
+    emb = ds[0].target.stage.embed_tokens(tokens)
+    x = blk.eh_proj(torch.cat((blk.enorm(emb), blk.hnorm(hidden)), dim=-1))
+    xn = blk.input_layernorm(x)
+    att = []
+    for d, p, lo, xr in zip(ds, poss, los, xn.split(lens)):
+        ctx = head.step_ctx(p, d.capacity) if chained else head.step_ctx(p, d.capacity, lo)
+        att.append(blk.self_attn(xr, ctx, d.states[j]))
+    x = x + torch.cat(att)
+    out = blk.shared_head["norm"](x + blk.mlp(blk.post_attention_layernorm(x)))
+    if not chained and j < head.n - 1:  # the next layer's inputs, by row
+        for d, p, o in zip(ds, poss, out.split(lens)):
+            d.outs[j].index_copy_(0, p, o)
+    return out
+
+
+@torch.inference_mode()
+def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
+    """Each drafter's greedy drafts (k of them; none where k <= 0) after its context, as host
+    lists: each step of the round shared by every request still drafting."""
+    out: list[list[int]] = [[] for _ in drafters]
+    live = [(i, d, c, k) for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)) if k > 0]
+    if not live:
+        return out
+    d0 = live[0][1]
+    head, dev, lm_head = d0.head, d0.device, d0.target.stage.lm_head
+    Ns = [len(c) for _, _, c, _ in live]
+    drafts: list[list[torch.Tensor]] = [[] for _ in live]  # each request's picks so far, (1,) on the device
+    picks, order = [], []
+    active = list(range(len(live)))
+    prev = None  # the active requests' previous outputs (n_active, H)
+    for s in range(max(k for *_, k in live)):
+        j, r = s % head.n, s // head.n
+        ds = [live[a][1] for a in active]
+        if r == 0:  # layer j's first forward this round: committed rows, then the j draft rows
+            los = [d.done[j] for d in ds]
+            lens = [Ns[a] - 1 - lo for a, lo in zip(active, los)]
+            ids = [torch.tensor(live[a][2][lo + j + 1:Ns[a]], dtype=torch.long, device=dev) for a, lo in zip(active, los)]
+            tokens = torch.cat([t for a, real in zip(active, ids) for t in (real, *drafts[a][:j])])
+            src = [d._final() if j == 0 else d.outs[j - 1] for d in ds]
+            hidden = torch.cat([h[lo:Ns[a] - 1] for h, a, lo in zip(src, active, los)])
+            h = _layer(head, j, ds, los, lens, tokens, hidden, False)
+            last = h[(torch.tensor(lens).cumsum(0) - 1).to(dev)]
+            for d, a in zip(ds, active):
+                d.done[j] = Ns[a] - 1 - j
+        else:  # chained past the layers: one row further on, fed the previous step
+            tokens = torch.cat([drafts[a][-1] for a in active])
+            last = _layer(head, j, ds, [Ns[a] - 2 + r for a in active], [1] * len(active), tokens, prev, True)
+        tok = lm_head(last).float().argmax(-1)  # (n_active,)
+        picks.append(tok)
+        order.append(active)
+        for i, a in enumerate(active):
+            drafts[a].append(tok[i:i + 1])
+        keep = [i for i, a in enumerate(active) if s + 1 < live[a][3]]
+        if not keep:
+            break
+        prev = last[torch.tensor(keep, device=dev)]
+        active = [active[i] for i in keep]
+    flat = torch.cat(picks).tolist()  # one readback
+    lo = 0
+    for rs in order:
+        for a in rs:
+            out[live[a][0]].append(flat[lo])
+            lo += 1
+    return out
