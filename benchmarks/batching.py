@@ -42,7 +42,10 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=16, help="the batched engine's --max-batch (at most N)")
     ap.add_argument("--new", type=int, default=64, help="tokens each request generates")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (copy-with-edits prompts)")
-    ap.add_argument("--drafter", default="none", help="none, ngram (greedy; k = 4)")
+    ap.add_argument("--drafter", default="none", help="none, ngram, replay (greedy; k = 4), or dflash-replay / "
+                    "eagle3-replay: the bench's random drafter over the target drafting in full (batched only), "
+                    "its drafts replaced by each request's plain greedy ids (recorded by a plain run first) "
+                    "corrupted at 0.2")
     ap.add_argument("--levels", default="0", help="trace levels, comma-separated: each run at each level in turn "
                     "(the batched rows only; the row's by_level has each level's steady tok/s)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per setting (and level)")
@@ -73,29 +76,47 @@ def main() -> int:
                                   lambda s: print(f"[batching] {s}", file=sys.stderr)))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    tap, draft = a.drafter.endswith("-replay") and a.drafter != "replay", None
+    if tap:
+        import memra_dist.bench.tap_checkpoints as tc
+
+        ensure = {"dflash-replay": tc.ensure_dflash, "eagle3-replay": tc.ensure_eagle3}[a.drafter]
+        draft = str(ensure(a.shape, bench_cache_dir(), torch.device(a.device),
+                           lambda s: print(f"[batching] {s}", file=sys.stderr))[1])
     rows = []
     for n in (int(x) for x in a.concurrency.split(",")):
         for b in ((1,) if n == 1 else (min(a.max_batch, n),) if a.only_batched else (1, min(a.max_batch, n))):
             levels = tuple(int(x) for x in a.levels.split(",")) if b > 1 else (0,)
+            kw = {}
+            if tap:  # each request's plain greedy ids first: the replay's recordings (and the lossless check)
+                if b == 1:
+                    continue
+                plain = concurrent(model, a.device, n, b, a.new, a.prompt, "none", repeats=a.repeats)
+                kw = dict(draft_model=draft, recorded=plain.pop("ids"))
+                rows.append(plain)
             r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
-                           spans_on=not a.no_spans)
-            if b == 1:
+                           spans_on=not a.no_spans, **kw)
+            if tap:
+                r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], kw["recorded"]))
+            elif b == 1:
                 alone = r["ids"]
-            elif not a.only_batched:  # greedy: each request's ids against the one-at-a-time engine's (bf16 may differ)
+            elif not a.only_batched and not tap:  # greedy: each request's ids against the one-at-a-time engine's (bf16 may differ)
                 r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], alone))
             del r["ids"]
             rows.append(r)
             print(f"[batching] {json.dumps(r)}", file=sys.stderr, flush=True)
             (out / "batching.json").write_text(json.dumps({"shape": a.shape, "device": a.device, "drafter": a.drafter,
                                                            "new": a.new, "prompt": a.prompt, "rows": rows}, indent=1))
-    print("| concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s | ITL p50 / p99 ms | TTFT p50 / p99 ms "
-          "| requests / rows a step | step ms | graphed step ms | busy | leader rounds ms a step | ids = alone |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| drafter | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s | ITL p50 / p99 ms "
+          "| TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward | step ms "
+          "| graphed step ms | busy | leader rounds ms a step | ids = alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bs = r["batcher"] or {}
-        print(f"| {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['steady_tok_s'] or '-'} | {r['aggregate_tok_s']} "
-              f"| {r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
-              f"| {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} | {bs.get('mean_step_ms', '-')} "
+        print(f"| {r['drafter']} | {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['steady_tok_s'] or '-'} "
+              f"| {r['aggregate_tok_s']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
+              f"| {r.get('tokens_per_round') or '-'} | {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} "
+              f"| {bs.get('mean_draft_batch') or '-'} | {bs.get('mean_step_ms', '-')} "
               f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'leader_rounds_ms')} | {r.get('ids_equal_alone', '-')} |")
     return 0
 

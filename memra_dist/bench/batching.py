@@ -20,7 +20,9 @@ server gets from its first requests); the batcher's counts cover the timed run o
 The section (`memra-dist bench --sections batching`): plain greedy at 1, 4, 16 and 64 concurrent
 callers on a GPU (1 and 4 on CPU), ngram (K = 4) and the replay drafter (K = 4, each request's
 own greedy continuation corrupted at REPLAY_CORRUPT: a set acceptance, no draft cost) at 1 and
-16 (CPU: 4), on the suite's copy-with-edits
+16 (CPU: 4), and the DFlash replay at 16 (CPU: 4: the bench's random DFlash drafter over the
+target drafting in full, the step leader's shared block forwards, its drafts then replaced as
+the replay drafter's: the same acceptance with the draft's cost paid), on the suite's copy-with-edits
 prompts (512 tokens on a GPU, each request its own seed), every batched request's ids
 checked against its one-at-a-time ids (request 0's: the same prompt). Three timed runs per
 setting on one engine; plain at 16 (CPU: 4) runs five, each at trace levels 0 and 1 in turn
@@ -78,27 +80,55 @@ def _level_sinks(level: int, n: int, spans_on: bool = True):
     return [ShareTable() for _ in range(n)], spans, close
 
 
+def _tap_replay(eng, prompts: list[list[int]], recorded: list[list[int]], vocab: int, corrupt: float) -> None:
+    """Each request the batched engine makes gets its tap drafter wrapped in TapReplay
+    (tap_replay.py): the real drafts are paid in full (the step leader's shared draft forwards),
+    then replaced by the request's recorded greedy continuation corrupted at `corrupt`."""
+    from ..specdec.drafters.replay import ReplayDrafter  # noqa: PLC0415
+    from .tap_replay import TapReplay  # noqa: PLC0415
+
+    backend = eng._backend
+    make, by_prompt = backend.request, {tuple(p): r for p, r in zip(prompts, recorded)}
+
+    def request(plan, prompt, span_sink, slot, draft_slot=None):
+        req = make(plan, prompt, span_sink, slot, draft_slot)
+        s = req.session
+        s.drafter = TapReplay(s.drafter, ReplayDrafter(by_prompt[tuple(prompt)], len(prompt), vocab, corrupt, seed=1))
+        return req
+
+    backend.request = request
+
+
 def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, plen: int = PROMPT,
                drafter: str = "none", k: int = K, repeats: int = 1, levels: tuple[int, ...] = (0,),
-               spans_on: bool = True, corrupt: float = REPLAY_CORRUPT) -> dict:
+               spans_on: bool = True, corrupt: float = REPLAY_CORRUPT, draft_model: str | None = None,
+               recorded: list[list[int]] | None = None) -> dict:
     """n callers, each one request (greedy), on an engine of `max_batch` -> the setting's row
     (its `ids`: each request's token ids, for the caller's check against one at a time). With
     repeats > 1 the timed run is repeated on the same engine: the row's figures are the
     medians, `runs` keeps each run's (steady / decode tok/s, ITL p50). With more than one trace
     level, each repeat runs every level in turn (interleaved): the figures are the first
-    level's, `by_level` each level's median steady tok/s and its runs."""
+    level's, `by_level` each level's median steady tok/s and its runs. `drafter` "dflash-replay"
+    (a batched engine, max_batch > 1): the DFlash drafter at `draft_model` drafting in full, its
+    drafts replaced by `recorded` (each request's greedy ids) corrupted at `corrupt`."""
     from ..app import open_engine  # noqa: PLC0415
     from ..config import RunConfig  # noqa: PLC0415
     from ..model.config import load_config  # noqa: PLC0415
     from ..phase.levels import TraceSettings  # noqa: PLC0415
     from .runs import make_prompt  # noqa: PLC0415
 
-    cfg = RunConfig(model=model, drafter=drafter, k=k, device=device, max_new_tokens=new, replay_corrupt=corrupt)
+    tap = drafter.endswith("-replay")
+    if tap and (max_batch < 2 or recorded is None or draft_model is None):
+        raise ValueError(f"{drafter}: a batched engine, the draft checkpoint and each request's recorded ids")
+    cfg = RunConfig(model=model, drafter=drafter[:-len("-replay")] if tap else drafter, k=k, device=device,
+                    max_new_tokens=new, replay_corrupt=corrupt, draft_model=draft_model)
     vocab = load_config(model).vocab_size  # the bench's copy-with-edits prompts, one seed per request
     prompts = [make_prompt(plen, vocab, seed=i) for i in range(n)]
     kv_mb = None
     runs: dict[int, list[dict]] = {lv: [] for lv in levels}
     with open_engine(cfg, capacity=plen + new + 2 * k, max_batch=max_batch) as eng:
+        if tap:
+            _tap_replay(eng, prompts, recorded, vocab, corrupt)
         ids: list[list[int] | None] = [None] * n
         tables: list = [None] * n
         spans: list = [None] * n
@@ -206,11 +236,12 @@ def _level_cost(row: dict | None, level: str = "1") -> list | None:
     return _row((f0 / f1).map(lambda x: (x - 1) * 100))
 
 
-def figures(plain: dict, ngram: dict, replay: dict | None = None) -> dict:
+def figures(plain: dict, ngram: dict, replay: dict | None = None, dflash: dict | None = None) -> dict:
     """The section's figures from its rows (keyed by concurrency), each [value, lo, hi, n]:
-    steady rate over one request's decode rate, ITL p50 over alone, ngram's (and replay's)
-    steady rate over plain's at the same concurrency, and trace level 1's cost in % of the
-    steady rate where the row ran levels 0 and 1 interleaved."""
+    steady rate over one request's decode rate, ITL p50 over alone, ngram's (and replay's, and
+    the DFlash replay's) steady rate over plain's at the same concurrency, the DFlash replay's
+    over the replay's (what its draft forwards cost: the same acceptance, drafts free), and trace
+    level 1's cost in % of the steady rate where the row ran levels 0 and 1 interleaved."""
     alone = plain.get("1")
     out = {}
     for n in ("4", "16", "64"):
@@ -223,6 +254,11 @@ def figures(plain: dict, ngram: dict, replay: dict | None = None) -> dict:
             out[f"ngram_over_plain_{n}"] = _ratio(_of(ngram[n], "steady_tok_s"), _of(row, "steady_tok_s"))
         if n in (replay or {}):
             out[f"replay_over_plain_{n}"] = _ratio(_of(replay[n], "steady_tok_s"), _of(row, "steady_tok_s"))
+        if n in (dflash or {}):
+            out[f"dflash_replay_over_plain_{n}"] = _ratio(_of(dflash[n], "steady_tok_s"), _of(row, "steady_tok_s"))
+            if n in (replay or {}):
+                out[f"dflash_replay_over_replay_{n}"] = _ratio(_of(dflash[n], "steady_tok_s"),
+                                                               _of(replay[n], "steady_tok_s"))
         out[f"l1_cost_pct_{n}"] = _level_cost(row)
     return {k: v for k, v in out.items() if v is not None}
 
@@ -241,18 +277,33 @@ def batching(s) -> dict:
     plain: dict = {}
     ngram: dict = {}
     replay: dict = {}
+    dflash: dict = {}
     alone_ids: dict = {}
-    for drafter, ns, rows in (("none", levels, plain), ("ngram", (1, at), ngram), ("replay", (1, at), replay)):
+    plain_ids: dict = {}  # each concurrency's requests' greedy ids: the DFlash replay's recordings
+    draft = None
+    for drafter, ns, rows in (("none", levels, plain), ("ngram", (1, at), ngram), ("replay", (1, at), replay),
+                              ("dflash-replay", (at,), dflash)):
         for n in ns:
             if s.left() <= 0:
                 rows[str(n)] = {"skipped": "budget"}
                 continue
+            kw = {}
+            if drafter == "dflash-replay":  # the bench's random DFlash drafter over the target, drafting in full
+                if draft is None:
+                    from .tap_checkpoints import ensure_dflash  # noqa: PLC0415
+
+                    draft = str(ensure_dflash(s.opts.shape, s.cache, s.device, s.say, s.ckpt_dtype)[1])
+                kw = dict(draft_model=draft, recorded=plain_ids[n])
             traced = (0, 1) if drafter == "none" and n == at else (0,)  # level 1's cost where the target states it
             r = concurrent(model, dev, n, n, new, plen, drafter, repeats=REPEATS_TRACED if len(traced) > 1 else REPEATS,
-                           levels=traced)
+                           levels=traced, **kw)
             ids = r.pop("ids")
+            if drafter == "none":
+                plain_ids[n] = ids
             if n == 1:
                 alone_ids[drafter] = ids[0]
+            elif drafter == "dflash-replay":  # lossless: every request's ids are its plain greedy ids
+                r["ids_equal_plain"] = ids == plain_ids[n]
             else:  # the requests' prompts differ: request 0's is the one-request run's
                 r["first_ids_equal_alone"] = ids[0] == alone_ids.get(drafter)
             rows[str(n)] = r
@@ -260,7 +311,8 @@ def batching(s) -> dict:
     def ran(rows):
         return {k: v for k, v in rows.items() if "skipped" not in v}
     return {"new": new, "prompt": plen, "k": K, "replay_corrupt": REPLAY_CORRUPT, "plain": plain, "ngram": ngram,
-            "replay": replay, "figures": figures(ran(plain), ran(ngram), ran(replay))}
+            "replay": replay, "dflash_replay": dflash,
+            "figures": figures(ran(plain), ran(ngram), ran(replay), ran(dflash))}
 
 
 def fig(res: dict, key: str) -> Fig | None:
@@ -273,14 +325,16 @@ def rows(res: dict) -> list[tuple[str, str]]:
     """The report's lines for the section: each setting's steady and decode rates, ITL and TTFT."""
     b = res.get("batching") or {}
     out = []
-    for drafter in ("plain", "ngram", "replay"):
+    for drafter in ("plain", "ngram", "replay", "dflash_replay"):
         for n, r in (b.get(drafter) or {}).items():
             if not isinstance(r, dict) or "steady_tok_s" not in r:
                 continue
             kv = f", KV {r['kv_mb_per_request']} MB a request" if r.get("kv_mb_per_request") is not None else ""
             if drafter != "plain" and r.get("tokens_per_round") is not None:
                 kv += f", {r['tokens_per_round']} tokens a round"
-            name = f"replay (corrupt {b.get('replay_corrupt')})" if drafter == "replay" else drafter
+            name = {"replay": f"replay (corrupt {b.get('replay_corrupt')})",
+                    "dflash_replay": f"DFlash replay (its drafts paid, corrupt {b.get('replay_corrupt')})"}.get(
+                drafter, drafter)
             out.append((f"{name}, {n} concurrent " + ("batched" if n != "1" else "(one request)"),
                         f"steady {r['steady_tok_s'] or '-'} tok/s, decode {r['decode_tok_s']} tok/s, ITL p50 / p99 "
                         f"{r['itl_ms_p50']} / {r['itl_ms_p99']} ms, TTFT p50 {r['ttft_ms_p50']} ms{kv} "

@@ -25,6 +25,30 @@ class TapReplay(Drafter):
         self.device = real.device
         self.forwards_per_draft = getattr(real, "forwards_per_draft", 1)
 
+    # in a batched engine, a greedy request's rounds are the step leader's when the real drafter's
+    # are, and it drafts with the other requests' real drafters in one forward (batching/chain_drafts.py)
+    @property
+    def chains(self) -> bool:
+        return getattr(self.real, "chains", False)
+
+    @property
+    def batched(self) -> bool:
+        return getattr(self.real, "batched", False)
+
+    @property
+    def batch_key(self):
+        return self.real.batch_key
+
+    @staticmethod
+    def maintain_many(drafters, contexts) -> None:
+        type(drafters[0].real).maintain_many([d.real for d in drafters], contexts)
+
+    @staticmethod
+    def propose_many(drafters, contexts, ks) -> list[list[int]]:
+        real = type(drafters[0].real).propose_many([d.real for d in drafters], contexts, ks)  # paid in full
+        return [d.replay.propose(c, len(r), None, None).tokens.tolist() if r else []
+                for d, c, r in zip(drafters, contexts, real)]
+
     def alloc(self, capacity: int) -> float:
         return self.real.alloc(capacity)
 
