@@ -317,3 +317,53 @@ def test_a_shared_draft_forward_that_fails_fails_the_requests_in_it_and_the_engi
         stats = eng._backend.stats()
     assert len(errs) >= 2 and all("draft device lost" in str(e) for e in errs.values()), errs
     assert again == solo and stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_shared_draft_forward_is_named_on_each_round_it_drafted(llama, tmp_path_factory):
+    """Traced at level 1, a DFlash round the step leader ran names on its spec.round the requests
+    its draft forward drafted together (memra.batch.draft_requests); every request of that
+    forward shows the same draft start (the forward's), so the shared draft is seen side by side."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from memra_dist.phase.levels import TraceSettings
+    from memra_dist.tracing.conventions import ATTR, SPAN_ROUND
+    from memra_dist.tracing.emit import SpanSink
+
+    from test_batching import _tap_drafter
+
+    ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    reqs = _prompts(4)
+    solo = _solo(llama, "dflash", reqs, draft_model=ddir)
+    exps = [InMemorySpanExporter() for _ in reqs]
+    kw = dict(trace=TraceSettings(level=1), draft_model=ddir)
+    got: dict[int, list[int]] = {}
+    with open_engine(_cfg(llama, "dflash", **kw), capacity=CAP, max_batch=4) as eng:
+        def one(i, p, n):
+            prov = TracerProvider()
+            prov.add_span_processor(SimpleSpanProcessor(exps[i]))
+            got[i] = eng.generate(p, _cfg(llama, "dflash", max_new_tokens=n, **kw),
+                                  span_sink=SpanSink(prov.get_tracer("t"), None)).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stats = eng._backend.stats()
+    assert [got.get(i) for i in range(len(reqs))] == solo
+    shared = sorted((s.start_time, s.attributes[ATTR["batch_draft_requests"]]) for exp in exps
+                    for s in exp.get_finished_spans()
+                    if s.name == SPAN_ROUND and ATTR["batch_draft_requests"] in s.attributes)
+    assert stats["draft_batches"] > 0 and shared, stats
+    groups: list[list[int]] = []  # rounds whose draft began at one moment (each request's sink maps the
+    last = None                   # clock on its own offset: equal to within a few us), a forward a group
+    for t, n in shared:
+        if last is None or t - last > 20_000:
+            groups.append([])
+        groups[-1].append(n)
+        last = t
+    for g in groups:  # one forward: one count, and no more rounds than it drafted
+        assert len(set(g)) == 1 and 1 <= len(g) <= g[0], groups
+    assert any(len(g) >= 2 for g in groups), groups

@@ -50,6 +50,7 @@ class ChainRound:
     ctx: int  # the verify's first position (the pending token's)
     step: BatchStep | None
     t: tuple[int, int, int, int, int, int]
+    draft_requests: int = 0  # requests whose drafts one draft forward made with this round's (chain_drafts.py)
 
 
 class Chain:
@@ -76,6 +77,7 @@ class Chain:
         self._drafts: list[int] = []
         self._t0 = 0
         self._pending: tuple = ()  # the settled round, handed over by `maintained`
+        self._shared = 0  # requests the latest proposal's draft forward held (0: its own, or none)
         self.plain = isinstance(drafter, NoDrafter)  # never drafts: its next row is its argmax
         self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
 
@@ -83,12 +85,13 @@ class Chain:
         """The drafts the next round asks for, as the session's round asks (<= 0: none)."""
         return min(self.k, self.capacity - len(self.tokens), self.max_new - self.produced - 1)
 
-    def next_job(self, drafts: list[int] | None = None, t0: int | None = None) -> Job:
+    def next_job(self, drafts: list[int] | None = None, t0: int | None = None, shared: int = 0) -> Job:
         """The next round's verify rows (the pending token, then this round's drafts), proposed
         as the session's round proposes them; or `drafts`, proposed with other requests' in one
-        draft forward that began at `t0` (chain_drafts.py). The rows carry the request's tap
-        sink: the step writes its tap drafter's taps."""
+        draft forward that began at `t0` with `shared` requests' (chain_drafts.py). The rows carry
+        the request's tap sink: the step writes its tap drafter's taps."""
         self._t0 = t0 if t0 is not None else time.perf_counter_ns()
+        self._shared = shared
         n, k = len(self.tokens), self.draft_k()
         if drafts is None:
             prop = self.drafter.propose(self.tokens, k, self.sp, self.gen) if k > 0 else None
@@ -100,7 +103,7 @@ class Chain:
     def adopt(self, job: Job) -> None:
         """Its next round is `job`, already launched one step ahead with the token just
         committed as its input (batching/ahead.py): the round began when that row was queued."""
-        self._t0, self._drafts = job.t, []
+        self._t0, self._drafts, self._shared = job.t, [], 0
         job.ids[0] = self.tokens[-1]  # what the device read from the argmax (the error path's ids)
 
     def settle(self, job: Job) -> int | None:
@@ -125,7 +128,7 @@ class Chain:
                                            self.eos)  # the session's own rule: it ends where the chain does
         self.tokens.extend(kept)
         self.produced += len(kept)
-        self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3)
+        self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3, self._shared)
         return n + j
 
     def maintained(self, t4: int | None = None) -> None:
@@ -134,8 +137,8 @@ class Chain:
         if t4 is None:
             t4 = time.perf_counter_ns()
             self.drafter.maintain(self.tokens)
-        new, kk, j, ctx, step, t0, t1, t2, t3 = self._pending
-        self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns())))
+        new, kk, j, ctx, step, t0, t1, t2, t3, shared = self._pending
+        self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns()), shared))
         if self.done:
             self.ended = True
 

@@ -75,7 +75,7 @@ def propose_rounds(chains, stats=None) -> list:
                 drafts = type(group[0].drafter).propose_many([ch.drafter for ch in group],
                                                              [ch.tokens for ch in group], ks)
                 for ch, dr in zip(group, drafts):
-                    jobs[id(ch)] = ch.next_job(dr, t0)
+                    jobs[id(ch)] = ch.next_job(dr, t0, len(group))
                 if stats is not None:
                     stats.draft_batches += 1
                     stats.draft_batched += len(group)

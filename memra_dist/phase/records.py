@@ -28,6 +28,7 @@ class RoundRecord:
     seq_rows: int = 0
     draft_forwards: int = -1  # draft-network forwards in the draft phase (-1: the drafter does not say)
     batch: object | None = None  # a batched request: the BatchStep its verify rode in (batching/batcher.py)
+    draft_requests: int = 0  # a leader's round: requests its shared draft forward drafted (0: none shared)
 
     def phase_ns(self, i: int) -> int:
         return self.t[i + 1] - self.t[i]

@@ -351,11 +351,17 @@ def batch_line(st: dict | None) -> str | None:
     >>> print(batch_line({"steps": 40, "mean_requests": 5.5, "mean_rows": 12.0, "step_ms": 80.0, "gap_ms": 20.0,
     ...                   "busy": 0.8, "preemptions": 0, "chained_rounds": 200, "leader_rounds_ms": 4.0}).split("; ")[1])
     80.0 ms in steps, 20.0 ms between them, 4.0 ms of it the leader's rounds for 200 request rounds (busy 80 %)
+    >>> print(batch_line({"steps": 40, "mean_requests": 5.5, "mean_rows": 12.0, "step_ms": 80.0, "gap_ms": 20.0,
+    ...                   "busy": 0.8, "preemptions": 0, "chained_rounds": 200, "leader_rounds_ms": 9.0,
+    ...                   "draft_batches": 38, "mean_draft_batch": 5.2}).split("; ")[1])
+    80.0 ms in steps, 20.0 ms between them, 9.0 ms of it the leader's rounds for 200 request rounds, drafted in 38 shared forwards of 5.2 requests (busy 80 %)
     """
     if not st or not st.get("steps"):
         return None
     pre = f", {st['preemptions']} preempted" if st.get("preemptions") else ""
     lead = (f", {st['leader_rounds_ms']} ms of it the leader's rounds for {st['chained_rounds']} request rounds"
             if st.get("chained_rounds") else "")
+    if st.get("draft_batches"):  # tap drafters: the step's requests drafted together (batching/chain_drafts.py)
+        lead += f", drafted in {st['draft_batches']} shared forwards of {st['mean_draft_batch']} requests"
     return (f"[batch] batched: {st['steps']} steps, {st['mean_requests']} requests / {st['mean_rows']} rows a step; "
             f"{st['step_ms']} ms in steps, {st['gap_ms']} ms between them{lead} (busy {st['busy'] * 100:.0f} %){pre}")

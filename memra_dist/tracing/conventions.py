@@ -101,6 +101,7 @@ ATTR = {
     "batch_rows": "memra.batch.rows",  # rows the step held, every request's (int)
     "batch_wait_ms": "memra.batch.wait_ms",  # share of spec.verify: its rows waiting for the step to start (ms)
     "batch_forward_ms": "memra.batch.forward_ms",  # share of spec.verify: the step's forward, host to host (ms)
+    "batch_draft_requests": "memra.batch.draft_requests",  # on spec.draft / spec.round: requests its draft forward held
     # a batched round run by the step's leader, at level 1: its phases as attributes of spec.round (ms)
     **{f"{p}_ms": f"memra.{p}_ms" for p in PHASES},
     "fast_path": "memra.fast_path",  # what the target's steps ran: graphs+compile+kernels(+ahead) ... | eager

@@ -107,6 +107,8 @@ class SpanSink:
         if b is not None:
             attrs.update({ATTR["batch_step"]: b.id, ATTR["batch_requests"]: b.requests, ATTR["batch_rows"]: b.rows,
                           ATTR["batch_wait_ms"]: b.wait_ns / 1e6, ATTR["batch_forward_ms"]: b.forward_ns / 1e6})
+        if r.draft_requests:
+            attrs[ATTR["batch_draft_requests"]] = r.draft_requests
         self._span(SPAN_ROUND, burst, r.t[0], r.t[5], attrs)
 
     def _round(self, r: RoundRecord, burst: SpanContext) -> None:
@@ -117,6 +119,8 @@ class SpanSink:
         for i, ph in enumerate(PHASES):
             mem = self._mem(r.free_mb[i])
             extra = {ATTR["draft_forwards"]: r.draft_forwards} if ph == "draft" and r.draft_forwards >= 0 else {}
+            if ph == "draft" and r.draft_requests:
+                extra[ATTR["batch_draft_requests"]] = r.draft_requests
             if r.h[i]:
                 extra[ATTR["host_ms"]] = r.host_ns(i) / 1e6
             if ph == "verify" and r.batch is not None:

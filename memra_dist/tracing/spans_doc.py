@@ -114,6 +114,9 @@ ATTR_DOC = {
                       "(the others' submissions: until 5 ms pass with none new, at most 20 ms; or a step already running)"),
     "batch_forward_ms": ("ms", "spec.verify, spec.round (leader, level 1)", "share of the verify: the batch step's forward, host to host (on a "
                          "GPU its launches; the device's finish is the verify's drain)"),
+    "batch_draft_requests": ("", "spec.draft, spec.round (leader, level 1)", "a batched round the step's leader ran "
+                             "with a tap drafter (DFlash, EAGLE-3, MTP): the requests whose drafts its draft forward made "
+                             "together (batching/chain_drafts.py); the draft phase is that shared forward"),
     **{f"{p}_ms": ("ms", "spec.round (leader)", f"a batched round the step's leader ran (`memra.clock` = leader), at "
                    f"level 1: its {p} phase; such a round is one span, its phases these attributes (level 2: the "
                    f"phase spans)") for p in ("draft", "verify", "accept", "rollback", "maint")},
