@@ -98,20 +98,33 @@ def _batched(model, drafter, reqs, max_batch=6, kv_rows=None, on_open=None, each
     return [got[i] for i in range(len(reqs))], stats
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
-def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, draft_llama, drafter, monkeypatch):
-    from memra_dist.specdec.drafters.draft_model import ModelDrafter
+def _drafter_kw(drafter, draft_llama, llama, tmp_path_factory) -> dict:
+    if drafter == "model":
+        return dict(draft_model=str(draft_llama))
+    if drafter in ("dflash", "eagle3"):
+        return dict(draft_model=str(_tap_drafter(drafter, llama, tmp_path_factory)))
+    return {}
 
+
+def _drafter_cls(drafter):
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+    from memra_dist.specdec.drafters.draft_model import ModelDrafter
+    from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
+
+    return {"model": ModelDrafter, "dflash": DFlashDrafter, "eagle3": Eagle3Drafter}.get(drafter)
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model", "dflash", "eagle3"])
+def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, draft_llama, drafter, monkeypatch,
+                                                                   tmp_path_factory):
     reqs = _prompts()
-    kw = dict(draft_model=str(draft_llama)) if drafter == "model" else {}
-    seen: list = []  # the draft model's proposals: the same batched as alone
-    real = ModelDrafter.propose
-    monkeypatch.setattr(ModelDrafter, "propose", lambda self, c, k, sp, g: seen.append(
-        (tuple(c), tuple((p := real(self, c, k, sp, g)).tokens.tolist()))) or p)
+    kw = _drafter_kw(drafter, draft_llama, llama, tmp_path_factory)
+    cls = _drafter_cls(drafter)  # a drafter on the device: its proposals the same batched as alone
+    seen = spy_proposals(monkeypatch, cls) if cls is not None else []
     solo = _solo(llama, drafter, reqs, **kw)
     alone, seen[:] = sorted(seen), []
     batched, stats = _batched(llama, drafter, reqs, **kw)
-    assert sorted(seen) == alone and (drafter != "model" or len(alone) > 50)
+    assert sorted(seen) == alone and (cls is None or len(alone) > 50)
     for i, (a, b) in enumerate(zip(solo, batched)):
         assert a == b, f"request {i} (prompt {len(reqs[i][0])}, {reqs[i][1]} new): batched {b} alone {a}"
     assert len({len(t) for t in solo}) >= 8  # outputs of many lengths: requests end in the middle of others
@@ -121,6 +134,8 @@ def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, draft_l
     assert stats["kv_blocks_used"] == 0  # every request gave its blocks back
     if drafter == "model":  # the draft model's steps were batched too
         assert stats["draft"]["max_requests"] >= 3 and stats["draft"]["kv_blocks_used"] == 0, stats
+    if drafter in ("dflash", "eagle3"):  # and the tap drafters' forwards (the step leader's shared drafts)
+        assert stats["draft_batches"] > 0 and stats["mean_draft_batch"] >= 2, stats
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
@@ -170,14 +185,16 @@ def test_a_short_kv_pool_makes_requests_wait_and_loses_nothing(llama):
     assert stats["kv_rows"] == 80 and stats["max_requests"] == 1, stats
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model"])
-def test_running_out_of_blocks_preempts_by_swap_and_loses_nothing(llama, draft_llama, drafter):
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash"])
+def test_running_out_of_blocks_preempts_by_swap_and_loses_nothing(llama, draft_llama, drafter, tmp_path_factory):
     """Four requests admitted together into a pool that holds their prompts but not their
     growth (`_crowded`): when a growth finds the pool empty another request is swapped out to
     host memory and back later; every request still gets its solo ids (its swapped rows come
-    back bitwise), no out-of-memory, every block given back."""
+    back bitwise), no out-of-memory, every block given back. With DFlash, a chain whose next
+    rows find no block parks (the draft the leader made for it with the others' is dropped) and
+    its session drafts that round alone (runs here parked 4-5 chains)."""
     reqs, kv_rows = _crowded()
-    kw = dict(draft_model=str(draft_llama)) if drafter == "model" else {}
+    kw = _drafter_kw(drafter, draft_llama, llama, tmp_path_factory)
     solo = _solo(llama, drafter, reqs, **kw)
     batched, stats = _batched(llama, drafter, reqs, max_batch=6, kv_rows=kv_rows, gate=True, **kw)
     assert batched == solo
@@ -548,7 +565,7 @@ def spy_proposals(monkeypatch, cls) -> list[tuple[tuple[int, ...], tuple[int, ..
     (`propose`) and those the step leader makes for several chained requests in one forward
     (`propose_many`, chain_drafts.py)."""
     seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    real, many = cls.propose, cls.propose_many
+    real, many = cls.propose, getattr(cls, "propose_many", None)
 
     def spy(self, context, k, sp, gen):
         prop = real(self, context, k, sp, gen)
@@ -561,7 +578,8 @@ def spy_proposals(monkeypatch, cls) -> list[tuple[tuple[int, ...], tuple[int, ..
         return out
 
     monkeypatch.setattr(cls, "propose", spy)
-    monkeypatch.setattr(cls, "propose_many", staticmethod(spy_many))
+    if many is not None:
+        monkeypatch.setattr(cls, "propose_many", staticmethod(spy_many))
     return seen
 
 
