@@ -138,15 +138,22 @@ def test_twelve_requests_batched_six_at_a_time_get_their_solo_ids(llama, draft_l
         assert stats["draft_batches"] > 0 and stats["mean_draft_batch"] >= 2, stats
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model"])
-def test_sampled_requests_keep_their_own_generators(llama, draft_llama, drafter):
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "eagle3"])
+def test_sampled_requests_keep_their_own_generators(llama, draft_llama, drafter, monkeypatch, tmp_path_factory):
+    """Sampled requests, each seeded: its ids are its solo ids. The tap drafters' requests are
+    drafted together by the step leader (one shared forward), each draft drawn with its own
+    request's generator from its own rows, and accepted with it: every proposal is its solo one."""
     reqs = _prompts(6)
-    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
-    if drafter == "model":
-        kw["draft_model"] = str(draft_llama)
+    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11,
+              **_drafter_kw(drafter, draft_llama, llama, tmp_path_factory))
+    cls = _drafter_cls(drafter)
+    seen = spy_proposals(monkeypatch, cls) if cls is not None else []
     solo = _solo(llama, drafter, reqs, **kw)
-    batched, _ = _batched(llama, drafter, reqs, max_batch=3, **kw)
-    assert batched == solo
+    alone, seen[:] = sorted(seen), []
+    batched, stats = _batched(llama, drafter, reqs, max_batch=3, **kw)
+    assert batched == solo and sorted(seen) == alone
+    if drafter in ("dflash", "eagle3"):
+        assert len(alone) > 20 and stats["draft_batches"] > 0 and stats["chained_rounds"] > 0, stats
 
 
 def _first_waits_for_a_short_pool(eng) -> None:
@@ -454,11 +461,11 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, leve
 
 
 def test_sampled_batched_requests_with_a_host_drafter_are_timed_without_a_drain(llama, monkeypatch):
-    """A sampled request (not chained: its session runs its rounds) with the ngram drafter on a
-    batched engine: each forward returns with its step read back and nothing else of the round
-    touches the device, so its phase clock stamps the host (`host`) and never drains the shared
-    stream (which would wait for the other requests' steps); the caller's sink gets every round,
-    each verify holding its step's forward."""
+    """Sampled requests with the ngram drafter on a batched engine: their rounds are the step
+    leader's (batching/chain.py accepts each on the step's logits with the request's own
+    generator), so they get their solo ids; their phases are the leader's stamps (`leader`) and
+    nothing drains the shared stream (which would wait for the other requests' steps); the
+    caller's sink gets every round, each verify holding its step's forward."""
     from memra_dist.device import Drainer
     from memra_dist.phase.levels import TraceSettings
 
@@ -485,11 +492,13 @@ def test_sampled_batched_requests_with_a_host_drafter_are_timed_without_a_drain(
             t.start()
         for t in threads:
             t.join(300)
+        stats = eng._backend.stats()
     assert [got[i][0] for i in range(len(reqs))] == solo
     assert drains == []
+    assert stats["chained_rounds"] >= sum(r for _, r in got.values()) - len(reqs), stats  # (a first round may be its own)
     for i, sink in enumerate(sinks):
         rounds = [r for rec in sink.recs for r in rec.live()]
-        assert len(rounds) == got[i][1] and {rec.clock for rec in sink.recs} == {"host"}
+        assert len(rounds) == got[i][1] and "leader" in {rec.clock for rec in sink.recs}
         for r in rounds:
             assert r.t == sorted(r.t) and r.batch is not None
             assert r.phase_ns(1) >= r.batch.forward_ns  # the verify holds its step's forward
@@ -572,9 +581,9 @@ def spy_proposals(monkeypatch, cls) -> list[tuple[tuple[int, ...], tuple[int, ..
         seen.append((tuple(context), tuple(prop.tokens[:k].tolist())))
         return prop
 
-    def spy_many(drafters, contexts, ks):
-        out = many(drafters, contexts, ks)
-        seen.extend((tuple(c), tuple(t[:k])) for c, k, t in zip(contexts, ks, out) if k > 0)
+    def spy_many(drafters, contexts, ks, sps, gens):
+        out = many(drafters, contexts, ks, sps, gens)
+        seen.extend((tuple(c), tuple(p.tokens[:k].tolist())) for c, k, p in zip(contexts, ks, out) if k > 0)
         return out
 
     monkeypatch.setattr(cls, "propose", spy)

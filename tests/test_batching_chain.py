@@ -147,20 +147,24 @@ def test_a_non_finite_row_in_a_chained_round_is_named_as_alone(llama):
 
 
 def test_chained_and_self_run_requests_share_steps_and_keep_their_ids(llama):
-    """Greedy requests (their rounds the leader's) and sampled ones (their rounds their own
-    threads') in one engine at once: they ride the same steps, and each gets its solo ids."""
+    """Greedy requests and sampled ones (their rounds the leader's: a sampled round accepted on
+    the step's logits with the request's own generator) and level-2 traced ones (their rounds
+    their own threads': each verify's sub-split comes from its own submission) in one engine at
+    once: they ride the same steps, and each gets its solo ids."""
+    from memra_dist.phase.levels import TraceSettings
     from memra_dist.specdec.sampling import SamplingParams
 
     reqs = _prompts(6)
     sampled = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=5)
-    kws = [sampled if i % 2 else {} for i in range(len(reqs))]
+    own = dict(trace=TraceSettings(level=2))
+    kws = [(sampled, own, {})[i % 3] for i in range(len(reqs))]
     with open_engine(_cfg(llama, "ngram"), capacity=CAP) as eng:
         alone = [eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n, **kw)) for (p, n), kw in zip(reqs, kws)]
     solo = [r.token_ids for r in alone]
-    greedy_rounds = sum(r.stats["rounds"] for r, kw in zip(alone, kws) if not kw)
+    led_rounds = sum(r.stats["rounds"] for r, kw in zip(alone, kws) if kw is not own)
     got, stats = _batched(llama, "ngram", reqs, max_batch=6, each=kws)
     assert got == solo
-    assert stats["chained_rounds"] == greedy_rounds, stats  # the greedy ones' rounds, and only theirs
+    assert stats["chained_rounds"] == led_rounds, stats  # the greedy and sampled ones' rounds, and only theirs
     assert stats["max_requests"] >= 4 and stats["kv_blocks_used"] == 0, stats
 
 
@@ -290,11 +294,11 @@ def test_a_shared_draft_forward_that_fails_fails_the_requests_in_it_and_the_engi
     solo = _solo(llama, "dflash", reqs, draft_model=ddir)
     real, calls = DFlashDrafter.propose_many, [0]
 
-    def failing(drafters, contexts, ks):
+    def failing(drafters, contexts, ks, sps, gens):
         calls[0] += 1
         if calls[0] >= 3 and len(drafters) > 1:
             raise RuntimeError("draft device lost")
-        return real(drafters, contexts, ks)
+        return real(drafters, contexts, ks, sps, gens)
 
     errs: dict[int, BaseException] = {}
     with open_engine(_cfg(llama, "dflash", draft_model=ddir), capacity=CAP, max_batch=3) as eng:

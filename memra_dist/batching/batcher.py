@@ -399,7 +399,7 @@ class Batcher:
             lo, r = 0, logits.shape[0]
             for j in take:
                 n = 1 if j.last else j.n
-                if j.chain is None:  # a chained round reads only its greedy rows
+                if j.chain is None or not j.chain.greedy:  # a greedy chained round reads only its greedy rows
                     j.out = logits[lo:lo + n]
                 j.greedy = (host[lo:lo + n], host[r + lo:r + lo + n])
                 lo += n

@@ -1,16 +1,17 @@
-"""Rounds the step's leader runs for a request: greedy requests in a batched engine whose drafter
-allows it (`Drafter.chains`: the host drafters none, ngram, replay; DFlash, EAGLE-3 and MTP,
-which the leader drafts for the step's requests together: chain_drafts.py).
+"""Rounds the step's leader runs for a request: requests in a batched engine, greedy or sampled,
+whose drafter allows it (`Drafter.chains`: the host drafters none, ngram, replay; DFlash,
+EAGLE-3 and MTP, which the leader drafts for the step's requests together: chain_drafts.py).
 
 A batched request that runs its own rounds (specdec/session.py over a BatchSlot) brings its
 next rows only after its thread has woken, taken the GIL and done its round's host work
 (acceptance, commit, the next drafts): ~0.2 ms a request a step with 16-64 threads, serialised
 by the GIL, so at 64 requests the device idled ~40 % of the time between steps (measured on an
-H200 and reproduced on CPU with the forward stubbed). A greedy request whose drafter needs
-nothing but the host instead hands its rounds to the batcher as a `Chain`: right after a step,
-under the batcher's lock, the step's leader runs each chained request's round on the host
-lists the step read back (its argmax and the logit at it): the same acceptance (accept.py
-`commit_rows`), the same commit and stop rules as the session, the rollback as a block trim,
+H200 and reproduced on CPU with the forward stubbed). Such a request instead hands its rounds
+to the batcher as a `Chain`: right after a step, under the batcher's lock, the step's leader
+runs each chained request's round on the host lists the step read back (its argmax and the
+logit at it), or for a sampled request on its rows' logits: the same acceptance (accept.py
+`commit_rows`; `accept_sampled` with the request's own generator, which its proposals drew
+from too, in the session's order), the same commit and stop rules as the session, the rollback as a block trim,
 the drafter's maintenance and next proposal, and queues its next verify row for the very next
 step. The request's thread only takes the rounds as they come (`take`), commits them into its
 session (its tokens, stats and records, so the session ends exactly where the chain does) and
@@ -34,7 +35,10 @@ from collections import deque
 from dataclasses import dataclass
 
 
-from ..specdec.accept import commit_rows
+import torch
+
+from ..specdec.accept import accept_sampled, commit_rows
+from ..specdec.sampling import probs
 from ..specdec.drafters.none import NoDrafter
 from ..specdec.stop import commit_tokens
 from .job import BatchStep, Job
@@ -75,49 +79,59 @@ class Chain:
         self.err: BaseException | None = None
         self.err_ids: tuple[list[int], int] | None = None  # a non-finite row's verify ids and start
         self._drafts: list[int] = []
+        self._q = None  # a sampled round's draft probabilities (None: deterministic drafts)
         self._t0 = 0
         self._pending: tuple = ()  # the settled round, handed over by `maintained`
         self._shared = 0  # requests the latest proposal's draft forward held (0: its own, or none)
-        self.plain = isinstance(drafter, NoDrafter)  # never drafts: its next row is its argmax
+        self.greedy = sp.greedy  # sampled: the leader accepts on the step's logits with the request's generator
+        self.plain = isinstance(drafter, NoDrafter) and sp.greedy  # never drafts: its next row is its argmax
         self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
 
     def draft_k(self) -> int:
         """The drafts the next round asks for, as the session's round asks (<= 0: none)."""
         return min(self.k, self.capacity - len(self.tokens), self.max_new - self.produced - 1)
 
-    def next_job(self, drafts: list[int] | None = None, t0: int | None = None, shared: int = 0) -> Job:
+    def next_job(self, prop=None, t0: int | None = None, shared: int = 0) -> Job:
         """The next round's verify rows (the pending token, then this round's drafts), proposed
-        as the session's round proposes them; or `drafts`, proposed with other requests' in one
-        draft forward that began at `t0` with `shared` requests' (chain_drafts.py). The rows carry
-        the request's tap sink: the step writes its tap drafter's taps."""
+        as the session's round proposes them (drawn with the request's generator when sampled);
+        or `prop`, proposed with other requests' in one draft forward that began at `t0` with
+        `shared` requests' (chain_drafts.py). The rows carry the request's tap sink: the step
+        writes its tap drafter's taps."""
         self._t0 = t0 if t0 is not None else time.perf_counter_ns()
         self._shared = shared
         n, k = len(self.tokens), self.draft_k()
-        if drafts is None:
-            prop = self.drafter.propose(self.tokens, k, self.sp, self.gen) if k > 0 else None
-            drafts = prop.tokens[:k].tolist() if prop is not None else []
-        self._drafts = list(drafts[:max(k, 0)])
+        if prop is None and k > 0:
+            prop = self.drafter.propose(self.tokens, k, self.sp, self.gen)
+        self._drafts = prop.tokens[:k].tolist() if prop is not None and k > 0 else []
+        self._q = prop.q[:len(self._drafts)] if prop is not None and prop.q is not None else None
         return Job(self.rid, [self.tokens[-1], *self._drafts], n - 1, self.capacity, False, chain=self,
                    taps=self.slot.cache.taps)
 
     def adopt(self, job: Job) -> None:
         """Its next round is `job`, already launched one step ahead with the token just
         committed as its input (batching/ahead.py): the round began when that row was queued."""
-        self._t0, self._drafts, self._shared = job.t, [], 0
+        self._t0, self._drafts, self._shared, self._q = job.t, [], 0, None
         job.ids[0] = self.tokens[-1]  # what the device read from the argmax (the error path's ids)
 
     def settle(self, job: Job) -> int | None:
-        """After the step `job` rode in (its greedy rows read back): accept, commit, and the
-        rows the request keeps (its rollback: the batcher trims its blocks to them; the rows it
-        wrote when every draft was accepted); None when the round failed (`err` set)."""
+        """After the step `job` rode in (its greedy rows read back; a sampled round's logits):
+        accept (greedy, or by rejection sampling with the request's generator, as the session
+        accepts), commit, and the rows the request keeps (its rollback: the batcher trims its
+        blocks to them; the rows it wrote when every draft was accepted); None when the round
+        failed (`err` set)."""
         t2 = time.perf_counter_ns()
         kk, n = len(self._drafts), len(self.tokens)
         if job.err is not None:
             self._fail(job.err, None)
             return None
-        pred, val = job.greedy
         try:
-            new = commit_rows(pred, self._drafts, val)
+            if self.greedy:
+                pred, val = job.greedy
+                new = commit_rows(pred, self._drafts, val)
+            else:
+                j, nxt, _kind = accept_sampled(probs(job.out, self.sp), self._q,
+                                               torch.tensor(self._drafts, dtype=torch.long), self.gen)
+                new = self._drafts[:j] + [nxt]
         except Exception as e:  # noqa: BLE001 (NonFiniteRow: the session names the layer)
             self._fail(e, (list(job.ids), job.start))
             return None

@@ -71,11 +71,11 @@ def propose_rounds(chains, stats=None) -> list:
         try:
             if len(group) > 1:
                 t0 = time.perf_counter_ns()
-                ks = [ch.draft_k() for ch in group]
-                drafts = type(group[0].drafter).propose_many([ch.drafter for ch in group],
-                                                             [ch.tokens for ch in group], ks)
-                for ch, dr in zip(group, drafts):
-                    jobs[id(ch)] = ch.next_job(dr, t0, len(group))
+                props = type(group[0].drafter).propose_many(
+                    [ch.drafter for ch in group], [ch.tokens for ch in group], [ch.draft_k() for ch in group],
+                    [ch.sp for ch in group], [ch.gen for ch in group])
+                for ch, prop in zip(group, props):
+                    jobs[id(ch)] = ch.next_job(prop, t0, len(group))
                 if stats is not None:
                     stats.draft_batches += 1
                     stats.draft_batched += len(group)

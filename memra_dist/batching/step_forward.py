@@ -45,12 +45,13 @@ def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -
     once the step is launched (before the readback; batcher._flush_wakes). `ids_dev`: the
     rows' ids on the device (a step launched ahead: the previous step's argmax). A graphed
     step's logits are copied out of the graphs' shared buffer only when a job reads them: a
-    chained round reads only its greedy rows, computed before any replay."""
+    greedy chained round reads only its greedy rows, computed before any replay."""
     try:
         if any(j.timer is not None for j in jobs):  # level 2: the step's own sub-split (laps.py)
             return timed_step(b, jobs, ids_dev, eager)
         if b.graphs is not None and b.graphs.eligible(jobs):
-            out = b.graphs.run(jobs, lambda: wake(wakes), ids_dev, any(j.chain is None for j in jobs))
+            out = b.graphs.run(jobs, lambda: wake(wakes), ids_dev,
+                               any(j.chain is None or not j.chain.greedy for j in jobs))
             if out is not None:
                 return out
         return eager(b, jobs, ids_dev)

@@ -44,10 +44,10 @@ class TapReplay(Drafter):
         type(drafters[0].real).maintain_many([d.real for d in drafters], contexts)
 
     @staticmethod
-    def propose_many(drafters, contexts, ks) -> list[list[int]]:
-        real = type(drafters[0].real).propose_many([d.real for d in drafters], contexts, ks)  # paid in full
-        return [d.replay.propose(c, len(r), None, None).tokens.tolist() if r else []
-                for d, c, r in zip(drafters, contexts, real)]
+    def propose_many(drafters, contexts, ks, sps, gens) -> list[Proposal]:
+        real = type(drafters[0].real).propose_many([d.real for d in drafters], contexts, ks, sps, gens)  # paid in full
+        return [Proposal(d.replay.propose(c, int(r.tokens.numel()), sp, g).tokens)
+                for d, c, r, sp, g in zip(drafters, contexts, real, sps, gens)]
 
     def alloc(self, capacity: int) -> float:
         return self.real.alloc(capacity)

@@ -1,4 +1,4 @@
-"""A batched greedy request whose rounds the batcher's step leader runs (batching/chain.py): the
+"""A batched request whose rounds the batcher's step leader runs (batching/chain.py): the
 session's side. The leader queues each next verify right after the step before; here each
 round is taken as it comes and committed into the session (the same commit and stop rules, so
 the session ends where the chain does), recorded and streamed. A chain that parked (its next

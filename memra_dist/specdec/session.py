@@ -119,11 +119,12 @@ class SpecSession:
         self.stats = SessionStats()
         self.done = False
         self._ahead = None  # specdec/ahead.py: greedy plain decoding one step ahead (pp=1 graphs, or the pipeline head)
-        # a batched target runs a greedy request's rounds in its step leader (batching/chain.py) with
-        # a drafter that allows it (host drafters; DFlash, drafting the step's requests at once);
-        # never with the first-token profile (its hook share stays the session's) nor at level 2
-        # (its verify's sub-split comes from its own submissions: batching/laps.py)
-        self._chains = (sp.greedy and self.prof is None and self.timer is None
+        # a batched target runs a request's rounds in its step leader (batching/chain.py) with a
+        # drafter that allows it (host drafters; the tap drafters, drafting the step's requests at
+        # once), greedy or sampled (the leader accepts with the request's own generator); never
+        # with the first-token profile (its hook share stays the session's) nor at level 2 (its
+        # verify's sub-split comes from its own submissions: batching/laps.py)
+        self._chains = (self.prof is None and self.timer is None
                         and getattr(drafter, "chains", False) and callable(getattr(target, "chain", None)))
         self._chain = None
         # records still held: a burst the event clock reads in the next burst's first verify,

@@ -32,8 +32,9 @@ class Drafter:
     # the step leader may run a batched greedy request's rounds (batching/chain.py): host drafters,
     # and device drafters that draft many requests in one forward (`batched`)
     chains = False
-    # maintain_many(drafters, contexts) / propose_many(drafters, contexts, ks) -> host drafts: the
-    # chained requests of a step that share this drafter's network, in one forward each
+    # maintain_many(drafters, contexts) / propose_many(drafters, contexts, ks, sps, gens) -> each one's
+    # Proposal (its drafts on the host; greedy, or drawn with its generator): the chained requests of
+    # a step that share this drafter's network, in one forward each
     batched = False
 
     @property

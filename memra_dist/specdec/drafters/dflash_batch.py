@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from ...model.attention import cached_attention
+from ..sampling import draw_drafts, probs
+from .base import EMPTY, Proposal
 
 __all__ = ["ingest_many", "propose_many"]
 
@@ -44,10 +46,12 @@ def ingest_many(drafters, uptos: list[int]) -> None:
 
 
 @torch.inference_mode()
-def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
-    """Each drafter's greedy drafts (min(k, B - 1) of them; none where k <= 0) for its context,
-    as host lists: one block forward of every drafting request's block."""
-    out: list[list[int]] = [[] for _ in drafters]
+def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]:
+    """Each drafter's Proposal (min(k, B - 1) drafts, on the host; EMPTY where k <= 0) for its
+    context: one block forward of every drafting request's block. Greedy: the argmax rows (one
+    readback for all); sampled (`sps[i]` not greedy): drawn from its own rows' distribution
+    with its generator `gens[i]`, as its solo proposal draws them (DFlashDrafter.propose)."""
+    out: list[Proposal] = [EMPTY for _ in drafters]
     live = [(i, d, c, min(k, d.B - 1)) for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)) if k > 0]
     if not live:
         return out
@@ -76,9 +80,15 @@ def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
 
     h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend)  # (n * B, H)
     rows = [r * B + 1 + i for r, (_, _, _, kk) in enumerate(live) for i in range(kk)]
-    toks = stage.lm_head(h[torch.tensor(rows, device=dev)]).float().argmax(-1).tolist()
+    logits = stage.lm_head(h[torch.tensor(rows, device=dev)]).float()  # (rows, V)
+    toks = logits.argmax(-1).tolist()
     lo = 0
-    for i, _, _, kk in live:
-        out[i] = toks[lo:lo + kk]
+    for i, d, _, kk in live:
+        sp = sps[i]
+        if sp.greedy:
+            out[i] = Proposal(torch.tensor(toks[lo:lo + kk], dtype=torch.long))
+        else:  # its own rows' distribution, drawn with its own generator (as alone)
+            q = probs(logits[lo:lo + kk], sp)
+            out[i] = Proposal(draw_drafts(q, gens[i], d.name), q)
         lo += kk
     return out

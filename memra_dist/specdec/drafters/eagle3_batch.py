@@ -17,6 +17,8 @@ import torch
 
 from ...model.attention import cached_attention, causal_mask
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
+from ..sampling import draw_drafts, probs
+from .base import EMPTY, Proposal
 
 __all__ = ["maintain_many", "propose_many"]
 
@@ -53,10 +55,13 @@ def _step(net, ds, los: list[int], lens: list[int], tokens: torch.Tensor, g: tor
 
 
 @torch.inference_mode()
-def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
-    """Each drafter's greedy drafts (k of them; none where k <= 0) after its context, as host
-    lists: the round's first forward and each chain step shared by every request still drafting."""
-    out: list[list[int]] = [[] for _ in drafters]
+def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]:
+    """Each drafter's Proposal (k drafts, on the host; EMPTY where k <= 0) after its context:
+    the round's first forward and each chain step shared by every request still drafting.
+    Greedy: each step's argmax mapped to target ids (one readback at the end); sampled: each
+    step's draft drawn from its target-vocabulary distribution with the request's generator
+    and fed to the next step, as its solo proposal draws it (Eagle3Drafter.propose)."""
+    out: list[Proposal] = [EMPTY for _ in drafters]
     live = [(i, d, c, k) for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)) if k > 0]
     if not live:
         return out
@@ -77,8 +82,16 @@ def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
     active = list(range(len(live)))
     picks: list[torch.Tensor] = []
     order: list[list[int]] = []
+    qs: dict[int, list[torch.Tensor]] = {r: [] for r, (i, *_) in enumerate(live) if not sps[i].greedy}
     for s in range(max(k for *_, k in live)):
-        tok = net.hot[net.logits(last).argmax(-1)]  # (len(active),) target ids, on the device
+        logits = net.logits(last)  # (len(active), Vd)
+        tok = net.hot[logits.argmax(-1)]  # (len(active),) target ids, on the device
+        for a, r in enumerate(active):
+            if r in qs:  # sampled: drawn over the target vocabulary with its own generator
+                i = live[r][0]
+                q = probs(net.target_logits(logits[a:a + 1]), sps[i])
+                qs[r].append(q)
+                tok[a] = int(draw_drafts(q, gens[i], ds[r].name)[0])
         picks.append(tok)
         order.append(active)
         keep = [a for a, r in enumerate(active) if s + 1 < live[r][3]]
@@ -89,9 +102,12 @@ def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
         last = _step(net, [ds[r] for r in active], [Ns[r] - 1 + s for r in active], [1] * len(active),
                      tok[sel], last[sel])
     flat = torch.cat(picks).tolist()  # one readback
+    drafts: list[list[int]] = [[] for _ in live]
     lo = 0
     for rs in order:
         for r in rs:
-            out[live[r][0]].append(flat[lo])
+            drafts[r].append(flat[lo])
             lo += 1
+    for r, (i, *_) in enumerate(live):
+        out[i] = Proposal(torch.tensor(drafts[r], dtype=torch.long), torch.cat(qs[r]) if r in qs else None)
     return out

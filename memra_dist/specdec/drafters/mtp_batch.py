@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import draw_drafts, probs
+from .base import EMPTY, Proposal
+
 __all__ = ["maintain_many", "propose_many"]
 
 
@@ -43,10 +46,12 @@ def _layer(head, j: int, ds, los: list[int], lens: list[int], tokens: torch.Tens
 
 
 @torch.inference_mode()
-def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
-    """Each drafter's greedy drafts (k of them; none where k <= 0) after its context, as host
-    lists: each step of the round shared by every request still drafting."""
-    out: list[list[int]] = [[] for _ in drafters]
+def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]:
+    """Each drafter's Proposal (k drafts, on the host; EMPTY where k <= 0) after its context:
+    each step of the round shared by every request still drafting. Greedy: each step's argmax
+    (one readback at the end); sampled: drawn with the request's generator and fed to the next
+    step, as its solo proposal draws it (MTPDrafter.propose)."""
+    out: list[Proposal] = [EMPTY for _ in drafters]
     live = [(i, d, c, k) for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)) if k > 0]
     if not live:
         return out
@@ -54,6 +59,7 @@ def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
     head, dev, lm_head = d0.head, d0.device, d0.target.stage.lm_head
     Ns = [len(c) for _, _, c, _ in live]
     drafts: list[list[torch.Tensor]] = [[] for _ in live]  # each request's picks so far, (1,) on the device
+    qs: dict[int, list[torch.Tensor]] = {a: [] for a, (i, *_) in enumerate(live) if not sps[i].greedy}
     picks, order = [], []
     active = list(range(len(live)))
     prev = None  # the active requests' previous outputs (n_active, H)
@@ -74,7 +80,13 @@ def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
         else:  # chained past the layers: one row further on, fed the previous step
             tokens = torch.cat([drafts[a][-1] for a in active])
             last = _layer(head, j, ds, [Ns[a] - 2 + r for a in active], [1] * len(active), tokens, prev, True)
-        tok = lm_head(last).float().argmax(-1)  # (n_active,)
+        logits = lm_head(last).float()  # (n_active, V)
+        tok = logits.argmax(-1)
+        for i, a in enumerate(active):
+            if a in qs:  # sampled: drawn with its own generator
+                q = probs(logits[i:i + 1], sps[live[a][0]])
+                qs[a].append(q)
+                tok[i] = int(draw_drafts(q, gens[live[a][0]], live[a][1].name)[0])
         picks.append(tok)
         order.append(active)
         for i, a in enumerate(active):
@@ -85,9 +97,12 @@ def propose_many(drafters, contexts, ks: list[int]) -> list[list[int]]:
         prev = last[torch.tensor(keep, device=dev)]
         active = [active[i] for i in keep]
     flat = torch.cat(picks).tolist()  # one readback
+    got: list[list[int]] = [[] for _ in live]
     lo = 0
     for rs in order:
         for a in rs:
-            out[live[a][0]].append(flat[lo])
+            got[a].append(flat[lo])
             lo += 1
+    for a, (i, *_) in enumerate(live):
+        out[i] = Proposal(torch.tensor(got[a], dtype=torch.long), torch.cat(qs[a]) if a in qs else None)
     return out
