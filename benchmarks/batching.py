@@ -54,6 +54,9 @@ def main() -> int:
     ap.add_argument("--switch-ms", type=float, default=None, help="the interpreter's GIL switch interval for the run "
                     "(sys.setswitchinterval; tracing sets 0.5 ms)")
     ap.add_argument("--only-batched", action="store_true", help="skip the one-at-a-time engine at N > 1")
+    ap.add_argument("--own-drafts", action="store_true", help="the tap drafters' requests run their own rounds, "
+                    "each drafting alone in its thread (Drafter.chains off: how they ran before the step leader "
+                    "drafted them together; what the shared draft forwards save)")
     ap.add_argument("--six-spans", action="store_true", help="a leader's batched round as six spans at level 1 too "
                     "(specdec/chained.py COMPACT_BELOW = 0: what the one-span round saves)")
     a = ap.parse_args()
@@ -64,6 +67,11 @@ def main() -> int:
 
         otel.GIL_SWITCH_S = a.switch_ms / 1e3
         sys.setswitchinterval(a.switch_ms / 1e3)
+    if a.own_drafts:
+        from memra_dist.specdec.drafters import dflash, eagle3, mtp
+
+        for cls in (dflash.DFlashDrafter, eagle3.Eagle3Drafter, mtp.MTPDrafter):
+            cls.chains = False
     if a.six_spans:
         import memra_dist.specdec.chained as chained
 

@@ -209,10 +209,11 @@ def _host_panel() -> dict:
 
 def _batch_panels() -> list:
     """Batched engines (--max-batch > 1): how full the steps are, what a verify waits for its
-    step, and the paged KV pool's blocks."""
+    step, the paged KV pool's blocks, and how many requests a shared draft forward drafts."""
     kv = label("kv_state")
     size = f"{rate_sum('batch_requests')} / {rate_sum('batch_requests', part='_count')}"
     wait = lambda p: (f"histogram_quantile({p}, sum by (le) (rate({m('batch_wait', '_bucket')}[{RI}])))")  # noqa: E731
+    shared = f"{rate_sum('batch_draft_requests')} / {rate_sum('batch_draft_requests', part='_count')}"
     return [
         panel(18, "Batch: requests per step (mean over rounds)", [target(size, "requests a step")], (0, 76, 8, 8),
               unit="none", desc="Batched engines: requests whose rows shared the batch step of a round's verify. "
@@ -228,6 +229,11 @@ def _batch_panels() -> list:
               (0, 84, 8, 8), unit="none",
               desc="Requests the batched engine has preempted (K/V swapped to host so another could grow; "
                    "each resumes bitwise). Rising: the paged KV pool (--kv-rows) is short for the load."),
+        panel(22, "Batch: requests per shared draft forward", [target(shared, "requests a draft forward")],
+              (8, 84, 8, 8), unit="none",
+              desc="Batched engines with a tap drafter (DFlash, EAGLE-3, MTP): requests whose drafts the step "
+                   "leader made in one draft forward (mean over the rounds drafted that way). Near the requests "
+                   "per step: every request's draft shares one forward."),
     ]
 
 

@@ -67,7 +67,8 @@ def test_burst_records_every_instrument(sink):
     rounds[1].h = [rounds[1].t[i + 1] - MS // 2 for i in range(len(PHASES))]  # each phase's last 0.5 ms drained
     s.burst(_burst(rounds))
     pts = _points(reader)
-    batch_only = {METRICS[k] for k in ("batch_requests", "batch_wait", "kv_blocks", "batch_preemptions")}  # a batched engine's rounds
+    batch_only = {METRICS[k] for k in ("batch_requests", "batch_wait", "kv_blocks", "batch_preemptions",
+                                       "batch_draft_requests")}  # a batched engine's rounds
     assert set(pts) == set(METRICS.values()) - {METRICS["verify_sub_duration"], METRICS["first_token"]} - batch_only
     host = _by(pts[METRICS["phase_host_duration"]], METRIC_ATTR["phase"])
     assert host["verify"].count == 1 and host["verify"].sum == pytest.approx(3.5)  # only the round that has it
@@ -221,10 +222,13 @@ def test_batched_rounds_record_the_step_size_the_wait_and_the_kv_blocks(sink):
     for r, (n, wait_ms, used) in zip(rounds, [(4, 0.5, 10), (6, 2.0, 12), (2, 0.0, 7)]):
         r.batch = BatchStep(id=r.index, requests=n, rows=5 * n, wait_ns=int(wait_ms * MS), forward_ns=3 * MS,
                             kv_used=used, kv_free=40 - used, preempted=used // 6)
+    rounds[0].draft_requests, rounds[1].draft_requests = 4, 3  # drafted in shared forwards; the last alone
     s.burst(_burst(rounds))
     pts = _points(reader)
     (size,) = pts[METRICS["batch_requests"]]
     assert size.count == 3 and size.sum == 12
+    (shared,) = pts[METRICS["batch_draft_requests"]]
+    assert shared.count == 2 and shared.sum == 7  # one value per round drafted in a shared forward
     (wait,) = pts[METRICS["batch_wait"]]
     assert wait.count == 3 and wait.sum == pytest.approx(2.5)
     kv = _by(pts[METRICS["kv_blocks"]], METRIC_ATTR["kv_state"])

@@ -136,6 +136,7 @@ METRICS = {
     "round_duration": "memra.spec.round.duration",  # histogram, ms
     "batch_requests": "memra.batch.requests",  # histogram, requests in the batch step of a round's verify
     "batch_wait": "memra.batch.wait.duration",  # histogram, ms, a batched verify waiting for its step
+    "batch_draft_requests": "memra.batch.draft_requests",  # histogram, requests in a leader round's shared draft forward
     "kv_blocks": "memra.batch.kv_blocks",  # gauge, blocks of the paged KV pool, attr memra.kv_state (used | free)
     "batch_preemptions": "memra.batch.preemptions",  # gauge, requests the engine has preempted so far
 }
@@ -160,6 +161,9 @@ METRIC_META = {
                        "the batch step a round's verify rode in, one value per round."),
     "batch_wait": ("histogram", "ms", "Batched engines: a round's verify waiting for its batch step to start "
                    "(the other requests' submissions: until 5 ms pass with none new, at most 20 ms; or a step already running)."),
+    "batch_draft_requests": ("histogram", "{request}", "Batched engines with a tap drafter (DFlash, EAGLE-3, MTP): "
+                             "requests whose drafts the step leader made in one shared draft forward, one value "
+                             "per round drafted that way."),
     "kv_blocks": ("gauge", "{block}", "Batched engines: blocks of the paged KV pool by memra.kv_state (used, free) "
                   "after the last batch step a burst saw."),
     "batch_preemptions": ("gauge", "{preemption}", "Batched engines: requests preempted so far (their K/V swapped "

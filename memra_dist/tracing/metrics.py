@@ -118,6 +118,8 @@ class MetricsSink:
             if r.batch is not None:
                 m["batch_requests"].record(r.batch.requests, context=ctx)
                 m["batch_wait"].record(r.batch.wait_ns / 1e6, context=ctx)
+            if r.draft_requests:
+                m["batch_draft_requests"].record(r.draft_requests, context=ctx)
             drafted, accepted = drafted + r.k, accepted + r.j
         m["drafted"].add(drafted)
         m["accepted"].add(accepted)
