@@ -24,7 +24,10 @@ round itself (its submission may wait for blocks or preempt another request) and
 
 Each round keeps six host stamps (ns), as the session's phase clock stamps a round's
 boundaries: the proposal started / the verify queued (the draft) / the step read back (the
-verify: waiting for the step and its forward) / accepted / rolled back / maintained.
+verify: waiting for the step and its forward) / accepted / rolled back / maintained. A drafter
+on the device has its proposal read back (the draft phase ends with its drafts on the host)
+and its maintenance drained (DFlash's ingest) before the stamp, so each phase holds its own
+device time, as the session's clock drains at its boundaries.
 """
 
 from __future__ import annotations
@@ -151,6 +154,8 @@ class Chain:
         if t4 is None:
             t4 = time.perf_counter_ns()
             self.drafter.maintain(self.tokens)
+            if self.drafter.device is not None:  # its device work ends inside its phase (DFlash's ingest)
+                self.drafter.drain()
         new, kk, j, ctx, step, t0, t1, t2, t3, shared = self._pending
         self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns()), shared))
         if self.done:

@@ -51,7 +51,10 @@ def maintain_rounds(chains) -> list:
         try:
             if len(group) > 1:
                 t4 = time.perf_counter_ns()
-                type(group[0].drafter).maintain_many([ch.drafter for ch in group], [ch.tokens for ch in group])
+                d0 = group[0].drafter
+                type(d0).maintain_many([ch.drafter for ch in group], [ch.tokens for ch in group])
+                if d0.device is not None:  # the shared ingest's device time ends in the maint phase, not the next draft
+                    d0.drain()
                 for ch in group:
                     ch.maintained(t4)
             else:
