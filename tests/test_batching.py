@@ -388,6 +388,35 @@ def test_served_requests_batched_get_their_solo_completions(llama, draft_llama, 
         assert backend.draft_batcher.stats.max_requests >= 2
 
 
+def traced_batched(model, drafter, reqs, level: int, max_batch: int = 4, **kw):
+    """The requests from concurrent threads on one batched engine traced at `level`, each
+    request's spans into its own in-memory exporter -> (their ids, the exporters, the stats)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from memra_dist.phase.levels import TraceSettings
+    from memra_dist.tracing.emit import SpanSink
+
+    exps = [InMemorySpanExporter() for _ in reqs]  # each request's spans apart
+    kw = dict(trace=TraceSettings(level=level), **kw)
+    got: dict[int, list[int]] = {}
+    with open_engine(_cfg(model, drafter, **kw), capacity=CAP, max_batch=max_batch) as eng:
+        def one(i, p, n):
+            prov = TracerProvider()
+            prov.add_span_processor(SimpleSpanProcessor(exps[i]))
+            got[i] = eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw),
+                                  span_sink=SpanSink(prov.get_tracer("t"), None)).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stats = eng._backend.stats()
+    return [got.get(i) for i in range(len(reqs))], exps, stats
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, level):
     """Levels 1 and 2 on a batched engine: every request keeps its own trace (its own k,
@@ -397,32 +426,12 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, leve
     spec.round, its phases' ms its attributes; at level 2 the phase spans carry them, and every
     verify has its batch step's sub-split by mixer class (batching/laps.py): attention and FFN
     shares inside the verify."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from memra_dist.phase.levels import TraceSettings
     from memra_dist.tracing.conventions import ATTR, PHASE_SPANS, PHASES, SPAN_ROUND, VERIFY_SUB_SPANS
-    from memra_dist.tracing.emit import SpanSink
 
     reqs = _prompts(4)
     solo = _solo(llama, "ngram", reqs)
-    exps = [InMemorySpanExporter() for _ in reqs]  # each request's spans apart
-    kw = dict(trace=TraceSettings(level=level))
-    got: dict[int, list[int]] = {}
-    with open_engine(_cfg(llama, "ngram", **kw), capacity=CAP, max_batch=4) as eng:
-        def one(i, p, n):
-            prov = TracerProvider()
-            prov.add_span_processor(SimpleSpanProcessor(exps[i]))
-            got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n, **kw),
-                                  span_sink=SpanSink(prov.get_tracer("t"), None)).token_ids
-
-        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-    assert [got.get(i) for i in range(len(reqs))] == solo
+    got, exps, _ = traced_batched(llama, "ngram", reqs, level)
+    assert got == solo
     a = ATTR
     by_step: dict[int, list] = {}
     for i, exp in enumerate(exps):

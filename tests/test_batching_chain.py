@@ -327,36 +327,15 @@ def test_a_shared_draft_forward_is_named_on_each_round_it_drafted(llama, tmp_pat
     """Traced at level 1, a DFlash round the step leader ran names on its spec.round the requests
     its draft forward drafted together (memra.batch.draft_requests); every request of that
     forward shows the same draft start (the forward's), so the shared draft is seen side by side."""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from memra_dist.phase.levels import TraceSettings
     from memra_dist.tracing.conventions import ATTR, SPAN_ROUND
-    from memra_dist.tracing.emit import SpanSink
 
-    from test_batching import _tap_drafter
+    from test_batching import _tap_drafter, traced_batched
 
     ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
     reqs = _prompts(4)
     solo = _solo(llama, "dflash", reqs, draft_model=ddir)
-    exps = [InMemorySpanExporter() for _ in reqs]
-    kw = dict(trace=TraceSettings(level=1), draft_model=ddir)
-    got: dict[int, list[int]] = {}
-    with open_engine(_cfg(llama, "dflash", **kw), capacity=CAP, max_batch=4) as eng:
-        def one(i, p, n):
-            prov = TracerProvider()
-            prov.add_span_processor(SimpleSpanProcessor(exps[i]))
-            got[i] = eng.generate(p, _cfg(llama, "dflash", max_new_tokens=n, **kw),
-                                  span_sink=SpanSink(prov.get_tracer("t"), None)).token_ids
-
-        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        stats = eng._backend.stats()
-    assert [got.get(i) for i in range(len(reqs))] == solo
+    got, exps, stats = traced_batched(llama, "dflash", reqs, 1, draft_model=ddir)
+    assert got == solo
     shared = sorted((s.start_time, s.attributes[ATTR["batch_draft_requests"]]) for exp in exps
                     for s in exp.get_finished_spans()
                     if s.name == SPAN_ROUND and ATTR["batch_draft_requests"] in s.attributes)

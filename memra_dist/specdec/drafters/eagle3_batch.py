@@ -17,8 +17,8 @@ import torch
 
 from ...model.attention import cached_attention, causal_mask
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
-from ..sampling import draw_drafts, probs
 from .base import EMPTY, Proposal
+from .chain_picks import ChainPicks
 
 __all__ = ["maintain_many", "propose_many"]
 
@@ -80,20 +80,10 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     for d, N in zip(ds, Ns):
         d.n = N - 1
     active = list(range(len(live)))
-    picks: list[torch.Tensor] = []
-    order: list[list[int]] = []
-    qs: dict[int, list[torch.Tensor]] = {r: [] for r, (i, *_) in enumerate(live) if not sps[i].greedy}
+    picks = ChainPicks(live, sps, gens)
     for s in range(max(k for *_, k in live)):
-        logits = net.logits(last)  # (len(active), Vd)
-        tok = net.hot[logits.argmax(-1)]  # (len(active),) target ids, on the device
-        for a, r in enumerate(active):
-            if r in qs:  # sampled: drawn over the target vocabulary with its own generator
-                i = live[r][0]
-                q = probs(net.target_logits(logits[a:a + 1]), sps[i])
-                qs[r].append(q)
-                tok[a] = int(draw_drafts(q, gens[i], ds[r].name)[0])
-        picks.append(tok)
-        order.append(active)
+        logits = net.logits(last)  # (len(active), Vd): greedy, the argmax as target ids; sampled, over the target's
+        tok = picks.take(active, net.hot[logits.argmax(-1)], lambda a: net.target_logits(logits[a:a + 1]))
         keep = [a for a, r in enumerate(active) if s + 1 < live[r][3]]
         if not keep:
             break
@@ -101,13 +91,4 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
         active = [active[a] for a in keep]
         last = _step(net, [ds[r] for r in active], [Ns[r] - 1 + s for r in active], [1] * len(active),
                      tok[sel], last[sel])
-    flat = torch.cat(picks).tolist()  # one readback
-    drafts: list[list[int]] = [[] for _ in live]
-    lo = 0
-    for rs in order:
-        for r in rs:
-            drafts[r].append(flat[lo])
-            lo += 1
-    for r, (i, *_) in enumerate(live):
-        out[i] = Proposal(torch.tensor(drafts[r], dtype=torch.long), torch.cat(qs[r]) if r in qs else None)
-    return out
+    return picks.proposals(len(drafters))

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import draw_drafts, probs
 from .base import EMPTY, Proposal
+from .chain_picks import ChainPicks
 
 __all__ = ["maintain_many", "propose_many"]
 
@@ -59,8 +59,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     head, dev, lm_head = d0.head, d0.device, d0.target.stage.lm_head
     Ns = [len(c) for _, _, c, _ in live]
     drafts: list[list[torch.Tensor]] = [[] for _ in live]  # each request's picks so far, (1,) on the device
-    qs: dict[int, list[torch.Tensor]] = {a: [] for a, (i, *_) in enumerate(live) if not sps[i].greedy}
-    picks, order = [], []
+    picks = ChainPicks(live, sps, gens)
     active = list(range(len(live)))
     prev = None  # the active requests' previous outputs (n_active, H)
     for s in range(max(k for *_, k in live)):
@@ -81,14 +80,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
             tokens = torch.cat([drafts[a][-1] for a in active])
             last = _layer(head, j, ds, [Ns[a] - 2 + r for a in active], [1] * len(active), tokens, prev, True)
         logits = lm_head(last).float()  # (n_active, V)
-        tok = logits.argmax(-1)
-        for i, a in enumerate(active):
-            if a in qs:  # sampled: drawn with its own generator
-                q = probs(logits[i:i + 1], sps[live[a][0]])
-                qs[a].append(q)
-                tok[i] = int(draw_drafts(q, gens[live[a][0]], live[a][1].name)[0])
-        picks.append(tok)
-        order.append(active)
+        tok = picks.take(active, logits.argmax(-1), lambda i: logits[i:i + 1])
         for i, a in enumerate(active):
             drafts[a].append(tok[i:i + 1])
         keep = [i for i, a in enumerate(active) if s + 1 < live[a][3]]
@@ -96,13 +88,4 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
             break
         prev = last[torch.tensor(keep, device=dev)]
         active = [active[i] for i in keep]
-    flat = torch.cat(picks).tolist()  # one readback
-    got: list[list[int]] = [[] for _ in live]
-    lo = 0
-    for rs in order:
-        for a in rs:
-            got[a].append(flat[lo])
-            lo += 1
-    for a, (i, *_) in enumerate(live):
-        out[i] = Proposal(torch.tensor(got[a], dtype=torch.long), torch.cat(qs[a]) if a in qs else None)
-    return out
+    return picks.proposals(len(drafters))
