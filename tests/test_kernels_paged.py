@@ -191,9 +191,9 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
         kw["draft_model"] = str(random_dflash(tmp_path_factory.mktemp("gdflash") / "d", wide_llama, seed=2, layers=1,
                                               block_size=4, taps=(0, 1), mask_token_id=1, heads=2, kv_heads=1,
                                               head_dim=16, intermediate_size=64))
-        real = DFlashDrafter.propose
-        monkeypatch.setattr(DFlashDrafter, "propose", lambda self, c, k, sp, g: seen.append(
-            (tuple(c), tuple((p := real(self, c, k, sp, g)).tokens[:k].tolist()))) or p)
+        from test_batching import spy_proposals
+
+        seen = spy_proposals(monkeypatch, DFlashDrafter)  # its own, and the step leader's shared forwards
 
     def cfg(n=12):
         return RunConfig(model=str(wide_llama), drafter=drafter, k=3, device="cpu", dtype="fp32", prefill_chunk=40,
