@@ -27,7 +27,7 @@ def _groups(chains) -> list[list]:
     by_net: dict[int, list] = {}
     for ch in chains:
         d = ch.drafter
-        if getattr(d, "batched", False):
+        if d.batched:
             key = id(d.batch_key)
             if key not in by_net:
                 by_net[key] = []
@@ -43,10 +43,24 @@ def _fail(group, e: BaseException) -> None:
         ch.err, ch.ended = e, True
 
 
+def _alone(chains) -> bool:
+    """No chain's drafter drafts with others (host drafters: the common case at 64 requests a
+    step, kept to a plain loop on the leader's path between steps)."""
+    return not any(ch.drafter.batched for ch in chains)
+
+
 def maintain_rounds(chains) -> list:
     """Each settled chain's drafter maintained and its round handed over (chain.Chain.maintained);
     returns the chains whose maintenance did not fail."""
     ok = []
+    if _alone(chains):
+        for ch in chains:
+            try:
+                ch.maintained()
+                ok.append(ch)
+            except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own request only)
+                ch.err, ch.ended = e, True
+        return ok
     for group in _groups(chains):
         try:
             if len(group) > 1:
@@ -69,6 +83,15 @@ def propose_rounds(chains, stats=None) -> list:
     """Each chain's next verify job (chain.Chain.next_job), its drafts proposed in its group's
     one forward; None for a chain whose proposal failed (its chain ended with the error).
     `stats` (the batcher's BatchStats) counts the shared draft forwards and the proposals in them."""
+    if _alone(chains):
+        out = []
+        for ch in chains:
+            try:
+                out.append(ch.next_job())
+            except BaseException as e:  # noqa: BLE001
+                ch.err, ch.ended = e, True
+                out.append(None)
+        return out
     jobs: dict[int, object] = {}
     for group in _groups(chains):
         try:
