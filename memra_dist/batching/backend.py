@@ -129,7 +129,7 @@ class BatchedBackend:
 
         self.runner = runner if runner is not None else load(cfg.model, plan.model)
         budget = max_tokens if max_tokens is not None else max(cfg.prefill_chunk, max_batch * (cfg.k + 1))
-        taps = self._load_tap_net(cfg, plan)
+        taps = self._load_tap_net(cfg, plan, max_batch)
         graphs = fast["graphs"] and runner is None
         self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, graphs, taps)
         self.draft_batcher = None
@@ -146,10 +146,16 @@ class BatchedBackend:
             self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model")
         _switch(+1)  # last: a backend that failed to open is never closed
 
-    def _load_tap_net(self, cfg, plan) -> tuple[int, ...]:
+    def _load_tap_net(self, cfg, plan, max_batch: int) -> tuple[int, ...]:
         """A tap drafter's network, loaded once for every request (each request's drafter holds
         its own draft cache over it); returns the target layers it reads."""
-        self.tap_net = None
+        self.tap_net = self.draft_pool = None
+        if cfg.drafter in ("dflash", "eagle3"):  # every request's draft cache a slot of one pool (draft_pool.py)
+            from ..specdec.drafters.draft_pool import DraftPool  # noqa: PLC0415
+
+            base = plan.draft.base
+            layers = base.num_layers if cfg.drafter == "dflash" else 1
+            self.draft_pool = DraftPool(max_batch, layers, base.num_kv_heads, base.head_dim, self.device, self.dtype)
         if cfg.drafter == "dflash":
             from ..model.dflash import load_dflash  # noqa: PLC0415
 
@@ -193,6 +199,8 @@ class BatchedBackend:
             from ..specdec.drafters.mtp import MTPDrafter  # noqa: PLC0415
 
             drafter = MTPDrafter(self.tap_net, slot)
+        if self.draft_pool is not None:
+            drafter.pool = self.draft_pool  # its draft cache taken at alloc, given back as the request ends
         return Request(slot, plan, prompt, span_sink, drafter=drafter)
 
     @contextmanager
@@ -212,6 +220,8 @@ class BatchedBackend:
                 slot.release()
                 if draft is not None:
                     draft.release()
+                if self.draft_pool is not None:
+                    self.draft_pool.give(slot)
 
     def stats(self) -> dict:
         b = self.batcher

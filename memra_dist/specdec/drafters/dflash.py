@@ -70,13 +70,17 @@ class DFlashDrafter(Drafter):
     def load(cls, model_dir, dc, target) -> "DFlashDrafter":
         return cls(load_dflash(model_dir, dc, target.device, target.dtype), target)
 
+    pool = None  # a batched engine's DraftPool (draft_pool.py): the draft K/V as a slot of it
+    pool_slot = None
+
     # ---- state ----
     def alloc(self, capacity: int) -> float:
         rows = capacity + self.B  # a block may start at the last context row
         c = self.dc.base
         if not self.states or self.states[0].k.shape[0] != rows:
-            self.states = [KVLayer.alloc(rows, c.num_kv_heads, c.head_dim, self.device, self.target.dtype)
-                           for _ in range(c.num_layers)]
+            pooled = self.pool.take(self, rows) if self.pool is not None else None
+            self.states = pooled or [KVLayer.alloc(rows, c.num_kv_heads, c.head_dim, self.device, self.target.dtype)
+                                     for _ in range(c.num_layers)]
             self.slots = torch.arange(rows, device=self.device)
             self.block_ids = torch.full((self.B,), self.dc.mask_token_id, dtype=torch.long, device=self.device)
             self.block_base = torch.arange(self.B, device=self.device)

@@ -10,7 +10,11 @@ its own mask, exactly as its solo block does (DFlashDrafter.block_logits), so ea
 drafts what it drafts alone. One readback of every request's drafts.
 
 Eager: the draft's layers are few (one to five), so a step of n requests launches each GEMM
-once instead of n times; the per-request attention is n small launches a layer.
+once instead of n times. Where every request's draft cache is a slot of the engine's pool
+(draft_pool.py: a batched engine's drafters), each layer's K/V write is one launch for all of
+them and the attention one gather and two batched GEMMs (`pooled_attention`), each request's
+rows under its own mask; otherwise (drafters with caches of their own) the attention is n
+small launches a layer.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from ...model.attention import cached_attention
 from ..sampling import draw_drafts, probs
 from .base import EMPTY, Proposal
+from .draft_pool import pool_of, pooled_attention
 
 __all__ = ["ingest_many", "propose_many"]
 
@@ -35,8 +40,17 @@ def ingest_many(drafters, uptos: list[int]) -> None:
         return
     net, dev = todo[0][0].net, todo[0][0].device
     lens = [u - d.n for d, u in todo]
-    pos = torch.cat([torch.arange(d.n, u, device=dev) for d, u in todo])
+    pool = pool_of([d for d, _ in todo])
+    pos = torch.tensor([p for d, u in todo for p in range(d.n, u)]).to(dev)
     C = net.features(torch.cat([d._taps().rows(d.n, u) for d, u in todo]))
+    if pool is not None:  # every request's rows written into its own slot in one launch a layer
+        at = (torch.tensor([d.pool_slot for d, u in todo for _ in range(d.n, u)]).to(dev), pos)
+        for li, (k, v) in enumerate(net.context_kv(C, pos)):
+            pool.k[li].index_put_(at, k)
+            pool.v[li].index_put_(at, v)
+        for d, u in todo:
+            d.n = u
+        return
     for li, (k, v) in enumerate(net.context_kv(C, pos)):
         for (d, _), kr, vr, p in zip(todo, k.split(lens), v.split(lens), pos.split(lens)):
             d.states[li].k.index_copy_(0, p, kr)
@@ -65,6 +79,11 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     base = torch.tensor(starts)
     pos = (torch.arange(B)[None, :] + base[:, None]).reshape(-1).to(dev)
     ids = ids.to(dev)
+    pool = pool_of([d for _, d, _, _ in live])
+    if pool is not None:
+        kv_of, attend = _pooled(pool, [d for _, d, _, _ in live], pos, starts, B)
+        h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend)  # (n * B, H)
+        return _picks(out, live, h, B, stage, sps, gens, dev)
     blocks = [slice(r * B, (r + 1) * B) for r in range(n)]
     masks = [(d.slots < s + B)[None, :] for (_, d, _, _), s in zip(live, starts)]  # context rows and the block
     nkv = net.layers[0].self_attn.nkv
@@ -79,6 +98,33 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
         return torch.cat([cached_attention(q[sl], K, V, m, nkv) for sl, K, V, m in zip(blocks, Ks, Vs, masks)])
 
     h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend)  # (n * B, H)
+    return _picks(out, live, h, B, stage, sps, gens, dev)
+
+
+def _pooled(pool, ds, pos: torch.Tensor, starts: list[int], B: int):
+    """The block forward's K/V writer and attention over the pool: each request's B block rows
+    written into its slot, then every block row of request r reading slots < starts[r] + B of
+    its own cache (the context rows and its whole block, as its solo block reads them)."""
+    n, dev = len(ds), pos.device
+    idx = pool.index(ds)
+    at = (idx.repeat_interleave(B), pos)
+    lim = (torch.tensor(starts) + B)[:, None].expand(n, B).to(dev)
+    L = max(starts) + B
+
+    def kv_of(li, kb, vb):
+        pool.k[li].index_put_(at, kb)
+        pool.v[li].index_put_(at, vb)
+        return pool.k[li], pool.v[li]
+
+    def attend(q, kp, vp):
+        return pooled_attention(q.view(n, B, *q.shape[1:]), kp, vp, idx, lim, L).view(n * B, -1)
+
+    return kv_of, attend
+
+
+def _picks(out, live, h, B: int, stage, sps, gens, dev) -> list[Proposal]:
+    """Each live request's drafts from the block outputs h (n * B, H): its rows 1 .. k through
+    the lm_head at once; greedy the argmax (one readback), sampled drawn with its generator."""
     rows = [r * B + 1 + i for r, (_, _, _, kk) in enumerate(live) for i in range(kk)]
     logits = stage.lm_head(h[torch.tensor(rows, device=dev)]).float()  # (rows, V)
     toks = logits.argmax(-1).tolist()

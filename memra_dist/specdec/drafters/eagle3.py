@@ -73,11 +73,16 @@ class Eagle3Drafter(Drafter):
             install_eagle3(net)
         return cls(net, target)
 
+    pool = None  # a batched engine's DraftPool (draft_pool.py): the draft K/V as a slot of it
+    pool_slot = None
+
     # ---- state ----
     def alloc(self, capacity: int) -> float:
         if capacity != self.capacity:
             c = self.ec.base
-            self.state = KVLayer.alloc(capacity, c.num_kv_heads, c.head_dim, self.device, self.target.dtype)
+            pooled = self.pool.take(self, capacity) if self.pool is not None else None
+            self.state = pooled[0] if pooled else KVLayer.alloc(capacity, c.num_kv_heads, c.head_dim, self.device,
+                                                                 self.target.dtype)
             self.capacity = capacity
             self.graph = eagle3_graphs(self)
             if self.graph is not None:

@@ -9,6 +9,10 @@ rows write and read only its own draft K/V, under its own causal mask (or, for a
 rows, the prefix attention its solo step takes: Eagle3Drafter._run), so each request drafts
 exactly what it drafts alone. The picks stay on the device until one readback of them all.
 Eager: the head is one layer, so n requests' step launches each GEMM once instead of n times.
+Where every request's draft cache is a slot of the engine's pool (draft_pool.py), a step's K/V
+write is one launch and its attention one gather and two batched GEMMs for all requests (rows of
+different counts padded to the longest, each under its own causal mask); otherwise n small
+launches.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from ...model.attention import cached_attention, causal_mask
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from .base import EMPTY, Proposal
 from .chain_picks import ChainPicks
+from .draft_pool import pool_of, pooled_attention
 
 __all__ = ["maintain_many", "propose_many"]
 
@@ -32,6 +37,9 @@ def _step(net, ds, los: list[int], lens: list[int], tokens: torch.Tensor, g: tor
     """Rows of several requests in one step of the head: request r's `lens[r]` rows at positions
     los[r] .. (tokens / hiddens stacked in request order) -> pre-norm outputs (rows, H)."""
     dev = g.device
+    pool = pool_of(ds)
+    if pool is not None and max(lens) <= PREFIX_MIN_ROWS:
+        return _step_pooled(net, pool, ds, los, lens, tokens, g)
     poss = [torch.arange(lo, lo + n, device=dev) for lo, n in zip(los, lens)]
     nkv, scale = net.midlayer.self_attn.nkv, ds[0].ec.base.head_dim ** -0.5
 
@@ -52,6 +60,37 @@ def _step(net, ds, los: list[int], lens: list[int], tokens: torch.Tensor, g: tor
         return torch.cat(outs)
 
     return net.step(ds[0].embed(tokens), g, torch.cat(poss), kv_of, None, attend)
+
+
+def _step_pooled(net, pool, ds, los: list[int], lens: list[int], tokens: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """`_step` over the pool: every request's rows written into its slot in one launch, then its
+    rows (padded to the longest request's, the pads repeating its last row) each reading slots
+    <= its own position of its own cache."""
+    n, T, dev = len(ds), max(lens), g.device
+    pos = torch.tensor([lo + t for lo, m in zip(los, lens) for t in range(m)]).to(dev)
+    at = (torch.tensor([d.pool_slot for d, m in zip(ds, lens) for _ in range(m)]).to(dev), pos)
+    idx = pool.index(ds)
+    lim = torch.tensor([[lo + min(t, m - 1) + 1 for t in range(T)] for lo, m in zip(los, lens)]).to(dev)
+    L = max(lo + m for lo, m in zip(los, lens))
+    kp, vp = pool.k[0], pool.v[0]
+    pad = None
+    if any(m != T for m in lens):  # ragged: gather into (n, T) rows and back
+        offs = [sum(lens[:r]) for r in range(n)]
+        src = torch.tensor([o + min(t, m - 1) for o, m in zip(offs, lens) for t in range(T)]).to(dev)
+        dst = torch.tensor([r * T + t for r, m in enumerate(lens) for t in range(m)]).to(dev)
+        pad = (src, dst)
+
+    def kv_of(k, v):
+        kp.index_put_(at, k)
+        vp.index_put_(at, v)
+        return kp, vp
+
+    def attend(q, K, V):
+        qs = q if pad is None else q.index_select(0, pad[0])
+        o = pooled_attention(qs.view(n, T, *q.shape[1:]), K, V, idx, lim, L).view(n * T, -1)
+        return o if pad is None else o.index_select(0, pad[1])
+
+    return net.step(ds[0].embed(tokens), g, pos, kv_of, None, attend)
 
 
 @torch.inference_mode()

@@ -1,0 +1,87 @@
+"""The draft caches of a batched engine's tap drafters as slots of one pool
+(specdec/drafters/draft_pool.py): the pooled attention means each request's own masked
+attention, the shared draft forwards run over the pool, and every slot comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memra_dist.cache import KVLayer
+from memra_dist.model.attention import cached_attention
+from memra_dist.specdec.drafters.draft_pool import DraftPool, pooled_attention
+
+from test_batching import _batched, _prompts, _solo, _tap_drafter, spy_proposals
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_pooled_attention_is_each_requests_own_masked_attention(block):
+    """Three requests in slots 4, 0, 2 of a pool of capacity 24, GQA (4 query heads over 2 KV
+    heads): each row's output equals cached_attention over that request's cache alone under
+    its own mask, causal (EAGLE-3's rows) or whole-block (DFlash's: every row reads to the
+    block's end)."""
+    g = torch.Generator().manual_seed(0)
+    S, C, nkv, nh, hd, T = 5, 24, 2, 4, 8, 3
+    kp, vp = torch.randn(S, C, nkv, hd, generator=g), torch.randn(S, C, nkv, hd, generator=g)
+    slots, starts = [4, 0, 2], [9, 2, 17]
+    q = torch.randn(len(slots), T, nh, hd, generator=g)
+    lim = torch.tensor([[s + T] * T if block else [s + t + 1 for t in range(T)] for s in starts])
+    L = max(starts) + T
+    got = pooled_attention(q, kp, vp, torch.tensor(slots), lim, L)
+    for r, (s, lo) in enumerate(zip(slots, starts)):
+        mask = torch.arange(C)[None, :] < lim[r][:, None]  # (T, C) over its whole cache
+        want = cached_attention(q[r], kp[s], vp[s], mask, nkv)
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pool_slot_is_its_requests_until_given_back():
+    """take gives a request's drafter views of one slot (writes land in the pool), again the
+    same slot for the same request; another row count, or a full pool, keeps caches of its own
+    (None); give frees the slot for the next request."""
+
+    class D:  # a drafter over its request's BatchSlot
+        def __init__(self, owner):
+            self.target = owner
+
+    pool = DraftPool(2, 3, 1, 4, torch.device("cpu"), torch.float32)
+    a, b, c = D(object()), D(object()), D(object())
+    st = pool.take(a, 10)
+    assert len(st) == 3 and all(isinstance(s, KVLayer) for s in st) and a.pool_slot == 0
+    st[1].k[3].fill_(7.0)
+    assert pool.k[1, 0, 3].eq(7.0).all() and pool.k[1, 1].eq(0).all()
+    assert pool.take(D(a.target), 10) is not None and pool.take(b, 10) is not None and b.pool_slot == 1
+    assert pool.take(c, 10) is None  # both slots held
+    assert pool.take(D(object()), 11) is None  # another capacity: its own caches
+    pool.give(a.target)
+    assert pool.take(c, 10) is not None and c.pool_slot == 0
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_a_batched_engines_tap_drafters_draft_over_one_pool(llama, tmp_path_factory, drafter, monkeypatch):
+    """Eight requests four at a time: every request's drafter holds a slot of the engine's pool,
+    the step leader's shared draft forwards take the pooled path (one index of the requests'
+    slots each), every proposal equals the request's solo one, and at the end every slot is
+    free again."""
+    if drafter == "dflash":
+        from memra_dist.specdec.drafters.dflash import DFlashDrafter as cls
+    else:
+        from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter as cls
+    ddir = _tap_drafter(drafter, llama, tmp_path_factory)
+    seen = spy_proposals(monkeypatch, cls)
+    reqs = _prompts(8)
+    solo = _solo(llama, drafter, reqs, draft_model=str(ddir))
+    alone, seen[:] = sorted(seen), []
+    pooled, pools = [], []
+    index = DraftPool.index
+
+    def counted(self, ds):
+        pooled.append(len(ds))
+        return index(self, ds)
+
+    monkeypatch.setattr(DraftPool, "index", counted)
+    batched, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir),
+                              on_open=lambda eng: pools.append(eng._backend.draft_pool))
+    assert batched == solo and sorted(seen) == alone
+    assert stats["draft_batches"] > 0 and pooled and max(pooled) >= 2, (stats, pooled)
+    pool = pools[0]
+    assert pool.k is not None and pool.slots == 4 and sorted(pool._free) == [0, 1, 2, 3] and not pool._held
