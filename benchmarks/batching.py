@@ -25,11 +25,29 @@ with repeats and targets)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@contextlib.contextmanager
+def _profiled(path: Path):
+    """torch.profiler over the block; its op tables (host and device time) written to `path`."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        yield
+    ka = prof.key_averages()
+    text = ka.table(sort_by="self_cpu_time_total", row_limit=45)
+    if torch.cuda.is_available():
+        text += "\n\n" + ka.table(sort_by="self_device_time_total", row_limit=30)
+    path.write_text(text)
 
 
 def main() -> int:
@@ -59,6 +77,9 @@ def main() -> int:
                     "drafted them together; what the shared draft forwards save)")
     ap.add_argument("--six-spans", action="store_true", help="a leader's batched round as six spans at level 1 too "
                     "(specdec/chained.py COMPACT_BELOW = 0: what the one-span round saves)")
+    ap.add_argument("--torch-profile", action="store_true", help="the drafter row's last timed run under "
+                    "torch.profiler: OUT/profile.txt, the ops by host time and by device time (a diagnostic: it "
+                    "slows the run it profiles)")
     a = ap.parse_args()
     import torch
 
@@ -102,6 +123,8 @@ def main() -> int:
                 plain = concurrent(model, a.device, n, b, a.new, a.prompt, "none", repeats=a.repeats)
                 kw = dict(draft_model=draft, recorded=plain.pop("ids"))
                 rows.append(plain)
+            if a.torch_profile:
+                kw["profile"] = lambda: _profiled(out / "profile.txt")
             r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
                            spans_on=not a.no_spans, **kw)
             if tap:

@@ -69,6 +69,8 @@ class BatchStats:
     gap_ns: int = 0
     chained: int = 0  # request rounds the step leader ran (chain.py)
     rounds_ns: int = 0  # the leader's host time in those rounds (inside the gaps between steps)
+    maint_ns: int = 0  # ... of it, the drafters' maintenance (chain_drafts.py maintain_rounds)
+    draft_ns: int = 0  # ... and the next proposals (propose_rounds); the rest: acceptance, commit, trim
     ahead: int = 0  # steps launched one step ahead (ahead.py)
     eager: int = 0  # steps not replayed as a graph (prefill chunks, or no graphs: the CPU)
     eager_ns: int = 0  # their share of forward_ns
@@ -87,7 +89,8 @@ class BatchStats:
                 "chained_rounds": self.chained, "chain_parks": self.parks,
                 "draft_batches": self.draft_batches,
                 "mean_draft_batch": round(self.draft_batched / self.draft_batches, 3) if self.draft_batches else 0.0,
-                "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
+                "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "leader_maint_ms": round(self.maint_ns / 1e6, 1),
+                "leader_draft_ms": round(self.draft_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
                 "eager_steps": self.eager, "eager_step_ms": round(self.eager_ns / 1e6, 1),
                 "admission_waits": self.waits,
                 "preemptions": self.preemptions}
@@ -312,7 +315,11 @@ class Batcher:
             except BaseException as e:  # noqa: BLE001 (ends its own request only)
                 ch.err, ch.ended = e, True
         going = []
-        for ch in maintain_rounds(settled):
+        t = time.perf_counter_ns()
+        maintained = maintain_rounds(settled)
+        t2 = time.perf_counter_ns()
+        self.stats.maint_ns += t2 - t
+        for ch in maintained:
             self.stats.chained += 1
             if ch.ended:
                 self.finished.add(ch.rid)
@@ -321,7 +328,9 @@ class Batcher:
                 ch.inflight = None
             else:
                 going.append(ch)
-        for ch, nxt in zip(going, propose_rounds(going, self.stats)):
+        proposed = propose_rounds(going, self.stats)
+        self.stats.draft_ns += time.perf_counter_ns() - t2
+        for ch, nxt in zip(going, proposed):
             if nxt is None:
                 continue  # its proposal failed: the chain ended with the error
             end = nxt.start + nxt.n

@@ -34,6 +34,7 @@ over alone, ngram over plain at 16, level 1's cost in % of the steady rate at 16
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -102,7 +103,7 @@ def _tap_replay(eng, prompts: list[list[int]], recorded: list[list[int]], vocab:
 def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, plen: int = PROMPT,
                drafter: str = "none", k: int = K, repeats: int = 1, levels: tuple[int, ...] = (0,),
                spans_on: bool = True, corrupt: float = REPLAY_CORRUPT, draft_model: str | None = None,
-               recorded: list[list[int]] | None = None) -> dict:
+               recorded: list[list[int]] | None = None, profile=None) -> dict:
     """n callers, each one request (greedy), on an engine of `max_batch` -> the setting's row
     (its `ids`: each request's token ids, for the caller's check against one at a time). With
     repeats > 1 the timed run is repeated on the same engine: the row's figures are the
@@ -110,7 +111,9 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     level, each repeat runs every level in turn (interleaved): the figures are the first
     level's, `by_level` each level's median steady tok/s and its runs. `drafter` "dflash-replay"
     (a batched engine, max_batch > 1): the DFlash drafter at `draft_model` drafting in full, its
-    drafts replaced by `recorded` (each request's greedy ids) corrupted at `corrupt`."""
+    drafts replaced by `recorded` (each request's greedy ids) corrupted at `corrupt`. `profile`: a
+    context manager factory wrapped around the last timed run (benchmarks/batching.py
+    --torch-profile)."""
     from ..app import open_engine  # noqa: PLC0415
     from ..config import RunConfig  # noqa: PLC0415
     from ..model.config import load_config  # noqa: PLC0415
@@ -156,7 +159,8 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
             rows = -(-(plen + new + k + 1) // batcher.pool.block) * batcher.pool.block
             kv_mb = round(batcher.kv.slot_bytes() * rows / 2**20, 2)
         bstats = None
-        for _ in range(max(1, repeats)):
+        phases: dict[int, dict] = {}
+        for rep in range(max(1, repeats)):
             for lv in levels:
                 if batcher is not None and lv == levels[0]:
                     from ..batching.batcher import BatchStats  # noqa: PLC0415
@@ -164,11 +168,16 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
                     batcher.stats = BatchStats()  # the timed runs' counts only (the first level's)
                 tables[:], spans[:], close = _level_sinks(lv, n, spans_on)
                 stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
-                t0 = time.perf_counter()
-                callers(cfg.with_(trace=TraceSettings(level=lv)),
-                        [lambda toks, i=i, st=stamps: st[i].append((time.perf_counter(), len(toks))) for i in range(n)])
+                last = rep == max(1, repeats) - 1 and lv == levels[0]
+                with profile() if profile is not None and last else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    callers(cfg.with_(trace=TraceSettings(level=lv)),
+                            [lambda toks, i=i, st=stamps: st[i].append((time.perf_counter(), len(toks)))
+                             for i in range(n)])
                 close()
                 runs[lv].append(_timed(stamps, t0))
+                if lv > 0:  # the engine's own account of the run: every request's rounds, ms a round by phase
+                    phases[lv] = _phases_ms(tables)
                 if lv == levels[0] and hasattr(backend, "stats"):
                     bstats = backend.stats()
     first = runs[levels[0]]
@@ -177,11 +186,24 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
            "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")} for r in first],
            "kv_mb_per_request": kv_mb, "batcher": bstats, "ids": ids,
            "tokens_per_round": round(statistics.mean(t for t in tpr if t is not None), 3) if any(tpr) else None}
+    if phases:  # the last traced run's
+        row["phases_ms_a_round"] = {str(lv): ph for lv, ph in phases.items()}
     if len(levels) > 1:
         row["by_level"] = {str(lv): {"steady_tok_s": statistics.median(r["steady_tok_s"] or r["decode_tok_s"] for r in rs),
                                      "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")}
                                               for r in rs]} for lv, rs in runs.items()}
     return row
+
+
+def _phases_ms(tables) -> dict:
+    """Every request's share table of a traced run merged: ms a round by phase, and rounds."""
+    from ..phase.share import ShareTable  # noqa: PLC0415
+
+    job = ShareTable()
+    for t in tables:
+        if t is not None:
+            job.merge(t)
+    return {**job.ms_a_round(), "rounds": job.n_rounds}
 
 
 def _timed(stamps: list[list[tuple[float, int]]], t0: float) -> dict:

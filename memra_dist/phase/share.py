@@ -39,6 +39,22 @@ class ShareTable:
             for key, v in sub_totals(rec).items():
                 self.sub[key] = self.sub.get(key, 0) + v
 
+    def merge(self, other: "ShareTable") -> None:
+        """Add another table's rounds to this one's (many requests' tables into one)."""
+        self.ns = [a + b for a, b in zip(self.ns, other.ns)]
+        self.host_ns = [a + b for a, b in zip(self.host_ns, other.host_ns)]
+        for key, v in other.sub.items():
+            self.sub[key] = self.sub.get(key, 0) + v
+        self.n_rounds += other.n_rounds
+        for clock, n in other.by_clock.items():
+            self.by_clock[clock] = self.by_clock.get(clock, 0) + n
+
+    def ms_a_round(self) -> dict[str, float]:
+        """Each phase's mean ms a round (0 rounds: {})."""
+        if not self.n_rounds:
+            return {}
+        return {p: round(ns / self.n_rounds / 1e6, 3) for p, ns in zip(PHASES, self.ns)}
+
     @property
     def ahead_rounds(self) -> int:
         """Rounds one step ahead (phases from the step's device events)."""

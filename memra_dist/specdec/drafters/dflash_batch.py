@@ -24,7 +24,7 @@ import torch
 from ...model.attention import cached_attention
 from ..sampling import draw_drafts, probs
 from .base import EMPTY, Proposal
-from .draft_pool import pool_of, pooled_attention
+from .draft_pool import pool_of, pooled_attention, to_device
 
 __all__ = ["ingest_many", "propose_many"]
 
@@ -41,10 +41,10 @@ def ingest_many(drafters, uptos: list[int]) -> None:
     net, dev = todo[0][0].net, todo[0][0].device
     lens = [u - d.n for d, u in todo]
     pool = pool_of([d for d, _ in todo])
-    pos = torch.tensor([p for d, u in todo for p in range(d.n, u)]).to(dev)
+    pos = to_device([p for d, u in todo for p in range(d.n, u)], dev)
     C = net.features(torch.cat([d._taps().rows(d.n, u) for d, u in todo]))
     if pool is not None:  # every request's rows written into its own slot in one launch a layer
-        at = (torch.tensor([d.pool_slot for d, u in todo for _ in range(d.n, u)]).to(dev), pos)
+        at = (to_device([d.pool_slot for d, u in todo for _ in range(d.n, u)], dev), pos)
         for li, (k, v) in enumerate(net.context_kv(C, pos)):
             pool.k[li].index_put_(at, k)
             pool.v[li].index_put_(at, v)
@@ -77,8 +77,8 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     ids = torch.full((n * B,), d0.dc.mask_token_id, dtype=torch.long)
     ids[::B] = torch.tensor([c[-1] for _, _, c, _ in live])
     base = torch.tensor(starts)
-    pos = (torch.arange(B)[None, :] + base[:, None]).reshape(-1).to(dev)
-    ids = ids.to(dev)
+    pos = to_device((torch.arange(B)[None, :] + base[:, None]).reshape(-1), dev)
+    ids = to_device(ids, dev)
     pool = pool_of([d for _, d, _, _ in live])
     if pool is not None:
         kv_of, attend = _pooled(pool, [d for _, d, _, _ in live], pos, starts, B)
@@ -108,7 +108,7 @@ def _pooled(pool, ds, pos: torch.Tensor, starts: list[int], B: int):
     n, dev = len(ds), pos.device
     idx = pool.index(ds)
     at = (idx.repeat_interleave(B), pos)
-    lim = (torch.tensor(starts) + B)[:, None].expand(n, B).to(dev)
+    lim = to_device((torch.tensor(starts) + B)[:, None].expand(n, B).contiguous(), dev)
     L = max(starts) + B
 
     def kv_of(li, kb, vb):
@@ -126,7 +126,7 @@ def _picks(out, live, h, B: int, stage, sps, gens, dev) -> list[Proposal]:
     """Each live request's drafts from the block outputs h (n * B, H): its rows 1 .. k through
     the lm_head at once; greedy the argmax (one readback), sampled drawn with its generator."""
     rows = [r * B + 1 + i for r, (_, _, _, kk) in enumerate(live) for i in range(kk)]
-    logits = stage.lm_head(h[torch.tensor(rows, device=dev)]).float()  # (rows, V)
+    logits = stage.lm_head(h[to_device(rows, dev)]).float()  # (rows, V)
     toks = logits.argmax(-1).tolist()
     lo = 0
     for i, d, _, kk in live:

@@ -23,7 +23,18 @@ import torch
 
 from ...cache import KVLayer
 
-__all__ = ["DraftPool", "pooled_attention", "pool_of"]
+__all__ = ["DraftPool", "pooled_attention", "pool_of", "to_device"]
+
+
+def to_device(values, device) -> torch.Tensor:
+    """A host list (or long tensor) of indices on `device` without waiting for the device: a
+    CUDA copy from pageable memory would first wait for every kernel queued before it (the
+    shared draft forward's), so the copy goes through pinned memory, asynchronously (the
+    caching host allocator keeps the pinned block until the copy is done)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class DraftPool:
@@ -69,7 +80,7 @@ class DraftPool:
 
     def index(self, drafters) -> torch.Tensor:
         """(n,) the drafters' slots on the device."""
-        return torch.tensor([d.pool_slot for d in drafters], dtype=torch.long).to(self.device, non_blocking=True)
+        return to_device([d.pool_slot for d in drafters], self.device)
 
 
 def pool_of(drafters) -> DraftPool | None:

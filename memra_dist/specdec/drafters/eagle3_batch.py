@@ -23,7 +23,7 @@ from ...model.attention import cached_attention, causal_mask
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from .base import EMPTY, Proposal
 from .chain_picks import ChainPicks
-from .draft_pool import pool_of, pooled_attention
+from .draft_pool import pool_of, pooled_attention, to_device
 
 __all__ = ["maintain_many", "propose_many"]
 
@@ -67,17 +67,17 @@ def _step_pooled(net, pool, ds, los: list[int], lens: list[int], tokens: torch.T
     rows (padded to the longest request's, the pads repeating its last row) each reading slots
     <= its own position of its own cache."""
     n, T, dev = len(ds), max(lens), g.device
-    pos = torch.tensor([lo + t for lo, m in zip(los, lens) for t in range(m)]).to(dev)
-    at = (torch.tensor([d.pool_slot for d, m in zip(ds, lens) for _ in range(m)]).to(dev), pos)
+    pos = to_device([lo + t for lo, m in zip(los, lens) for t in range(m)], dev)
+    at = (to_device([d.pool_slot for d, m in zip(ds, lens) for _ in range(m)], dev), pos)
     idx = pool.index(ds)
-    lim = torch.tensor([[lo + min(t, m - 1) + 1 for t in range(T)] for lo, m in zip(los, lens)]).to(dev)
+    lim = to_device([[lo + min(t, m - 1) + 1 for t in range(T)] for lo, m in zip(los, lens)], dev)
     L = max(lo + m for lo, m in zip(los, lens))
     kp, vp = pool.k[0], pool.v[0]
     pad = None
     if any(m != T for m in lens):  # ragged: gather into (n, T) rows and back
         offs = [sum(lens[:r]) for r in range(n)]
-        src = torch.tensor([o + min(t, m - 1) for o, m in zip(offs, lens) for t in range(T)]).to(dev)
-        dst = torch.tensor([r * T + t for r, m in enumerate(lens) for t in range(m)]).to(dev)
+        src = to_device([o + min(t, m - 1) for o, m in zip(offs, lens) for t in range(T)], dev)
+        dst = to_device([r * T + t for r, m in enumerate(lens) for t in range(m)], dev)
         pad = (src, dst)
 
     def kv_of(k, v):
@@ -110,12 +110,11 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     Ns = [len(c) for _, _, c, _ in live]
     los = [min(d.n, N - 2) for d, N in zip(ds, Ns)]  # at least the last committed row: its output gives d_1
     lens = [N - 1 - lo for N, lo in zip(Ns, los)]
-    tokens = torch.tensor([t for (_, _, c, _), lo, N in zip(live, los, Ns) for t in c[lo + 1:N]],
-                          dtype=torch.long, device=dev)
+    tokens = to_device([t for (_, _, c, _), lo, N in zip(live, los, Ns) for t in c[lo + 1:N]], dev)
     g = net.features(torch.cat([d._taps().rows(lo, N - 1) for d, lo, N in zip(ds, los, Ns)]))
     h = _step(net, ds, los, lens, tokens, g)
     ends = torch.tensor(lens).cumsum(0) - 1
-    last = h[ends.to(dev)]  # (n, H): each request's last committed row
+    last = h[to_device(ends, dev)]  # (n, H): each request's last committed row
     for d, N in zip(ds, Ns):
         d.n = N - 1
     active = list(range(len(live)))
@@ -126,8 +125,8 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
         keep = [a for a, r in enumerate(active) if s + 1 < live[r][3]]
         if not keep:
             break
-        sel = torch.tensor(keep, device=dev)
+        sel = to_device(keep, dev) if len(keep) < len(active) else None  # (all still drafting: no gather)
         active = [active[a] for a in keep]
         last = _step(net, [ds[r] for r in active], [Ns[r] - 1 + s for r in active], [1] * len(active),
-                     tok[sel], last[sel])
+                     tok if sel is None else tok[sel], last if sel is None else last[sel])
     return picks.proposals(len(drafters))

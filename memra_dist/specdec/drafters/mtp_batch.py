@@ -15,6 +15,7 @@ import torch
 
 from .base import EMPTY, Proposal
 from .chain_picks import ChainPicks
+from .draft_pool import to_device
 
 __all__ = ["maintain_many", "propose_many"]
 
@@ -68,12 +69,12 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
         if r == 0:  # layer j's first forward this round: committed rows, then the j draft rows
             los = [d.done[j] for d in ds]
             lens = [Ns[a] - 1 - lo for a, lo in zip(active, los)]
-            ids = [torch.tensor(live[a][2][lo + j + 1:Ns[a]], dtype=torch.long, device=dev) for a, lo in zip(active, los)]
+            ids = [to_device(live[a][2][lo + j + 1:Ns[a]], dev) for a, lo in zip(active, los)]
             tokens = torch.cat([t for a, real in zip(active, ids) for t in (real, *drafts[a][:j])])
             src = [d._final() if j == 0 else d.outs[j - 1] for d in ds]
             hidden = torch.cat([h[lo:Ns[a] - 1] for h, a, lo in zip(src, active, los)])
             h = _layer(head, j, ds, los, lens, tokens, hidden, False)
-            last = h[(torch.tensor(lens).cumsum(0) - 1).to(dev)]
+            last = h[to_device(torch.tensor(lens).cumsum(0) - 1, dev)]
             for d, a in zip(ds, active):
                 d.done[j] = Ns[a] - 1 - j
         else:  # chained past the layers: one row further on, fed the previous step
@@ -86,6 +87,6 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
         keep = [i for i, a in enumerate(active) if s + 1 < live[a][3]]
         if not keep:
             break
-        prev = last[torch.tensor(keep, device=dev)]
+        prev = last[to_device(keep, dev)]
         active = [active[i] for i in keep]
     return picks.proposals(len(drafters))
