@@ -11,7 +11,7 @@ from memra_dist.cache import KVLayer
 from memra_dist.model.attention import cached_attention
 from memra_dist.specdec.drafters.draft_pool import DraftPool, pooled_attention
 
-from test_batching import _batched, _prompts, _solo, _tap_drafter, spy_proposals
+from test_batching import CAP, _batched, _prompts, _solo, _tap_drafter, spy_proposals
 
 
 @pytest.mark.parametrize("block", [False, True])
@@ -85,3 +85,36 @@ def test_a_batched_engines_tap_drafters_draft_over_one_pool(llama, tmp_path_fact
     assert stats["draft_batches"] > 0 and pooled and max(pooled) >= 2, (stats, pooled)
     pool = pools[0]
     assert pool.k is not None and pool.slots == 4 and sorted(pool._free) == [0, 1, 2, 3] and not pool._held
+
+
+def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone(llama, tmp_path_factory,
+                                                                               monkeypatch):
+    """The step leader's DFlash block forward as a graph over the pool (dflash_pool_graph.py),
+    replayed from an emulated capture (every aten op recorded once, re-run on the same tensors
+    with no Python between): eight requests four at a time get every proposal they get alone,
+    from replays of the bucket that holds each step's requests (pads in the spare slot)."""
+    from graph_emulator import EmulatedCapture
+
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, buckets
+
+    assert buckets(4) == [2, 4] and buckets(6) == [2, 4, 6] and buckets(1) == []
+    ddir = _tap_drafter("dflash", llama, tmp_path_factory)  # block 4, mask id 1
+    seen = spy_proposals(monkeypatch, DFlashDrafter)
+    reqs = _prompts(8)
+    solo = _solo(llama, "dflash", reqs, draft_model=str(ddir))
+    alone, seen[:] = sorted(seen), []
+    made = []
+
+    def on_open(eng):
+        b = eng._backend
+        b.draft_pool.alloc(CAP + 4)  # the drafters' rows: capacity + block
+        g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture)
+        assert g.warm() == 2
+        b.draft_pool.graphs = g
+        made.append(g)
+
+    batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
+    assert batched == solo and sorted(seen) == alone
+    g = made[0]
+    assert g.replays == stats["draft_batches"] > 0 and sorted(g.graphs) == [2, 4], (g.replays, stats)

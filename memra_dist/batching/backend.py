@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -144,6 +145,8 @@ class BatchedBackend:
         self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target")
         if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
             self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model")
+        if cfg.drafter == "dflash" and self.batcher.graphs is not None:
+            self._draft_graphs(plan, max_batch)
         _switch(+1)  # last: a backend that failed to open is never closed
 
     def _load_tap_net(self, cfg, plan, max_batch: int) -> tuple[int, ...]:
@@ -171,6 +174,26 @@ class BatchedBackend:
             self.tap_net = load_mtp(cfg.model, plan.model, check_mtp(plan.model, cfg.model), self.device, self.dtype)
             return (FINAL,)
         return tuple(plan.draft.tap_ids) if self.tap_net is not None else ()
+
+    def _draft_graphs(self, plan, max_batch: int) -> None:
+        """The step leader's shared DFlash block forwards as CUDA graphs over the draft pool
+        (specdec/drafters/dflash_pool_graph.py), captured before the first request, where each
+        slot is short enough to read whole; the network fused as the solo drafter's graphs run it."""
+        from ..specdec.drafters.dflash_pool_graph import PoolBlockGraphs, pays  # noqa: PLC0415
+
+        dc = plan.draft
+        rows = plan.capacity + dc.block_size  # the drafter's rows (dflash.py alloc)
+        if not pays(rows, max_batch):
+            return
+        self.tap_net.fuse()
+        self.draft_pool.alloc(rows)
+        g = PoolBlockGraphs(self.tap_net, self.runner.stage, self.draft_pool, dc.block_size, plan.cfg.k,
+                            dc.mask_token_id, max_batch)
+        t0 = time.perf_counter()
+        n = g.warm()
+        self.draft_pool.graphs = g
+        print(f"[memra] shared draft forwards (dflash): {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
 
     @staticmethod
     def _warm(batcher: Batcher, max_batch: int, rows_each: tuple[int, ...], capacity: int, what: str) -> None:
@@ -229,6 +252,9 @@ class BatchedBackend:
                "kv_blocks_used": b.pool.used_blocks, "kv_blocks_free": b.pool.free_blocks}
         if b.graphs is not None:
             out["graphs"] = b.graphs.stats()
+        g = self.draft_pool.graphs if self.draft_pool is not None else None
+        if g is not None:
+            out["draft_graphs"] = {"captured": len(g.graphs), "replays": g.replays}
         if self.draft_batcher is not None:
             d = self.draft_batcher
             out["draft"] = {**d.stats.as_dict(), "kv_rows": d.pool.rows, "kv_blocks_used": d.pool.used_blocks}

@@ -74,12 +74,19 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     starts = [len(c) - 1 for _, _, c, _ in live]
     ingest_many([d for _, d, _, _ in live], starts)  # normally a no-op: maintenance ingested every committed row
     n = len(live)
+    pool = pool_of([d for _, d, _, _ in live])
+    g = pool.graphs if pool is not None else None
+    if (g is not None and n <= g.max_n and all(sps[i].greedy for i, *_ in live)
+            and max(kk for *_, kk in live) <= g.K):  # one replay (dflash_pool_graph.py)
+        toks = g.greedy([d.pool_slot for _, d, _, _ in live], starts, [c[-1] for _, _, c, _ in live])
+        for (i, _, _, kk), t in zip(live, toks):
+            out[i] = Proposal(torch.tensor(t[:kk], dtype=torch.long))
+        return out
     ids = torch.full((n * B,), d0.dc.mask_token_id, dtype=torch.long)
     ids[::B] = torch.tensor([c[-1] for _, _, c, _ in live])
     base = torch.tensor(starts)
     pos = to_device((torch.arange(B)[None, :] + base[:, None]).reshape(-1), dev)
     ids = to_device(ids, dev)
-    pool = pool_of([d for _, d, _, _ in live])
     if pool is not None:
         kv_of, attend = _pooled(pool, [d for _, d, _, _ in live], pos, starts, B)
         h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend)  # (n * B, H)

@@ -39,11 +39,15 @@ def to_device(values, device) -> torch.Tensor:
 
 class DraftPool:
     def __init__(self, slots: int, layers: int, n_kv: int, head_dim: int, device, dtype):
+        """`slots` requests' caches, and one spare (`scratch`, never handed out: a graph's pad
+        requests write and read it, dflash_pool_graph.py)."""
         self.slots, self.layers, self.n_kv, self.head_dim = slots, layers, n_kv, head_dim
         self.device, self.dtype = device, dtype
-        self.k: torch.Tensor | None = None  # (layers, slots, rows, n_kv, head_dim), zero-filled
+        self.k: torch.Tensor | None = None  # (layers, slots + 1, rows, n_kv, head_dim), zero-filled
         self.v: torch.Tensor | None = None
         self.rows = 0
+        self.scratch = slots
+        self.graphs = None  # the shared forwards' CUDA graphs over this pool (dflash_pool_graph.py), where captured
         self._free = list(range(slots))
         self._held: dict[int, int] = {}  # id(owner) -> slot
         self._lock = threading.Lock()
@@ -53,12 +57,7 @@ class DraftPool:
         where it must keep its own (another row count than the pool's; no slot free). The slot
         is its request's (`drafter.target`, the request's BatchSlot) until `give(that slot)`."""
         with self._lock:
-            if self.k is None:
-                shape = (self.layers, self.slots, rows, self.n_kv, self.head_dim)
-                # zeros, not empty: masked rows still enter the P@V product (0 * NaN = NaN)
-                self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-                self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
-                self.rows = rows
+            self.alloc(rows)
             if rows != self.rows:
                 return None
             s = self._held.get(id(drafter.target))
@@ -69,6 +68,15 @@ class DraftPool:
                 self._held[id(drafter.target)] = s
         drafter.pool_slot = s
         return [KVLayer(self.k[i, s], self.v[i, s]) for i in range(self.layers)]
+
+    def alloc(self, rows: int) -> None:
+        """The pool's tensors, `rows` a slot (once: later calls keep the first row count)."""
+        if self.k is None:
+            shape = (self.layers, self.slots + 1, rows, self.n_kv, self.head_dim)
+            # zeros, not empty: masked rows still enter the P@V product (0 * NaN = NaN)
+            self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.rows = rows
 
     def give(self, owner) -> None:
         """The slot a request held back (`owner`: its BatchSlot; the request ended); a no-op
@@ -86,7 +94,7 @@ class DraftPool:
 def pool_of(drafters) -> DraftPool | None:
     """The pool every one of these drafters holds a slot of, else None (the per-request path)."""
     pool = getattr(drafters[0], "pool", None)
-    if pool is None or len(drafters) < 2:
+    if pool is None:
         return None
     for d in drafters:
         if getattr(d, "pool", None) is not pool or getattr(d, "pool_slot", None) is None:

@@ -1,0 +1,121 @@
+"""CUDA graphs of the step leader's shared DFlash block forward over the draft pool
+(dflash_batch.py `propose_many`, draft_pool.py), one per bucket of requests.
+
+Eager, a shared block forward of 16 requests launched ~300 kernels (five layers of norms,
+projections, the pooled attention, the lm_head): on an H200 its host time, not the device's,
+set the step leader's draft phase (15 ms a step against ~2 ms of device work, 8B shape). Here
+the forward of b requests (b a bucket: 2, 4, 8, ... up to the engine's --max-batch) is one
+replay. Its inputs are small integer rows loaded in ONE pinned host-to-device copy (host_row.py):
+each request's block ids [last, mask x (B - 1)], its block's positions, the pool slot of each
+row, each request's slot and its mask limit (start + B). A bucket's rows past the real requests
+are pads: mask ids at positions 0 .. B - 1 in the pool's spare slot (`DraftPool.scratch`), whose
+outputs nobody reads. The attention reads each request's whole slot (every row of it, static)
+under its limit, so no length of a round is baked in. The graph leaves the argmax of rows
+1 .. K of every block (K = the engine's k, at most B - 1): one readback gives every request's
+greedy drafts. Sampled requests and steps of more requests than the largest bucket stay eager.
+
+Built by the batched backend where its steps replay graphs (CUDA, graphs on) and each pool slot
+is short enough that reading it whole pays (`pays`); tests replay an emulated capture on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...graphs import CapturedGraph
+from .draft_pool import pooled_attention
+from .host_row import HostRow
+
+__all__ = ["PoolBlockGraphs", "pays", "buckets"]
+
+MAX_GATHER_ROWS = 1 << 17  # slot rows x requests a layer's attention may gather whole (~0.5 GB at 8 x 128 bf16)
+
+
+def pays(rows: int, max_n: int) -> bool:
+    """The graphs' whole-slot gather stays cheap against the launches it saves."""
+    return rows * max_n <= MAX_GATHER_ROWS
+
+
+def buckets(max_n: int) -> list[int]:
+    """2, 4, 8, ... below max_n, then max_n (a step of one request drafts alone)."""
+    out, b = [], 2
+    while b < max_n:
+        out.append(b)
+        b *= 2
+    return out + [max_n] if max_n >= 2 else []
+
+
+class PoolBlockGraphs:
+    def __init__(self, net, stage, pool, B: int, K: int, mask_id: int, max_n: int, graph_cls=CapturedGraph):
+        """`K` drafts a block (rows 1 .. K), `max_n` requests at most (the engine's --max-batch)."""
+        self.net, self.stage, self.pool = net, stage, pool
+        self.B, self.K, self.mask_id = B, min(K, B - 1), mask_id
+        self.buckets = buckets(max_n)
+        self.max_n = self.buckets[-1] if self.buckets else 0
+        self.graph_cls = graph_cls
+        self.graphs: dict[int, object] = {}
+        self.replays = 0
+        n, dev = self.max_n, pool.device
+        # [ids (n B), pos (n B), each row's slot (n B), each request's slot (n), its limit (n)]
+        self.row = HostRow(3 * n * B + 2 * n, dev)
+        self.mem = torch.cuda.graph_pool_handle() if graph_cls is CapturedGraph else None
+
+    def _views(self, b: int):
+        n, B, d = self.max_n, self.B, self.row.ids
+        return (d[:b * B], d[n * B:n * B + b * B], d[2 * n * B:2 * n * B + b * B],
+                d[3 * n * B:3 * n * B + b], d[3 * n * B + n:3 * n * B + n + b])
+
+    def _body(self, b: int):
+        ids, pos, row_slot, idx, lim = self._views(b)
+        net, pool, B, K = self.net, self.pool, self.B, self.K
+        at = (row_slot, pos)
+        lims = lim[:, None].expand(b, B)
+
+        def kv_of(li, kb, vb):
+            pool.k[li].index_put_(at, kb)
+            pool.v[li].index_put_(at, vb)
+            return pool.k[li], pool.v[li]
+
+        def attend(q, kp, vp):
+            return pooled_attention(q.view(b, B, *q.shape[1:]), kp, vp, idx, lims, pool.rows).view(b * B, -1)
+
+        h = net.block(self.stage.embed_tokens(ids), pos, kv_of, None, attend=attend)  # (b B, H)
+        rows = h.view(b, B, -1)[:, 1:K + 1].reshape(b * K, -1)
+        return self.stage.lm_head(rows).float().argmax(-1).view(b, K)
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def warm(self) -> int:
+        """Every bucket captured now (the pool allocated), none inside a round; returns the count."""
+        for b in self.buckets:
+            self._load([], [], [], b)
+            self._graph(b)
+        return len(self.graphs)
+
+    def _graph(self, b: int):
+        g = self.graphs.get(b)
+        if g is None:
+            g = self.graphs[b] = self.graph_cls(lambda: self._body(b), self.mem)
+        return g
+
+    def _load(self, slots: list[int], starts: list[int], lasts: list[int], b: int) -> None:
+        n, B, m = self.max_n, self.B, len(slots)
+        pad = b - m
+        ids = [x for last in lasts for x in (last, *[self.mask_id] * (B - 1))] + [self.mask_id] * (pad * B)
+        pos = [s + i for s in starts for i in range(B)] + list(range(B)) * pad
+        row_slot = [s for s in slots for _ in range(B)] + [self.pool.scratch] * (pad * B)
+        fill = [0] * ((n - b) * B)
+        vals = (ids + fill + pos + fill + row_slot + fill + slots + [self.pool.scratch] * pad + [0] * (n - b)
+                + [s + B for s in starts] + [B] * pad)
+        self.row.load(vals, 0)
+
+    def greedy(self, slots: list[int], starts: list[int], lasts: list[int]) -> list[list[int]]:
+        """Each request's K greedy drafts (host lists): its block [lasts[r], mask ...] at
+        starts[r] over its slot slots[r], in one replay and one readback."""
+        b = self.bucket(len(slots))
+        self._load(slots, starts, lasts, b)
+        g = self._graph(b)
+        g.replay()
+        self.replays += 1
+        return g.out[:len(slots)].tolist()
