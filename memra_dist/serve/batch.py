@@ -353,8 +353,9 @@ def batch_line(st: dict | None) -> str | None:
     80.0 ms in steps, 20.0 ms between them, 4.0 ms of it the leader's rounds for 200 request rounds (busy 80 %)
     >>> print(batch_line({"steps": 40, "mean_requests": 5.5, "mean_rows": 12.0, "step_ms": 80.0, "gap_ms": 20.0,
     ...                   "busy": 0.8, "preemptions": 0, "chained_rounds": 200, "leader_rounds_ms": 9.0,
-    ...                   "draft_batches": 38, "mean_draft_batch": 5.2}).split("; ")[1])
-    80.0 ms in steps, 20.0 ms between them, 9.0 ms of it the leader's rounds for 200 request rounds, drafted in 38 shared forwards of 5.2 requests (busy 80 %)
+    ...                   "draft_batches": 38, "mean_draft_batch": 5.2, "leader_maint_ms": 2.5,
+    ...                   "leader_draft_ms": 5.0}).split("; ")[1])
+    80.0 ms in steps, 20.0 ms between them, 9.0 ms of it the leader's rounds for 200 request rounds, drafted in 38 shared forwards of 5.2 requests (maintenance 2.5 ms, drafts 5.0 ms) (busy 80 %)
     """
     if not st or not st.get("steps"):
         return None
@@ -363,5 +364,7 @@ def batch_line(st: dict | None) -> str | None:
             if st.get("chained_rounds") else "")
     if st.get("draft_batches"):  # tap drafters: the step's requests drafted together (batching/chain_drafts.py)
         lead += f", drafted in {st['draft_batches']} shared forwards of {st['mean_draft_batch']} requests"
+        if "leader_draft_ms" in st:
+            lead += f" (maintenance {st['leader_maint_ms']} ms, drafts {st['leader_draft_ms']} ms)"
     return (f"[batch] batched: {st['steps']} steps, {st['mean_requests']} requests / {st['mean_rows']} rows a step; "
             f"{st['step_ms']} ms in steps, {st['gap_ms']} ms between them{lead} (busy {st['busy'] * 100:.0f} %){pre}")
