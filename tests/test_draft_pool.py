@@ -9,6 +9,8 @@ import torch
 
 from memra_dist.cache import KVLayer
 from memra_dist.model.attention import cached_attention
+from memra_dist.model.tap_pool import TapPool, gather_rows
+from memra_dist.model.taps import TapSink
 from memra_dist.specdec.drafters.draft_pool import DraftPool, pooled_attention
 
 from test_batching import CAP, _batched, _prompts, _solo, _tap_drafter, spy_proposals
@@ -79,12 +81,24 @@ def test_a_batched_engines_tap_drafters_draft_over_one_pool(llama, tmp_path_fact
         return index(self, ds)
 
     monkeypatch.setattr(DraftPool, "index", counted)
+    taps = {"scatter": 0, "gather": 0}
+    for name in taps:
+        real = getattr(TapPool, name)
+
+        def spy(self, *a, real=real, name=name):
+            taps[name] += 1
+            return real(self, *a)
+
+        monkeypatch.setattr(TapPool, name, spy)
     batched, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir),
-                              on_open=lambda eng: pools.append(eng._backend.draft_pool))
+                              on_open=lambda eng: pools.append(eng._backend))
     assert batched == solo and sorted(seen) == alone
     assert stats["draft_batches"] > 0 and pooled and max(pooled) >= 2, (stats, pooled)
-    pool = pools[0]
+    # every step's taps went into the tap pool in one scatter, the shared forwards gathered from it
+    assert taps["scatter"] >= stats["steps"] - 1 and taps["gather"] > 0, (taps, stats)
+    pool, tp = pools[0].draft_pool, pools[0].batcher.tap_pool
     assert pool.k is not None and pool.slots == 4 and sorted(pool._free) == [0, 1, 2, 3] and not pool._held
+    assert tp.bufs and sorted(tp._free) == [0, 1, 2, 3] and not tp._held
 
 
 def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone(llama, tmp_path_factory,
@@ -118,3 +132,38 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
     assert batched == solo and sorted(seen) == alone
     g = made[0]
     assert g.replays == stats["draft_batches"] > 0 and sorted(g.graphs) == [2, 4], (g.replays, stats)
+
+
+def test_pooled_tap_sinks_scatter_and_gather_as_their_own_sinks():
+    """Three requests' sinks in a pool of 3 (+ the spare): one scatter of a step's rows (a
+    request without taps among them goes to the spare slot) writes what each request's own
+    sink's `write` would, and one gather returns what `cat(sink.rows(lo, hi))` returns."""
+    g = torch.Generator().manual_seed(1)
+    layers, C, H = (2, 0), 12, 5
+    pool = TapPool(layers, 3, H, torch.device("cpu"), torch.float32)
+    owners = [object() for _ in range(3)]
+    sinks = [pool.sink(o, C) for o in owners]
+    own = [TapSink.alloc(layers, C, H, "cpu", torch.float32) for _ in owners]
+    assert [s.pool_slot for s in sinks] == [0, 1, 2] and pool.sink(object(), C) is None  # full
+    assert pool.sink(owners[1], C).pool_slot == 1 and pool.sink(owners[1], C + 1) is None  # its slot; another capacity
+    # a step: request 1 rows 3..6, a request without taps 2 rows, request 0 rows 0..2, request 2 row 7
+    starts, ns, who = [3, 0, 0, 7], [4, 2, 3, 1], [1, None, 0, 2]
+    rows = sum(ns)
+    tapped = {t: torch.randn(rows, H, generator=g) for t in layers}
+    slots = [sinks[w].pool_slot if w is not None else pool.scratch for w, n in zip(who, ns) for _ in range(n)]
+    at = [p if w is not None else 0 for w, s, n in zip(who, starts, ns) for p in range(s, s + n)]
+    pool.scatter(torch.tensor(slots), torch.tensor(at), tapped)
+    lo = 0
+    for w, s, n in zip(who, starts, ns):
+        if w is not None:
+            for t in layers:
+                own[w].write(t, torch.arange(s, s + n), tapped[t][lo:lo + n])
+        lo += n
+    for s, o in zip(sinks, own):
+        for t in layers:
+            assert torch.equal(s.bufs[t], o.bufs[t])
+    ranges = [(0, 3), (3, 7), (7, 8)]
+    got = gather_rows(sinks, ranges, torch.device("cpu"), lambda xs, d: torch.tensor(xs, dtype=torch.long))
+    assert torch.equal(got, torch.cat([o.rows(lo, hi) for o, (lo, hi) in zip(own, ranges)]))
+    pool.give(owners[0])
+    assert pool.sink(object(), C).pool_slot == 0

@@ -109,6 +109,11 @@ class Batcher:
         self.max_tokens, self.max_wait_s = max_tokens, max_wait_s
         self.max_requests = max_requests  # requests a step holds at most (the backend's --max-batch): the graphs' grid
         self.tap_layers: tuple[int, ...] = tuple(tap_layers)  # the layers the requests' tap drafters read
+        self.tap_pool = None  # the requests' tap sinks as slots of one pool (model/tap_pool.py)
+        if self.tap_layers and max_requests:
+            from ..model.tap_pool import TapPool  # noqa: PLC0415
+
+            self.tap_pool = TapPool(self.tap_layers, max_requests, stage.cfg.hidden_size, device, dtype)
         # decode / verify steps replayed as CUDA graphs (graphs.py): on the kernels only (the
         # paged kernel takes every segment, no gather); graph_cls: a test's emulation
         self.graphs = None

@@ -67,8 +67,10 @@ class BatchSlot:
 
     def alloc(self, capacity: int) -> None:
         if self.tap_layers and (self.cache.taps is None or self.cache.taps.capacity != capacity):
-            self.cache.taps = TapSink.alloc(self.tap_layers, capacity, self.stage.cfg.hidden_size, self.device,
-                                            self.dtype)
+            pool = self.batcher.tap_pool  # a slot of the engine's tap pool where it has one (model/tap_pool.py)
+            sink = pool.sink(self, capacity) if pool is not None and pool.layers == self.tap_layers else None
+            self.cache.taps = sink or TapSink.alloc(self.tap_layers, capacity, self.stage.cfg.hidden_size,
+                                                    self.device, self.dtype)
         if not self.admitted:
             self.batcher.admit(self.rid, min(self.first, capacity), min(self.need, capacity))
             self.admitted = True
@@ -119,3 +121,5 @@ class BatchSlot:
         if self.admitted:
             self.batcher.leave(self.rid)
             self.admitted = False
+        if self.batcher.tap_pool is not None:
+            self.batcher.tap_pool.give(self)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ...model.attention import cached_attention
+from ...model.tap_pool import gather_rows
 from ..sampling import draw_drafts, probs
 from .base import EMPTY, Proposal
 from .draft_pool import pool_of, pooled_attention, to_device
@@ -42,7 +43,7 @@ def ingest_many(drafters, uptos: list[int]) -> None:
     lens = [u - d.n for d, u in todo]
     pool = pool_of([d for d, _ in todo])
     pos = to_device([p for d, u in todo for p in range(d.n, u)], dev)
-    C = net.features(torch.cat([d._taps().rows(d.n, u) for d, u in todo]))
+    C = net.features(gather_rows([d._taps() for d, _ in todo], [(d.n, u) for d, u in todo], dev, to_device))
     if pool is not None:  # every request's rows written into its own slot in one launch a layer
         at = (to_device([d.pool_slot for d, u in todo for _ in range(d.n, u)], dev), pos)
         for li, (k, v) in enumerate(net.context_kv(C, pos)):

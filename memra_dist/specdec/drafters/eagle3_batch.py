@@ -21,6 +21,7 @@ import torch
 
 from ...model.attention import cached_attention, causal_mask
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
+from ...model.tap_pool import gather_rows
 from .base import EMPTY, Proposal
 from .chain_picks import ChainPicks
 from .draft_pool import pool_of, pooled_attention, to_device
@@ -111,7 +112,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     los = [min(d.n, N - 2) for d, N in zip(ds, Ns)]  # at least the last committed row: its output gives d_1
     lens = [N - 1 - lo for N, lo in zip(Ns, los)]
     tokens = to_device([t for (_, _, c, _), lo, N in zip(live, los, Ns) for t in c[lo + 1:N]], dev)
-    g = net.features(torch.cat([d._taps().rows(lo, N - 1) for d, lo, N in zip(ds, los, Ns)]))
+    g = net.features(gather_rows([d._taps() for d in ds], [(lo, N - 1) for lo, N in zip(los, Ns)], dev, to_device))
     h = _step(net, ds, los, lens, tokens, g)
     ends = torch.tensor(lens).cumsum(0) - 1
     last = h[to_device(ends, dev)]  # (n, H): each request's last committed row
