@@ -85,16 +85,17 @@ def graph_bytes(stage, budget: int) -> int:
 
 
 def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget: int, graphs: bool,
-             tap_layers: tuple[int, ...] = ()) -> Batcher:
+             tap_layers: tuple[int, ...] = (), reserve: int = 0) -> Batcher:
     """A batcher over `runner`'s stage with a pool of `kv_rows` slots (default: every request of
-    the batch at `capacity`, shrunk to what the device's free memory holds, at least one)."""
+    the batch at `capacity`, shrunk to what the device's free memory holds, at least one, with
+    `reserve` bytes left for the tap and draft-cache pools its requests take later)."""
     from ..device import free_mb  # noqa: PLC0415
 
     row = PagedKV.row_bytes(runner.stage, runner.dtype)
     free = free_mb(runner.device) * (1 << 20)
     if kv_rows is None:  # what the step graphs capture next (their logits, fp32) stays free too
         room = free * 0.9 - (graph_bytes(runner.stage, budget) if graphs else 0)
-        room -= max_batch * PagedKV.request_bytes(runner.stage)  # the requests' recurrent states
+        room -= max_batch * PagedKV.request_bytes(runner.stage) + reserve  # recurrent states; taps, draft caches
         kv_rows = max(min(max_batch * capacity, int(room) // max(row, 1)), capacity)
     pool = BlockPool(blocks_for(kv_rows, BLOCK), BLOCK)
     if pool.rows * row > free:
@@ -132,7 +133,8 @@ class BatchedBackend:
         budget = max_tokens if max_tokens is not None else max(cfg.prefill_chunk, max_batch * (cfg.k + 1))
         taps = self._load_tap_net(cfg, plan, max_batch)
         graphs = fast["graphs"] and runner is None
-        self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, graphs, taps)
+        self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, graphs, taps,
+                                self._pool_bytes(plan, max_batch, taps))
         self.draft_batcher = None
         if cfg.drafter == "model":  # the draft model's steps batched too, over its own pool
             self.draft_runner = load(cfg.draft_model, plan.draft)
@@ -174,6 +176,16 @@ class BatchedBackend:
             self.tap_net = load_mtp(cfg.model, plan.model, check_mtp(plan.model, cfg.model), self.device, self.dtype)
             return (FINAL,)
         return tuple(plan.draft.tap_ids) if self.tap_net is not None else ()
+
+    def _pool_bytes(self, plan, max_batch: int, taps: tuple[int, ...]) -> int:
+        """The tap pool's and the draft-cache pool's bytes once allocated (their spare slots too)."""
+        elem = self.torch.tensor([], dtype=self.dtype).element_size()
+        out = (max_batch + 1) * plan.capacity * self.runner.stage.cfg.hidden_size * len(taps) * elem
+        p = self.draft_pool
+        if p is not None:
+            rows = plan.capacity + (plan.draft.block_size if plan.cfg.drafter == "dflash" else 0)
+            out += 2 * p.layers * (p.slots + 1) * rows * p.n_kv * p.head_dim * elem
+        return out
 
     def _draft_graphs(self, plan, max_batch: int) -> None:
         """The step leader's shared DFlash block forwards as CUDA graphs over the draft pool
