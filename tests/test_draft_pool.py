@@ -103,14 +103,15 @@ def test_a_batched_engines_tap_drafters_draft_over_one_pool(llama, tmp_path_fact
 
 def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone(llama, tmp_path_factory,
                                                                                monkeypatch):
-    """The step leader's DFlash block forward as a graph over the pool (dflash_pool_graph.py),
-    replayed from an emulated capture (every aten op recorded once, re-run on the same tensors
-    with no Python between): eight requests four at a time get every proposal they get alone,
-    from replays of the bucket that holds each step's requests (pads in the spare slot)."""
+    """The step leader's DFlash block forward and maintenance as graphs over the draft and tap
+    pools (dflash_pool_graph.py), replayed from an emulated capture (every aten op recorded
+    once, re-run on the same tensors with no Python between): eight requests four at a time get
+    every proposal they get alone, from replays of the bucket that holds each step's requests
+    (pads in the spare slots), every shared maintenance replayed too."""
     from graph_emulator import EmulatedCapture
 
     from memra_dist.specdec.drafters.dflash import DFlashDrafter
-    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, buckets
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs, buckets
 
     assert buckets(4) == [2, 4] and buckets(6) == [2, 4, 6] and buckets(1) == []
     ddir = _tap_drafter("dflash", llama, tmp_path_factory)  # block 4, mask id 1
@@ -126,12 +127,17 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
         g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture)
         assert g.warm() == 2
         b.draft_pool.graphs = g
-        made.append(g)
+        b.batcher.tap_pool.alloc(CAP)
+        ing = PoolIngestGraphs(b.tap_net, b.draft_pool, b.batcher.tap_pool, 4, 4, graph_cls=EmulatedCapture)
+        assert ing.warm() == 2
+        b.draft_pool.ingest_graphs = ing
+        made.extend((g, ing))
 
     batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
     assert batched == solo and sorted(seen) == alone
-    g = made[0]
+    g, ing = made
     assert g.replays == stats["draft_batches"] > 0 and sorted(g.graphs) == [2, 4], (g.replays, stats)
+    assert ing.replays > 0, (ing.replays, g.replays)  # the shared maintenance of the chained rounds
 
 
 def test_pooled_tap_sinks_scatter_and_gather_as_their_own_sinks():

@@ -191,7 +191,7 @@ class BatchedBackend:
         """The step leader's shared DFlash block forwards as CUDA graphs over the draft pool
         (specdec/drafters/dflash_pool_graph.py), captured before the first request, where each
         slot is short enough to read whole; the network fused as the solo drafter's graphs run it."""
-        from ..specdec.drafters.dflash_pool_graph import PoolBlockGraphs, pays  # noqa: PLC0415
+        from ..specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs, pays  # noqa: PLC0415
 
         dc = plan.draft
         rows = plan.capacity + dc.block_size  # the drafter's rows (dflash.py alloc)
@@ -204,6 +204,13 @@ class BatchedBackend:
         t0 = time.perf_counter()
         n = g.warm()
         self.draft_pool.graphs = g
+        taps = self.batcher.tap_pool
+        if taps is not None and taps.layers == tuple(dc.tap_ids):  # the maintenance too, over the tap pool
+            taps.alloc(plan.capacity)
+            ing = PoolIngestGraphs(self.tap_net, self.draft_pool, taps, min(plan.cfg.k, dc.block_size - 1) + 1,
+                                   max_batch)
+            n += ing.warm()
+            self.draft_pool.ingest_graphs = ing
         print(f"[memra] shared draft forwards (dflash): {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
 
@@ -266,7 +273,9 @@ class BatchedBackend:
             out["graphs"] = b.graphs.stats()
         g = self.draft_pool.graphs if self.draft_pool is not None else None
         if g is not None:
-            out["draft_graphs"] = {"captured": len(g.graphs), "replays": g.replays}
+            ing = self.draft_pool.ingest_graphs
+            out["draft_graphs"] = {"captured": len(g.graphs), "replays": g.replays,
+                                   "ingest_replays": ing.replays if ing is not None else 0}
         if self.draft_batcher is not None:
             d = self.draft_batcher
             out["draft"] = {**d.stats.as_dict(), "kv_rows": d.pool.rows, "kv_blocks_used": d.pool.used_blocks}

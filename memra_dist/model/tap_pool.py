@@ -41,10 +41,7 @@ class TapPool:
         """`owner`'s sink (a request's BatchSlot) as views of its slot, the same slot while it
         holds one; None where it must keep its own (another capacity, no slot free)."""
         with self._lock:
-            if not self.bufs:
-                self.bufs = {t: torch.zeros(self.slots + 1, capacity, self.hidden, device=self.device, dtype=self.dtype)
-                             for t in self.layers}
-                self.capacity = capacity
+            self.alloc(capacity)
             if capacity != self.capacity:
                 return None
             s = self._held.get(id(owner))
@@ -56,6 +53,13 @@ class TapPool:
         sink = TapSink(self.layers, {t: b[s] for t, b in self.bufs.items()})
         sink.pool, sink.pool_slot = self, s
         return sink
+
+    def alloc(self, capacity: int) -> None:
+        """The pool's buffers, `capacity` rows a slot (once: later calls keep the first)."""
+        if not self.bufs:
+            self.bufs = {t: torch.zeros(self.slots + 1, capacity, self.hidden, device=self.device, dtype=self.dtype)
+                         for t in self.layers}
+            self.capacity = capacity
 
     def give(self, owner) -> None:
         """The slot `owner` held back (its request left); a no-op for one that holds none."""

@@ -36,12 +36,20 @@ def ingest_many(drafters, uptos: list[int]) -> None:
     todo = [(d, u) for d, u in zip(drafters, uptos) if u > d.n]
     if not todo:
         return
+    pool = pool_of([d for d, _ in todo])
+    g = pool.ingest_graphs if pool is not None else None
+    if g is not None:  # one replay (dflash_pool_graph.py)
+        sinks, ranges = [d._taps() for d, _ in todo], [(d.n, u) for d, u in todo]
+        if g.fits(sinks, ranges):
+            g.ingest([s.pool_slot for s in sinks], [d.pool_slot for d, _ in todo], ranges)
+            for d, u in todo:
+                d.n = u
+            return
     if len(todo) == 1:
         todo[0][0]._ingest(todo[0][1])
         return
     net, dev = todo[0][0].net, todo[0][0].device
     lens = [u - d.n for d, u in todo]
-    pool = pool_of([d for d, _ in todo])
     pos = to_device([p for d, u in todo for p in range(d.n, u)], dev)
     C = net.features(gather_rows([d._taps() for d, _ in todo], [(d.n, u) for d, u in todo], dev, to_device))
     if pool is not None:  # every request's rows written into its own slot in one launch a layer

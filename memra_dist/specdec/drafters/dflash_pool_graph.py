@@ -14,6 +14,12 @@ under its limit, so no length of a round is baked in. The graph leaves the argma
 1 .. K of every block (K = the engine's k, at most B - 1): one readback gives every request's
 greedy drafts. Sampled requests and steps of more requests than the largest bucket stay eager.
 
+The maintenance (dflash_batch.py `ingest_many`: each request's newly verified rows, a + 1 <=
+K + 1 of them) is graphed the same way (`PoolIngestGraphs`) where the requests' tap sinks are
+slots of the batcher's tap pool (model/tap_pool.py): each request's rows padded to K + 1, the
+pads reading the tap pool's spare slot and writing the draft pool's, the tap gather, the
+feature GEMM, each layer's k / v projections and the K/V writes in one replay.
+
 Built by the batched backend where its steps replay graphs (CUDA, graphs on) and each pool slot
 is short enough that reading it whole pays (`pays`); tests replay an emulated capture on the CPU.
 """
@@ -26,7 +32,7 @@ from ...graphs import CapturedGraph
 from .draft_pool import pooled_attention
 from .host_row import HostRow
 
-__all__ = ["PoolBlockGraphs", "pays", "buckets"]
+__all__ = ["PoolBlockGraphs", "PoolIngestGraphs", "pays", "buckets"]
 
 MAX_GATHER_ROWS = 1 << 17  # slot rows x requests a layer's attention may gather whole (~0.5 GB at 8 x 128 bf16)
 
@@ -119,3 +125,68 @@ class PoolBlockGraphs:
         g.replay()
         self.replays += 1
         return g.out[:len(slots)].tolist()
+
+
+class PoolIngestGraphs:
+    def __init__(self, net, pool, taps, R: int, max_n: int, graph_cls=CapturedGraph):
+        """`taps`: the batcher's TapPool (allocated); `R` rows a request at most (K + 1)."""
+        self.net, self.pool, self.taps, self.R = net, pool, taps, R
+        self.buckets = buckets(max_n)
+        self.max_n = self.buckets[-1] if self.buckets else 0
+        self.graph_cls = graph_cls
+        self.graphs: dict[int, object] = {}
+        self.replays = 0
+        self.row = HostRow(3 * self.max_n * R, pool.device)  # [tap slot, draft slot, position] of every row
+        self.mem = torch.cuda.graph_pool_handle() if graph_cls is CapturedGraph else None
+
+    def _views(self, b: int):
+        N, d = self.max_n * self.R, self.row.ids
+        m = b * self.R
+        return d[:m], d[N:N + m], d[2 * N:2 * N + m]
+
+    def _body(self, b: int):
+        tap_slot, slot, pos = self._views(b)
+        C = self.net.features(self.taps.gather(tap_slot, pos, self.taps.layers))
+        for li, (k, v) in enumerate(self.net.context_kv(C, pos)):
+            self.pool.k[li].index_put_((slot, pos), k)
+            self.pool.v[li].index_put_((slot, pos), v)
+        return C
+
+    def fits(self, sinks, ranges) -> bool:
+        """These requests' rows can replay: few enough requests, rows each, sinks of this tap pool."""
+        return (len(ranges) <= self.max_n and all(hi - lo <= self.R for lo, hi in ranges)
+                and all(getattr(s, "pool", None) is self.taps for s in sinks))
+
+    def warm(self) -> int:
+        for b in self.buckets:
+            self._load([], [], [], b)
+            self._graph(b)
+        return len(self.graphs)
+
+    def _graph(self, b: int):
+        g = self.graphs.get(b)
+        if g is None:
+            g = self.graphs[b] = self.graph_cls(lambda: self._body(b), self.mem)
+        return g
+
+    def _load(self, tap_slots: list[int], slots: list[int], ranges, b: int) -> None:
+        R, N = self.R, self.max_n * self.R
+        ts, ds, ps = [], [], []
+        for t, s, (lo, hi) in zip(tap_slots, slots, ranges):
+            pad = R - (hi - lo)
+            ts += [t] * (hi - lo) + [self.taps.scratch] * pad
+            ds += [s] * (hi - lo) + [self.pool.scratch] * pad
+            ps += list(range(lo, hi)) + [0] * pad
+        pad = (b - len(slots)) * R
+        ts += [self.taps.scratch] * pad
+        ds += [self.pool.scratch] * pad
+        ps += [0] * pad
+        fill = [0] * (N - b * R)
+        self.row.load(ts + fill + ds + fill + ps, 0)
+
+    def ingest(self, tap_slots: list[int], slots: list[int], ranges: list[tuple[int, int]]) -> None:
+        """Each request's rows [lo, hi) from its tap slot into its draft slot, one replay."""
+        b = next(x for x in self.buckets if x >= len(slots))
+        self._load(tap_slots, slots, ranges, b)
+        self._graph(b).replay()
+        self.replays += 1

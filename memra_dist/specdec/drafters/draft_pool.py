@@ -48,6 +48,7 @@ class DraftPool:
         self.rows = 0
         self.scratch = slots
         self.graphs = None  # the shared forwards' CUDA graphs over this pool (dflash_pool_graph.py), where captured
+        self.ingest_graphs = None  # ... and the shared maintenance's
         self._free = list(range(slots))
         self._held: dict[int, int] = {}  # id(owner) -> slot
         self._lock = threading.Lock()
