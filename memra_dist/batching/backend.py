@@ -148,7 +148,12 @@ class BatchedBackend:
         if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
             self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model")
         if cfg.drafter == "dflash" and self.batcher.graphs is not None:
-            self._draft_graphs(plan, max_batch)
+            try:
+                self._draft_graphs(plan, max_batch)
+            except Exception as e:  # noqa: BLE001 (the graphs are a fast path: the shared forwards run eager)
+                self.draft_pool.graphs = self.draft_pool.ingest_graphs = None
+                print(f"[memra] warning: the shared draft forwards stay eager (their CUDA graphs failed: "
+                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
         _switch(+1)  # last: a backend that failed to open is never closed
 
     def _load_tap_net(self, cfg, plan, max_batch: int) -> tuple[int, ...]:
@@ -203,14 +208,14 @@ class BatchedBackend:
                             dc.mask_token_id, max_batch)
         t0 = time.perf_counter()
         n = g.warm()
-        self.draft_pool.graphs = g
+        ing = None
         taps = self.batcher.tap_pool
         if taps is not None and taps.layers == tuple(dc.tap_ids):  # the maintenance too, over the tap pool
             taps.alloc(plan.capacity)
             ing = PoolIngestGraphs(self.tap_net, self.draft_pool, taps, min(plan.cfg.k, dc.block_size - 1) + 1,
                                    max_batch)
             n += ing.warm()
-            self.draft_pool.ingest_graphs = ing
+        self.draft_pool.graphs, self.draft_pool.ingest_graphs = g, ing  # both captured, or neither used
         print(f"[memra] shared draft forwards (dflash): {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
 
