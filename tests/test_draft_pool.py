@@ -13,7 +13,7 @@ from memra_dist.model.tap_pool import TapPool, gather_rows
 from memra_dist.model.taps import TapSink
 from memra_dist.specdec.drafters.draft_pool import DraftPool, pooled_attention
 
-from test_batching import CAP, _batched, _prompts, _solo, _tap_drafter, spy_proposals
+from test_batching import CAP, _batched, _drafter_cls, _prompts, _solo, _tap_drafter, spy_proposals
 
 
 @pytest.mark.parametrize("block", [False, True])
@@ -64,12 +64,8 @@ def test_a_batched_engines_tap_drafters_draft_over_one_pool(llama, tmp_path_fact
     the step leader's shared draft forwards take the pooled path (one index of the requests'
     slots each), every proposal equals the request's solo one, and at the end every slot is
     free again."""
-    if drafter == "dflash":
-        from memra_dist.specdec.drafters.dflash import DFlashDrafter as cls
-    else:
-        from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter as cls
     ddir = _tap_drafter(drafter, llama, tmp_path_factory)
-    seen = spy_proposals(monkeypatch, cls)
+    seen = spy_proposals(monkeypatch, _drafter_cls(drafter))
     reqs = _prompts(8)
     solo = _solo(llama, drafter, reqs, draft_model=str(ddir))
     alone, seen[:] = sorted(seen), []

@@ -51,20 +51,48 @@ def buckets(max_n: int) -> list[int]:
     return out + [max_n] if max_n >= 2 else []
 
 
-class PoolBlockGraphs:
-    def __init__(self, net, stage, pool, B: int, K: int, mask_id: int, max_n: int, graph_cls=CapturedGraph):
-        """`K` drafts a block (rows 1 .. K), `max_n` requests at most (the engine's --max-batch)."""
-        self.net, self.stage, self.pool = net, stage, pool
-        self.B, self.K, self.mask_id = B, min(K, B - 1), mask_id
+class _BucketGraphs:
+    """One graph per bucket of requests (`_body(b)`), its inputs loaded by `_load(..., b)`."""
+
+    def __init__(self, max_n: int, graph_cls):
         self.buckets = buckets(max_n)
         self.max_n = self.buckets[-1] if self.buckets else 0
         self.graph_cls = graph_cls
         self.graphs: dict[int, object] = {}
         self.replays = 0
-        n, dev = self.max_n, pool.device
-        # [ids (n B), pos (n B), each row's slot (n B), each request's slot (n), its limit (n)]
-        self.row = HostRow(3 * n * B + 2 * n, dev)
         self.mem = torch.cuda.graph_pool_handle() if graph_cls is CapturedGraph else None
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def warm(self) -> int:
+        """Every bucket captured now (the pools allocated), none inside a round; returns the count."""
+        for b in self.buckets:
+            self._load([], [], [], b)
+            self._graph(b)
+        return len(self.graphs)
+
+    def _graph(self, b: int):
+        g = self.graphs.get(b)
+        if g is None:
+            g = self.graphs[b] = self.graph_cls(lambda: self._body(b), self.mem)
+        return g
+
+    def _body(self, b: int):
+        raise NotImplementedError
+
+    def _load(self, a: list, c: list, d: list, b: int) -> None:
+        raise NotImplementedError
+
+
+class PoolBlockGraphs(_BucketGraphs):
+    def __init__(self, net, stage, pool, B: int, K: int, mask_id: int, max_n: int, graph_cls=CapturedGraph):
+        """`K` drafts a block (rows 1 .. K), `max_n` requests at most (the engine's --max-batch)."""
+        super().__init__(max_n, graph_cls)
+        self.net, self.stage, self.pool = net, stage, pool
+        self.B, self.K, self.mask_id = B, min(K, B - 1), mask_id
+        # [ids (n B), pos (n B), each row's slot (n B), each request's slot (n), its limit (n)]
+        self.row = HostRow(3 * self.max_n * B + 2 * self.max_n, pool.device)
 
     def _views(self, b: int):
         n, B, d = self.max_n, self.B, self.row.ids
@@ -89,22 +117,6 @@ class PoolBlockGraphs:
         rows = h.view(b, B, -1)[:, 1:K + 1].reshape(b * K, -1)
         return self.stage.lm_head(rows).float().argmax(-1).view(b, K)
 
-    def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
-
-    def warm(self) -> int:
-        """Every bucket captured now (the pool allocated), none inside a round; returns the count."""
-        for b in self.buckets:
-            self._load([], [], [], b)
-            self._graph(b)
-        return len(self.graphs)
-
-    def _graph(self, b: int):
-        g = self.graphs.get(b)
-        if g is None:
-            g = self.graphs[b] = self.graph_cls(lambda: self._body(b), self.mem)
-        return g
-
     def _load(self, slots: list[int], starts: list[int], lasts: list[int], b: int) -> None:
         n, B, m = self.max_n, self.B, len(slots)
         pad = b - m
@@ -127,17 +139,12 @@ class PoolBlockGraphs:
         return g.out[:len(slots)].tolist()
 
 
-class PoolIngestGraphs:
+class PoolIngestGraphs(_BucketGraphs):
     def __init__(self, net, pool, taps, R: int, max_n: int, graph_cls=CapturedGraph):
         """`taps`: the batcher's TapPool (allocated); `R` rows a request at most (K + 1)."""
+        super().__init__(max_n, graph_cls)
         self.net, self.pool, self.taps, self.R = net, pool, taps, R
-        self.buckets = buckets(max_n)
-        self.max_n = self.buckets[-1] if self.buckets else 0
-        self.graph_cls = graph_cls
-        self.graphs: dict[int, object] = {}
-        self.replays = 0
         self.row = HostRow(3 * self.max_n * R, pool.device)  # [tap slot, draft slot, position] of every row
-        self.mem = torch.cuda.graph_pool_handle() if graph_cls is CapturedGraph else None
 
     def _views(self, b: int):
         N, d = self.max_n * self.R, self.row.ids
@@ -157,18 +164,6 @@ class PoolIngestGraphs:
         return (len(ranges) <= self.max_n and all(hi - lo <= self.R for lo, hi in ranges)
                 and all(getattr(s, "pool", None) is self.taps for s in sinks))
 
-    def warm(self) -> int:
-        for b in self.buckets:
-            self._load([], [], [], b)
-            self._graph(b)
-        return len(self.graphs)
-
-    def _graph(self, b: int):
-        g = self.graphs.get(b)
-        if g is None:
-            g = self.graphs[b] = self.graph_cls(lambda: self._body(b), self.mem)
-        return g
-
     def _load(self, tap_slots: list[int], slots: list[int], ranges, b: int) -> None:
         R, N = self.R, self.max_n * self.R
         ts, ds, ps = [], [], []
@@ -186,7 +181,7 @@ class PoolIngestGraphs:
 
     def ingest(self, tap_slots: list[int], slots: list[int], ranges: list[tuple[int, int]]) -> None:
         """Each request's rows [lo, hi) from its tap slot into its draft slot, one replay."""
-        b = next(x for x in self.buckets if x >= len(slots))
+        b = self.bucket(len(slots))
         self._load(tap_slots, slots, ranges, b)
         self._graph(b).replay()
         self.replays += 1
