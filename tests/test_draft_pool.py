@@ -169,3 +169,37 @@ def test_pooled_tap_sinks_scatter_and_gather_as_their_own_sinks():
     assert torch.equal(got, torch.cat([o.rows(lo, hi) for o, (lo, hi) in zip(own, ranges)]))
     pool.give(owners[0])
     assert pool.sink(object(), C).pool_slot == 0
+
+
+def test_the_batched_eagle3_chains_replayed_draft_what_each_request_drafts_alone(llama, tmp_path_factory,
+                                                                               monkeypatch):
+    """A step's EAGLE-3 chains as one graph over the draft and tap pools (eagle3_pool_graph.py),
+    replayed from an emulated capture: the first forward over every request's new rows (padded
+    to K + 1) and K chained steps; eight requests four at a time get every proposal they get
+    alone, most rounds from a replay (near its end a request asks for fewer drafts than its
+    chain would run past its cache: those rounds run the eager chains)."""
+    from graph_emulator import EmulatedCapture
+
+    from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
+
+    ddir = _tap_drafter("eagle3", llama, tmp_path_factory)
+    seen = spy_proposals(monkeypatch, _drafter_cls("eagle3"))
+    reqs = _prompts(8)
+    solo = _solo(llama, "eagle3", reqs, draft_model=str(ddir))
+    alone, seen[:] = sorted(seen), []
+    made = []
+
+    def on_open(eng):
+        b = eng._backend
+        b.draft_pool.alloc(CAP)
+        b.batcher.tap_pool.alloc(CAP)
+        net = b.tap_net
+        embed = net.embed_tokens if net.embed_tokens is not None else b.runner.stage.embed_tokens
+        g = PoolChainGraphs(net, embed, b.draft_pool, b.batcher.tap_pool, 3, 4, graph_cls=EmulatedCapture)
+        assert g.warm() == 2
+        b.draft_pool.graphs = g
+        made.append(g)
+
+    batched, stats = _batched(llama, "eagle3", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
+    assert batched == solo and sorted(seen) == alone
+    assert stats["draft_batches"] >= made[0].replays > stats["draft_batches"] // 2, (made[0].replays, stats)

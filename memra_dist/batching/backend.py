@@ -147,7 +147,7 @@ class BatchedBackend:
         self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target")
         if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
             self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model")
-        if cfg.drafter == "dflash" and self.batcher.graphs is not None:
+        if cfg.drafter in ("dflash", "eagle3") and self.batcher.graphs is not None:
             try:
                 self._draft_graphs(plan, max_batch)
             except Exception as e:  # noqa: BLE001 (the graphs are a fast path: the shared forwards run eager)
@@ -193,11 +193,15 @@ class BatchedBackend:
         return out
 
     def _draft_graphs(self, plan, max_batch: int) -> None:
-        """The step leader's shared DFlash block forwards as CUDA graphs over the draft pool
-        (specdec/drafters/dflash_pool_graph.py), captured before the first request, where each
-        slot is short enough to read whole; the network fused as the solo drafter's graphs run it."""
+        """The step leader's shared draft forwards as CUDA graphs over the draft pool, captured
+        before the first request, where each slot is short enough to read whole: DFlash's block
+        forward and maintenance (specdec/drafters/dflash_pool_graph.py; the network fused as the
+        solo drafter's graphs run it), EAGLE-3's round of chains (eagle3_pool_graph.py)."""
         from ..specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs, pays  # noqa: PLC0415
 
+        if plan.cfg.drafter == "eagle3":
+            self._chain_graphs(plan, max_batch)
+            return
         dc = plan.draft
         rows = plan.capacity + dc.block_size  # the drafter's rows (dflash.py alloc)
         if not pays(rows, max_batch):
@@ -216,7 +220,28 @@ class BatchedBackend:
                                    max_batch)
             n += ing.warm()
         self.draft_pool.graphs, self.draft_pool.ingest_graphs = g, ing  # both captured, or neither used
-        print(f"[memra] shared draft forwards (dflash): {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s",
+        self._say_graphs("dflash", n, t0)
+
+    def _chain_graphs(self, plan, max_batch: int) -> None:
+        from ..specdec.drafters.dflash_pool_graph import pays  # noqa: PLC0415
+        from ..specdec.drafters.eagle3_pool_graph import PoolChainGraphs  # noqa: PLC0415
+
+        taps = self.batcher.tap_pool
+        if not pays(plan.capacity, max_batch) or taps is None or taps.layers != tuple(plan.draft.tap_ids):
+            return
+        self.draft_pool.alloc(plan.capacity)  # the drafter's rows (eagle3.py alloc)
+        taps.alloc(plan.capacity)
+        net = self.tap_net
+        embed = net.embed_tokens if net.embed_tokens is not None else self.runner.stage.embed_tokens
+        g = PoolChainGraphs(net, embed, self.draft_pool, taps, plan.cfg.k, max_batch)
+        t0 = time.perf_counter()
+        n = g.warm()
+        self.draft_pool.graphs = g
+        self._say_graphs("eagle3", n, t0)
+
+    @staticmethod
+    def _say_graphs(what: str, n: int, t0: float) -> None:
+        print(f"[memra] shared draft forwards ({what}): {n} CUDA graphs captured in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
 
     @staticmethod

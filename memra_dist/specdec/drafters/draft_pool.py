@@ -47,7 +47,9 @@ class DraftPool:
         self.v: torch.Tensor | None = None
         self.rows = 0
         self.scratch = slots
-        self.graphs = None  # the shared forwards' CUDA graphs over this pool (dflash_pool_graph.py), where captured
+        # the shared forwards' CUDA graphs over this pool, where captured: DFlash's block
+        # (dflash_pool_graph.py) or EAGLE-3's chains (eagle3_pool_graph.py)
+        self.graphs = None
         self.ingest_graphs = None  # ... and the shared maintenance's
         self._free = list(range(slots))
         self._held: dict[int, int] = {}  # id(owner) -> slot

@@ -1,0 +1,115 @@
+"""CUDA graphs of the step leader's batched EAGLE-3 chains over the draft and tap pools
+(eagle3_batch.py `propose_many`, draft_pool.py, model/tap_pool.py), one per bucket of requests.
+
+Eager, a round of 16 requests' chains is the first forward (every request's newly committed
+rows) and K - 1 chained steps, each ~40 launches of the head plus its logits and pick: on an
+H200 the step leader spent ~19 ms of host time a step drafting them (BENCHMARKS.md). Here the
+whole round of b requests is one replay. Its inputs come in one pinned copy (host_row.py): each
+request's committed rows padded to K + 1 (their tokens, their positions, which are also the tap
+rows the features read, their pool slots and causal limits; pads read the tap pool's spare slot
+and write the draft pool's), the index of each request's last committed row, its slot and its
+first chain position. The graph runs the first forward, then K chain steps of one row a request
+(the argmax mapped to target ids through d2t, fed back as the next row's token, the row's
+pre-norm output as its hidden), and leaves the (b, K) picks: one readback gives every request's
+greedy drafts. Used where every request asks for at most K drafts, has at most K + 1 new rows,
+and its chain stays inside its cache; else, and for sampled requests, the eager chains.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...graphs import CapturedGraph
+from .dflash_pool_graph import _BucketGraphs
+from .draft_pool import pooled_attention
+from .host_row import HostRow
+
+__all__ = ["PoolChainGraphs"]
+
+
+class PoolChainGraphs(_BucketGraphs):
+    def __init__(self, net, embed, pool, taps, K: int, max_n: int, graph_cls=CapturedGraph):
+        super().__init__(max_n, graph_cls)
+        self.net, self.embed, self.pool, self.taps, self.K = net, embed, pool, taps, K
+        self.R = K + 1
+        n = self.max_n
+        # [tokens, positions, tap slots, draft slots, limits] (n R each), then [last row, slot, chain position] (n each)
+        self.row = HostRow(5 * n * self.R + 3 * n, pool.device)
+
+    def _views(self, b: int):
+        N, d, m = self.max_n * self.R, self.row.ids, b * self.R
+        rows = [d[i * N:i * N + m] for i in range(5)]
+        t, n = 5 * N, self.max_n
+        return (*rows, d[t:t + b], d[t + n:t + n + b], d[t + 2 * n:t + 2 * n + b])
+
+    def _step(self, tokens, g, pos, row_slots, lim, idx, T: int):
+        pool, b = self.pool, idx.shape[0]
+
+        def kv_of(k, v):
+            pool.k[0].index_put_((row_slots, pos), k)
+            pool.v[0].index_put_((row_slots, pos), v)
+            return pool.k[0], pool.v[0]
+
+        def attend(q, kp, vp):
+            return pooled_attention(q.view(b, T, *q.shape[1:]), kp, vp, idx, lim.view(b, T), pool.rows).view(b * T, -1)
+
+        return self.net.step(self.embed(tokens), g, pos, kv_of, None, attend)
+
+    def _body(self, b: int):
+        tok, pos, tslot, slot, lim, last_row, idx, cpos = self._views(b)
+        net = self.net
+        g = net.features(self.taps.gather(tslot, pos, self.taps.layers))
+        last = self._step(tok, g, pos, slot, lim, idx, self.R)[last_row]  # (b, H)
+        picks = []
+        for s in range(self.K):
+            t = net.hot[net.logits(last).argmax(-1)]  # (b,) target ids
+            picks.append(t)
+            if s + 1 < self.K:
+                p = cpos + s
+                last = self._step(t, last, p, idx, p + 1, idx, 1)
+        return torch.stack(picks, 1)  # (b, K)
+
+    def fits(self, ds, sinks, los: list[int], Ns: list[int], ks: list[int]) -> bool:
+        """These requests' round can replay: few enough, at most K drafts and K + 1 new rows
+        each, every chain row inside its cache, sinks of this tap pool."""
+        return (len(ds) <= self.max_n and max(ks) <= self.K
+                and all(N - 1 - lo <= self.R and N - 2 + self.K < self.pool.rows for lo, N in zip(los, Ns))
+                and all(getattr(s, "pool", None) is self.taps for s in sinks))
+
+    def _load(self, reqs: list, _c: list, _d: list, b: int) -> None:
+        """`reqs`: (context, lo, tap slot, draft slot) a request."""
+        R, N, n = self.R, self.max_n * self.R, self.max_n
+        cols: list[list[int]] = [[] for _ in range(5)]
+        last, idx, cpos = [], [], []
+        for r, (c, lo, ts, ds) in enumerate(reqs):
+            m = len(c) - 1 - lo
+            pad = R - m
+            cols[0] += list(c[lo + 1:]) + [0] * pad
+            cols[1] += list(range(lo, lo + m)) + [0] * pad
+            cols[2] += [ts] * m + [self.taps.scratch] * pad
+            cols[3] += [ds] * m + [self.pool.scratch] * pad
+            cols[4] += list(range(lo + 1, lo + m + 1)) + [1] * pad
+            last.append(r * R + m - 1)
+            idx.append(ds)
+            cpos.append(len(c) - 1)
+        for r in range(len(reqs), b):  # pad requests: one row at position 0 of the spare slots
+            cols[0] += [0] * R
+            cols[1] += [0] * R
+            cols[2] += [self.taps.scratch] * R
+            cols[3] += [self.pool.scratch] * R
+            cols[4] += [1] * R
+            last.append(r * R)
+            idx.append(self.pool.scratch)
+            cpos.append(0)
+        fill, tail = [0] * (N - b * R), [0] * (n - b)
+        vals = [x for col in cols for x in col + fill] + last + tail + idx + tail + cpos + tail
+        self.row.load(vals, 0)
+
+    def greedy(self, reqs: list) -> list[list[int]]:
+        """Each request's K greedy drafts (host lists) after its context: `reqs` as `_load`'s."""
+        b = self.bucket(len(reqs))
+        self._load(reqs, [], [], b)
+        g = self._graph(b)
+        g.replay()
+        self.replays += 1
+        return g.out[:len(reqs)].tolist()
