@@ -112,11 +112,11 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     los = [min(d.n, N - 2) for d, N in zip(ds, Ns)]  # at least the last committed row: its output gives d_1
     lens = [N - 1 - lo for N, lo in zip(Ns, los)]
     pool = pool_of(ds)
-    g = pool.graphs if pool is not None else None
-    if g is not None and all(sps[i].greedy for i, *_ in live):  # one replay (eagle3_pool_graph.py)
+    graphs = pool.graphs if pool is not None else None
+    if graphs is not None and all(sps[i].greedy for i, *_ in live):  # one replay (eagle3_pool_graph.py)
         sinks = [d._taps() for d in ds]
-        if g.fits(ds, sinks, los, Ns, [k for *_, k in live]):
-            toks = g.greedy([(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)])
+        if graphs.fits(ds, sinks, los, Ns, [k for *_, k in live]):
+            toks = graphs.greedy([(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)])
             for (i, d, _, k), N, t in zip(live, Ns, toks):
                 d.n = N - 1
                 out[i] = Proposal(torch.tensor(t[:k], dtype=torch.long))
