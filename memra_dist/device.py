@@ -8,7 +8,8 @@ import torch
 
 from .errors import UserError
 
-__all__ = ["DTYPES", "resolve_device", "actor_device", "resolve_dtype", "Drainer", "device_label", "free_mb", "CudaMarks", "stream_marks"]
+__all__ = ["DTYPES", "resolve_device", "actor_device", "resolve_dtype", "Drainer", "device_label", "free_mb", "CudaMarks", "stream_marks",
+           "to_device"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,3 +114,14 @@ def stream_marks(device: torch.device) -> CudaMarks | None:
     """Timing events for the event clock where the device has them (CUDA); None elsewhere (the
     clock then drains: CPU work is done when its call returns)."""
     return CudaMarks(device) if device.type == "cuda" else None
+
+
+def to_device(values, device) -> torch.Tensor:
+    """A host list (or long tensor) of indices on `device` without waiting for the device: a
+    CUDA copy from pageable memory would first wait for every kernel queued before it (a shared
+    draft forward's, say), so the copy goes through pinned memory, asynchronously (the caching
+    host allocator keeps the pinned block until the copy is done)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -16,6 +16,17 @@ from memra_dist.specdec.drafters.draft_pool import DraftPool, pooled_attention
 from test_batching import CAP, _batched, _drafter_cls, _prompts, _solo, _tap_drafter, spy_proposals
 
 
+def _alone(drafter: str, llama, tmp_path_factory, monkeypatch):
+    """(its checkpoint, eight requests, their solo ids, the proposals list the spy fills, their
+    solo proposals sorted) for a random tiny `drafter` over `llama`; the spy then starts empty."""
+    ddir = _tap_drafter(drafter, llama, tmp_path_factory)
+    seen = spy_proposals(monkeypatch, _drafter_cls(drafter))
+    reqs = _prompts(8)
+    solo = _solo(llama, drafter, reqs, draft_model=str(ddir))
+    alone, seen[:] = sorted(seen), []
+    return ddir, reqs, solo, seen, alone
+
+
 @pytest.mark.parametrize("block", [False, True])
 def test_pooled_attention_is_each_requests_own_masked_attention(block):
     """Three requests in slots 4, 0, 2 of a pool of capacity 24, GQA (4 query heads over 2 KV
@@ -64,11 +75,7 @@ def test_a_batched_engines_tap_drafters_draft_over_one_pool(llama, tmp_path_fact
     the step leader's shared draft forwards take the pooled path (one index of the requests'
     slots each), every proposal equals the request's solo one, and at the end every slot is
     free again."""
-    ddir = _tap_drafter(drafter, llama, tmp_path_factory)
-    seen = spy_proposals(monkeypatch, _drafter_cls(drafter))
-    reqs = _prompts(8)
-    solo = _solo(llama, drafter, reqs, draft_model=str(ddir))
-    alone, seen[:] = sorted(seen), []
+    ddir, reqs, solo, seen, alone = _alone(drafter, llama, tmp_path_factory, monkeypatch)
     pooled, pools = [], []
     index = DraftPool.index
 
@@ -93,8 +100,8 @@ def test_a_batched_engines_tap_drafters_draft_over_one_pool(llama, tmp_path_fact
     # every step's taps went into the tap pool in one scatter, the shared forwards gathered from it
     assert taps["scatter"] >= stats["steps"] - 1 and taps["gather"] > 0, (taps, stats)
     pool, tp = pools[0].draft_pool, pools[0].batcher.tap_pool
-    assert pool.k is not None and pool.slots == 4 and sorted(pool._free) == [0, 1, 2, 3] and not pool._held
-    assert tp.bufs and sorted(tp._free) == [0, 1, 2, 3] and not tp._held
+    assert pool.k is not None and pool.slots == 4 and pool.owners.held == 0  # every slot given back
+    assert tp.bufs and tp.owners.held == 0
 
 
 def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone(llama, tmp_path_factory,
@@ -106,15 +113,10 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
     (pads in the spare slots), every shared maintenance replayed too."""
     from graph_emulator import EmulatedCapture
 
-    from memra_dist.specdec.drafters.dflash import DFlashDrafter
     from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs, buckets
 
     assert buckets(4) == [2, 4] and buckets(6) == [2, 4, 6] and buckets(1) == []
-    ddir = _tap_drafter("dflash", llama, tmp_path_factory)  # block 4, mask id 1
-    seen = spy_proposals(monkeypatch, DFlashDrafter)
-    reqs = _prompts(8)
-    solo = _solo(llama, "dflash", reqs, draft_model=str(ddir))
-    alone, seen[:] = sorted(seen), []
+    ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)  # block 4, mask id 1
     made = []
 
     def on_open(eng):
@@ -165,7 +167,7 @@ def test_pooled_tap_sinks_scatter_and_gather_as_their_own_sinks():
         for t in layers:
             assert torch.equal(s.bufs[t], o.bufs[t])
     ranges = [(0, 3), (3, 7), (7, 8)]
-    got = gather_rows(sinks, ranges, torch.device("cpu"), lambda xs, d: torch.tensor(xs, dtype=torch.long))
+    got = gather_rows(sinks, ranges, torch.device("cpu"))
     assert torch.equal(got, torch.cat([o.rows(lo, hi) for o, (lo, hi) in zip(own, ranges)]))
     pool.give(owners[0])
     assert pool.sink(object(), C).pool_slot == 0
@@ -182,11 +184,7 @@ def test_the_batched_eagle3_chains_replayed_draft_what_each_request_drafts_alone
 
     from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
 
-    ddir = _tap_drafter("eagle3", llama, tmp_path_factory)
-    seen = spy_proposals(monkeypatch, _drafter_cls("eagle3"))
-    reqs = _prompts(8)
-    solo = _solo(llama, "eagle3", reqs, draft_model=str(ddir))
-    alone, seen[:] = sorted(seen), []
+    ddir, reqs, solo, seen, alone = _alone("eagle3", llama, tmp_path_factory, monkeypatch)
     made = []
 
     def on_open(eng):

@@ -15,7 +15,7 @@ import torch
 from ..model.layers import rope_rows
 from ..model.tap_pool import pooled
 from ..model.taps import FINAL
-from ..specdec.drafters.draft_pool import to_device
+from ..device import to_device
 from ..model.transformer import StepCtx
 from .job import Job, Launched
 from .laps import timed_step
@@ -109,16 +109,11 @@ def stage_layers(st, kv, tap_layers, x: torch.Tensor, pos: torch.Tensor, view: B
 
 def scatter_taps(jobs, tapped: dict, pos: torch.Tensor) -> None:
     """Each tapping request's rows of the tapped layers into its own sink, at its positions:
-    where every tapping request's sink is a slot of one pool (model/tap_pool.py), one launch a
-    layer for all of them (the rows of a request that keeps no taps into the spare slot)."""
-    sinks = [j.taps for j in jobs if j.taps is not None]
-    pool = pooled(sinks)
+    where every request's sink is a slot of one pool (model/tap_pool.py), one launch a layer for
+    all of them, at the step's own positions."""
+    pool = pooled([j.taps for j in jobs])
     if pool is not None and all(t in tapped for t in pool.layers):
-        slots, at = [], []  # a row of a request without taps: the spare slot's row 0
-        for j in jobs:
-            slots += [j.taps.pool_slot if j.taps is not None else pool.scratch] * j.n
-            at += range(j.start, j.start + j.n) if j.taps is not None else [0] * j.n
-        pool.scatter(to_device(slots, pos.device), to_device(at, pos.device), tapped)
+        pool.scatter(to_device([j.taps.pool_slot for j in jobs for _ in range(j.n)], pos.device), pos, tapped)
         return
     lo = 0
     for j in jobs:

@@ -11,8 +11,9 @@ leader's path, cost ~0.2 ms apiece (BENCHMARKS.md). Here a sink's buffer for lay
 `bufs[t][slot]` of one (slots + 1, capacity, H) tensor, so every per-request reader and writer
 runs unchanged on the view, and `scatter` / `gather` address every request's rows at once by
 (slot, position). The pool is allocated at the first request (the engine's requests share one
-capacity); the spare slot (`scratch`) takes the rows of a step's requests that keep no taps. A
-request that finds no slot (another capacity, the pool full) keeps a sink of its own.
+capacity); the spare slot (`scratch`) takes the pad rows of the draft graphs
+(specdec/drafters/dflash_pool_graph.py). A request that finds no slot (another capacity, the
+pool full) keeps a sink of its own, and a step holding it scatters request by request.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import threading
 
 import torch
 
+from ..device import to_device
+from ..owner_slots import OwnerSlots
 from .taps import TapSink
 
 __all__ = ["TapPool", "pooled", "gather_rows"]
@@ -33,40 +36,31 @@ class TapPool:
         self.scratch = slots
         self.bufs: dict[int, torch.Tensor] = {}
         self.capacity = 0
-        self._free = list(range(slots))
-        self._held: dict[int, int] = {}  # id(owner) -> slot
-        self._lock = threading.Lock()
+        self.owners = OwnerSlots(slots)
+        self._lock = threading.Lock()  # the first sinks' allocation
 
     def sink(self, owner, capacity: int) -> TapSink | None:
         """`owner`'s sink (a request's BatchSlot) as views of its slot, the same slot while it
         holds one; None where it must keep its own (another capacity, no slot free)."""
-        with self._lock:
-            self.alloc(capacity)
-            if capacity != self.capacity:
-                return None
-            s = self._held.get(id(owner))
-            if s is None:
-                if not self._free:
-                    return None
-                s = self._free.pop(0)
-                self._held[id(owner)] = s
+        self.alloc(capacity)
+        s = self.owners.take(owner) if capacity == self.capacity else None
+        if s is None:
+            return None
         sink = TapSink(self.layers, {t: b[s] for t, b in self.bufs.items()})
         sink.pool, sink.pool_slot = self, s
         return sink
 
     def alloc(self, capacity: int) -> None:
         """The pool's buffers, `capacity` rows a slot (once: later calls keep the first)."""
-        if not self.bufs:
-            self.bufs = {t: torch.zeros(self.slots + 1, capacity, self.hidden, device=self.device, dtype=self.dtype)
-                         for t in self.layers}
-            self.capacity = capacity
+        with self._lock:
+            if not self.bufs:
+                self.bufs = {t: torch.zeros(self.slots + 1, capacity, self.hidden, device=self.device,
+                                            dtype=self.dtype) for t in self.layers}
+                self.capacity = capacity
 
     def give(self, owner) -> None:
         """The slot `owner` held back (its request left); a no-op for one that holds none."""
-        with self._lock:
-            s = self._held.pop(id(owner), None)
-            if s is not None:
-                self._free.append(s)
+        self.owners.give(owner)
 
     def scatter(self, row_slots: torch.Tensor, pos: torch.Tensor, tapped: dict) -> None:
         """A step's tapped rows (row r of layer t: tapped[t][r]) into the slots row_slots[r] at
@@ -82,17 +76,16 @@ class TapPool:
 
 
 def pooled(sinks) -> TapPool | None:
-    """The pool every one of these sinks is a slot of, else None."""
+    """The pool every one of these sinks is a slot of, else None (a None sink among them too)."""
     pool = getattr(sinks[0], "pool", None) if sinks else None
     if pool is None or any(getattr(s, "pool", None) is not pool for s in sinks):
         return None
     return pool
 
 
-def gather_rows(sinks, ranges: list[tuple[int, int]], device, to_device) -> torch.Tensor:
+def gather_rows(sinks, ranges: list[tuple[int, int]], device) -> torch.Tensor:
     """Each sink's tap rows [lo, hi), in sink order, concatenated: (sum of rows, n_taps * H),
-    as `torch.cat([s.rows(lo, hi) ...])`; for pooled sinks one gather a layer (`to_device`
-    takes the host index lists to the device, draft_pool.py)."""
+    as `torch.cat([s.rows(lo, hi) ...])`; for pooled sinks one gather a layer."""
     pool = pooled(sinks)
     if pool is None:
         return torch.cat([s.rows(lo, hi) for s, (lo, hi) in zip(sinks, ranges)])

@@ -25,7 +25,8 @@ from ...model.attention import cached_attention
 from ...model.tap_pool import gather_rows
 from ..sampling import draw_drafts, probs
 from .base import EMPTY, Proposal
-from .draft_pool import pool_of, pooled_attention, to_device
+from ...device import to_device
+from .draft_pool import pool_of, pooled_attention
 
 __all__ = ["ingest_many", "propose_many"]
 
@@ -51,7 +52,7 @@ def ingest_many(drafters, uptos: list[int]) -> None:
     net, dev = todo[0][0].net, todo[0][0].device
     lens = [u - d.n for d, u in todo]
     pos = to_device([p for d, u in todo for p in range(d.n, u)], dev)
-    C = net.features(gather_rows([d._taps() for d, _ in todo], [(d.n, u) for d, u in todo], dev, to_device))
+    C = net.features(gather_rows([d._taps() for d, _ in todo], [(d.n, u) for d, u in todo], dev))
     if pool is not None:  # every request's rows written into its own slot in one launch a layer
         at = (to_device([d.pool_slot for d, u in todo for _ in range(d.n, u)], dev), pos)
         for li, (k, v) in enumerate(net.context_kv(C, pos)):

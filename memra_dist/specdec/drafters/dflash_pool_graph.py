@@ -52,7 +52,8 @@ def buckets(max_n: int) -> list[int]:
 
 
 class _BucketGraphs:
-    """One graph per bucket of requests (`_body(b)`), its inputs loaded by `_load(..., b)`."""
+    """One graph per bucket of requests (`_body(b)`), its inputs loaded by `_load(reqs, b)`
+    (one tuple a request; none: every request a pad)."""
 
     def __init__(self, max_n: int, graph_cls):
         self.buckets = buckets(max_n)
@@ -68,7 +69,7 @@ class _BucketGraphs:
     def warm(self) -> int:
         """Every bucket captured now (the pools allocated), none inside a round; returns the count."""
         for b in self.buckets:
-            self._load([], [], [], b)
+            self._load([], b)
             self._graph(b)
         return len(self.graphs)
 
@@ -81,7 +82,7 @@ class _BucketGraphs:
     def _body(self, b: int):
         raise NotImplementedError
 
-    def _load(self, a: list, c: list, d: list, b: int) -> None:
+    def _load(self, reqs: list, b: int) -> None:
         raise NotImplementedError
 
 
@@ -117,9 +118,10 @@ class PoolBlockGraphs(_BucketGraphs):
         rows = h.view(b, B, -1)[:, 1:K + 1].reshape(b * K, -1)
         return self.stage.lm_head(rows).float().argmax(-1).view(b, K)
 
-    def _load(self, slots: list[int], starts: list[int], lasts: list[int], b: int) -> None:
-        n, B, m = self.max_n, self.B, len(slots)
-        pad = b - m
+    def _load(self, reqs: list[tuple[int, int, int]], b: int) -> None:
+        """`reqs`: (slot, start, last token) a request."""
+        n, B, pad = self.max_n, self.B, b - len(reqs)
+        slots, starts, lasts = (list(x) for x in zip(*reqs)) if reqs else ([], [], [])
         ids = [x for last in lasts for x in (last, *[self.mask_id] * (B - 1))] + [self.mask_id] * (pad * B)
         pos = [s + i for s in starts for i in range(B)] + list(range(B)) * pad
         row_slot = [s for s in slots for _ in range(B)] + [self.pool.scratch] * (pad * B)
@@ -132,7 +134,7 @@ class PoolBlockGraphs(_BucketGraphs):
         """Each request's K greedy drafts (host lists): its block [lasts[r], mask ...] at
         starts[r] over its slot slots[r], in one replay and one readback."""
         b = self.bucket(len(slots))
-        self._load(slots, starts, lasts, b)
+        self._load(list(zip(slots, starts, lasts)), b)
         g = self._graph(b)
         g.replay()
         self.replays += 1
@@ -164,15 +166,16 @@ class PoolIngestGraphs(_BucketGraphs):
         return (len(ranges) <= self.max_n and all(hi - lo <= self.R for lo, hi in ranges)
                 and all(getattr(s, "pool", None) is self.taps for s in sinks))
 
-    def _load(self, tap_slots: list[int], slots: list[int], ranges, b: int) -> None:
+    def _load(self, reqs: list, b: int) -> None:
+        """`reqs`: (tap slot, draft slot, (lo, hi)) a request."""
         R, N = self.R, self.max_n * self.R
         ts, ds, ps = [], [], []
-        for t, s, (lo, hi) in zip(tap_slots, slots, ranges):
+        for t, s, (lo, hi) in reqs:
             pad = R - (hi - lo)
             ts += [t] * (hi - lo) + [self.taps.scratch] * pad
             ds += [s] * (hi - lo) + [self.pool.scratch] * pad
             ps += list(range(lo, hi)) + [0] * pad
-        pad = (b - len(slots)) * R
+        pad = (b - len(reqs)) * R
         ts += [self.taps.scratch] * pad
         ds += [self.pool.scratch] * pad
         ps += [0] * pad
@@ -182,6 +185,6 @@ class PoolIngestGraphs(_BucketGraphs):
     def ingest(self, tap_slots: list[int], slots: list[int], ranges: list[tuple[int, int]]) -> None:
         """Each request's rows [lo, hi) from its tap slot into its draft slot, one replay."""
         b = self.bucket(len(slots))
-        self._load(tap_slots, slots, ranges, b)
+        self._load(list(zip(tap_slots, slots, ranges)), b)
         self._graph(b).replay()
         self.replays += 1

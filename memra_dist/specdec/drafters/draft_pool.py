@@ -22,19 +22,10 @@ import threading
 import torch
 
 from ...cache import KVLayer
+from ...device import to_device
+from ...owner_slots import OwnerSlots
 
-__all__ = ["DraftPool", "pooled_attention", "pool_of", "to_device"]
-
-
-def to_device(values, device) -> torch.Tensor:
-    """A host list (or long tensor) of indices on `device` without waiting for the device: a
-    CUDA copy from pageable memory would first wait for every kernel queued before it (the
-    shared draft forward's), so the copy goes through pinned memory, asynchronously (the
-    caching host allocator keeps the pinned block until the copy is done)."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+__all__ = ["DraftPool", "pooled_attention", "pool_of"]
 
 
 class DraftPool:
@@ -51,30 +42,26 @@ class DraftPool:
         # (dflash_pool_graph.py) or EAGLE-3's chains (eagle3_pool_graph.py)
         self.graphs = None
         self.ingest_graphs = None  # ... and the shared maintenance's
-        self._free = list(range(slots))
-        self._held: dict[int, int] = {}  # id(owner) -> slot
-        self._lock = threading.Lock()
+        self.owners = OwnerSlots(slots)
+        self._lock = threading.Lock()  # the first drafters' allocation
 
     def take(self, drafter, rows: int) -> list[KVLayer] | None:
         """The drafter's per-layer K/V as views of a slot (`drafter.pool_slot` set), or None
         where it must keep its own (another row count than the pool's; no slot free). The slot
         is its request's (`drafter.target`, the request's BatchSlot) until `give(that slot)`."""
-        with self._lock:
-            self.alloc(rows)
-            if rows != self.rows:
-                return None
-            s = self._held.get(id(drafter.target))
-            if s is None:
-                if not self._free:
-                    return None
-                s = self._free.pop(0)
-                self._held[id(drafter.target)] = s
+        self.alloc(rows)
+        s = self.owners.take(drafter.target) if rows == self.rows else None
+        if s is None:
+            return None
         drafter.pool_slot = s
         return [KVLayer(self.k[i, s], self.v[i, s]) for i in range(self.layers)]
 
     def alloc(self, rows: int) -> None:
-        """The pool's tensors, `rows` a slot (once: later calls keep the first row count)."""
-        if self.k is None:
+        """The pool's tensors, `rows` a slot (once: later calls keep the first row count;
+        called by the backend before any request, or by the first request's drafter)."""
+        with self._lock:
+            if self.k is not None:
+                return
             shape = (self.layers, self.slots + 1, rows, self.n_kv, self.head_dim)
             # zeros, not empty: masked rows still enter the P@V product (0 * NaN = NaN)
             self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
@@ -84,10 +71,7 @@ class DraftPool:
     def give(self, owner) -> None:
         """The slot a request held back (`owner`: its BatchSlot; the request ended); a no-op
         for one that holds none."""
-        with self._lock:
-            s = self._held.pop(id(owner), None)
-            if s is not None:
-                self._free.append(s)
+        self.owners.give(owner)
 
     def index(self, drafters) -> torch.Tensor:
         """(n,) the drafters' slots on the device."""

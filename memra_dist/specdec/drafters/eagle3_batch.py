@@ -24,7 +24,8 @@ from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from ...model.tap_pool import gather_rows
 from .base import EMPTY, Proposal
 from .chain_picks import ChainPicks
-from .draft_pool import pool_of, pooled_attention, to_device
+from ...device import to_device
+from .draft_pool import pool_of, pooled_attention
 
 __all__ = ["maintain_many", "propose_many"]
 
@@ -122,7 +123,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
                 out[i] = Proposal(torch.tensor(t[:k], dtype=torch.long))
             return out
     tokens = to_device([t for (_, _, c, _), lo, N in zip(live, los, Ns) for t in c[lo + 1:N]], dev)
-    g = net.features(gather_rows([d._taps() for d in ds], [(lo, N - 1) for lo, N in zip(los, Ns)], dev, to_device))
+    g = net.features(gather_rows([d._taps() for d in ds], [(lo, N - 1) for lo, N in zip(los, Ns)], dev))
     h = _step(net, ds, los, lens, tokens, g)
     ends = torch.tensor(lens).cumsum(0) - 1
     last = h[to_device(ends, dev)]  # (n, H): each request's last committed row

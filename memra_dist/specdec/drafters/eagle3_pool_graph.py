@@ -76,7 +76,7 @@ class PoolChainGraphs(_BucketGraphs):
                 and all(N - 1 - lo <= self.R and N - 2 + self.K < self.pool.rows for lo, N in zip(los, Ns))
                 and all(getattr(s, "pool", None) is self.taps for s in sinks))
 
-    def _load(self, reqs: list, _c: list, _d: list, b: int) -> None:
+    def _load(self, reqs: list, b: int) -> None:
         """`reqs`: (context, lo, tap slot, draft slot) a request."""
         R, N, n = self.R, self.max_n * self.R, self.max_n
         cols: list[list[int]] = [[] for _ in range(5)]
@@ -108,7 +108,7 @@ class PoolChainGraphs(_BucketGraphs):
     def greedy(self, reqs: list) -> list[list[int]]:
         """Each request's K greedy drafts (host lists) after its context: `reqs` as `_load`'s."""
         b = self.bucket(len(reqs))
-        self._load(reqs, [], [], b)
+        self._load(reqs, b)
         g = self._graph(b)
         g.replay()
         self.replays += 1

@@ -15,7 +15,7 @@ import torch
 
 from .base import EMPTY, Proposal
 from .chain_picks import ChainPicks
-from .draft_pool import to_device
+from ...device import to_device
 
 __all__ = ["maintain_many", "propose_many"]
 
