@@ -106,6 +106,78 @@ def test_a_request_leaving_mid_chain_costs_the_others_nothing(llama):
     assert stats["kv_blocks_used"] == 0 and not eng._backend.batcher.pending, stats
 
 
+def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monkeypatch):
+    """The race a streaming client that goes away hits: its thread leaves (its blocks freed)
+    while the leader, the lock dropped, launches a step that holds its rows. The step is made
+    to wait for the leave before it builds its rows, every time: the leave is deferred to the
+    step's end, so the step runs, the others keep their solo ids and the engine serves on."""
+    import memra_dist.batching.batcher as batcher_mod
+    from memra_dist.batching.step_forward import wake
+
+    reqs = _prompts(4)
+    solo = _solo(llama, "ngram", reqs)
+    cv = threading.Condition()
+    state = {"rid": None, "left": False, "streams": 0, "raced": 0}
+    real_admit, real_leave, real_launch = batcher_mod.Batcher.admit, batcher_mod.Batcher.leave, batcher_mod.launch
+
+    def admit(self, rid, *a, **kw):
+        if threading.current_thread().name == "victim":
+            state["rid"] = rid
+        return real_admit(self, rid, *a, **kw)
+
+    def leave(self, rid):
+        real_leave(self, rid)
+        with cv:
+            state["left"] = state["left"] or rid == state["rid"]
+            cv.notify_all()
+
+    def launch(b, jobs, wakes, ids_dev=None):
+        if not state["left"] and state["rid"] in {j.rid for j in jobs}:
+            before = state["streams"]
+            wake(wakes)  # the victim's round from the step before: it streams (or leaves) now
+            with cv:
+                cv.wait_for(lambda: state["left"] or state["streams"] > before, timeout=5)
+                state["raced"] += state["left"]
+        return real_launch(b, jobs, wakes, ids_dev)
+
+    monkeypatch.setattr(batcher_mod.Batcher, "admit", admit)
+    monkeypatch.setattr(batcher_mod.Batcher, "leave", leave)
+    monkeypatch.setattr(batcher_mod, "launch", launch)
+    got: dict[int, list[int]] = {}
+    errs: dict[int, BaseException] = {}
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4) as eng:
+        def one(i, p, n):
+            seen = []
+
+            def stream(toks):
+                seen.extend(toks)
+                if i == 0 and len(seen) >= 3:
+                    raise ConnectionError("client went away")
+                with cv:
+                    state["streams"] += i == 0
+                    cv.notify_all()
+
+            try:
+                got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n), stream=stream).token_ids
+            except BaseException as e:  # noqa: BLE001 (the test names every error)
+                errs[i] = e
+
+        threads = [threading.Thread(target=one, args=(i, p, n), name="victim" if i == 0 else f"r{i}")
+                   for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        again = eng.generate(reqs[1][0], _cfg(llama, "ngram", max_new_tokens=reqs[1][1])).token_ids
+        stats = eng._backend.stats()
+        batcher = eng._backend.batcher
+    assert state["raced"] == 1, state  # the leave did land inside a launch holding the victim's rows
+    assert {i: type(e).__name__ for i, e in errs.items()} == {0: "ConnectionError"}
+    assert [got.get(i) for i in range(1, 4)] == solo[1:]
+    assert again == solo[1]
+    assert stats["kv_blocks_used"] == 0 and not batcher.leaving and not batcher.pending, stats
+
+
 def test_a_chain_out_of_blocks_hands_a_round_back_and_loses_nothing(llama):
     """A pool a little larger than the longest request: a chain whose next rows find no free
     block parks, its session runs that round itself (waiting, or swapping another request

@@ -312,5 +312,8 @@ class BatchedBackend:
         return out
 
     def close(self) -> None:
+        self.batcher.close()  # no step left running (the stepper joined) once the engine is closed
+        if self.draft_batcher is not None:
+            self.draft_batcher.close()
         self.torch.set_num_threads(self.threads_before)
         _switch(-1)

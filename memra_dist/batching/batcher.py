@@ -136,6 +136,8 @@ class Batcher:
         self.ahead = self.graphs is not None  # plain greedy chains one step ahead (ahead.py): the GPU's graphed steps
         self.remote = None  # pp > 1: the earlier stages down the ring (pipeline/batch_head.py RingWalk)
         self.stepper: threading.Thread | None = None  # leads the steps while chained rows are queued (start_chain)
+        self.leaving: set = set()  # requests gone while a step in flight held their rows (leave)
+        self.ahead_rids: set = set()  # the requests of the step launched behind the running one (ahead.py)
         self._wakes: list[Chain] = []  # chains with a new round (or ended), their threads not yet woken
         self.stats = BatchStats()
 
@@ -158,17 +160,48 @@ class Batcher:
             self.kv.admit(rid)  # recurrent layers: the request's own states
 
     def leave(self, rid) -> None:
+        """Request `rid` is gone (finished, failed, its client gone), from any thread. Its queued
+        rows go and its chain ends at once; its blocks and recurrent states go back only when no
+        step in flight holds its rows (the step running unlocked, or the one launched behind it,
+        reads them): until then it is `leaving`, and the step's end frees it (_free_left)."""
         with self.cv:
             for j in self.pending + self.running_jobs:  # a chained request left: its queued rows go, its chain ends
                 if j.rid == rid and j.chain is not None:
                     j.chain.cancel()
             self.pending = [j for j in self.pending if j.rid != rid]
             self.finished.discard(rid)
-            self.pool.release(rid)
             self.admitted.pop(rid, None)
             self.swapped.pop(rid, None)
-            self.kv.leave(rid)
+            if rid in self.running_rids or rid in self.ahead_rids:
+                self.leaving.add(rid)
+            else:
+                self._free(rid)
             self.cv.notify_all()  # blocks for a waiting admission; a step that waited for this one
+
+    def _free(self, rid) -> None:
+        self.pool.release(rid)
+        self.kv.leave(rid)
+
+    def _free_left(self, held: set) -> None:
+        """Called holding the lock between steps: the requests that left while a step held
+        them, freed now unless `held` (the step launched behind) still reads them."""
+        for rid in [r for r in self.leaving if r not in held]:
+            self.leaving.discard(rid)
+            self._free(rid)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """No step runs after this returns (within `timeout`): every chain still queued is
+        cancelled, and the stepper thread, if one leads steps, is joined. Called when the
+        engine closes, so no thread runs torch code while the interpreter exits."""
+        with self.cv:
+            for j in self.pending + self.running_jobs:
+                if j.chain is not None:
+                    j.chain.cancel()
+            self.pending = [j for j in self.pending if j.chain is None]
+            stepper = self.stepper
+            self.cv.notify_all()
+        if stepper is not None and stepper is not threading.current_thread():
+            stepper.join(timeout)
 
     def trim(self, rid, rows: int) -> None:
         """Request `rid` rolled back to `rows` rows: the whole blocks past them go back to the pool."""
@@ -390,6 +423,7 @@ class Batcher:
                 except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
                     nxt = None
                 if nxt is not None:
+                    self.ahead_rids = {j.rid for j in nxt}
                     self.stats.ahead += 1
                     t_next = time.perf_counter_ns()
                     out_next = launch(self, nxt, (), ids_dev=out.pred)  # its ids: this step's argmax
@@ -397,10 +431,12 @@ class Batcher:
             t1 = time.perf_counter_ns()
             self.cv.acquire()
             self._end_step(take, rows, t0, t1, not isinstance(out, BaseException) and out.graphed)
+            self._free_left(self.ahead_rids)
             if nxt is None:
                 return
             self._flush_wakes()  # their rounds are in: the device runs the next step meanwhile
             take, rows, behind, wakes = nxt, len(nxt), (out_next, max(t_next, t1)), ()
+            self.ahead_rids = set()  # the step behind is now the running one (running_rids)
 
     @staticmethod
     def _hand_out(take: list[Job], out, staged) -> None:
