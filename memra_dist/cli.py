@@ -41,7 +41,9 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) 
                    help="tokens to generate (default %(default)s); a model with fewer positions caps the "
                         "request at its max_position_embeddings and says so on stderr")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1] (default 1 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling, in (0, 1] (default 1 = off; the most likely token always stays, so "
+                        "a tiny P is greedy)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="top-k sampling (default 0 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument("--drafter", choices=["none", "ngram", "model", "dflash", "mtp", "eagle3", "replay"], default=None,

@@ -24,7 +24,8 @@ on; a request that fails inside the engine gets one too: "the engine failed: ...
 {"line", "error"} for a line without a usable id. Run the same command again to resume: ids
 already in --output are skipped, error records included (delete a record to run its request
 again); an --output whose records hold other prompts for this input's ids is refused.
---temperature (and a line's "temperature") below 1e-5 is greedy. With --trace-level >= 1 (or
+--temperature (and a line's "temperature") below 1e-5 is greedy, and so is a top_p below
+the top token's probability (that token always stays). With --trace-level >= 1 (or
 --prof) every request's spans go to the run directory (--run-dir) or OTLP, as generate's.
 Progress on stderr. Exit 0 when the job ran (refused and failed requests included), 2 for
 bad arguments, 1 when the engine failed on 3 requests in a row, 130 when interrupted

@@ -108,7 +108,9 @@ def accept_sampled(
         rows = torch.arange(k)
         p_d = p[rows, drafts]  # (K,)
         q_d = q.cpu()[rows, drafts] if q is not None else torch.ones(k)
-        ok = (u * q_d <= p_d).int()  # u <= p/q without dividing by a zero q (a NaN p rejects)
+        # u < p/q without dividing by a zero q (a NaN p rejects); strict, so a draft the target
+        # gives no mass (top-p / top-k filtered it out) is never accepted, u = 0 included
+        ok = (u * q_d < p_d).int()
         j = int(ok.cumprod(0).sum())
     else:
         j = 0

@@ -7,7 +7,9 @@ seed), the batch job's lines and the server's request bodies all ask `sampling_r
                GREEDY_BELOW (1e-5): it is stored as 0. Dividing fp32 logits by a smaller one
                overflows to inf (1e-38 does for any logit above 3.4), and at 1e-5 a logit gap
                of 1e-3 already weighs e^-100, so greedy is the limit the sampler was heading to.
-  top_p        a number in (0, 1] (1 = off)
+  top_p        a number in (0, 1] (1 = off). The most likely token always stays, so a top_p
+               below its probability is greedy, down to 5e-324 (in fp32 a top_p under 1e-45
+               is 0, which no token's preceding mass is below: the filter would keep none).
   top_k        an integer >= 0 (0 = off)
   seed         an integer in [0, 2^64) (what the sampling generator takes)
 
@@ -101,9 +103,11 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]  # (T, 1)
         x = x.masked_fill(x < kth, float("-inf"))
     if sp.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-        drop = (cum - torch.softmax(sorted_x, dim=-1)) >= sp.top_p  # keep the token that crosses p
+        # stable: among equal logits the first id leads, the one argmax (greedy) picks
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+        sm = torch.softmax(sorted_x, dim=-1)
+        drop = (sm.cumsum(-1) - sm) >= sp.top_p  # keep the token that crosses p
+        drop[..., 0] = False  # and the most likely one always (a top_p that is 0 in fp32 would drop every token)
         x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     return torch.softmax(x, dim=-1)
 
