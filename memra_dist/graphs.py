@@ -19,7 +19,7 @@ import torch
 from .phase.subsplit import EventMarks, StampMarks
 
 __all__ = ["StepGraphs", "CapturedGraph", "hold_collector", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
-           "compiled_blocks", "stage_compiles", "MAX_GRAPH_ROWS"]
+           "compiled_blocks", "stage_compiles", "compile_inference", "MAX_GRAPH_ROWS"]
 
 MAX_GRAPH_ROWS = 64  # decode and verify rows; a prefill runs eager (one graph per prompt length would not pay)
 
@@ -262,12 +262,30 @@ def inductor_cache_dir() -> str:
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(cache_root(), "inductor")
 
 
+def compile_inference(fn, **kw):
+    """torch.compile(fn, **kw) whose every call runs under torch.no_grad(): dynamo then traces
+    with grad off and AOTAutograd builds an inference graph, so no backward is traced whatever
+    the parameters' requires_grad (our custom ops, kernels/ops.py, define no backward; tracing
+    one raises). no_grad rather than inference_mode: a capture's outputs stay ordinary tensors
+    (the eager walk may update them in place outside inference mode)."""
+    import functools  # noqa: PLC0415
+
+    compiled = torch.compile(fn, **kw)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return compiled(*args, **kwargs)
+
+    return run
+
+
 def compile_blocks(stage) -> None:
     """torch.compile each block's forward (the CUDA default; `--compile off` skips it): fuses
     the norms, rotary and gating elementwise work that dominates after the GEMMs. One compiled
     function is shared by every block (parameters are graph inputs), specialised per row
     count; CUDA graphs are then captured over the compiled kernels. Compiled kernels persist
-    in `inductor_cache_dir()`."""
+    in `inductor_cache_dir()`. Grad is off inside (`compile_inference`)."""
     import os  # noqa: PLC0415
     import types  # noqa: PLC0415
 
@@ -276,7 +294,7 @@ def compile_blocks(stage) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())  # read by inductor when it compiles
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    fn = torch.compile(Block.forward, dynamic=False)
+    fn = compile_inference(Block.forward, dynamic=False)
     for blk in stage.layers.values():
         blk._compiled = types.MethodType(fn, blk)  # used only while capturing (small row counts)
 

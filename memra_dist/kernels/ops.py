@@ -74,6 +74,24 @@ def _(q, kc, vc, pos):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
+def _no_backward(qualname: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{qualname} is inference-only and has no backward: call it (and any torch.compile'd "
+                           f"region around it) under torch.no_grad() or torch.inference_mode()")
+    return backward
+
+
+def _no_context(ctx, inputs, output) -> None:
+    pass
+
+
+# An autograd formula that refuses: a backward through one of the kernels raises this clear error
+# (at the call, or where AOTAutograd traces a compiled region with grad on), never a silent one.
+for _name, _op in (("gemv", gemv_op), ("glu_rows", glu_rows_op), ("moe_experts", moe_experts_op),
+                   ("decode_attention", attention_op)):
+    _op.register_autograd(_no_backward(f"memra::{_name}"), setup_context=_no_context)
+
+
 class FastLinear(nn.Linear):
     """nn.Linear whose one-row calls stream the weight through the Triton GEMV. Several rows
     stay on cuBLAS here; verify rows reach the row GEMM through the blocks' folded halves
@@ -142,7 +160,7 @@ def install_block(blk) -> int:
 def install_stage(stage) -> int:
     """Every block of the stage (`install_block`) and the head (the final norm inside the
     lm_head GEMV) switch to the kernels. Call after the QKV / gate-up fusion."""
-    stage.requires_grad_(False)  # an inference stage: compile traces no backward (the ops define none)
+    stage.requires_grad_(False)  # an inference stage (compiled regions run with grad off too: graphs.compile_inference)
     n = sum(install_block(blk) for blk in stage.layers.values())
     if getattr(stage, "has_head", False):
         n += _fast(stage.lm_head)

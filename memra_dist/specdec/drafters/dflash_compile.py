@@ -23,9 +23,7 @@ import sys
 import types
 from contextlib import contextmanager
 
-import torch
-
-from ...graphs import stage_compiles
+from ...graphs import compile_inference, stage_compiles
 from ...model.dflash import DFlashAttention, DFlashLayer, DFlashNet
 from ...model.layers import RMSNorm
 
@@ -34,10 +32,11 @@ __all__ = ["compiled_pieces", "target_compiles", "warn_fallback"]
 
 @functools.cache
 def _fns() -> dict[str, object]:
-    return {"norm": torch.compile(RMSNorm.forward, dynamic=False),
-            "qkv": torch.compile(DFlashAttention.qkv, dynamic=False),
-            "qkv_folded": torch.compile(DFlashAttention.qkv_folded, dynamic=False),
-            "finish": torch.compile(DFlashLayer.finish, dynamic=False)}
+    """Each piece compiled with grad off (graphs.compile_inference: no backward is traced)."""
+    return {"norm": compile_inference(RMSNorm.forward, dynamic=False),
+            "qkv": compile_inference(DFlashAttention.qkv, dynamic=False),
+            "qkv_folded": compile_inference(DFlashAttention.qkv_folded, dynamic=False),
+            "finish": compile_inference(DFlashLayer.finish, dynamic=False)}
 
 
 def target_compiles(target) -> bool:
