@@ -216,7 +216,7 @@ def _rss_mb() -> float:
         return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
 
 
-def test_a_20mb_body_is_refused_413_at_once_and_never_read(quiet_log):
+def test_a_20mb_body_is_refused_413_at_once_and_never_kept(quiet_log):
     big = b'{"prompt": "' + b"x" * (20 * 1024 * 1024) + b'"}'
     part = b"x" * (1024 * 1024)
     chunked = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for _ in range(20))  # (the client's bytes: made first)

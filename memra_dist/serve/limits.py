@@ -10,6 +10,16 @@ limits hold behind Ray Serve's proxy and under plain uvicorn alike:
   * at most `max_open` requests are open at once (uploading, checked, queued, generating,
     streaming); one more is a 503 at once. GET /health, /metrics and /v1/models never count
     and never wait: they answer under any number of stalled clients;
+  * a refusal of a request whose body is not all read (415, 413, 408, 503) is a lingering
+    close: the answer is written at once (a client waiting for it, e.g. curl after `Expect:
+    100-continue`, gets it without a 100 and sends no body), then the rest of the body is
+    read and thrown away (never kept) before the response ends and the connection closes.
+    Closed with a client's bytes unread, a connection is reset by the kernel, and a client
+    still sending its body (Python's http.client) would see the reset, never the answer. The
+    reading stops at the body's end, the client's disconnect, `LINGER_IDLE_S` without a byte,
+    `LINGER_TIME_S` in all, or `max(LINGER_MIN_BYTES, LINGER_BODY_FACTOR * max_body_bytes)`
+    bytes; past a bound the connection is closed as it stands. Behind Ray Serve this also
+    lets the proxy read the client's bytes before it closes the connection;
   * a response the client does not read for `write_timeout_s` (a slow reader) is given up
     and its connection dropped;
   * a client gone at any stage ends its request quietly (no traceback), counted `aborted`.
@@ -30,13 +40,18 @@ from starlette.requests import ClientDisconnect
 from .body_size import DEFAULT_MAX_BODY_BYTES, parse_size  # noqa: F401 (re-exported: the app takes them from here)
 
 __all__ = ["Limits", "LimitState", "DEFAULT_MAX_BODY_BYTES", "READ_TIMEOUT_S", "WRITE_TIMEOUT_S", "OPEN_HEADROOM",
-           "LIGHT_PATHS", "BODY_ROUTES", "parse_size"]
+           "LIGHT_PATHS", "BODY_ROUTES", "LINGER_TIME_S", "LINGER_IDLE_S", "LINGER_MIN_BYTES",
+           "LINGER_BODY_FACTOR", "parse_size"]
 
 READ_TIMEOUT_S = 10.0  # headers-complete to body-complete
 WRITE_TIMEOUT_S = 30.0  # one write blocked this long on a client that does not read: dropped
 OPEN_HEADROOM = 256  # open requests beyond sessions + queue (uploading, being checked, being refused)
 LIGHT_PATHS = frozenset({"/health", "/metrics", "/v1/models"})  # GETs that never count toward max_open
 BODY_ROUTES = frozenset({("POST", "/v1/completions")})  # the requests whose body is read here
+LINGER_TIME_S = 5.0  # a refused body is read and thrown away for at most this long in all,
+LINGER_IDLE_S = 1.0  # stopping sooner once no byte came for this long (the client waits, or left),
+LINGER_MIN_BYTES = 64 * 1024 * 1024  # or once max(this, LINGER_BODY_FACTOR * max_body_bytes) bytes
+LINGER_BODY_FACTOR = 16  # were thrown away
 try:
     _GROUP: tuple = (BaseExceptionGroup,)  # noqa: F821 (Python >= 3.11)
 except NameError:  # pragma: no cover (Python 3.10: anyio's own groups are unwrapped by starlette)
@@ -45,9 +60,13 @@ _COUNTED = "/v1/completions"  # refusals of these go to the metrics (memra_api_r
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, message: str, code: str, outcome: str, extra: dict | None = None):
+    """A refusal; `unread`: the request's body may not be all read yet (set where that is known)."""
+
+    def __init__(self, status: int, message: str, code: str, outcome: str, extra: dict | None = None,
+                 unread: bool | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.outcome, self.extra = status, message, code, outcome, extra
+        self.unread = unread
 
 
 class _Gone(Exception):
@@ -58,7 +77,9 @@ _TYPES = {408: "invalid_request_error", 413: "invalid_request_error", 415: "inva
           503: "server_error"}
 
 
-async def _answer(send, e: _Refused) -> None:
+async def _answer(send, receive, e: _Refused, linger_bytes: int) -> None:
+    """The refusal, whole, at once; then, `e.unread`, a lingering close: the response is held
+    open (all its bytes sent) while the rest of the body is read and thrown away."""
     body = json.dumps({"error": {"message": e.message, "type": _TYPES.get(e.status, "server_error"), "param": None,
                                  "code": e.code}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -66,7 +87,32 @@ async def _answer(send, e: _Refused) -> None:
     if e.status == 503:
         headers.append((b"retry-after", b"1"))
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send({"type": "http.response.body", "body": body, "more_body": bool(e.unread)})
+    if e.unread:
+        await _linger(receive, linger_bytes)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _linger(receive, max_bytes: int) -> None:
+    """Reads and drops the request's body until its end, the client's disconnect, or a bound
+    (LINGER_IDLE_S without a byte, LINGER_TIME_S in all, `max_bytes`); O(1) memory."""
+    loop = asyncio.get_running_loop()
+    end, got = loop.time() + LINGER_TIME_S, 0
+    while got <= max_bytes:
+        left = min(end - loop.time(), LINGER_IDLE_S)
+        if left <= 0:
+            return
+        try:
+            msg = await asyncio.wait_for(receive(), left)
+        except Exception:  # noqa: BLE001 (a bound reached, or a receive that broke: the client or the proxy is gone)
+            return
+        if msg["type"] != "http.request" or not msg.get("more_body", False):
+            return
+        got += len(msg.get("body", b""))
+
+
+def _has_body(scope) -> bool:
+    return _header(scope, b"content-length") not in (None, b"0") or _header(scope, b"transfer-encoding") is not None
 
 
 def _header(scope, name: bytes) -> bytes | None:
@@ -135,17 +181,17 @@ class Limits:
                     receive = _replay(body, receive)
                     await self.app(scope, receive, self._guarded(send, started, close=False))
                 else:  # the app answers (404, 405) without reading a body it may have: do not keep the connection
-                    has_body = _header(scope, b"content-length") not in (None, b"0") or \
-                        _header(scope, b"transfer-encoding") is not None
-                    await self.app(scope, receive, self._guarded(send, started, close=has_body))
+                    await self.app(scope, receive, self._guarded(send, started, close=_has_body(scope)))
             finally:
                 st.open -= 1
         except _Refused as e:
             if counted:
                 self.count(e.outcome)
             if not started[0]:
+                if e.unread is None:  # refused before its body was touched
+                    e.unread = _has_body(scope)
                 try:
-                    await _answer(send, e)
+                    await _answer(send, receive, e, max(LINGER_MIN_BYTES, LINGER_BODY_FACTOR * self.max_body_bytes))
                 except (OSError, ClientDisconnect):
                     pass  # nobody left to tell
         except _Gone:  # before the body was whole; later, the app counts its own request
@@ -185,7 +231,7 @@ class Limits:
                 msg = await asyncio.wait_for(receive(), left)
             except asyncio.TimeoutError:
                 raise _Refused(408, f"the body did not arrive within {self.read_timeout_s:g} s ({got} bytes came)",
-                               "request_timeout", "aborted") from None
+                               "request_timeout", "aborted", unread=True) from None
             except Exception:  # noqa: BLE001 (a receive that broke, e.g. Serve's proxy gone: the client is gone too)
                 raise _Gone() from None
             if msg["type"] == "http.disconnect":
@@ -194,7 +240,7 @@ class Limits:
             got += len(part)
             if got > limit:
                 raise _Refused(413, f"the body is over this server's limit of {limit} bytes (--max-body-bytes)",
-                               "body_too_large", "bad_request")
+                               "body_too_large", "bad_request", unread=msg.get("more_body", False))
             if part:
                 chunks.append(part)
             if not msg.get("more_body", False):

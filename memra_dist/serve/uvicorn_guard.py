@@ -4,8 +4,14 @@ a request before its headers are whole:
   * a header read timeout: a connection that has not sent a whole request head within
     `header_timeout_s` of opening (or of its last answer) is closed (408 if it sent part);
   * a cap on request-head bytes (431 beyond `max_header_bytes`);
-  * a cap on open connections: one over `max_connections` gets a 503 and is closed at once;
+  * a cap on open connections: one over `max_connections` gets a 503 and is closed;
   * idle keep-alive connections closed after `keep_alive_s`.
+
+The 503, 431 and 408 here are each a lingering close: the answer is written, the sending side
+shut (the client reads the answer, then the end), and what the client still sends is read and
+thrown away until it closes, for at most `LINGER_S` or `LINGER_BYTES`; only then is the
+connection closed. Closed at once, a connection with the client's bytes unread is reset by the
+kernel, and a client still sending (http.client, requests) would see the reset, not the answer.
 
     server = uvicorn.Server(uvicorn_config(build_app(host, max_queue), "127.0.0.1", 8000))
 
@@ -19,12 +25,14 @@ from __future__ import annotations
 import json
 
 __all__ = ["uvicorn_config", "guarded_protocol", "HEADER_TIMEOUT_S", "MAX_HEADER_BYTES", "MAX_CONNECTIONS",
-           "KEEP_ALIVE_S"]
+           "KEEP_ALIVE_S", "LINGER_S", "LINGER_BYTES"]
 
 HEADER_TIMEOUT_S = 10.0
 MAX_HEADER_BYTES = 64 * 1024
 MAX_CONNECTIONS = 1024
 KEEP_ALIVE_S = 5
+LINGER_S = 2.0  # after a refusal here: the most time spent reading and dropping what the client sends,
+LINGER_BYTES = 64 * 1024 * 1024  # and the most bytes
 
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
@@ -47,48 +55,63 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_header_byte
     class GuardedHttpTools(HttpToolsProtocol):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
-            self._head_timer = None
+            self._timer = None  # the head timeout; after a refusal, the lingering close's end
             self._head_bytes = 0
             self._in_head = False  # waiting for (the rest of) a request head
+            self._lingering = None  # bytes dropped since a refusal here (None: none)
 
         def connection_made(self, transport):
             super().connection_made(transport)
             if len(self.connections) > max_connections:
-                transport.write(_canned(503, "too_many_connections", f"the server holds {max_connections} "
-                                        "connections, the most it takes; retry later"))
-                transport.close()
+                self._refuse(_canned(503, "too_many_connections", f"the server holds {max_connections} "
+                                     "connections, the most it takes; retry later"))
                 return
             self._await_head()
+
+        def _refuse(self, answer: bytes) -> None:
+            """A lingering close (see the module docstring): the answer, the sending side shut,
+            then what comes dropped until the client closes or LINGER_S / LINGER_BYTES."""
+            self._in_head = False
+            self._stop_timer()
+            self._unset_keepalive_if_required()
+            self._lingering = 0
+            self.transport.write(answer)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self._timer = self.loop.call_later(LINGER_S, self.transport.close)
 
         def _await_head(self) -> None:
             self._stop_timer()
             self._in_head, self._head_bytes = True, 0
-            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
+            self._timer = self.loop.call_later(header_timeout_s, self._head_timeout)
 
         def _stop_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
         def _head_timeout(self) -> None:
-            self._head_timer = None
+            self._timer = None
             if not self._in_head or self.transport.is_closing():
                 return
             if self._head_bytes:
-                self.transport.write(_canned(408, "request_timeout", f"the request head did not arrive within "
-                                             f"{header_timeout_s:g} s"))
-            self.transport.close()
+                self._refuse(_canned(408, "request_timeout", f"the request head did not arrive within "
+                                     f"{header_timeout_s:g} s"))
+            else:  # nothing came: nothing to answer, nothing unread
+                self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering is not None:  # refused: dropped, never parsed
+                self._lingering += len(data)
+                if self._lingering > LINGER_BYTES:
+                    self.transport.close()
+                return
             super().data_received(data)
             if self._in_head and not self.transport.is_closing():  # still no whole head after these bytes
                 self._head_bytes += len(data)
                 if self._head_bytes > max_header_bytes:
-                    self._in_head = False
-                    self._stop_timer()
-                    self.transport.write(_canned(431, "headers_too_large", f"the request head is over "
-                                                 f"{max_header_bytes} bytes"))
-                    self.transport.close()
+                    self._refuse(_canned(431, "headers_too_large", f"the request head is over "
+                                         f"{max_header_bytes} bytes"))
 
         def on_headers_complete(self) -> None:
             self._in_head = False
