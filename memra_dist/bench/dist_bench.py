@@ -26,9 +26,7 @@ class HopActor:
         self.link = Link(rank, 2, self.device)
 
     def address(self):
-        from ..pipeline.transport import free_port  # noqa: PLC0415
-
-        return free_port()
+        return self.link.listen()
 
     def connect(self, addr: str, port: int) -> None:
         self.link.connect(addr, port, 60.0)

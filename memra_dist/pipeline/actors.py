@@ -38,7 +38,7 @@ from .actor_tracing import ActorTracing
 from .batch_stage import BATCH_OPS, StageBatch
 from .head_target import PipelineTarget
 from .ring import Ring
-from .transport import Flag, Link, Op, free_port
+from .transport import Flag, Link, Op
 
 __all__ = ["StageWorker", "HeadWorker"]
 
@@ -74,7 +74,8 @@ class _Worker:
         self.closed = False
 
     def address(self) -> tuple[str, int]:
-        return free_port()
+        """Rank 0: the store's socket, bound to this node's Ray address (transport.Link.listen)."""
+        return self.link.listen()
 
     def connect(self, addr: str, port: int, timeout_s: float) -> int:
         self.link.connect(addr, port, timeout_s)

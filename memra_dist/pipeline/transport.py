@@ -3,9 +3,11 @@ NCCL on GPUs, gloo on CPU, one code path.
 
 Topology (a ring): rank 0 is the HEAD actor (the last stage's layers + final norm, lm_head,
 sampling, acceptance, the drafter, the session); ranks 1..N-1 hold stages 0..N-2. A forward
-goes head -> rank 1 -> ... -> rank N-1 -> head. Rank 0 opens the TCP store; the driver
-passes its address to every rank. The group has an explicit timeout, so a dead peer turns
-a receive into an error instead of a hang.
+goes head -> rank 1 -> ... -> rank N-1 -> head. Rank 0 opens the TCP store (the group's
+rendezvous) on a socket it binds to its node's Ray address itself (c10d's own store would
+listen on every interface); the driver passes that address to every rank, which joins as the
+store's client. gloo's pair sockets bind to the same address's interface. The group has an
+explicit timeout, so a dead peer turns a receive into an error instead of a hang.
 
 A command is one int64 vector [op, start, rows, flags, arg, slot, ids...]: a forward of at most
 INLINE_IDS token rows (every decode and verify step) carries its ids inside the command, so a
@@ -19,6 +21,7 @@ another's is still being sent.
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from ..config import MAX_K
 from ..env import environment
 
-__all__ = ["Link", "CmdBuffer", "Op", "Flag", "CMD_LEN", "INLINE_IDS", "free_port", "pg_timeout_s"]
+__all__ = ["Link", "CmdBuffer", "Op", "Flag", "CMD_LEN", "INLINE_IDS", "listen_socket", "node_ip", "pg_timeout_s"]
 
 CMD_HEAD = 6  # op, start, rows, flags, arg, slot
 INLINE_IDS = MAX_K + 1  # a verify of K+1 rows fits the command
@@ -63,21 +66,46 @@ class Flag:
     INLINE = 4  # the token ids ride in the command (rows <= INLINE_IDS)
 
 
-def free_port() -> tuple[str, int]:
-    """This node's address and a free TCP port on it (for rank 0's store)."""
-    ip = _node_ip()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((ip, 0))
-        return ip, s.getsockname()[1]
+def listen_socket(addr: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to (addr, port) (0: an ephemeral port) and listening: on this address
+    only, not on every interface."""
+    s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((addr, port))
+        s.listen(128)
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
-def _node_ip() -> str:
+def node_ip() -> str:
+    """This node's Ray address (the loopback for a cluster memra_dist starts itself)."""
     try:
         import ray  # noqa: PLC0415
 
         return ray.util.get_node_ip_address()
     except Exception:  # outside Ray (tests of the transport alone)
         return "127.0.0.1"
+
+
+def _iface_of(addr: str) -> str | None:
+    """The name of the network interface holding IPv4 `addr` (Linux), or None."""
+    try:
+        import fcntl  # noqa: PLC0415
+        import struct  # noqa: PLC0415
+
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:  # SIOCGIFADDR: the interface's IPv4 address
+                    got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]
+                except OSError:
+                    continue
+            if socket.inet_ntoa(got) == addr:
+                return name
+    except (ImportError, OSError, AttributeError):
+        pass
+    return None
 
 
 class CmdBuffer:
@@ -99,14 +127,35 @@ class Link:
         self.prev = (rank - 1) % world
         self.next = (rank + 1) % world
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self._listener: socket.socket | None = None  # rank 0's store socket, between listen and connect
         self.own = CmdBuffer(device)  # received commands (a stage) / a one-session head's sends
         self._cmd = self.own.cmd
 
+    def listen(self, addr: str | None = None) -> tuple[str, int]:
+        """Rank 0: bind the store's socket on `addr` (default: this node's Ray address) at an
+        ephemeral port, kept until `connect`; returns (addr, port) for every rank's connect."""
+        addr = addr or node_ip()
+        self._listener = listen_socket(addr)
+        return addr, self._listener.getsockname()[1]
+
     def connect(self, addr: str, port: int, timeout_s: float) -> None:
+        """Join the group: rank 0 serves the TCP store on its `listen` socket (bound to `addr`,
+        or bound here at `port`), the other ranks connect to it as clients."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(self.backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if self.backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            iface = _iface_of(addr)  # gloo's listeners on addr's interface, not the hostname's
+            if iface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = iface
+        if self.rank == 0:
+            sock = self._listener or listen_socket(addr, port)
+            self._listener = None
+            # the store owns the fd from here (it closes it at teardown)
+            store = dist.TCPStore(addr, port, self.world, True, timeout, master_listen_fd=sock.detach())
+        else:
+            store = dist.TCPStore(addr, port, self.world, False, timeout)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
 
     def close(self) -> None:
         if dist.is_initialized():
