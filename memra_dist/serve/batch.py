@@ -2,7 +2,10 @@
 
 Input, one JSON object a line: `id` (string or integer, unique), `prompt` (string), and
 optionally `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed` (null or absent: the
-job's flag). Blank lines are skipped; line numbers count every line from 1.
+job's flag). Blank lines are skipped; line numbers count every line from 1. A line over
+--max-line-bytes (default 4 MiB, a server's body limit) is refused unread, `{"line", "error"}`,
+and a prompt far over the context is refused after about the context's worth of tokenizing
+(serve/prompt_pieces.py): neither costs memory in proportion to its length.
 
 Output, one line per input line, appended as each request ends (write, flush, fsync):
   {"id", "token_ids", "text", "stats", "prompt_sha256"}   a finished request
@@ -12,7 +15,8 @@ Output, one line per input line, appended as each request ends (write, flush, fs
                                          failed: ..."): the job goes on with the next request
   {"line", "error"}                      a line with no usable id: not UTF-8, malformed JSON,
                                          not an object, no id, a bad id, a duplicate id (the
-                                         id belongs to the line that used it first)
+                                         id belongs to the line that used it first), a line
+                                         over --max-line-bytes (not read, so not its id)
 `prompt_sha256` (the first 16 hex digits of the SHA-256 of the prompt's UTF-8) is on every
 record of a request the engine ran: a result, an engine's refusal or failure.
 
@@ -48,8 +52,9 @@ from typing import Callable, TextIO
 
 from ..errors import UserError
 from ..phase.share import JobShare
-from .batch_input import Refused, Request, parse_input, prompt_hash, read_input, request_cfg, show
+from .batch_input import DEFAULT_MAX_LINE_BYTES, Refused, Request, prompt_hash, read_input, request_cfg, show
 from .batch_progress import Progress, say as say_to
+from .prompt_pieces import at_least_tokens
 from .results_file import Output
 
 __all__ = ["run_job", "choose_capacity", "EngineFailing", "ENGINE_FAILURES_TO_STOP"]
@@ -78,7 +83,8 @@ def choose_capacity(ctx: int | None, max_pos: int, prompt_lens: list[int], max_n
 
 def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engine, ctx: int | None = None,
             err: TextIO | None = None, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-            sessions: int | None = None, tracing=None, lost: list | None = None, batching: dict | None = None) -> int:
+            sessions: int | None = None, tracing=None, lost: list | None = None, batching: dict | None = None,
+            max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> int:
     """The whole job; 0 when it ran (refused and failed requests included), 130 when
     interrupted. Bad arguments (and an output holding other prompts' results) raise UserError
     before the engine opens; EngineFailing (exit 1) when the engine fails on
@@ -88,13 +94,14 @@ def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engin
     gives each request its memra.request span (and span sink, carrier); open_engine then also
     gets `run_dir=` and `lost=` (the pipeline actors' spans: `lost` gets a line per role whose
     spans did not all arrive). `batching` (pp=1, --max-batch > 1): open_engine's max_batch /
-    max_batch_tokens / kv_rows: the requests' forwards joined (memra_dist/batching/)."""
+    max_batch_tokens / kv_rows: the requests' forwards joined (memra_dist/batching/). A line
+    over `max_line_bytes` is an error record, read past in bounded pieces (batch_input.py)."""
     def say(line: str) -> None:
         say_to(line, err)
 
     if ctx is not None and ctx > max_pos:
         raise UserError(f"--ctx {ctx} exceeds the model's max_position_embeddings ({max_pos})")
-    data = read_input(input_path)
+    entries = read_input(input_path, max_line_bytes)
     try:
         if os.path.samefile(input_path, output_path):
             raise UserError(f"--output {output_path} is the input file")
@@ -102,7 +109,7 @@ def run_job(cfg, input_path, output_path, *, tokenizer, max_pos: int, open_engin
         pass
     out = Output(output_path)
     try:
-        return _run(cfg, out, parse_input(data), tokenizer, max_pos, open_engine, ctx, say, err, every_s, clock,
+        return _run(cfg, out, entries, tokenizer, max_pos, open_engine, ctx, say, err, every_s, clock,
                     sessions, tracing if tracing is not None and tracing.enabled else None, lost, batching)
     finally:
         out.close()
@@ -193,10 +200,14 @@ def _prepare(cfg, todo, tok, max_pos: int, ctx: int | None):
         except UserError as x:
             refused.append(Refused(e.line, _one_line(x), e.id, True))
             continue
-        try:
-            ids = tok.encode(e.prompt)
+        try:  # a prompt far over the context: counted piece by piece, refused before it is tokenized whole
+            over = at_least_tokens(tok.encode, e.prompt, limit)
+            ids = tok.encode(e.prompt) if over is None else None
         except Exception as x:  # noqa: BLE001 (tokenizers raises bare exceptions)
             refused.append(Refused(e.line, f"cannot tokenize the prompt ({_one_line(x)[:200]})", e.id, True))
+            continue
+        if over is not None:
+            refused.append(Refused(e.line, f"the prompt (at least {over} tokens) is too long for {where}", e.id, True))
             continue
         if not ids:
             refused.append(Refused(e.line, "the prompt is empty after tokenizing", e.id, True))

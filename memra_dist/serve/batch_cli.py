@@ -11,6 +11,8 @@ from typing import Callable
 
 from ..batching.policy import AUTO_MAX_BATCH, check_batchable, max_batch_arg, resolve_max_batch
 from ..errors import UserError
+from .batch_input import DEFAULT_MAX_LINE_BYTES, MAX_LINE_BYTES, MIN_LINE_BYTES
+from .body_size import parse_size
 
 __all__ = ["add_batch_parser", "run_batch"]
 
@@ -21,9 +23,12 @@ integer, unique) and "prompt" (string), optionally "max_new_tokens", "temperatur
 "top_k", "seed" (else the flags below). --output gets one line per request as it finishes:
 {"id", "token_ids", "text", "stats"}, or {"id", "error"} for a request refused (the job goes
 on; a request that fails inside the engine gets one too: "the engine failed: ..."), or
-{"line", "error"} for a line without a usable id. Run the same command again to resume: ids
-already in --output are skipped, error records included (delete a record to run its request
-again); an --output whose records hold other prompts for this input's ids is refused.
+{"line", "error"} for a line without a usable id. A line over --max-line-bytes gets a
+{"line", "error"} record unread: it is read past in bounded pieces, never parsed nor held
+whole, and the lines around it run; a prompt far longer than the context is refused after
+about the context's worth of tokenizing. Run the same command again to resume: ids already
+in --output are skipped, error records included (delete a record to run its request again);
+an --output whose records hold other prompts for this input's ids is refused.
 --temperature (and a line's "temperature") below 1e-5 is greedy, and so is a top_p below
 the top token's probability (that token always stays). With --trace-level >= 1 (or
 --prof) every request's spans go to the run directory (--run-dir) or OTLP, as generate's.
@@ -43,6 +48,10 @@ def _add_args(b: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
     b.add_argument("--input", required=True, metavar="JSONL", help="requests, one JSON object a line")
     b.add_argument("--output", required=True, metavar="JSONL",
                    help="results, one JSON object a line, appended as requests finish (created if absent)")
+    b.add_argument("--max-line-bytes", default=str(DEFAULT_MAX_LINE_BYTES), metavar="N",
+                   help="longest input line, in bytes (4194304, 4MiB, 512k; default 4MiB, as serve's "
+                        "--max-body-bytes); a longer line gets a {\"line\", \"error\"} record without being read "
+                        "whole, and the job goes on")
     add_run_args(b, demo=True, metrics=False)  # generate's flag set but --model / --prompt and the metrics endpoint
     b.add_argument("--sessions", type=int, default=None, metavar="S",
                    help="requests in flight at once (--pp > 1; default: one per stage, so every stage "
@@ -87,6 +96,19 @@ def run_batch(args) -> int:
         return 130
 
 
+def _max_line_bytes(v) -> int:
+    if isinstance(v, int):
+        n = v
+    else:
+        try:
+            n = parse_size(v)
+        except ValueError as e:
+            raise UserError(f"--max-line-bytes: {e}") from None
+    if not MIN_LINE_BYTES <= n <= MAX_LINE_BYTES:
+        raise UserError(f"--max-line-bytes {v}: expected {MIN_LINE_BYTES} bytes (1KiB) to {MAX_LINE_BYTES} (1GiB)")
+    return n
+
+
 def _run(args) -> int:
     from pathlib import Path  # noqa: PLC0415
 
@@ -100,6 +122,7 @@ def _run(args) -> int:
         raise UserError(f"--input {src}: no such file")
     if src.is_dir():
         raise UserError(f"--input {src}: is a directory")
+    max_line = _max_line_bytes(getattr(args, "max_line_bytes", DEFAULT_MAX_LINE_BYTES))
     ignored = [flag for flag, dest, off in IGNORED if getattr(args, dest, off) != off]
     if ignored:
         print(f"memra-dist: note: batch does not use {', '.join(ignored)}", file=sys.stderr)
@@ -126,7 +149,7 @@ def _run(args) -> int:
     try:
         code = run_job(cfg, args.input, args.output, tokenizer=tok, max_pos=mcfg.max_position_embeddings,
                        open_engine=open_engine, ctx=args.ctx, sessions=args.sessions, tracing=tracing, lost=lost,
-                       batching=batching)
+                       batching=batching, max_line_bytes=max_line)
     finally:  # a normal end, an error or Ctrl-C: spans flushed within the bound
         if tracing.close(metrics_follow=False):
             lost.append("driver")

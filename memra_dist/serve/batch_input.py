@@ -1,18 +1,28 @@
 """The batch job's input: JSONL lines -> requests (validated) or refusals, and each request's
-own config. The format is serve/batch.py's module doc."""
+own config. The format is serve/batch.py's module doc.
+
+Bounded: the file is read a line at a time, at most `max_line_bytes` + 2 bytes at once; a
+longer line is refused unparsed (an error record naming its line) and the rest of it skipped
+in pieces of SKIP_BYTES, so a 24 MB line costs what the limit does, not its length."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from dataclasses import dataclass, field
 
 from ..errors import UserError
 from ..specdec.sampling import sampling_rule
+from .body_size import DEFAULT_MAX_BODY_BYTES
 from .results_file import id_key, is_int, line_key, valid_id
 
 __all__ = ["Request", "Refused", "FIELDS", "OPTIONAL", "parse_input", "read_input", "prompt_hash", "request_cfg",
-           "show"]
+           "show", "DEFAULT_MAX_LINE_BYTES", "MIN_LINE_BYTES", "MAX_LINE_BYTES"]
+
+DEFAULT_MAX_LINE_BYTES = DEFAULT_MAX_BODY_BYTES  # a line holds what a server's request body may (4 MiB)
+MIN_LINE_BYTES, MAX_LINE_BYTES = 1 << 10, 1 << 30  # --max-line-bytes' range (serve's --max-body-bytes')
+SKIP_BYTES = 1 << 20  # the rest of an over-long line is read past in pieces of this many bytes
 
 OPTIONAL = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 FIELDS = ("id", "prompt", *OPTIONAL)
@@ -121,20 +131,56 @@ def _parse_line(n: int, raw: bytes, seen: dict) -> Request | Refused:
     return Request(n, rid, prompt, fields)
 
 
-def parse_input(data: bytes) -> list[Request | Refused]:
-    """Every non-blank line, in order, as a request or a refusal."""
+def _lines(f, limit: int):
+    """(line number, its bytes without the line end, or None when it is over `limit` bytes,
+    its length) for each non-blank line of the binary file `f`; never more than limit + 2
+    bytes of a line in memory (its "\\r\\n" is not counted)."""
+    n = 0
+    while True:
+        piece = f.readline(limit + 2)
+        if not piece:
+            return
+        n += 1
+        whole = piece.endswith(b"\n")
+        raw = piece[:-1] if whole else piece
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        if len(raw) <= limit:
+            if raw.strip():
+                yield n, raw, len(raw)
+            continue
+        size, blank = len(piece) - whole, not piece.strip()
+        while not whole:  # the rest of the line, in bounded pieces: never held whole
+            piece = f.readline(SKIP_BYTES)
+            whole = not piece or piece.endswith(b"\n")
+            size += len(piece) - piece.endswith(b"\n")
+            blank = blank and not piece.strip()
+        if not blank:
+            yield n, None, size
+
+
+def _entries(f, max_line_bytes: int) -> list[Request | Refused]:
     seen: dict[str, int] = {}
     out: list[Request | Refused] = []
-    for n, raw in enumerate(data.split(b"\n"), 1):
-        if raw.strip():
-            out.append(_parse_line(n, raw.rstrip(b"\r"), seen))
+    for n, raw, size in _lines(f, max_line_bytes):
+        if raw is None:
+            out.append(Refused(n, f"the line is {size} bytes, over the limit of {max_line_bytes} "
+                                  "(--max-line-bytes): refused unread"))
+        else:
+            out.append(_parse_line(n, raw, seen))
     return out
 
 
-def read_input(path) -> bytes:
+def parse_input(data: bytes, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> list[Request | Refused]:
+    """Every non-blank line, in order, as a request or a refusal."""
+    return _entries(io.BytesIO(data), max_line_bytes)
+
+
+def read_input(path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> list[Request | Refused]:
+    """The file's lines as `parse_input` gives them, read a bounded piece at a time."""
     try:
         with open(path, "rb") as f:
-            return f.read()
+            return _entries(f, max_line_bytes)
     except FileNotFoundError:
         raise UserError(f"--input {path}: no such file") from None
     except IsADirectoryError:
