@@ -2,7 +2,7 @@
 
     POST /v1/completions   text completion; "stream": true answers text/event-stream
     GET  /v1/models        the one model served
-    GET  /health           200 while the engine is loaded
+    GET  /health           200 while the engine is loaded; 503 {"status": "draining"} while it drains
     GET  /metrics          Prometheus text (serve/api_metrics.py)
 
 The body arrives through serve/limits.py (JSON only, size and time bounded, at most so many
@@ -15,7 +15,10 @@ away (queued, generating or streaming) the stream callback raises at the engine'
 round, the request is aborted, counted `aborted`, and its session freed for the next waiter.
 A request that fails in the engine fails alone: a 500 (a stream: an error event, then
 [DONE]), counted `error`. A `traceparent` header parents the request's `memra.request` span
-(a malformed one is ignored, with a short warning a minute at most).
+(a malformed one is ignored, with a short warning a minute at most). While the server drains
+(serve/drain.py: SIGTERM to `memra-dist serve`) a new completion is a 503 "draining" and the
+open ones go on; a cut ends a begun stream with an error event, then [DONE], and answers a
+queued (or unstreamed) request 503 "shutting_down".
 
 Ray Serve runs this app in a replica (serve/deployment.py); `uvicorn` can run it directly
 (serve/uvicorn_guard.py; tests do, over a fake engine)."""
@@ -36,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .admission import Admission, QueueFull
 from .api_metrics import CONTENT_TYPE, ApiMetrics
+from .drain import Drain, DrainGate, cut_error, draining_error, refused
 from .host import ClientGone
 from .limits import DEFAULT_MAX_BODY_BYTES, OPEN_HEADROOM, READ_TIMEOUT_S, WRITE_TIMEOUT_S, Limits, LimitState
 from .protocol import (SSE_DONE, ApiError, chunk, completion, finish_reason, models_list, parse_completion, sse,
@@ -44,6 +48,7 @@ from .protocol import (SSE_DONE, ApiError, chunk, completion, finish_reason, mod
 __all__ = ["build_app", "CPU_THREADS"]
 
 _END = object()
+_CUT = object()  # the server stops now: the stream ends with an error event
 CPU_THREADS = 2  # parsing and tokenizing (detokenizing has a thread of its own): never on the event loop
 _log = logging.getLogger("memra_dist.serve")
 
@@ -93,6 +98,10 @@ class _Run:
     def abort(self) -> None:
         self.cancelled = True
 
+    def cut(self) -> None:  # on the loop: the server stops now (serve/drain.py)
+        self.cancelled = True
+        self.q.put_nowait(_CUT)
+
     async def text(self, out: list[int]) -> str:
         """The completion's text so far, decoded on a worker thread."""
         prep = self.prep
@@ -105,8 +114,8 @@ class _Run:
         out: list[int] = []
         sent = ""
         try:
-            ended = False
-            while not ended:
+            ended = cut = False
+            while not (ended or cut):
                 got = [await self.q.get()]
                 while not self.q.empty():  # all that came meanwhile: one decode for them
                     got.append(self.q.get_nowait())
@@ -114,6 +123,8 @@ class _Run:
                 for ids in got:
                     if ids is _END:
                         ended = True
+                    elif ids is _CUT:
+                        cut = True
                     else:
                         out.extend(ids)
                 if len(out) == before:
@@ -123,6 +134,10 @@ class _Run:
                     continue  # an incomplete character (or nothing new) waits for the next tokens
                 yield sse(chunk(self.id, self.created, model, text[len(sent):]))
                 sent = text
+            if cut and not (self.fut.done() and not self.fut.cancelled() and self.fut.exception() is None):
+                yield sse(cut_error().body())  # the server stops before this completion ended
+                yield SSE_DONE
+                return
             try:
                 res = self.fut.result()
             except Exception as e:  # noqa: BLE001 (the engine failed mid-stream: say so in the stream)
@@ -137,6 +152,7 @@ class _Run:
             yield SSE_DONE
         finally:
             self.abort()
+            self.api.drain.off_cut(self.cut)
 
 
 class _SSEResponse(StreamingResponse):
@@ -150,6 +166,7 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:  # the stream ended, failed, or its client went away (even before the first chunk)
             self.run.abort()
+            self.run.api.drain.off_cut(self.run.cut)
 
 
 def _server_error(e: BaseException) -> ApiError:
@@ -158,10 +175,11 @@ def _server_error(e: BaseException) -> ApiError:
 
 
 class _Api:
-    def __init__(self, host, max_queue: int):
+    def __init__(self, host, max_queue: int, drain: Drain | None = None):
         self.host = host
         self.admission = Admission(host.sessions, max_queue)
         self.metrics = ApiMetrics(lambda: self.admission.active, lambda: self.admission.waiting)
+        self.drain = drain or Drain()
         self.pool = ThreadPoolExecutor(max_workers=host.sessions, thread_name_prefix="memra-session")
         self.cpu = ThreadPoolExecutor(max_workers=CPU_THREADS, thread_name_prefix="memra-cpu")  # parse, tokenize
         self.texts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memra-text")  # streams never wait on them
@@ -207,9 +225,11 @@ class _Traceparents:
         return None
 
 
-def _error(e: ApiError):
-    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+def _error(e: ApiError, close: bool = False):
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else {}
+    if close:  # a draining server: the client's next request goes elsewhere
+        headers["Connection"] = "close"
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
 class _Watch:
@@ -242,13 +262,16 @@ class _Watch:
                 pass
 
 
-async def _queued(ticket, watch: _Watch) -> None:
-    """Wait for a session, or for the client to go away (ClientGone); the cancelled wait
-    leaves the queue (or passes on a session handed to it just then)."""
+async def _queued(ticket, watch: _Watch, cut: asyncio.Future) -> None:
+    """Wait for a session, or for the client to go away (ClientGone), or for the server's cut
+    (ApiError 503); the cancelled wait leaves the queue (or passes on a session handed to it
+    just then)."""
     wait = asyncio.ensure_future(ticket.wait())
     try:
-        await asyncio.wait({wait, watch.task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({wait, watch.task, cut}, return_when=asyncio.FIRST_COMPLETED)
         if not wait.done():
+            if cut.done() and not watch.gone:
+                raise cut_error()
             raise ClientGone("the client went away while queued")
         wait.result()
     finally:
@@ -265,19 +288,25 @@ async def _completion(api: _Api, request: Request):
     counted once: refused here, gone before its run started (here), or by its run."""
     host, loop = api.host, asyncio.get_running_loop()
     raw = await request.body()  # whole and within its limits (serve/limits.py)
+    if refused(request.scope):  # it came while the server drains (serve/drain.py)
+        api.metrics.outcome("rejected")
+        return _error(draining_error(), close=True)
     watch = _Watch(request.receive)
+    cut = api.drain.cut_future()
     run = None
     try:
         try:
             req, prep = await loop.run_in_executor(api.cpu, api.prepare, raw)
+            if api.drain.cutting:
+                raise cut_error()
             try:
                 ticket = api.admission.enter()
             except QueueFull as e:
                 raise ApiError(429, str(e), None, "queue_full") from None
+            await _queued(ticket, watch, cut)  # the client gone (or the server's cut) while queued: it left the queue
         except ApiError as e:
             api.metrics.outcome(e.outcome)
             return _error(e)
-        await _queued(ticket, watch)  # the client gone while queued: it left the queue
         run = _Run(api, prep, api.traceparents.check(request.headers.get("traceparent")))
         try:
             run.start()
@@ -285,15 +314,20 @@ async def _completion(api: _Api, request: Request):
             api.admission.release()
             raise
         if req.stream:
+            api.drain.on_cut(run.cut)  # the stream ends with an error event when the server stops now
+            if api.drain.cutting:
+                run.cut()
             run.include_usage = req.include_usage
             await watch.close()  # the streaming response watches the client itself
             return _SSEResponse(run)
         try:
-            await asyncio.wait({run.fut, watch.task}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({run.fut, watch.task, cut}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not run.fut.done():  # the client went away (or the handler was cancelled): stop the engine
+            if not run.fut.done():  # the client went away, the server's cut (or the handler was cancelled)
                 run.abort()
         if not run.fut.done():
+            if cut.done() and not watch.gone:
+                return _error(cut_error())  # the run counts itself (aborted)
             raise ClientGone("the client went away")
         try:
             res = run.fut.result()
@@ -317,12 +351,13 @@ async def _completion(api: _Api, request: Request):
 
 def build_app(host, max_queue: int, close_host: bool = True, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               read_timeout_s: float = READ_TIMEOUT_S, write_timeout_s: float = WRITE_TIMEOUT_S,
-              max_open: int | None = None):
+              max_open: int | None = None, drain: Drain | None = None):
     """The ASGI app. The app's shutdown (lifespan) closes the host: Ray Serve runs it when
     the replica stops, uvicorn when it exits. The limits (serve/limits.py): bodies of at most
     `max_body_bytes`, whole within `read_timeout_s`; a write blocked `write_timeout_s` drops
-    its client; at most `max_open` requests open (default sessions + queue + OPEN_HEADROOM)."""
-    api = _Api(host, max_queue)
+    its client; at most `max_open` requests open (default sessions + queue + OPEN_HEADROOM).
+    `drain` (serve/drain.py): the graceful stop's state, started and cut from outside."""
+    api = _Api(host, max_queue, drain)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -338,6 +373,7 @@ def build_app(host, max_queue: int, close_host: bool = True, *, max_body_bytes: 
     app.add_middleware(Limits, max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,
                        write_timeout_s=write_timeout_s, count=api.metrics.outcome, state=api.limits,
                        max_open=max_open or host.sessions + max_queue + OPEN_HEADROOM)
+    app.add_middleware(DrainGate, drain=api.drain)  # outermost: a completion counts from its head to its last byte
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -348,10 +384,12 @@ def build_app(host, max_queue: int, close_host: bool = True, *, max_body_bytes: 
         return JSONResponse(models_list(host.model_name, api.started))
 
     @app.get("/health")
-    async def health():
-        return JSONResponse({"status": "ok", "model": host.model_name, "sessions": host.sessions,
-                             "in_flight": api.admission.active, "queued": api.admission.waiting,
-                             "open_requests": api.limits.open})
+    async def health():  # draining: a 503, so a load balancer's probe sends no new requests here
+        draining = api.drain.draining
+        return JSONResponse({"status": "draining" if draining else "ok", "model": host.model_name,
+                             "sessions": host.sessions, "in_flight": api.admission.active,
+                             "queued": api.admission.waiting, "open_requests": api.limits.open},
+                            status_code=503 if draining else 200)
 
     @app.get("/metrics")
     async def metrics():

@@ -26,8 +26,9 @@ API_METRIC_META = {
     "tokens": ("counter", "{token}", "Completion tokens generated (streamed or not, aborted requests included)."),
 }
 OUTCOME_LABEL = "outcome"
-# ok: completed; bad_request: 400/404/413/415; rejected: 429 (queue full) / 503 (too many open requests);
-# aborted: the client went away (uploading, queued, generating, streaming) or its body did not come (408); error: 500
+# ok: completed; bad_request: 400/404/413/415; rejected: 429 (queue full) / 503 (too many open requests, the
+# server draining, or still queued when a stop cut it); aborted: the client went away (uploading, queued,
+# generating, streaming), its body did not come (408), or a stop cut it while it generated; error: 500
 OUTCOMES = ("ok", "bad_request", "rejected", "aborted", "error")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

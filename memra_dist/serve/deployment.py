@@ -9,6 +9,11 @@ Two ways in:
   * the import path `memra_dist.serve.entry:app_builder` (`serve run`, a KubeRay RayService),
     which parses `memra-dist serve`'s flags and calls `build`.
 The replica gets the parsed flags as a plain dict (vars of the Namespace).
+
+A graceful stop (`memra-dist serve` got SIGTERM): `drain(timeout_s, cut_asked)` tells the
+replica to take no new completions (its `begin_drain`, through a Serve handle), waits until
+its open ones ended (`drain_status`), and past the timeout (or when `cut_asked()`) ends what
+is left (`cut`); `undeploy()` then stops Serve as on any other stop.
 """
 
 from __future__ import annotations
@@ -16,16 +21,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from typing import Callable
 
 from ray import serve
 
 from ..batching.policy import AUTO_MAX_BATCH
 from ..errors import UserError
 from .api import build_app
+from .drain import Drain
 from .host import EngineHost
 from .limits import DEFAULT_MAX_BODY_BYTES, OPEN_HEADROOM, parse_size
 
-__all__ = ["MemraServer", "build", "deploy", "undeploy", "APP_NAME", "deployment_options", "engine_sessions",
+__all__ = ["MemraServer", "build", "deploy", "drain", "undeploy", "APP_NAME", "deployment_options", "engine_sessions",
            "http_options"]
 
 APP_NAME = "memra-dist"
@@ -33,6 +41,10 @@ HEADROOM = 32  # beyond the app's open-request cap: GET /health, /metrics, /v1/m
 GCS_PROBE_S = 2.0  # undeploy: a GCS silent this long is not waited for
 KEEP_ALIVE_S = 5  # the proxy closes a connection idle this long between requests (Ray's default: 90 s)
 _PASS_ENV = ("OTEL_", "MEMRA_")
+CALL_S = 5.0  # drain: one call to the replica answers within this, or the replica is taken as gone
+POLL_S = 0.1  # drain: how often the replica's open requests are read
+CUT_WAIT_S = 5.0  # drain: the cut requests get this long to send their last event
+FLUSH_S = 0.3  # drain: the proxy's time to pass the last bytes on before Serve stops
 
 
 @serve.deployment(name="MemraServer")
@@ -50,9 +62,22 @@ class MemraServer:
         self.max_queue = args.max_queue
         body = getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
         self.max_body_bytes = body if isinstance(body, int) else parse_size(body)
+        self.drain = Drain()
 
-    def __serve_build_asgi_app__(self):
-        return build_app(self.host, self.max_queue, max_body_bytes=self.max_body_bytes)  # its shutdown exits the engine
+    def __serve_build_asgi_app__(self):  # its shutdown exits the engine
+        return build_app(self.host, self.max_queue, max_body_bytes=self.max_body_bytes, drain=self.drain)
+
+    # the graceful stop, called through a handle by `drain` below (never over HTTP)
+    async def begin_drain(self) -> dict:
+        self.drain.start()
+        return self.drain.state()
+
+    async def drain_status(self) -> dict:
+        return self.drain.state()
+
+    async def cut(self) -> dict:
+        self.drain.cut()
+        return self.drain.state()
 
 
 def engine_sessions(args) -> int:
@@ -137,6 +162,54 @@ def _first_reason(e: BaseException) -> str:
     return (lines[-1] if lines else type(e).__name__)[:300]
 
 
+def drain(timeout_s: float, cut_asked: Callable[[], bool] = lambda: False) -> str:
+    """New completions refused; the open ones get `timeout_s` to end (0: cut at once), then
+    what is left is cut (each stream ends with an error event and [DONE]). Returns what
+    happened, in words. A replica or cluster that does not answer is not waited for."""
+    if not _cluster_answers():
+        return "the Ray cluster no longer answers (stopped with this process?): nothing to drain"
+    t0 = time.monotonic()
+    try:
+        handle = serve.get_deployment_handle("MemraServer", APP_NAME)
+
+        def call(method: str) -> dict:
+            return getattr(handle, method).remote().result(timeout_s=CALL_S)
+
+        st = call("begin_drain")
+        begun = st["open"]
+        while st["open"] and time.monotonic() - t0 < timeout_s and not cut_asked():
+            time.sleep(POLL_S)
+            st = call("drain_status")
+        left = st["open"]
+        if left:
+            st = call("cut")
+            end = time.monotonic() + CUT_WAIT_S
+            while st["open"] and time.monotonic() < end:
+                time.sleep(POLL_S)
+                st = call("drain_status")
+        if begun:
+            time.sleep(FLUSH_S)
+    except Exception as e:  # noqa: BLE001 (the replica or the controller gone, a call timed out: stop anyway)
+        return f"the replica did not answer ({type(e).__name__}): not drained"
+    took = time.monotonic() - t0
+    if not left:
+        return f"{begun} open request(s) ended in {took:.1f} s"
+    if left == begun:
+        return f"{left} open request(s) cut ({took:.1f} s)"
+    return f"{begun - left} of {begun} open request(s) ended, {left} cut ({took:.1f} s)"
+
+
+def _cluster_answers() -> bool:
+    """`_gcs_answers`; a cluster found gone is not asked again in this stop (drain, then undeploy)."""
+    import ray  # noqa: PLC0415
+
+    if _STATE.get("gone"):
+        return False
+    ok = not ray.is_initialized() or _gcs_answers()
+    _STATE["gone"] = not ok
+    return ok
+
+
 def _gcs_answers(timeout_s: float = GCS_PROBE_S) -> bool:
     """Whether the cluster's GCS answers within timeout_s. A SIGTERM to the whole process group
     (a service manager's stop, `kill -- -PGID`) also stops the local Ray this process started;
@@ -159,14 +232,13 @@ def undeploy() -> None:
     """Serve down (replicas drain, engines exit), then Ray if this process started it. A
     cluster that no longer answers (stopped with this process) is not waited for."""
     try:
-        import ray  # noqa: PLC0415
-
-        if not ray.is_initialized() or _gcs_answers():
+        if _cluster_answers():
             serve.shutdown()
         else:
             print("[serve] the Ray cluster no longer answers (stopped with this process?): not draining",
                   file=sys.stderr, flush=True)
     finally:
+        _STATE.pop("gone", None)
         ray = _STATE.pop("ray", None)
         if ray is not None:
             ray.shutdown()

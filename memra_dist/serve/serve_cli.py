@@ -41,8 +41,15 @@ its session at the engine's next round. A `traceparent` header makes the request
 memra.request span a child of the caller's trace (spans need --trace-level >= 1 and
 OTEL_EXPORTER_OTLP_ENDPOINT).
 The generation flags below are the defaults of requests that leave a field out.
-Listens on 127.0.0.1 unless --host says otherwise. Ctrl-C / SIGTERM stop it cleanly.
-With RAY_ADDRESS set, the application is deployed on that cluster's Serve."""
+Listens on 127.0.0.1 unless --host says otherwise. With RAY_ADDRESS set, the application is
+deployed on that cluster's Serve.
+
+Stopping: SIGTERM (systemd, Kubernetes) drains: a new completion is answered 503 (code
+"draining") and GET /health 503 {"status": "draining", ...}, while the requests in flight and
+queued finish, for up to --drain-timeout seconds; then it exits 0. A second SIGTERM (or
+Ctrl-C), or the timeout, cuts what is left: a begun stream ends with an error event (code
+"shutting_down"), then data: [DONE]; a request not yet streaming gets a 503. Ctrl-C stops at
+once, cutting the same way, exit 0."""
 
 # generate's flags that a server does not use: a request brings its own prompt and traceparent
 IGNORED = (("--json", "json", False), ("--metrics-port", "metrics_port", None), ("--metrics-hold", "metrics_hold", 0.0),
@@ -71,6 +78,9 @@ def _add_args(p: argparse.ArgumentParser, add_run_args: Callable[..., None]) -> 
                         "replay CUDA graphs, as measured, else 1)")
     g.add_argument("--max-queue", type=int, default=16, metavar="Q",
                    help="requests that may wait for a session; one more is answered 429 (default 16)")
+    g.add_argument("--drain-timeout", type=float, default=30.0, metavar="SEC",
+                   help="after SIGTERM, how long requests in flight and queued may take to finish before they are "
+                        "cut (new ones get 503 meanwhile; default 30; 0: cut at once)")
     g.add_argument("--max-body-bytes", default=str(DEFAULT_MAX_BODY_BYTES), metavar="N",
                    help="largest request body, in bytes (4194304, 4MiB, 512k); a larger one is answered 413 before "
                         "it is read (default 4MiB)")
@@ -136,6 +146,9 @@ def check_args(args) -> None:
         raise UserError(f"--max-queue {args.max_queue}: expected >= 0")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: expected >= 1")
+    drain_timeout = getattr(args, "drain_timeout", 0.0)
+    if not 0 <= drain_timeout <= 86400:  # NaN too
+        raise UserError(f"--drain-timeout {drain_timeout:g}: expected 0..86400 seconds")
     if not isinstance(args.max_body_bytes, int):
         try:
             n = parse_size(args.max_body_bytes)
@@ -233,33 +246,76 @@ def _run(args) -> int:
     validate(args)
     if not os.environ.get("RAY_ADDRESS"):
         _check_port(args.host, args.port)
-    from .deployment import deploy, engine_sessions, undeploy  # noqa: PLC0415 (Ray only once the input is good)
+    from .deployment import deploy, drain, engine_sessions, undeploy  # noqa: PLC0415 (Ray only once the input is good)
 
-    main_thread = threading.current_thread() is threading.main_thread()
-    prev = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    sig = _Signals(threading.current_thread() is threading.main_thread())
+    prev = signal.signal(signal.SIGTERM, sig.on_term) if sig.installs else None
     try:
-        return _serve(args, deploy, undeploy, engine_sessions(args))
+        return _serve(args, deploy, undeploy, drain, engine_sessions(args), sig)
     finally:
-        if main_thread:
+        if sig.installs:
             signal.signal(signal.SIGTERM, prev)
 
 
-def _on_sigterm(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM (kill, a pod's stop) takes the same clean way down as Ctrl-C
+class _DrainAsked(BaseException):
+    """The first SIGTERM while serving: drain, then stop."""
 
 
-def _serve(args, deploy, undeploy, sessions: int) -> int:
+class _Signals:
+    """What SIGTERM and SIGINT mean as serve goes. Starting, or stopping: SIGTERM unwinds as
+    Ctrl-C does (KeyboardInterrupt). Serving: SIGTERM raises _DrainAsked, Ctrl-C is
+    KeyboardInterrupt. Draining: the first of either asks for the cut (`cut`, read by the
+    drain's loop), one more is KeyboardInterrupt."""
+
+    def __init__(self, installs: bool = False):
+        self.installs = installs  # the main thread's: handlers may be set (else the signals stay as they are)
+        self.phase = "starting"
+        self.cut = False
+
+    def on_term(self, signum, frame):
+        if self.phase == "serving":
+            self.phase = "draining"
+            raise _DrainAsked
+        self.on_int(signum, frame)
+
+    def on_int(self, signum, frame):
+        if self.phase == "draining" and not self.cut:
+            self.cut = True  # (no print here: the main thread may be printing)
+            return
+        raise KeyboardInterrupt
+
+
+def _serve(args, deploy, undeploy, drain, sessions: int, sig: _Signals | None = None) -> int:
+    sig = sig or _Signals()
     url = deploy(args)
+    prev_int = signal.getsignal(signal.SIGINT) if sig.installs else None
     held = (f"up to {sessions} session(s) (--max-batch auto)" if args.pp == 1 and getattr(args, "max_batch", 1) is None
             else f"{sessions} session(s)")
-    print(f"[serve] {os.path.basename(os.path.normpath(args.model))} at {url}/v1 (POST /v1/completions; "
-          f"{held}, queue {args.max_queue}); Ctrl-C stops", file=sys.stderr, flush=True)
+    timeout = getattr(args, "drain_timeout", 30.0)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("[serve] stopping: in-flight requests end, the engine is unloaded", file=sys.stderr, flush=True)
+        try:
+            print(f"[serve] {os.path.basename(os.path.normpath(args.model))} at {url}/v1 (POST /v1/completions; "
+                  f"{held}, queue {args.max_queue}); SIGTERM drains (up to {timeout:g} s), Ctrl-C stops",
+                  file=sys.stderr, flush=True)
+            sig.phase = "serving"
+            while True:
+                time.sleep(3600)
+        except _DrainAsked:
+            if sig.installs:
+                signal.signal(signal.SIGINT, sig.on_int)
+            print(f"[serve] draining: new requests are answered 503; those in flight and queued have up to "
+                  f"{timeout:g} s (a second SIGTERM or Ctrl-C cuts them)", file=sys.stderr, flush=True)
+            print(f"[serve] drained: {drain(timeout, lambda: sig.cut)}", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:
+            sig.phase = "stopping"
+            print("[serve] stopping: requests in flight are cut, the engine is unloaded", file=sys.stderr, flush=True)
+            print(f"[serve] {drain(0)}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # one more signal while draining or cutting: stop without waiting
+        pass
     finally:
+        sig.phase = "stopping"
+        if sig.installs:
+            signal.signal(signal.SIGINT, prev_int)
         undeploy()
     print("[serve] stopped", file=sys.stderr, flush=True)
     return 0
