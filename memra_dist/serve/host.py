@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from .prompt_pieces import at_least_tokens
 from .protocol import ApiError, CompletionRequest
 
 __all__ = ["EngineHost", "Prepared", "ClientGone", "RequestTracing", "completion_text"]
@@ -26,10 +27,6 @@ __all__ = ["EngineHost", "Prepared", "ClientGone", "RequestTracing", "completion
 
 class ClientGone(Exception):
     """Raised from the stream callback when the client went away: the engine aborts the request."""
-
-
-PIECE_CHARS = 32768  # a prompt longer than the context is first counted in pieces of this many characters
-PIECE_SLACK = 16  # tokens a cut between two pieces may add (special tokens, merges lost at the cut)
 
 
 @dataclass
@@ -177,14 +174,10 @@ class EngineHost:
         """The prompt's ids. A prompt longer (in characters) than the context is first counted
         piece by piece, and refused as soon as it is sure not to fit: one far over the context
         costs about the context's worth of tokenizing, never its whole length."""
-        if len(prompt) > max(2 * PIECE_CHARS, self.capacity):
-            n = 0
-            for i, start in enumerate(range(0, len(prompt), PIECE_CHARS), 1):
-                n += len(self._encode(prompt[start:start + PIECE_CHARS]))
-                if n - i * PIECE_SLACK >= self.capacity:
-                    raise ApiError(400, f"the prompt (at least {self.capacity} tokens) is too long for this server's "
-                                        f"context ({self.capacity} tokens, prompt and completion together)",
-                                   "prompt", "context_length_exceeded")
+        if at_least_tokens(self._encode, prompt, self.capacity) is not None:
+            raise ApiError(400, f"the prompt (at least {self.capacity} tokens) is too long for this server's "
+                                f"context ({self.capacity} tokens, prompt and completion together)",
+                           "prompt", "context_length_exceeded")
         return self._encode(prompt)
 
     def _decode(self, ids: list[int]) -> str:

@@ -1,6 +1,6 @@
 """A prompt far longer than the context, refused after about the context's worth of
-tokenizing: counted piece by piece, never tokenized whole. The rule `serve` follows before
-tokenizing a body's prompt (serve/host.py `EngineHost._tokens`), for the batch job's lines.
+tokenizing: counted piece by piece, never tokenized whole. The one rule of `serve` (serve/host.py
+`EngineHost._tokens`, before a body's prompt is tokenized) and of the batch job's lines.
 
 Light (no torch, no tokenizer import): `encode` is any text -> ids callable."""
 
