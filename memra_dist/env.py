@@ -17,6 +17,8 @@ OTEL_* variables stay the OpenTelemetry SDK's and are read where the SDK's habit
 | MEMRA_BENCH_CACHE | `memra-dist bench` checkpoint cache | ~/.cache/memra_dist/bench |
 | MEMRA_BENCH_COMPILE | the bench's `--compile` for its graphed runs: auto (the default path's: compile_policy.py), 1 / on, 0 / off (shown in the result's metadata) | auto |
 | MEMRA_COMMIT | the commit a bench result names when the tree has no .git | from git |
+| MEMRA_TUNE | Triton kernel configs: 0 / off, a key the shipped table lacks takes a heuristic config (nothing benchmarked); 1 / missing, it is benchmarked (autotuned); all, every key is benchmarked, the table unread (kernels/tuning.py) | off |
+| MEMRA_TUNED_DIR | a directory of tuned-config tables (`<gpu>.json`, benchmarks/tune_kernels.py --out) read before the package's own | unset |
 
 Junk values of the trace and profile flags mean off (a typo never turns tracing on), and are
 said once on stderr so the typo is seen.
@@ -35,8 +37,10 @@ from .phase.levels import (ENV_CLOCK, ENV_PROF, ENV_TRACE, ENV_TRACE_ALIAS, Trac
 __all__ = ["Env", "environment", "trace_settings", "cache_root", "VARIABLES"]
 
 VARIABLES = (ENV_TRACE, ENV_TRACE_ALIAS, ENV_PROF, ENV_CLOCK, "MEMRA_CACHE_DIR", "MEMRA_FLUSH_TIMEOUT_S",
-             "MEMRA_PG_TIMEOUT_S", "MEMRA_KDA_KERNELS", "MEMRA_BENCH_CACHE", "MEMRA_BENCH_COMPILE", "MEMRA_COMMIT")
+             "MEMRA_PG_TIMEOUT_S", "MEMRA_KDA_KERNELS", "MEMRA_BENCH_CACHE", "MEMRA_BENCH_COMPILE", "MEMRA_COMMIT",
+             "MEMRA_TUNE", "MEMRA_TUNED_DIR")
 KDA_MODES = ("auto", "torch", "fla")
+TUNE_MODES = {"0": "off", "off": "off", "1": "missing", "on": "missing", "missing": "missing", "all": "all"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class Env:
     bench_cache: str | None = None
     bench_compile: str = "auto"
     commit: str | None = None
+    tune: str = "off"  # kernels/tuning.py: off | missing | all
+    tuned_dir: str | None = None
 
 
 def _say(line: str) -> None:
@@ -80,6 +86,14 @@ def _kda(warn=_say) -> str:
     return v if v in KDA_MODES else "auto"
 
 
+def _tune(warn=_say) -> str:
+    raw = os.environ.get("MEMRA_TUNE")
+    v = (raw or "").strip().lower()
+    if v and v not in TUNE_MODES:
+        warn(f"memra-dist: warning: ignoring MEMRA_TUNE={raw!r} (expected 0, 1 or all); using 0")
+    return TUNE_MODES.get(v, "off")
+
+
 @lru_cache(maxsize=1)
 def environment() -> Env:
     """Read every MEMRA_* variable once per process."""
@@ -93,7 +107,7 @@ def environment() -> Env:
                flush_timeout_s=_seconds("MEMRA_FLUSH_TIMEOUT_S", 5.0),
                pg_timeout_s=_seconds("MEMRA_PG_TIMEOUT_S", 60.0), kda_kernels=_kda(),
                bench_cache=e.get("MEMRA_BENCH_CACHE") or None, bench_compile={"1": "on", "0": "off"}.get(e.get("MEMRA_BENCH_COMPILE", "auto"), e.get("MEMRA_BENCH_COMPILE", "auto")),
-               commit=e.get("MEMRA_COMMIT") or None)
+               commit=e.get("MEMRA_COMMIT") or None, tune=_tune(), tuned_dir=e.get("MEMRA_TUNED_DIR") or None)
 
 
 def trace_settings(flag_level: int | None = None, flag_prof: bool | None = None) -> TraceSettings:

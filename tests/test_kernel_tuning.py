@@ -31,7 +31,7 @@ def test_every_tuner_uses_the_disk_cache_and_the_short_bench():
 def test_the_tally_counts_benchmarked_configs_and_cache_hits(monkeypatch):
     import triton.testing
 
-    monkeypatch.setattr(tuning, "TALLY", {"configs": 0, "tune_s": 0.0, "cached": 0})
+    monkeypatch.setattr(tuning, "TALLY", {"configs": 0, "tune_s": 0.0, "cached": 0, "shipped": 0, "heuristic": 0})
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, quantiles: (warmup, rep))
     assert tuning._bench(lambda: None, None) == (tuning.WARMUP_MS, tuning.REP_MS)
     assert tuning._bench(lambda: None, None) == (5, 20)
@@ -53,5 +53,5 @@ def test_a_tiny_weight_takes_the_row_gemms_first_config_untried():
     assert small_first(configs, {"N": 256, "K": 128}) == ["a"]
     assert small_first(configs, {"N": SMALL_WEIGHT // 4096, "K": 4096}) == ["a"]
     assert small_first(configs, {"N": 6144, "K": 4096}) == configs
-    for t in (gemm_rows._tuned, gemm_rows._wide):
-        assert t.early_config_prune is small_first
+    for t in (gemm_rows._tuned, gemm_rows._wide):  # composed into the table's choice (kernels/tuning.py)
+        assert t.memra_choose.prune is small_first

@@ -121,7 +121,7 @@ def small_first(configs, named_args, **kwargs):
 
 _tuned = autotune(
     [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in ROW_CONFIGS],
-    ["N", "K", "SILU_MUL", "NORM", "GLU"], prune=small_first)(_even)
+    ["N", "K", "SILU_MUL", "NORM", "GLU"], prune=small_first, name="gemm_rows")(_even)
 # wider column blocks (BM 32 .. 128): a bigger input tile per stage (shared memory: (BN + BM) x BK
 # x 2 bytes a stage). The configs that won some 8B shape at 32 or 64 rows on an H200 out of eight
 # tried (row_gemm_check.py), after a small-register one (the gate-up's two accumulators; a tiny
@@ -130,7 +130,7 @@ _tuned = autotune(
 WIDE_CONFIGS = [(64, 64, 4, 4), (64, 128, 8, 4), (32, 256, 4, 3), (128, 64, 8, 4), (32, 128, 4, 4)]
 _wide = autotune(
     [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in WIDE_CONFIGS],
-    ["N", "K", "SILU_MUL", "NORM", "GLU", "BM"], prune=small_first)(_even)
+    ["N", "K", "SILU_MUL", "NORM", "GLU", "BM"], prune=small_first, name="gemm_rows_wide")(_even)
 
 
 def gemm_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,

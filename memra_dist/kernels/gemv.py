@@ -83,7 +83,7 @@ CONFIGS = [(8, 512, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 1), (16, 1024, 8, 3), 
 _even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BN"] == 0 and a["K"] % a["BK"] == 0})(_gemv_kernel)
 _tuned = autotune(
     [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in CONFIGS],
-    ["N", "K", "SILU_MUL", "NORM"])(_even)
+    ["N", "K", "SILU_MUL", "NORM"], name="gemv")(_even)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,

@@ -110,8 +110,8 @@ def _even(a) -> bool:
 _configs = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in CONFIGS]
 _up = triton.heuristics({"EVEN": _even})(_up_kernel)
 _down = triton.heuristics({"EVEN": _even})(_down_kernel)
-_up_tuned = autotune(_configs, ["N", "K", "TOPK"])(_up)
-_down_tuned = autotune(_configs, ["N", "K", "TOPK"])(_down)
+_up_tuned = autotune(_configs, ["N", "K", "TOPK"], name="moe_up")(_up)
+_down_tuned = autotune(_configs, ["N", "K", "TOPK"], name="moe_down")(_down)
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,

@@ -15,7 +15,10 @@ it sits in (so they sum to at most that bucket):
 - `kernel_tune_configs` / `kernel_tune_ms`: Triton autotuner configs benchmarked (and their
   ms) between the session's start and the first token, `kernel_tune_cached` keys read from
   the on-disk cache instead (kernels/tuning.py; inside the captures' warm-ups, the
-  drafter's included);
+  drafter's included); the profile line's `kernel_keys` (only when some key was met) splits
+  the keys met over the same window per kernel family: `shipped` (the tuned table's config),
+  `heuristic` (a default config, nothing benchmarked: a key the table lacks) and `tuned`
+  (benchmarked or read from the on-disk cache: MEMRA_TUNE);
 - inside `cache_alloc`: `tap_sink_alloc_ms` / `tap_sink_mb`, the target's tap sink (the
   session's sink size; a sink reused from the previous session at the same capacity takes
   ~0 ms);
@@ -35,13 +38,14 @@ The runner and the drafter stamp them only when the session lends them a `DepthT
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..tracing.conventions import TTFT_BUCKETS
 
-__all__ = ["FirstTokenProf", "DepthTimer", "lend", "DEPTH_FIELDS", "DEVICE_ARM", "DEVICE_ARM_NOTE"]
+__all__ = ["FirstTokenProf", "DepthTimer", "lend", "DEPTH_FIELDS", "DEVICE_ARM", "DEVICE_ARM_NOTE", "kernel_key_counts"]
 
 DEVICE_ARM = "device"  # the taps stay on the target's device: no DtoH in the prime, no HtoD in the ingest
 DEVICE_ARM_NOTE = " (device arm: the taps never leave the device, so no tap DtoH in the prime and no HtoD in the ingest)"
@@ -50,6 +54,22 @@ DEPTH_FIELDS = ("cache_kv_alloc_ms", "graph_captures", "graph_first_capture_ms",
                 "graph_record_ms", "graph_rows_ms", "kernel_tune_configs", "kernel_tune_ms", "kernel_tune_cached", "tap_sink_alloc_ms", "tap_sink_mb", "prime_chunks", "prime_rows", "prime_chunk_mean_ms",
                 "prime_chunk_max_ms", "prime_tap_dtoh_ms", "draft_prime_h2d_ms", "draft_prime_feat_ms",
                 "draft_prime_kv_ms", "draft_prime_rows", "draft_prime_chunks", "draft_prime_arm")
+
+
+def kernel_key_counts() -> dict[str, dict[str, int]]:
+    """kernels/tuning.py's FAMILIES (kernel family -> shipped / heuristic / tuned keys) so far; {}
+    while no kernel module is loaded (nothing imports Triton for this)."""
+    mod = sys.modules.get("memra_dist.kernels.tuning")
+    return {f: dict(c) for f, c in mod.FAMILIES.items()} if mod is not None else {}
+
+
+def _since(before: dict, now: dict) -> dict[str, dict[str, int]]:
+    out = {}
+    for fam, c in now.items():
+        d = {k: v - before.get(fam, {}).get(k, 0) for k, v in c.items()}
+        if any(d.values()):
+            out[fam] = d
+    return out
 
 
 @dataclass
@@ -87,6 +107,21 @@ class FirstTokenProf:
     draft_prime_arm: str = "-"
     prime_chunk_rows: list[int] = field(default_factory=list)  # the target prime's chunks, in order
     prime_chunk_ms: list[float] = field(default_factory=list)  # each chunk's drained time (pp > 1: its results' arrival)
+    # kernel family -> keys met between the session's start (`t0_ns` set) and its first token (the
+    # TALLY fields set): shipped / heuristic / tuned (the module doc); filled by __setattr__ below
+    kernel_keys: dict[str, dict[str, int]] = field(default_factory=dict)
+    _keys0: dict = field(default_factory=kernel_key_counts, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name, value):
+        # the session stamps `t0_ns` beside its tuning-tally snapshot and `kernel_tune_configs`
+        # beside its delta: the per-family key counts take the same window
+        super().__setattr__(name, value)
+        if "_keys0" not in self.__dict__:  # still in __init__
+            return
+        if name == "t0_ns":
+            super().__setattr__("_keys0", kernel_key_counts())
+        elif name == "kernel_tune_configs":
+            super().__setattr__("kernel_keys", _since(self._keys0, kernel_key_counts()))
 
     @property
     def prime_chunks(self) -> int:
@@ -118,6 +153,12 @@ class FirstTokenProf:
         line = " ".join(f"{f}={fmt(f, v)}" for f, v in self.depth().items())
         return line + (DEVICE_ARM_NOTE if self.draft_prime_arm == DEVICE_ARM else "")
 
+    def kernel_keys_field(self) -> str:
+        """` kernel_keys=gemv:shipped=3/heuristic=0/tuned=0,...` ('' when no key was met)."""
+        fams = ",".join(f"{f}:" + "/".join(f"{k}={v}" for k, v in c.items())
+                        for f, c in sorted(self.kernel_keys.items()))
+        return f" kernel_keys={fams}" if fams else ""
+
     def line(self) -> str:
         buckets = " ".join(f"{b}={self.ms[b]:.3f}" for b in TTFT_BUCKETS)
         fmt = lambda d: ",".join(f"{k}:{v}" for k, v in d.items()) or "-"  # noqa: E731
@@ -126,7 +167,7 @@ class FirstTokenProf:
             f"first_burst={self.first_burst_ms:.3f}ms hook={self.first_burst_hook_ms:.3f}ms "
             f"rounds={self.first_burst_rounds} tokens={self.first_burst_tokens} "
             f"draft_kv_mb={self.draft_kv_mb:.1f} free_mb_before={fmt(self.free_mb_before)} "
-            f"free_mb_after={fmt(self.free_mb_after)} | {self.depth_line()}"
+            f"free_mb_after={fmt(self.free_mb_after)}{self.kernel_keys_field()} | {self.depth_line()}"
         )
 
 
