@@ -515,3 +515,28 @@ def test_an_interrupted_job_exits_130_with_complete_lines(long_job, tmp_path, si
     assert p.returncode == 0, p.stderr[-2000:]
     assert _canon(out) == _canon(ref)
     _assert_unique(out)
+
+
+@pytest.mark.slow
+def test_a_batched_job_stopped_at_any_moment_exits_130_never_by_an_abort(long_job, tmp_path):
+    """`batch --max-batch 4` stopped by SIGTERM or SIGINT at many points of the job (while the
+    model loads, between lines, mid-steps): always exit 130 with complete lines, never an abort
+    of the interpreter while the step leader still runs torch code (it is joined at close)."""
+    model, inp, ref = long_job
+    points = [(signal.SIGTERM, 0, 0.0), (signal.SIGINT, 0, 0.3), (signal.SIGTERM, 1, 0.0), (signal.SIGTERM, 1, 0.05),
+              (signal.SIGINT, 2, 0.01), (signal.SIGTERM, 3, 0.2)]
+    for i, (sig, lines, after_s) in enumerate(points):
+        out = tmp_path / f"out{i}.jsonl"
+        cmd = _cmd(model, inp, out, "--max-batch", "4")
+        if lines:
+            proc = _start_and_wait_lines(cmd, out, lines)
+        else:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), text=True)
+            time.sleep(3.0)  # while it loads (the handlers are set before the heavy imports)
+        time.sleep(after_s)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode in (130, 0), (i, proc.returncode, err[-2000:])  # 0: it finished before the signal
+        assert "terminate called" not in err and "Traceback" not in err, (i, err[-2000:])
+        if out.exists():
+            assert _canon(out) == sorted(set(_canon(ref)) & set(_canon(out))), i  # each line whole, as the full run's

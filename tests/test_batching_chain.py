@@ -108,8 +108,9 @@ def test_a_request_leaving_mid_chain_costs_the_others_nothing(llama):
 
 def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monkeypatch):
     """The race a streaming client that goes away hits: its thread leaves (its blocks freed)
-    while the leader, the lock dropped, launches a step that holds its rows. The step is made
-    to wait for the leave before it builds its rows, every time: the leave is deferred to the
+    while the leader, the lock dropped, launches a step that holds its rows. Here the victim's
+    thread waits in its stream while its chain runs on, and the next step holding its rows
+    lets it leave and waits for the leave before building: the leave is deferred to the
     step's end, so the step runs, the others keep their solo ids and the engine serves on."""
     import memra_dist.batching.batcher as batcher_mod
     from memra_dist.batching.step_forward import wake
@@ -117,7 +118,8 @@ def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monke
     reqs = _prompts(4)
     solo = _solo(llama, "ngram", reqs)
     cv = threading.Condition()
-    state = {"rid": None, "left": False, "streams": 0, "raced": 0}
+    state = {"rid": None, "left": False, "raced": 0}
+    parked, go = threading.Event(), threading.Event()
     real_admit, real_leave, real_launch = batcher_mod.Batcher.admit, batcher_mod.Batcher.leave, batcher_mod.launch
 
     def admit(self, rid, *a, **kw):
@@ -132,11 +134,12 @@ def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monke
             cv.notify_all()
 
     def launch(b, jobs, wakes, ids_dev=None):
-        if not state["left"] and state["rid"] in {j.rid for j in jobs}:
-            before = state["streams"]
-            wake(wakes)  # the victim's round from the step before: it streams (or leaves) now
+        """The first step holding the victim's rows once its thread is parked in its stream:
+        its client goes away now, and the step waits for its leave before building."""
+        if parked.is_set() and not go.is_set() and state["rid"] in {j.rid for j in jobs}:
+            go.set()
             with cv:
-                cv.wait_for(lambda: state["left"] or state["streams"] > before, timeout=5)
+                cv.wait_for(lambda: state["left"], timeout=10)
                 state["raced"] += state["left"]
         return real_launch(b, jobs, wakes, ids_dev)
 
@@ -151,11 +154,10 @@ def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monke
 
             def stream(toks):
                 seen.extend(toks)
-                if i == 0 and len(seen) >= 3:
+                if i == 0 and len(seen) >= 2:  # the victim's thread waits here; its chain runs on
+                    parked.set()
+                    go.wait(30)
                     raise ConnectionError("client went away")
-                with cv:
-                    state["streams"] += i == 0
-                    cv.notify_all()
 
             try:
                 got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n), stream=stream).token_ids

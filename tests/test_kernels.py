@@ -157,6 +157,7 @@ def _generate(runner, drafter, k, prompt, n):
     return s.tokens, s.stats
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
 def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, monkeypatch):
     import memra_dist.kernels.rope_kv as rk
 
@@ -220,6 +221,7 @@ def test_kernels_fall_back_with_one_warning_where_they_cannot_run(capsys, monkey
     assert "cuBLAS and the reference attention" in err[0]
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
 def test_dflash_block_on_the_split_kernel_equals_the_masked_reference(tmp_path):
     """The DFlash block graphs' attention on the split kernel (every row at the block's last
     position: the context and the whole block, no causal mask) gives the reference's logits,

@@ -73,6 +73,7 @@ def _on_kernels(backend) -> None:
     backend.batcher.kernels = True
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
 def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_llama, drafter, monkeypatch):
     import memra_dist.kernels.paged_attention as pa
@@ -108,6 +109,7 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
     assert stats["max_requests"] >= 2, stats
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
 def test_a_wide_batched_step_folds_and_equals_the_unfolded_step(wide_llama, monkeypatch):
     """A step of 6 requests x 4 verify rows (24 rows, past a verify's 16) runs the folded blocks
     and the folded head on the row GEMM's wider column block (kernels/gemm_rows.py, BM 32), and
@@ -170,7 +172,8 @@ class _Uncapturable:
 
 
 @pytest.mark.parametrize("graph_cls,drafter", [  # the interpreter's replays take a minute each: two in the slow tier
-    (_Replayed, "ngram"), (_Uncapturable, "ngram"), pytest.param(_Replayed, "dflash", marks=pytest.mark.slow),
+    pytest.param(_Replayed, "ngram", marks=pytest.mark.slow), pytest.param(_Uncapturable, "ngram", marks=pytest.mark.slow),
+    pytest.param(_Replayed, "dflash", marks=pytest.mark.slow),
     pytest.param(_Replayed, "none", marks=pytest.mark.slow)])
 def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_llama, graph_cls, drafter,
                                                                           tmp_path_factory, monkeypatch):

@@ -69,6 +69,7 @@ def test_expert_gemvs_equal_the_per_expert_loop(rows, spec):
         torch.testing.assert_close(m(x), ref, **TOL)  # router GEMV (one row), experts, shared expert added in
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
 def test_moe_target_and_its_mtp_layers_on_the_kernels_decode_identically(tmp_path, monkeypatch):
     """deepseek_v3 (MLA, MoE, two MTP layers): the target and the drafter installed on the
     kernels (the drafter follows its target) speculate exactly the plain tokens, and both the
@@ -95,6 +96,7 @@ def test_moe_target_and_its_mtp_layers_on_the_kernels_decode_identically(tmp_pat
     assert 1 in rows and any(r > 1 for r in rows)
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
 def test_dflash_block_folded_into_our_gemms_equals_the_reference(tmp_path):
     """Where the target runs our kernels, the DFlash block graph runs folded (DFlashNet.block
     `folded`: input norms in the QKV row GEMM, residuals in o_proj / down, the gated gate-up,
@@ -129,6 +131,7 @@ def test_dflash_block_folded_into_our_gemms_equals_the_reference(tmp_path):
     block_rounds_equal_the_reference(target, d, graphs, seed=11, adds=(0, 4, 7))
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
 def test_kimi_hybrid_on_the_kernels_speculates_transformers_greedy():
     """Kimi-Linear (KDA + MLA + MoE): install switches its MoE (router, expert GEMVs, shared
     expert) and MLA projections; decoding and replay speculation (multi-row verifies through the

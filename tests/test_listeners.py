@@ -118,6 +118,7 @@ def _env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "OTEL_", "MEMRA_"))}
 
 
+@pytest.mark.slow  # a --pp 2 run on a local Ray cluster
 def test_a_pp2_run_listens_on_the_loopback_only(llama):
     """The head's TCP store binds the node's Ray address (here the loopback), not *:PORT."""
     p = subprocess.run([sys.executable, "-c", _PROBE_PP, str(llama)], capture_output=True, text=True, env=_env(),

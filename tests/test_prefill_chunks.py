@@ -381,6 +381,7 @@ _LONG = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a 16k-token prompt in a subprocess
 def test_16k_prompt_runs_in_bounded_memory(tmp_path):
     """16384 prompt rows in 1024-row chunks and in one chunk (the prefix arm alone bounds it):
     the peak RSS above a warmed baseline stays under half of ONE head's (16k x 16k) fp32

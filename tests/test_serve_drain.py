@@ -220,6 +220,7 @@ def test_sigterm_drains_a_second_signal_cuts_and_ctrl_c_stops_at_once():
 # ---- a real `memra-dist serve` stopped by SIGTERM ---------------------------------------------------
 
 
+@pytest.mark.slow  # a real serve (Ray Serve) started and drained: ~20 s
 def test_sigterm_drains_in_flight_and_queued_streams_then_a_second_cuts(ckpt_factory, tmp_path):
     pytest.importorskip("ray.serve")
     model = ckpt_factory("llama", seed=3, max_position_embeddings=4096, eos_token_id=None)[0]
