@@ -10,6 +10,7 @@ Rows (`--only` picks groups):
             deepseek_v3, glm4_moe (memra_dist/bench/tiny_families.py, saved by transformers)
             with each drafter the family takes (none, ngram, model, dflash, eagle3; mtp on
             deepseek_v3 / glm4_moe, their MTP layers); `--families` narrows
+  compile   `generate --json --compile on` once per family (mtp where it has MTP layers, else ngram)
   bench     `bench --quick` (`--budget-s`: --bench-budget-s, default 480; 150 on CPU)
   serve     `serve` on a free port; one streamed completion timed from here (http.client)
   batch     `batch` of three lines, one at a time and with `--max-batch 3` (one batched engine)
@@ -50,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from memra_dist.bench.smoke import (last_json, markdown_table, parse_batch_summary, parse_summary,  # noqa: E402
                                     run_cmd, stop_group, stream_completion, wait_health)
 
-GROUPS = ("demo", "generate", "bench", "serve", "batch", "pp2")
+GROUPS = ("demo", "generate", "compile", "bench", "serve", "batch", "pp2")
 DEMO_DRAFTERS = ("none", "ngram", "model", "dflash", "mtp", "eagle3")
 PROMPT = "The phase clock drains the streams of every engine that ran a phase"
 BATCH_PROMPTS = ("A pipeline splits the layers of the model", "Every phase of every round becomes a span",
@@ -228,6 +229,20 @@ class Smoke:
                     self.skip(name, ck)
                 else:
                     self.add(name, self.gen_argv(arch, d, ck), "json")
+
+    def compile(self) -> None:
+        """`generate --compile on` once per family, with the drafter that compiles the most of it:
+        mtp where the family has MTP layers (its MoE blocks and MTP layers compiled), else ngram."""
+        from memra_dist.bench.tiny_families import DRAFTERS  # noqa: PLC0415
+
+        for arch in self.a.families:
+            ck = self.family(arch)
+            d = "mtp" if "mtp" in DRAFTERS[arch] else "ngram"
+            name = f"generate {arch} --drafter {d} --compile on"
+            if isinstance(ck, str):
+                self.skip(name, ck)
+            else:
+                self.add(name, self.gen_argv(arch, d, ck) + ["--compile", "on"], "json")
 
     def bench(self) -> None:
         budget = self.a.bench_budget_s or (150 if self.a.device == "cpu" else 480)
