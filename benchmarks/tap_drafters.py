@@ -53,7 +53,7 @@ FORMULAS = {
     "phase_ms_per_round": "engine level-1 phase clock (ShareTable ns / rounds), one run of the same request; "
                           "plain decoding runs one step ahead at level 1, so its verify is the replayed step's "
                           "device time, while a drafter's round loop times verify drain to drain (its launch "
-                          "included): benchmarks/dflash_profile.py times both steps alike",
+                          "included): the since-removed benchmarks/dflash_profile.py (git history) timed both steps alike",
     "ideal": "ideal = E(a, K) * t_decode / (t_draft_round + t_verify(K+1)), E = (1 - a^(K+1)) / (1 - a); "
              "a = per-token acceptance recovered from the measured accepted drafts per round (bench/roofline.py); "
              "t_decode = the plain run's level-1 verify ms/round, t_draft_round and t_verify = the replay run's "
