@@ -1,7 +1,7 @@
 """CUDA graphs of the batched decode / verify steps (the GPU's batched fast path).
 
 An eager batched step of an 8B model launches ~1,000 kernels from Python (~25-37 ms of host
-time on an H200, measured by benchmarks/batch_step.py) around ~5-6 ms of device work, so the
+time on an H200, BENCHMARKS.md) around ~5-6 ms of device work, so the
 device idles most of the step. A step whose every request brings at most PAGED_MAX_ROWS rows
 (decode rows, verify rows, a short prefill tail) instead replays a graph of the whole forward.
 
@@ -99,7 +99,7 @@ class StepGraphs:
         self.steps: dict[tuple[int, int, int, int], _Step] = {}
         # the paged kernel's request slots in a graph of T rows: min(T, this). Padded slots are
         # programs with nothing to do, but a grid of T slots (one a row) for 16 requests' verify
-        # rows cost 2x the attention (benchmarks/paged_attention_check.py)
+        # rows cost 2x the attention (BENCHMARKS.md)
         self.max_segments = batcher.max_requests or self.max_rows
         self.failed: set = set()
         self.pool = None

@@ -10,7 +10,7 @@ no kernel of its own; it rounds like the reference (silu in bf16, then the produ
 the 1 / rms factor (common to every k) scales the dot products at the end, so the norm costs
 no pass and no kernel (it rounds once, where the reference rounds the normed x to the input
 dtype). `residual` adds the block's residual stream before the one rounding of the store.
-Measured on an H200 against cuBLAS (benchmarks/decode_kernels.py, BENCHMARKS.md). Verify
+Measured on an H200 against cuBLAS (BENCHMARKS.md). Verify
 rows (2 .. 16) take kernels/gemm_rows.py, the "swap AB" MMA form with the same folds: with
 wider tiles and deeper pipelines than a first attempt (1.10-1.13x slower than cuBLAS), it
 beats cuBLAS on every 8B shape (benchmarks/row_gemm_check.py).

@@ -4,7 +4,7 @@ experts' weights, read in place.
 `Experts.forward_grouped` (model/moe.py) sorts the (row, expert) slots, builds offsets and runs
 torch._grouped_mm. At decode widths (a row, top-8 of 256 DeepSeek-V3 experts) that grouped GEMM
 streamed the experts at 2.4 TB/s on an H200 (these kernels: 3.9 TB/s), and the bookkeeping
-around it was ~20 more kernels (benchmarks/mtp_profile.py, BENCHMARKS.md). Here:
+around it was ~20 more kernels (BENCHMARKS.md). Here:
 
   `_up_kernel`    program (n-block, slot s): y[s] = W_gu[idx[s]] @ x[s // k], the GEMV of
                   kernels/gemv.py with the weight pointer offset by the slot's expert;

@@ -14,7 +14,7 @@ How many chunks: a step of many requests already gives the device programs to ru
 x requests), so a request's length is split over only as many chunks as bring the launch to
 about PROGRAMS programs (at most the capacity's `chunking`): on an H200 at the 8B's heads and
 600 positions, 16 requests' verify rows of 5 took 42.5 us a layer over 10 chunks and 22 us over
-2; 64 requests' decode rows 68 us over 10 and 46 us over 1 (benchmarks/paged_attention_check.py).
+2; 64 requests' decode rows 68 us over 10 and 46 us over 1 (BENCHMARKS.md).
 The launch's request slots are the step's requests, not its rows: a graph (batching/graphs.py)
 launches min(rows, its most requests) slots, padded ones with no rows; a slot a row cost 2x.
 
