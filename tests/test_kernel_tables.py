@@ -227,6 +227,18 @@ def test_device_names_normalise_to_one_table_per_gpu_model():
     assert tuned_table.device_slug(torch.device("cpu")) == "cpu"
 
 
+def test_a_gpu_without_a_table_reads_its_siblings_and_the_h200_ships(table):
+    """An H100 (no table of its own) reads the H200's: the same chip generation; a GPU with a
+    table of its own never reads a sibling's; the shipped H200 table covers the 8B's row GEMMs."""
+    _write(table, {"gemv": {KEY: {"BN": 16, "BK": 64, "num_warps": 2, "num_stages": 1}}})
+    (table / f"{SLUG}.json").rename(table / "h200.json")
+    tuned_table.reset()
+    assert tuned_table.load("h100")["gemv"][KEY]["BN"] == 16
+    assert tuned_table.load("a100") == {} or KEY not in tuned_table.load("a100").get("gemv", {})
+    shipped = tuned_table.read_file(tuned_table.TABLE_DIR / "h200.json")
+    assert "N=14336,K=4096,SILU_MUL=0,NORM=1,GLU=1,dtype=bfloat16" in shipped["gemm_rows"]  # 8B gate-up, verify rows
+
+
 def test_the_package_ships_its_tables():
     text = (ROOT / "pyproject.toml").read_text()
     assert '"kernels/tuned/*.json"' in text

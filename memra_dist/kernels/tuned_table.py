@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["TABLE_DIR", "slug", "device_slug", "key_string", "table_dirs", "lookup", "load", "reset", "merge_into",
+__all__ = ["TABLE_DIR", "SIBLINGS", "slug", "device_slug", "key_string", "table_dirs", "lookup", "load", "reset", "merge_into",
            "read_file"]
 
 TABLE_DIR = Path(__file__).resolve().parent / "tuned"  # the package's tables (package data)
@@ -120,20 +120,32 @@ def read_file(path: Path) -> dict:
     return kernels
 
 
+# A GPU with no table of its own reads a sibling's: the same chip generation (Hopper, SM 9.0), so
+# the same tile shapes win, near enough. Measured on an H200, the 8B's verify rows with the
+# heuristic row-GEMM config decoded at 165 tok/s, with the tuned table at 315 (BENCHMARKS.md).
+SIBLINGS = {"h100": "h200", "h800": "h200", "h20": "h200", "gh200": "h200"}
+
+
 def load(slug_: str) -> dict:
-    """{kernel: {key: entry}} for a device slug, merged over table_dirs() (read once, see reset)."""
+    """{kernel: {key: entry}} for a device slug, merged over table_dirs() (read once, see reset);
+    a slug with no table reads its sibling's (SIBLINGS)."""
     if slug_ not in _TABLES:
-        merged: dict[str, dict] = {}
-        for d in reversed(table_dirs()):  # the package's first, MEMRA_TUNED_DIR's over it
-            try:
-                kernels = read_file(d / f"{slug_}.json")
-            except (OSError, ValueError) as e:
-                _say(f"ignoring the tuned-config table ({e}); its keys take the heuristic config")
-                continue
-            for name, entries in kernels.items():
-                merged.setdefault(name, {}).update(entries)
-        _TABLES[slug_] = merged
+        own = _load(slug_)
+        _TABLES[slug_] = own if own or slug_ not in SIBLINGS else _load(SIBLINGS[slug_])
     return _TABLES[slug_]
+
+
+def _load(slug_: str) -> dict:
+    merged: dict[str, dict] = {}
+    for d in reversed(table_dirs()):  # the package's first, MEMRA_TUNED_DIR's over it
+        try:
+            kernels = read_file(d / f"{slug_}.json")
+        except (OSError, ValueError) as e:
+            _say(f"ignoring the tuned-config table ({e}); its keys take the heuristic config")
+            continue
+        for name, entries in kernels.items():
+            merged.setdefault(name, {}).update(entries)
+    return merged
 
 
 def _valid(entry, params: set[str]) -> bool:
