@@ -262,11 +262,13 @@ class _Watch:
                 pass
 
 
-async def _queued(ticket, watch: _Watch, cut: asyncio.Future) -> None:
+async def _queued(ticket, watch: _Watch, cut: asyncio.Future, release) -> None:
     """Wait for a session, or for the client to go away (ClientGone), or for the server's cut
     (ApiError 503); the cancelled wait leaves the queue (or passes on a session handed to it
-    just then)."""
+    just then). A session handed to it just before its handler was cancelled (Serve cancels
+    the handler of a client that went away) is passed on too (`release`): no run holds it."""
     wait = asyncio.ensure_future(ticket.wait())
+    got = False
     try:
         await asyncio.wait({wait, watch.task, cut}, return_when=asyncio.FIRST_COMPLETED)
         if not wait.done():
@@ -274,7 +276,10 @@ async def _queued(ticket, watch: _Watch, cut: asyncio.Future) -> None:
                 raise cut_error()
             raise ClientGone("the client went away while queued")
         wait.result()
+        got = True
     finally:
+        if wait.done() and not got and not wait.cancelled() and wait.exception() is None:
+            release()
         if not wait.done():
             wait.cancel()
             try:
@@ -303,7 +308,8 @@ async def _completion(api: _Api, request: Request):
                 ticket = api.admission.enter()
             except QueueFull as e:
                 raise ApiError(429, str(e), None, "queue_full") from None
-            await _queued(ticket, watch, cut)  # the client gone (or the server's cut) while queued: it left the queue
+            # the client gone (or the server's cut) while queued: it left the queue
+            await _queued(ticket, watch, cut, api.admission.release)
         except ApiError as e:
             api.metrics.outcome(e.outcome)
             return _error(e)
@@ -342,6 +348,8 @@ async def _completion(api: _Api, request: Request):
     except (asyncio.CancelledError, ClientGone) as e:  # the client went away (Serve cancels the handler)
         if run is None:
             api.metrics.outcome("aborted")  # before its run started (a run counts itself)
+        else:
+            run.abort()  # cancelled before its stream began: the run ends at its next round
         if isinstance(e, ClientGone):  # nobody reads this answer
             return _error(ApiError(499, "the client went away", None, "client_closed"))
         raise
