@@ -247,17 +247,17 @@ def test_the_package_ships_its_tables():
 
 
 def test_the_first_token_profile_counts_keys_per_kernel_family(monkeypatch):
-    from memra_dist.phase.first_token import FirstTokenProf
+    from memra_dist.phase.first_token import FirstTokenProf, kernel_key_counts, keys_since
 
     fams = {"gemv": {"shipped": 4, "heuristic": 0, "tuned": 0}}
     monkeypatch.setattr(tuning, "FAMILIES", fams)
     pf = FirstTokenProf()
     assert " kernel_keys=" not in pf.line()  # none met: the line as before (docs/spans.md)
-    pf.t0_ns = 1  # the session's start
+    keys0 = kernel_key_counts()  # the session's start
     fams["gemv"]["shipped"] += 3
     fams["gemm_rows"] = {"shipped": 0, "heuristic": 2, "tuned": 0}
     fams["moe_up"] = {"shipped": 0, "heuristic": 0, "tuned": 0}
-    pf.kernel_tune_configs = 0  # its first token
+    pf.kernel_keys = keys_since(keys0)  # its first token
     fams["gemv"]["shipped"] += 10  # after the first token: not counted
     assert pf.kernel_keys == {"gemv": {"shipped": 3, "heuristic": 0, "tuned": 0},
                               "gemm_rows": {"shipped": 0, "heuristic": 2, "tuned": 0}}

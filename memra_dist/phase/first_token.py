@@ -45,7 +45,8 @@ from typing import Callable
 
 from ..tracing.conventions import TTFT_BUCKETS
 
-__all__ = ["FirstTokenProf", "DepthTimer", "lend", "DEPTH_FIELDS", "DEVICE_ARM", "DEVICE_ARM_NOTE", "kernel_key_counts"]
+__all__ = ["FirstTokenProf", "DepthTimer", "lend", "DEPTH_FIELDS", "DEVICE_ARM", "DEVICE_ARM_NOTE", "kernel_key_counts",
+           "keys_since"]
 
 DEVICE_ARM = "device"  # the taps stay on the target's device: no DtoH in the prime, no HtoD in the ingest
 DEVICE_ARM_NOTE = " (device arm: the taps never leave the device, so no tap DtoH in the prime and no HtoD in the ingest)"
@@ -63,9 +64,10 @@ def kernel_key_counts() -> dict[str, dict[str, int]]:
     return {f: dict(c) for f, c in mod.FAMILIES.items()} if mod is not None else {}
 
 
-def _since(before: dict, now: dict) -> dict[str, dict[str, int]]:
+def keys_since(before: dict) -> dict[str, dict[str, int]]:
+    """The keys met per kernel family since `before` (a kernel_key_counts()), families with none left out."""
     out = {}
-    for fam, c in now.items():
+    for fam, c in kernel_key_counts().items():
         d = {k: v - before.get(fam, {}).get(k, 0) for k, v in c.items()}
         if any(d.values()):
             out[fam] = d
@@ -107,21 +109,9 @@ class FirstTokenProf:
     draft_prime_arm: str = "-"
     prime_chunk_rows: list[int] = field(default_factory=list)  # the target prime's chunks, in order
     prime_chunk_ms: list[float] = field(default_factory=list)  # each chunk's drained time (pp > 1: its results' arrival)
-    # kernel family -> keys met between the session's start (`t0_ns` set) and its first token (the
-    # TALLY fields set): shipped / heuristic / tuned (the module doc); filled by __setattr__ below
+    # kernel family -> keys met between the session's start and its first token: shipped /
+    # heuristic / tuned (the module doc; the session sets it with keys_since)
     kernel_keys: dict[str, dict[str, int]] = field(default_factory=dict)
-    _keys0: dict = field(default_factory=kernel_key_counts, init=False, repr=False, compare=False)
-
-    def __setattr__(self, name, value):
-        # the session stamps `t0_ns` beside its tuning-tally snapshot and `kernel_tune_configs`
-        # beside its delta: the per-family key counts take the same window
-        super().__setattr__(name, value)
-        if "_keys0" not in self.__dict__:  # still in __init__
-            return
-        if name == "t0_ns":
-            super().__setattr__("_keys0", kernel_key_counts())
-        elif name == "kernel_tune_configs":
-            super().__setattr__("kernel_keys", _since(self._keys0, kernel_key_counts()))
 
     @property
     def prime_chunks(self) -> int:

@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..phase.clock import PhaseClock, session_clock
 from ..phase.handover import Handover
 from ..kernels import tuning_tally
-from ..phase.first_token import DepthTimer, FirstTokenProf, lend
+from ..phase.first_token import DepthTimer, FirstTokenProf, kernel_key_counts, keys_since, lend
 from ..phase.levels import TraceSettings
 from ..phase.records import BurstRecord
 from ..phase.rounds_log import RoundProf, RoundsLog
@@ -161,7 +161,7 @@ class SpecSession:
         if pf is not None:
             pf.free_mb_before = self._free_mb()
             depth = DepthTimer(pf, c.stamp)
-            tally0 = tuning_tally()
+            tally0, keys0 = tuning_tally(), kernel_key_counts()
             t = pf.t0_ns = c.stamp()
         with lend(getattr(self.target, "runner", self.target), depth):  # pp>1: the head's runner
             self.target.alloc(capacity)
@@ -188,7 +188,7 @@ class SpecSession:
             tally = tuning_tally()
             pf.kernel_tune_configs = tally["configs"] - tally0["configs"]
             pf.kernel_tune_ms = (tally["tune_s"] - tally0["tune_s"]) * 1e3
-            pf.kernel_tune_cached = tally["cached"] - tally0["cached"]
+            pf.kernel_tune_cached, pf.kernel_keys = tally["cached"] - tally0["cached"], keys_since(keys0)
         self.tokens = list(prompt) + [first]
         self.stats = SessionStats(tokens=1, t_start=self.stats.t_start, t_first=time.perf_counter())
         self.done = self.done or commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
