@@ -56,7 +56,7 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_header_byte
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             self._timer = None  # the head timeout; after a refusal, the lingering close's end
-            self._head_bytes = 0
+            self._head_bytes, self._tail = 0, b""  # the head's bytes so far; the last 3 of them
             self._in_head = False  # waiting for (the rest of) a request head
             self._lingering = None  # bytes dropped since a refusal here (None: none)
 
@@ -82,7 +82,7 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_header_byte
 
         def _await_head(self) -> None:
             self._stop_timer()
-            self._in_head, self._head_bytes = True, 0
+            self._in_head, self._head_bytes, self._tail = True, 0, b""
             self._timer = self.loop.call_later(header_timeout_s, self._head_timeout)
 
         def _stop_timer(self) -> None:
@@ -106,12 +106,16 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_header_byte
                 if self._lingering > LINGER_BYTES:
                     self.transport.close()
                 return
-            super().data_received(data)
-            if self._in_head and not self.transport.is_closing():  # still no whole head after these bytes
-                self._head_bytes += len(data)
+            if self._in_head:  # counted before the parser sees them: a head read whole is bounded too
+                probe = self._tail + data  # (the blank line that ends the head may straddle two reads)
+                end = probe.find(b"\r\n\r\n")
+                self._head_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._tail))
+                self._tail = probe[-3:]
                 if self._head_bytes > max_header_bytes:
                     self._refuse(_canned(431, "headers_too_large", f"the request head is over "
                                          f"{max_header_bytes} bytes"))
+                    return
+            super().data_received(data)
 
         def on_headers_complete(self) -> None:
             self._in_head = False
