@@ -198,15 +198,25 @@ def _serve_with(signals: list[int], timeout: float = 30.0):
                 time.sleep(0.01)
         return "drained"
 
-    prev = signal.signal(signal.SIGTERM, sig.on_term), signal.getsignal(signal.SIGINT)
-    timer = threading.Timer(0.2, send_next)
+    def first():  # once serve serves (a signal before that means a stop while starting)
+        end = time.monotonic() + 30
+        while sig.phase != "serving" and time.monotonic() < end:
+            time.sleep(0.01)
+        send_next()
+
+    # Ctrl-C as a user's process has it, whatever an earlier test left in this one (a SIGINT
+    # ignored or caught without raising would leave serve sleeping for good)
+    prev = (signal.signal(signal.SIGTERM, sig.on_term), signal.signal(signal.SIGINT, signal.default_int_handler))
+    sender = threading.Thread(target=first, daemon=True)
     try:
-        timer.start()
+        sender.start()
         rc = _serve(args, lambda a: "http://127.0.0.1:1", lambda: undeployed.append(1), drain, 1, sig)
     finally:
-        timer.cancel()
+        sender.join(5)
+        put_back = signal.getsignal(signal.SIGINT)
         signal.signal(signal.SIGTERM, prev[0])
-        assert signal.getsignal(signal.SIGINT) is prev[1]  # put back
+        signal.signal(signal.SIGINT, prev[1])
+    assert put_back is signal.default_int_handler  # serve put back the SIGINT handler it found
     return rc, calls, sig.cut, undeployed == [1]
 
 
