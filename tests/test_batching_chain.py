@@ -72,38 +72,50 @@ def test_a_stream_that_blocks_does_not_stop_the_rounds(llama):
     assert [got.get(i) for i in range(len(reqs))] == solo
 
 
-def test_a_request_leaving_mid_chain_costs_the_others_nothing(llama):
-    """A client that goes away (its stream raises) mid-request: its queued rows leave the step
-    queue and its blocks go back; the others keep their solo ids, and the engine serves on."""
+def _with_a_victim(llama, victim_stream, again_of: int):
+    """Four ngram requests at once on a 4-wide batched engine, request 0 (thread "victim")
+    streaming through `victim_stream(toks, seen)`: (ids by request, errors by request, the
+    solo ids, request `again_of` run once more after, the backend's stats, the batcher)."""
     reqs = _prompts(4)
     solo = _solo(llama, "ngram", reqs)
     got: dict[int, list[int]] = {}
     errs: dict[int, BaseException] = {}
     with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4) as eng:
         def one(i, p, n):
-            seen = []
+            seen: list[int] = []
 
             def stream(toks):
                 seen.extend(toks)
-                if i == 0 and len(seen) >= 3:
-                    raise ConnectionError("client went away")
+                if i == 0:
+                    victim_stream(seen)
 
             try:
                 got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n), stream=stream).token_ids
-            except ConnectionError as e:
+            except BaseException as e:  # noqa: BLE001 (the tests name every error)
                 errs[i] = e
 
-        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        threads = [threading.Thread(target=one, args=(i, p, n), name="victim" if i == 0 else f"r{i}")
+                   for i, (p, n) in enumerate(reqs)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
-        again = eng.generate(reqs[0][0], _cfg(llama, "ngram", max_new_tokens=reqs[0][1])).token_ids
-        stats = eng._backend.stats()
-    assert list(errs) == [0] and reqs[0][1] > 3
+        again = eng.generate(reqs[again_of][0], _cfg(llama, "ngram", max_new_tokens=reqs[again_of][1])).token_ids
+        return got, errs, solo, again, eng._backend.stats(), eng._backend.batcher
+
+
+def test_a_request_leaving_mid_chain_costs_the_others_nothing(llama):
+    """A client that goes away (its stream raises) mid-request: its queued rows leave the step
+    queue and its blocks go back; the others keep their solo ids, and the engine serves on."""
+    def victim(seen):
+        if len(seen) >= 3:
+            raise ConnectionError("client went away")
+
+    got, errs, solo, again, stats, batcher = _with_a_victim(llama, victim, again_of=0)
+    assert {i: type(e).__name__ for i, e in errs.items()} == {0: "ConnectionError"} and _prompts(4)[0][1] > 3
     assert [got.get(i) for i in range(1, 4)] == solo[1:]
     assert again == solo[0]
-    assert stats["kv_blocks_used"] == 0 and not eng._backend.batcher.pending, stats
+    assert stats["kv_blocks_used"] == 0 and not batcher.pending, stats
 
 
 def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monkeypatch):
@@ -115,8 +127,6 @@ def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monke
     import memra_dist.batching.batcher as batcher_mod
     from memra_dist.batching.step_forward import wake
 
-    reqs = _prompts(4)
-    solo = _solo(llama, "ngram", reqs)
     cv = threading.Condition()
     state = {"rid": None, "left": False, "raced": 0}
     parked, go = threading.Event(), threading.Event()
@@ -146,33 +156,14 @@ def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monke
     monkeypatch.setattr(batcher_mod.Batcher, "admit", admit)
     monkeypatch.setattr(batcher_mod.Batcher, "leave", leave)
     monkeypatch.setattr(batcher_mod, "launch", launch)
-    got: dict[int, list[int]] = {}
-    errs: dict[int, BaseException] = {}
-    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4) as eng:
-        def one(i, p, n):
-            seen = []
 
-            def stream(toks):
-                seen.extend(toks)
-                if i == 0 and len(seen) >= 2:  # the victim's thread waits here; its chain runs on
-                    parked.set()
-                    go.wait(30)
-                    raise ConnectionError("client went away")
+    def victim(seen):
+        if len(seen) >= 2:  # the victim's thread waits here; its chain runs on
+            parked.set()
+            go.wait(30)
+            raise ConnectionError("client went away")
 
-            try:
-                got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n), stream=stream).token_ids
-            except BaseException as e:  # noqa: BLE001 (the test names every error)
-                errs[i] = e
-
-        threads = [threading.Thread(target=one, args=(i, p, n), name="victim" if i == 0 else f"r{i}")
-                   for i, (p, n) in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        again = eng.generate(reqs[1][0], _cfg(llama, "ngram", max_new_tokens=reqs[1][1])).token_ids
-        stats = eng._backend.stats()
-        batcher = eng._backend.batcher
+    got, errs, solo, again, stats, batcher = _with_a_victim(llama, victim, again_of=1)
     assert state["raced"] == 1, state  # the leave did land inside a launch holding the victim's rows
     assert {i: type(e).__name__ for i, e in errs.items()} == {0: "ConnectionError"}
     assert [got.get(i) for i in range(1, 4)] == solo[1:]

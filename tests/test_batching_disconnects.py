@@ -26,20 +26,11 @@ import pytest
 from memra_dist.app import open_engine
 
 from test_batching import CAP, _cfg, _prompts, _solo
+from test_serve_api import _until
 
 
 class Gone(ConnectionError):
     """What a leaving client's stream raises (the test's own, told apart from any engine error)."""
-
-
-def _until(cond, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # ---- the Python API ---------------------------------------------------------------------------
