@@ -3,10 +3,11 @@
 Each request runs its own speculative session (specdec/session.py, unchanged: its drafter,
 acceptance, sampling generator, phase clock and spans) in its own thread, over a `BatchSlot`
 (slot.py) instead of a ModelRunner. A slot's forward (a prefill chunk, a decode row, or a
-verify of 1 + k rows) is submitted here and waits; one submitting thread becomes the step's
-leader and runs every pending submission as ONE forward of the stage (embedding, each block's
-projections and FFN over all rows at once, attention per request over its own paged K/V:
-paged.py), then hands each request its rows' output. So decode rows, verify rows of different
+verify of 1 + k rows) is submitted here and waits; the engine loop (`_run`: one thread, from
+the first submission until `close`, the only one that launches a step) runs every pending
+submission as ONE forward of the stage (embedding, each block's projections and FFN over all
+rows at once, attention per request over its own paged K/V: paged.py), then hands each
+request its rows' output. A caller's thread never leads a step. So decode rows, verify rows of different
 lengths (k per request, 0 included) and new requests' prefill chunks share a forward, and
 requests join (`admit`) and leave (`leave`) between steps: continuous batching.
 
@@ -34,6 +35,7 @@ turn); an admission waits too. A request larger than the whole pool is refused w
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -121,7 +123,11 @@ class Batcher:
             from .graphs import StepGraphs  # noqa: PLC0415
 
             self.graphs = StepGraphs(self, max_tokens, **({"graph_cls": graph_cls} if graph_cls else {}))
-        self.cv = threading.Condition()
+        # one lock, two conditions: callers wait on `cv` (their blocks, their rows' step done),
+        # the engine loop alone on `_loop_cv` (a submission wakes it, and only it)
+        lock = threading.RLock()
+        self.cv = threading.Condition(lock)
+        self._loop_cv = threading.Condition(lock)
         self.pending: list[Job] = []
         self.admitted: dict = {}  # request id -> admission order (the latest is preempted first)
         self.swapped: dict = {}  # request id -> (rows, host K/V per layer): preempted, back before its next forward
@@ -135,7 +141,8 @@ class Batcher:
         self.finished: set = set()  # requests whose chain ended with them: no step waits for their rows
         self.ahead = self.graphs is not None  # plain greedy chains one step ahead (ahead.py): the GPU's graphed steps
         self.remote = None  # pp > 1: the earlier stages down the ring (pipeline/batch_head.py RingWalk)
-        self.stepper: threading.Thread | None = None  # leads the steps while chained rows are queued (start_chain)
+        self.loop: threading.Thread | None = None  # the engine loop: leads every step (started at the first submission)
+        self.closed = False
         self.leaving: set = set()  # requests gone while a step in flight held their rows (leave)
         self.ahead_rids: set = set()  # the requests of the step launched behind the running one (ahead.py)
         self._wakes: list[Chain] = []  # chains with a new round (or ended), their threads not yet woken
@@ -152,6 +159,7 @@ class Batcher:
         with self.cv:
             waited = False
             while not self.pool.reserve(rid, rows):
+                self._open()
                 waited = True
                 self.cv.wait()
             self.stats.waits += waited
@@ -176,7 +184,8 @@ class Batcher:
                 self.leaving.add(rid)
             else:
                 self._free(rid)
-            self.cv.notify_all()  # blocks for a waiting admission; a step that waited for this one
+            self.cv.notify_all()  # blocks for a waiting admission
+            self._loop_cv.notify()  # a step that waited for this one
 
     def _free(self, rid) -> None:
         self.pool.release(rid)
@@ -185,23 +194,35 @@ class Batcher:
     def _free_left(self, held: set) -> None:
         """Called holding the lock between steps: the requests that left while a step held
         them, freed now unless `held` (the step launched behind) still reads them."""
-        for rid in [r for r in self.leaving if r not in held]:
+        gone = [r for r in self.leaving if r not in held]
+        for rid in gone:
             self.leaving.discard(rid)
             self._free(rid)
+        if gone:
+            self.cv.notify_all()  # blocks for a waiting admission; wait_idle
 
     def close(self, timeout: float = 30.0) -> None:
-        """No step runs after this returns (within `timeout`): every chain still queued is
-        cancelled, and the stepper thread, if one leads steps, is joined. Called when the
-        engine closes, so no thread runs torch code while the interpreter exits."""
+        """No step runs after this returns (within `timeout`): every submission still queued
+        fails, every chain is cancelled, and the engine loop is joined. Called when the engine
+        closes, so no thread runs torch code while the interpreter exits."""
         with self.cv:
+            self.closed = True
             for j in self.pending + self.running_jobs:
                 if j.chain is not None:
                     j.chain.cancel()
-            self.pending = [j for j in self.pending if j.chain is None]
-            stepper = self.stepper
+            self._fail_pending(RuntimeError("the engine closed"))
+            loop = self.loop
             self.cv.notify_all()
-        if stepper is not None and stepper is not threading.current_thread():
-            stepper.join(timeout)
+            self._loop_cv.notify()
+        if loop is not None and loop is not threading.current_thread():
+            loop.join(timeout)
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Until no step runs or is queued and every request that left has its blocks back
+        (a step launched one step ahead may still run after its requests have returned);
+        False if that takes longer than `timeout`."""
+        with self.cv:
+            return self.cv.wait_for(lambda: not (self.running or self.pending or self.leaving), timeout)
 
     def trim(self, rid, rows: int) -> None:
         """Request `rid` rolled back to `rows` rows: the whole blocks past them go back to the pool."""
@@ -213,6 +234,7 @@ class Batcher:
         """Called holding the lock: request `rid` (swapped back in if it was preempted) holds
         blocks for `rows` rows, growing into free blocks or preempting another for them."""
         while True:
+            self._open()  # a closed engine wakes whoever waits for blocks: they end
             if rid in self.swapped and not self._swap_in(rid):
                 self.cv.wait()  # blocks come back when a request ends or is preempted
                 continue
@@ -259,33 +281,39 @@ class Batcher:
         request's sub-split timer, which gets the step's laps (laps.py)."""
         job = Job(rid, ids, start, width, last, taps=taps, timer=timer)
         with self.cv:
+            self._open()
             self._hold(rid, start + ids.shape[0])
-            # no notify here: a submission that makes the step ready leads it itself (below), and
-            # waking every waiting request on every submission cost a wake-up storm a step
-            # (16 requests: 240 wake-ups; measured, the host's step time fell 5.8 -> 3.4 ms)
-            self.pending.append(job)
-            self.last_submit = job.t
-            self._wait(lambda: job.done)
+            self._queue(job)
+            while not job.done:
+                self.cv.wait()
         if job.err is not None:
             raise job.err
         return job.out, job.step, job.greedy
 
+    def _queue(self, job: Job) -> None:
+        """Called holding the lock: `job` waits for a step; the loop (started now if it is not
+        running) is the one thread woken: waking every caller on every submission cost a
+        wake-up storm a step (16 requests: 240 wake-ups; the host's step time 5.8 -> 3.4 ms)."""
+        self._open()
+        self.pending.append(job)
+        self.last_submit = job.t
+        if self.loop is None:
+            self.loop = threading.Thread(target=self._run, name="memra-engine-loop", daemon=True)
+            self.loop.start()
+        self._loop_cv.notify()
+
     # ---- rounds the leader runs (chain.py) ----
     def start_chain(self, ch: Chain) -> None:
-        """Hand request `ch.rid`'s rounds to the step leader: its first verify rows are queued
-        here (waiting for blocks, or preempting, as a submission does); the leader queues each
-        next one right after the step before. While chained rows are queued or running, one
-        stepper thread leads the steps that fall due: the requests' own threads only take their
-        rounds (`take`), each waiting on its own chain's signal, so a step's end wakes each of
-        them once and none queues for the batcher's lock."""
+        """Hand request `ch.rid`'s rounds to the engine loop: its first verify rows are queued
+        here (waiting for blocks, or preempting, as a submission does); the loop queues each
+        next one right after the step before. The request's own thread only takes its rounds
+        (`take`), waiting on its own chain's signal, so a step's end wakes each of them once
+        and none queues for the batcher's lock."""
         job = ch.next_job()
         with self.cv:
+            self._open()
             self._hold(ch.rid, job.start + job.n)
-            self.pending.append(job)
-            self.last_submit = job.t
-            if self.stepper is None:
-                self.stepper = threading.Thread(target=self._step_loop, name="memra-batch-stepper", daemon=True)
-                self.stepper.start()
+            self._queue(job)
 
     def take(self, ch: Chain):
         """The chain's next round (chain.ChainRound), waiting for it; None once the chain has
@@ -294,35 +322,48 @@ class Batcher:
             ch.wait()
         return ch.rounds.popleft() if ch.rounds else None
 
-    def _step_loop(self) -> None:
-        """The stepper: leads every step that falls due while chained rows are queued or running."""
-        with self.cv:
-            try:
-                self._wait(lambda: not self.running and not any(j.chain is not None for j in self.pending))
-            except BaseException as e:  # noqa: BLE001 (a bug in a step: no chained request waits forever)
-                for j in self.pending:
-                    if j.chain is not None and not j.chain.ended:
-                        j.chain.err, j.chain.ended = e, True
-                        self._wakes.append(j.chain)
-                self.pending = [j for j in self.pending if j.chain is None]
-                raise
-            finally:
-                self._flush_wakes()
-                self.stepper = None
+    def _open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed")
 
-    def _wait(self, ready) -> None:
-        """Called holding the lock: wait until ready(), leading the steps that fall due meanwhile."""
-        while not ready():
-            if not self.running and self.pending:
-                wait = self._ready_in()
-                if wait <= 0:
-                    self._lead()
-                    continue
-                self._flush_wakes()
-                self.cv.wait(wait)
+    def _run(self) -> None:
+        """The engine loop: the one thread that leads steps, from the first submission until
+        `close`. A step falls due as `_ready_in` says; meanwhile the loop sleeps on its own
+        condition. A bug that escapes a step fails the submissions queued then (their requests
+        end with it); the loop and the requests that come later go on."""
+        with self.cv:
+            while not self.closed:
+                try:
+                    if not self.running and self.pending:
+                        wait = self._ready_in()
+                        if wait <= 0:
+                            self._lead()
+                            continue
+                        self._flush_wakes()
+                        self._loop_cv.wait(wait)
+                    else:
+                        self._flush_wakes()
+                        self._loop_cv.wait()
+                except BaseException as e:  # noqa: BLE001 (no request waits forever on a step that broke)
+                    self.pending = self.running_jobs + self.pending
+                    self.running, self.running_rids, self.running_jobs = False, set(), []
+                    self._fail_pending(e)
+                    print(f"[memra] engine loop: a step failed ({type(e).__name__}: {e}); its requests end with it",
+                          file=sys.stderr, flush=True)
+            self._flush_wakes()
+
+    def _fail_pending(self, e: BaseException) -> None:
+        """Called holding the lock: every queued submission ends with `e` (a chain's request
+        raises it from its next `take`)."""
+        for j in self.pending:
+            if j.chain is not None:
+                if not j.chain.ended:
+                    j.chain.err, j.chain.ended = e, True
+                self._wakes.append(j.chain)
             else:
-                self._flush_wakes()
-                self.cv.wait()
+                j.err, j.done = e, True
+        self.pending = []
+        self.cv.notify_all()
 
     def _flush_wakes(self) -> None:
         """Wake the threads of the chains the last step gave a round: called once the next
@@ -410,33 +451,42 @@ class Batcher:
             self.running, self.running_jobs = True, take
             self.running_rids = {j.rid for j in take}
             self.cv.release()
-            if behind is None:
-                t0 = time.perf_counter_ns()
-                out = launch(self, take, wakes)
-            else:
-                out, t0 = behind
-            nxt = staged = None
-            if not isinstance(out, BaseException):
-                staged = stage_readback(out.pv)  # before anything is launched behind it
-                try:
-                    nxt = plan_ahead(self, take)
-                except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
-                    nxt = None
-                if nxt is not None:
-                    self.ahead_rids = {j.rid for j in nxt}
-                    self.stats.ahead += 1
-                    t_next = time.perf_counter_ns()
-                    out_next = launch(self, nxt, (), ids_dev=out.pred)  # its ids: this step's argmax
-            self._hand_out(take, out, staged)
-            t1 = time.perf_counter_ns()
-            self.cv.acquire()
+            try:
+                out, nxt, ahead, t0, t1 = self._step(take, wakes, behind)
+            finally:
+                self.cv.acquire()
             self._end_step(take, rows, t0, t1, not isinstance(out, BaseException) and out.graphed)
             self._free_left(self.ahead_rids)
             if nxt is None:
                 return
             self._flush_wakes()  # their rounds are in: the device runs the next step meanwhile
-            take, rows, behind, wakes = nxt, len(nxt), (out_next, max(t_next, t1)), ()
+            take, rows, behind, wakes = nxt, len(nxt), (ahead[0], max(ahead[1], t1)), ()
             self.ahead_rids = set()  # the step behind is now the running one (running_rids)
+
+    def _step(self, take: list[Job], wakes, behind):
+        """Called without the lock: step `take` launched (or, `behind`: launched one step ahead
+        already, and when), the step behind it launched where its requests go one step ahead
+        (ahead.py), and the step's rows handed out -> (its output, its readback, the step behind
+        it and that one's (output, start) or None, its start, its end)."""
+        if behind is None:
+            t0 = time.perf_counter_ns()
+            out = launch(self, take, wakes)
+        else:
+            out, t0 = behind
+        nxt = staged = ahead = None
+        if not isinstance(out, BaseException):
+            staged = stage_readback(out.pv)  # before anything is launched behind it
+            try:
+                nxt = plan_ahead(self, take)
+            except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
+                nxt = None
+            if nxt is not None:
+                self.ahead_rids = {j.rid for j in nxt}
+                self.stats.ahead += 1
+                t_next = time.perf_counter_ns()
+                ahead = (launch(self, nxt, (), ids_dev=out.pred), t_next)  # its ids: this step's argmax
+        self._hand_out(take, out, staged)
+        return out, nxt, ahead, t0, time.perf_counter_ns()
 
     @staticmethod
     def _hand_out(take: list[Job], out, staged) -> None:

@@ -1,0 +1,90 @@
+"""The batched engine's loop (memra_dist/batching/batcher.py `_run`): one thread launches every
+step, whoever submitted its rows (a chained round, a prefill chunk, a level-2 round a session
+runs itself, a request with the first-token profile); it is joined when the engine closes; a
+step that breaks ends the requests it held, and the loop and the requests after them go on."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from memra_dist.app import open_engine
+from memra_dist.batching import batcher as batcher_mod
+from memra_dist.phase.levels import TraceSettings
+
+from test_batching import CAP, _batched, _cfg, _prompts, _solo
+
+
+def _spy_launches(monkeypatch) -> list[str]:
+    """The name of the thread that launched each step."""
+    names, real = [], batcher_mod.launch
+
+    def spy(b, jobs, wakes, ids_dev=None):
+        names.append(threading.current_thread().name)
+        return real(b, jobs, wakes, ids_dev)
+    monkeypatch.setattr(batcher_mod, "launch", spy)
+    return names
+
+
+@pytest.mark.parametrize("trace", [TraceSettings(), TraceSettings(level=2), TraceSettings(prof=True)],
+                         ids=["level0-chained", "level2-own-rounds", "first-token-profile"])
+def test_every_step_is_launched_by_the_engine_loop_and_ids_stay_solo(llama, monkeypatch, trace):
+    reqs = _prompts(6)
+    solo = _solo(llama, "ngram", reqs)
+    names = _spy_launches(monkeypatch)
+    batched, stats = _batched(llama, "ngram", reqs, max_batch=3, trace=trace)
+    assert batched == solo
+    assert stats["steps"] >= 20 and len(names) >= stats["steps"]
+    assert set(names) == {"memra-engine-loop"}, sorted(set(names))
+    if trace.level == 0 and not trace.prof:
+        assert stats["chained_rounds"] > 0, stats  # the loop ran the rounds too
+    else:
+        assert stats["chained_rounds"] == 0, stats  # the sessions ran their rounds; the loop their steps
+
+
+def test_the_loop_is_joined_when_the_engine_closes(llama):
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=2) as eng:
+        eng.generate(_prompts(1)[0][0], _cfg(llama, "ngram", max_new_tokens=6))
+        loop = eng._backend.batcher.loop
+        assert loop is not None and loop.is_alive() and loop.name == "memra-engine-loop"
+    assert not loop.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):  # nothing is queued on a closed engine
+        eng._backend.batcher.submit(0, __import__("torch").tensor([1]), 0, 8, True)
+
+
+def test_a_step_that_breaks_ends_its_requests_and_the_loop_goes_on(llama, monkeypatch):
+    """A bug escaping a step (here: the step's readback staging raises on the 3rd step): the
+    requests whose rows it held end with that error; the loop lives on, and requests submitted
+    afterwards get their solo ids."""
+    reqs = _prompts(4)
+    solo = _solo(llama, "ngram", reqs)
+    real, calls = batcher_mod.stage_readback, [0]
+
+    def breaks(pv):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("a bug in a step")
+        return real(pv)
+    monkeypatch.setattr(batcher_mod, "stage_readback", breaks)
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=2) as eng:
+        errors, got = [], {}
+
+        def one(i):
+            p, n = reqs[i]
+            try:
+                got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n)).token_ids
+            except RuntimeError as e:
+                errors.append(str(e))
+        first = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
+        for t in first:
+            t.start()
+        for t in first:
+            t.join(120)
+        assert errors and all("a bug in a step" in e for e in errors), errors
+        loop = eng._backend.batcher.loop
+        assert loop.is_alive()
+        for i in (2, 3):  # after the failure: their solo ids
+            one(i)
+            assert got[i] == solo[i]
+        assert eng._backend.batcher.loop is loop  # the same loop thread went on
