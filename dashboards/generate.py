@@ -234,6 +234,13 @@ def _batch_panels() -> list:
               desc="Batched engines with a tap drafter (DFlash, EAGLE-3, MTP): requests whose drafts the step "
                    "leader made in one draft forward (mean over the rounds drafted that way). Near the requests "
                    "per step: every request's draft shares one forward."),
+        panel(23, "API: prefix cache hit rate (prompt tokens)",
+              [target(f"sum(rate({api_prometheus_name('prefix_hits')}[{RI}])) / "
+                      f"sum(rate({api_prometheus_name('prefix_queries')}[{RI}]))", "cached / prompt tokens")],
+              (16, 84, 8, 8), unit="percentunit",
+              desc="memra-dist serve on a batched engine: the share of completed requests' prompt tokens whose KV "
+                   "blocks came from the prefix cache (a shared header, a chat's earlier turns) instead of being "
+                   "prefilled. 0 with --no-prefix-cache, a tap drafter or kimi_linear (the engine says so at start)."),
     ]
 
 

@@ -56,7 +56,8 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
         pp=args.pp, stage_bounds=_bounds(args.stage_bounds), burst_rounds=args.burst_rounds,
         replay_corrupt=args.replay_corrupt, trace=trace, trace_content=args.trace_content,
         graphs=getattr(args, "graphs", "auto"), compile=getattr(args, "compile", "auto"),
-        kernels=getattr(args, "kernels", "auto"), prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK))
+        kernels=getattr(args, "kernels", "auto"), prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
+        prefix_cache=not getattr(args, "no_prefix_cache", False))
 
 
 # ---- the one request path -------------------------------------------------------------
@@ -148,7 +149,7 @@ class Engine:
 
     def batch_stats(self) -> dict | None:
         """A batched engine's (max_batch > 1) counts: steps, requests and rows a step, the time
-        in its steps and between them (batching/batcher.py BatchStats); None otherwise."""
+        in its steps and between them (batching/stats.py BatchStats); None otherwise."""
         stats = getattr(self._backend, "stats", None)
         return stats() if callable(stats) else None
 

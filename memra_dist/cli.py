@@ -80,6 +80,10 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) 
                    help="prompt rows per prefill forward (default %(default)s): the prompt runs in chunks, so its "
                         "working memory is O(N x context) whatever its length; at --pp > 1 the chunks are "
                         "pipelined across the stages and shrink as the prefix grows (N is their upper bound)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="with --max-batch > 1: do not reuse the KV blocks of prompt prefixes seen before (by "
+                        "default a request whose prompt starts with whole 16-token blocks an earlier request "
+                        "computed shares those blocks and prefills only the rest; the ids are the same)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (Ray actors, one device each); 1 = in-process")
     p.add_argument("--stage-bounds", metavar="A,B,..", help="explicit first layer of stages 2..N (default: even split)")
     p.add_argument("--trace-level", type=int, choices=[0, 1, 2], default=None, help="0 off, 1 phases, 2 + verify sub-split (beats MEMRA_SPEC_TRACE)")

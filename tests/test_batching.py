@@ -58,11 +58,12 @@ def _gate_admissions(eng, n: int) -> None:
     b = eng._backend.batcher
     admit, seen, bar = b.admit, [0], threading.Barrier(n, timeout=120)
 
-    def gated(rid, rows, need=None):
-        admit(rid, rows, need)
+    def gated(rid, rows, need=None, hashes=()):
+        shared = admit(rid, rows, need, hashes)
         seen[0] += 1
         if seen[0] <= n:
             bar.wait()
+        return shared
     b.admit = gated
 
 
@@ -164,19 +165,20 @@ def _first_waits_for_a_short_pool(eng) -> None:
     b = eng._backend.batcher
     reserve, admit, short, lock, first = b.pool.reserve, b.admit, threading.Event(), threading.Lock(), []
 
-    def reserve_(rid, rows):
-        ok = reserve(rid, rows)
+    def reserve_(rid, rows, hashes=()):
+        ok = reserve(rid, rows, hashes)
         if not ok:
             short.set()
         return ok
 
-    def admit_(rid, rows, need=None):
-        admit(rid, rows, need)
+    def admit_(rid, rows, need=None, hashes=()):
+        shared = admit(rid, rows, need, hashes)
         with lock:
             lead = not first
             first.append(rid)
         if lead:
             short.wait(60)
+        return shared
     b.pool.reserve, b.admit = reserve_, admit_
 
 

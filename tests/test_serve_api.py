@@ -171,7 +171,8 @@ def test_fake_stream_equals_the_completion_and_ends_with_done():
         assert r.status_code == 200
         full = r.json()
         assert full["object"] == "text_completion" and full["model"] == "fake"
-        assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+        assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         assert full["choices"][0]["finish_reason"] == "length"
         with client.stream("POST", f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "stream": True,
                                                                    "stream_options": {"include_usage": True}}) as s:

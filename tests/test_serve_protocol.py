@@ -87,7 +87,8 @@ def test_shapes_and_sse_framing():
     u = chunk("cmpl-1", 5, "llama", "", use={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3})
     assert u["choices"] == [] and u["usage"]["total_tokens"] == 3
     full = completion("cmpl-2", 6, "llama", "abc", "stop", 4, 3)
-    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert full["choices"][0] == {"text": "abc", "index": 0, "logprobs": None, "finish_reason": "stop"}
     assert models_list("llama", 9)["data"] == [{"id": "llama", "object": "model", "created": 9, "owned_by": "memra-dist"}]
     assert error_body("m", "t") == {"error": {"message": "m", "type": "t", "param": None, "code": None}}

@@ -45,6 +45,7 @@ from pathlib import Path
 from ..errors import UserError
 from .batcher import Batcher
 from .blocks import BlockPool, blocks_for
+from .prefix_cache import salt_for
 from .paged import PagedKV
 from .policy import check_batchable
 from .slot import BatchSlot
@@ -84,11 +85,33 @@ def graph_bytes(stage, budget: int) -> int:
     return 2 * bucket_rows(budget) * stage.cfg.vocab_size * 4
 
 
+def prefix_cache_off(cfg, arch: str) -> str | None:
+    """Why a batched engine asked to cache prefixes (`cfg.prefix_cache`) cannot, in one line;
+    None when it can (or was asked not to).
+
+    >>> from types import SimpleNamespace as NS
+    >>> prefix_cache_off(NS(prefix_cache=True, drafter="ngram"), "llama") is None
+    True
+    >>> print(prefix_cache_off(NS(prefix_cache=True, drafter="dflash"), "llama"))
+    the prefix cache reuses nothing with --drafter dflash (its drafter reads the target's hidden states at every prompt position)
+    """
+    if not cfg.prefix_cache:
+        return None
+    if arch == "kimi_linear":
+        return ("the prefix cache reuses nothing for kimi_linear (its linear-attention layers keep a recurrent "
+                "state, not blocks)")
+    if cfg.drafter in TAP_DRAFTERS:
+        return (f"the prefix cache reuses nothing with --drafter {cfg.drafter} (its drafter reads the target's "
+                f"hidden states at every prompt position)")
+    return None
+
+
 def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget: int, graphs: bool,
-             tap_layers: tuple[int, ...] = (), reserve: int = 0) -> Batcher:
+             tap_layers: tuple[int, ...] = (), reserve: int = 0, cache: bool = False, salt: bytes = b"") -> Batcher:
     """A batcher over `runner`'s stage with a pool of `kv_rows` slots (default: every request of
     the batch at `capacity`, shrunk to what the device's free memory holds, at least one, with
-    `reserve` bytes left for the tap and draft-cache pools its requests take later)."""
+    `reserve` bytes left for the tap and draft-cache pools its requests take later); `cache`:
+    the pool keeps prompts' full blocks for later requests, keyed under `salt` (prefix_cache.py)."""
     from ..device import free_mb  # noqa: PLC0415
 
     row = PagedKV.row_bytes(runner.stage, runner.dtype)
@@ -97,12 +120,14 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
         room = free * 0.9 - (graph_bytes(runner.stage, budget) if graphs else 0)
         room -= max_batch * PagedKV.request_bytes(runner.stage) + reserve  # recurrent states; taps, draft caches
         kv_rows = max(min(max_batch * capacity, int(room) // max(row, 1)), capacity)
-    pool = BlockPool(blocks_for(kv_rows, BLOCK), BLOCK)
+    pool = BlockPool(blocks_for(kv_rows, BLOCK), BLOCK, cache=cache)
     if pool.rows * row > free:
         raise UserError(f"out of memory: a KV pool of {pool.rows} rows needs {pool.rows * row / 2**20:.0f} MB on "
                         f"{runner.label}, free {free // 2**20} MB (lower --kv-rows or --ctx)")
-    return Batcher(runner.stage, runner.device, runner.dtype, pool, budget,
-                   graphs=graphs and runner.device.type == "cuda", tap_layers=tap_layers, max_requests=max_batch)
+    b = Batcher(runner.stage, runner.device, runner.dtype, pool, budget,
+                graphs=graphs and runner.device.type == "cuda", tap_layers=tap_layers, max_requests=max_batch)
+    b.salt = salt
+    return b
 
 
 class BatchedBackend:
@@ -133,14 +158,20 @@ class BatchedBackend:
         budget = max_tokens if max_tokens is not None else max(cfg.prefill_chunk, max_batch * (cfg.k + 1))
         taps = self._load_tap_net(cfg, plan, max_batch)
         graphs = fast["graphs"] and runner is None
+        off = prefix_cache_off(cfg, plan.model.arch)
+        if off is not None:
+            print(f"[memra] {off}", file=sys.stderr, flush=True)
+        self.prefix_cache = cfg.prefix_cache and off is None
         self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, graphs, taps,
-                                self._pool_bytes(plan, max_batch, taps))
+                                self._pool_bytes(plan, max_batch, taps), self.prefix_cache,
+                                salt_for(cfg.model, self.dtype))
         self.draft_batcher = None
         if cfg.drafter == "model":  # the draft model's steps batched too, over its own pool
             self.draft_runner = load(cfg.draft_model, plan.draft)
             self.draft_batcher = _batcher(self.draft_runner, max_batch, plan.capacity,
                                           self.batcher.pool.rows if kv_rows is not None else None, budget,
-                                          fast["graphs"])
+                                          fast["graphs"], cache=self.prefix_cache, salt=salt_for(cfg.draft_model,
+                                                                                                 self.dtype))
         self.slots = threading.BoundedSemaphore(max_batch)
         self.max_batch = max_batch
         verify = cfg.k + 1 if cfg.drafter != "none" else 1
@@ -284,14 +315,17 @@ class BatchedBackend:
         need = min(plan.capacity, len(prompt) + cfg.max_new_tokens + cfg.k + 1)
         with self.slots:
             first = len(prompt) + 1  # admitted with its prompt's blocks; its forwards grow them
-            slot = BatchSlot(self.batcher, need, first)
-            draft = BatchSlot(self.draft_batcher, need, first) if self.draft_batcher is not None else None
+            slot = BatchSlot(self.batcher, need, first, prompt)
+            draft = BatchSlot(self.draft_batcher, need, first, prompt) if self.draft_batcher is not None else None
+            req = None
             try:
-                yield self.request(plan, prompt, span_sink, slot, draft)
+                req = self.request(plan, prompt, span_sink, slot, draft)
+                yield req
             finally:
-                slot.release()
+                done = req is not None and req.done  # ended (not abandoned): its committed blocks are kept too
+                slot.release(req.session.tokens if done else None)
                 if draft is not None:
-                    draft.release()
+                    draft.release()  # (the draft model's prompt blocks were published as its prime wrote them)
                 if self.draft_pool is not None:
                     self.draft_pool.give(slot)
 
@@ -299,6 +333,8 @@ class BatchedBackend:
         b = self.batcher
         out = {**b.stats.as_dict(), "kv_rows": b.pool.rows, "block": BLOCK,
                "kv_blocks_used": b.pool.used_blocks, "kv_blocks_free": b.pool.free_blocks}
+        if b.pool.cache:
+            out["prefix_cache"] = b.pool.cache_stats()
         if b.graphs is not None:
             out["graphs"] = b.graphs.stats()
         g = self.draft_pool.graphs if self.draft_pool is not None else None
@@ -309,6 +345,8 @@ class BatchedBackend:
         if self.draft_batcher is not None:
             d = self.draft_batcher
             out["draft"] = {**d.stats.as_dict(), "kv_rows": d.pool.rows, "kv_blocks_used": d.pool.used_blocks}
+            if d.pool.cache:
+                out["draft"]["prefix_cache"] = d.pool.cache_stats()
         return out
 
     def close(self) -> None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -48,6 +47,7 @@ from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import BatchStep, Job
+from .stats import BatchStats
 from .paged import PagedKV
 from .step_forward import launch, wake
 
@@ -55,47 +55,6 @@ __all__ = ["Batcher", "BatchStats", "BatchStep"]
 
 MAX_WAIT_S = 0.005  # the longest silence (no new submission) a step waits through
 MAX_HOLD = 4  # a step waits at most this many MAX_WAIT_S after the previous one ended
-
-
-@dataclass
-class BatchStats:
-    steps: int = 0
-    rows: int = 0
-    requests: int = 0  # request-steps: a request's rows in a step count once
-    max_requests: int = 0  # the most requests one step held
-    waits: int = 0  # admissions that waited for blocks
-    preemptions: int = 0  # requests swapped out to let another grow
-    forward_ns: int = 0  # the steps' forwards, launch to device done
-    # from a step's end to the next one's start, when a request rode both: the device idle while
-    # requests mid-generation do their host work (acceptance, drafts, streaming) and the wait
-    gap_ns: int = 0
-    chained: int = 0  # request rounds the step leader ran (chain.py)
-    rounds_ns: int = 0  # the leader's host time in those rounds (inside the gaps between steps)
-    maint_ns: int = 0  # ... of it, the drafters' maintenance (chain_drafts.py maintain_rounds)
-    draft_ns: int = 0  # ... and the next proposals (propose_rounds); the rest: acceptance, commit, trim
-    ahead: int = 0  # steps launched one step ahead (ahead.py)
-    eager: int = 0  # steps not replayed as a graph (prefill chunks, or no graphs: the CPU)
-    eager_ns: int = 0  # their share of forward_ns
-    voids: int = 0  # rows of those past their request's end (an EOS), dropped
-    parks: int = 0  # chains whose next rows found no free block (their session ran that round)
-    draft_batches: int = 0  # draft forwards the leader ran for several chained requests at once (chain_drafts.py)
-    draft_batched: int = 0  # the proposals made in them
-
-    def as_dict(self) -> dict:
-        return {"steps": self.steps, "rows": self.rows, "max_requests": self.max_requests,
-                "mean_requests": round(self.requests / self.steps, 3) if self.steps else 0.0,
-                "mean_rows": round(self.rows / self.steps, 3) if self.steps else 0.0,
-                "mean_step_ms": round(self.forward_ns / self.steps / 1e6, 3) if self.steps else 0.0,
-                "gap_ms": round(self.gap_ns / 1e6, 1), "step_ms": round(self.forward_ns / 1e6, 1),
-                "busy": round(self.forward_ns / (self.forward_ns + self.gap_ns), 3) if self.steps else 0.0,
-                "chained_rounds": self.chained, "chain_parks": self.parks,
-                "draft_batches": self.draft_batches,
-                "mean_draft_batch": round(self.draft_batched / self.draft_batches, 3) if self.draft_batches else 0.0,
-                "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "leader_maint_ms": round(self.maint_ns / 1e6, 1),
-                "leader_draft_ms": round(self.draft_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
-                "eager_steps": self.eager, "eager_step_ms": round(self.eager_ns / 1e6, 1),
-                "admission_waits": self.waits,
-                "preemptions": self.preemptions}
 
 
 class Batcher:
@@ -110,6 +69,7 @@ class Batcher:
                            for b in stage.layers.values())
         self.max_tokens, self.max_wait_s = max_tokens, max_wait_s
         self.max_requests = max_requests  # requests a step holds at most (the backend's --max-batch): the graphs' grid
+        self.salt = b""  # the prefix cache's: the model and dtype whose K/V the pool holds (prefix_cache.py salt_for)
         self.tap_layers: tuple[int, ...] = tuple(tap_layers)  # the layers the requests' tap drafters read
         self.tap_pool = None  # the requests' tap sinks as slots of one pool (model/tap_pool.py)
         if self.tap_layers and max_requests:
@@ -149,16 +109,18 @@ class Batcher:
         self.stats = BatchStats()
 
     # ---- requests joining, growing and leaving ----
-    def admit(self, rid, rows: int, need: int | None = None) -> None:
+    def admit(self, rid, rows: int, need: int | None = None, hashes=()) -> int:
         """Reserve `rows` rows of blocks for request `rid`, waiting while the pool is short.
-        `need`: the most rows it can ever hold (refused now, in one line, if the pool cannot)."""
+        `need`: the most rows it can ever hold (refused now, in one line, if the pool cannot).
+        `hashes`: its prompt's reusable full blocks (prefix_cache.py): the longest prefix of
+        them the pool holds is shared, not recomputed. Returns the rows shared (0: none)."""
         most = max(rows, need or 0)
         if not self.pool.fits(most):
             raise UserError(f"a request of {most} rows does not fit the KV pool ({self.pool.rows} rows): "
                             f"raise --kv-rows or lower --max-new-tokens")
         with self.cv:
             waited = False
-            while not self.pool.reserve(rid, rows):
+            while not self.pool.reserve(rid, rows, hashes):
                 self._open()
                 waited = True
                 self.cv.wait()
@@ -166,6 +128,14 @@ class Batcher:
             self._order += 1
             self.admitted[rid] = self._order
             self.kv.admit(rid)  # recurrent layers: the request's own states
+            return self.pool.shared_rows(rid)
+
+    def publish(self, rid, hashes) -> None:
+        """Request `rid`'s first len(hashes) blocks hold those full blocks' final rows (its
+        prompt's, or its committed tokens' as it ends): later requests may share them."""
+        with self.cv:
+            if self.pool.holds(rid):
+                self.pool.publish(rid, hashes)
 
     def leave(self, rid) -> None:
         """Request `rid` is gone (finished, failed, its client gone), from any thread. Its queued

@@ -22,6 +22,7 @@ from ..device import Drainer, device_label, free_mb
 from ..errors import UserError
 from ..model.taps import TapSink
 from .chain import Chain
+from .prefix_cache import block_hashes, reusable_blocks
 
 __all__ = ["BatchSlot"]
 
@@ -42,8 +43,16 @@ class BatchSlot:
     synchronous = True
     graphs = None  # no per-request step graphs (the batched steps are the batcher's; the ahead path stays off)
 
-    def __init__(self, batcher, need: int, first: int | None = None):
+    def __init__(self, batcher, need: int, first: int | None = None, prompt: list[int] | None = None):
+        """`prompt`: where the batcher's pool caches prefixes (prefix_cache.py), the request's
+        prompt: its reusable blocks are looked up at `alloc` and its full blocks published as
+        its prefill writes them."""
         self.batcher, self.need = batcher, need
+        cache = prompt is not None and batcher.pool.cache
+        self.prompt = list(prompt) if cache else None
+        self.hashes = block_hashes(self.prompt, batcher.pool.block, batcher.salt) if cache else []
+        self.published = 0  # the prompt's leading full blocks published so far
+        self.cached_rows = 0  # the prompt's leading rows shared from the cache at admission (not recomputed)
         self.first = min(need, first) if first is not None else need  # rows reserved at admission
         self.rid = next(_ids)
         self.device, self.dtype = batcher.device, batcher.dtype
@@ -72,7 +81,10 @@ class BatchSlot:
             self.cache.taps = sink or TapSink.alloc(self.tap_layers, capacity, self.stage.cfg.hidden_size,
                                                     self.device, self.dtype)
         if not self.admitted:
-            self.batcher.admit(self.rid, min(self.first, capacity), min(self.need, capacity))
+            reuse = self.hashes[:reusable_blocks(len(self.prompt), self.batcher.pool.block)] if self.hashes else ()
+            self.cached_rows = self.batcher.admit(self.rid, min(self.first, capacity), min(self.need, capacity),
+                                                  reuse)
+            self.published = self.cached_rows // self.batcher.pool.block
             self.admitted = True
         self.capacity, self.length = capacity, 0
 
@@ -83,6 +95,11 @@ class BatchSlot:
         self.length = start + rows
         out, self.last_step, self.greedy_rows = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity,
                                                                     last, self.cache.taps, timer)
+        if self.published < len(self.hashes) and start < len(self.prompt):  # a prefill chunk: its full blocks
+            done = min(len(self.hashes), min(start + rows, len(self.prompt)) // self.batcher.pool.block)
+            if done > self.published:
+                self.batcher.publish(self.rid, self.hashes[:done])
+                self.published = done
         return out
 
     def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
@@ -117,7 +134,13 @@ class BatchSlot:
     def fast_path(self) -> dict[str, bool]:
         return {"graphs": False, "compile": False, "kernels": self.batcher.kernels}
 
-    def release(self) -> None:
+    def release(self, tokens: list[int] | None = None) -> None:
+        """Give the blocks back; `tokens`: the request's tokens once it ended (not abandoned):
+        the full blocks of those its K/V rows hold are published first (a chat's next turn,
+        which repeats this one, reuses them)."""
+        if self.admitted and tokens is not None and self.prompt is not None:
+            rows = min(self.length, len(tokens))  # rows written and kept are the committed tokens'
+            self.batcher.publish(self.rid, block_hashes(tokens[:rows], self.batcher.pool.block, self.batcher.salt))
         if self.admitted:
             self.batcher.leave(self.rid)
             self.admitted = False

@@ -163,7 +163,7 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
         for rep in range(max(1, repeats)):
             for lv in levels:
                 if batcher is not None and lv == levels[0]:
-                    from ..batching.batcher import BatchStats  # noqa: PLC0415
+                    from ..batching.stats import BatchStats  # noqa: PLC0415
 
                     batcher.stats = BatchStats()  # the timed runs' counts only (the first level's)
                 tables[:], spans[:], close = _level_sinks(lv, n, spans_on)

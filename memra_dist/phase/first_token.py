@@ -85,6 +85,7 @@ class FirstTokenProf:
     first_burst_rounds: int = 0
     first_burst_tokens: int = 0
     draft_kv_mb: float = 0.0
+    cached_tokens: int = 0  # the prompt's leading rows shared from a batched engine's prefix cache (not primed)
     free_mb_before: dict[str, int] = field(default_factory=dict)
     free_mb_after: dict[str, int] = field(default_factory=dict)
     # ---- depth (the module doc) ----

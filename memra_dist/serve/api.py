@@ -87,6 +87,8 @@ class _Run:
         exc = fut.exception() if not fut.cancelled() else None
         if exc is None:
             self.api.metrics.outcome("ok")
+            if getattr(self.api.host, "prefix_cache", False):
+                self.api.metrics.prefix(len(self.prep.ids), fut.result().stats.get("cached_tokens", 0))
         elif self.cancelled or isinstance(exc, ClientGone):
             self.api.metrics.outcome("aborted")
         else:
@@ -148,7 +150,8 @@ class _Run:
             rest = final[len(sent):] if final.startswith(sent) else ""
             yield sse(chunk(self.id, self.created, model, rest, finish_reason(res.token_ids, host.eos_ids)))
             if self.include_usage:
-                yield sse(chunk(self.id, self.created, model, "", use=usage(len(prep.ids), len(res.token_ids))))
+                yield sse(chunk(self.id, self.created, model, "", use=usage(len(prep.ids), len(res.token_ids),
+                                                                   res.stats.get("cached_tokens", 0))))
             yield SSE_DONE
         finally:
             self.abort()
@@ -344,7 +347,7 @@ async def _completion(api: _Api, request: Request):
         text = await run.text(res.token_ids)
         return JSONResponse(completion(run.id, run.created, host.model_name, text,
                                        finish_reason(res.token_ids, host.eos_ids), len(prep.ids),
-                                       len(res.token_ids)))
+                                       len(res.token_ids), res.stats.get("cached_tokens", 0)))
     except (asyncio.CancelledError, ClientGone) as e:  # the client went away (Serve cancels the handler)
         if run is None:
             api.metrics.outcome("aborted")  # before its run started (a run counts itself)

@@ -18,12 +18,18 @@ API_METRICS = {
     "queue_depth": "memra.api.queue_depth",  # gauge: requests waiting for a session
     "requests": "memra.api.requests",  # counter, by outcome
     "tokens": "memra.api.tokens",  # counter: completion tokens generated
+    "prefix_queries": "memra.prefix_cache.queries",  # counter: prompt tokens looked up in the prefix cache
+    "prefix_hits": "memra.prefix_cache.hits",  # counter: prompt tokens found there (not prefilled)
 }
 API_METRIC_META = {
     "in_flight": ("gauge", "{request}", "Requests holding one of the engine's sessions (generating, or unwinding an abort)."),
     "queue_depth": ("gauge", "{request}", "Requests waiting for a session (at most --max-queue; beyond it: 429)."),
     "requests": ("counter", "{request}", "Completion requests answered, by outcome."),
     "tokens": ("counter", "{token}", "Completion tokens generated (streamed or not, aborted requests included)."),
+    "prefix_queries": ("counter", "{token}", "Prompt tokens of completed requests on a batched engine with the "
+                       "prefix cache on (--max-batch > 1, no --no-prefix-cache)."),
+    "prefix_hits": ("counter", "{token}", "Of those, the tokens whose KV blocks the engine shared from its prefix "
+                    "cache (usage.prompt_tokens_details.cached_tokens): not prefilled again."),
 }
 OUTCOME_LABEL = "outcome"
 # ok: completed; bad_request: 400/404/413/415; rejected: 429 (queue full) / 503 (too many open requests, the
@@ -51,6 +57,8 @@ class ApiMetrics:
         Gauge(name["queue_depth"], desc["queue_depth"], registry=self.registry).set_function(queue_depth)
         self._requests = Counter(name["requests"], desc["requests"], [OUTCOME_LABEL], registry=self.registry)
         self._tokens = Counter(name["tokens"], desc["tokens"], registry=self.registry)
+        self._queries = Counter(name["prefix_queries"], desc["prefix_queries"], registry=self.registry)
+        self._hits = Counter(name["prefix_hits"], desc["prefix_hits"], registry=self.registry)
         for o in OUTCOMES:  # every outcome present from the start (a rate of a series that appears late is wrong)
             self._requests.labels(o)
 
@@ -60,6 +68,11 @@ class ApiMetrics:
     def tokens(self, n: int) -> None:
         if n:
             self._tokens.inc(n)
+
+    def prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A completed request's prompt, looked up in the prefix cache, and the tokens found."""
+        self._queries.inc(prompt_tokens)
+        self._hits.inc(cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

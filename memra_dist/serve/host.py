@@ -118,6 +118,7 @@ class EngineHost:
         from ..batching.policy import resolve_max_batch  # noqa: PLC0415
 
         self.max_batch = max_batch = resolve_max_batch(max_batch, cfg, self.mcfg)  # auto: decided here
+        self.prefix_cache = max_batch != 1 and cfg.prefix_cache  # a batched engine's pool caches prompts' blocks
         self.tracing = RequestTracing(cfg)
         self._stack = ExitStack()
         try:

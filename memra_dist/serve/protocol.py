@@ -215,9 +215,15 @@ def _choice(text: str, reason: str | None) -> dict:
     return {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: the prompt's tokens served from the prefix cache.
+
+    >>> usage(40, 8, 32)["prompt_tokens_details"]
+    {'cached_tokens': 32}
+    """
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chunk(cid: str, created: int, model: str, text: str, reason: str | None = None, use: dict | None = None) -> dict:
@@ -231,9 +237,9 @@ def chunk(cid: str, created: int, model: str, text: str, reason: str | None = No
 
 
 def completion(cid: str, created: int, model: str, text: str, reason: str, prompt_tokens: int,
-               completion_tokens: int) -> dict:
+               completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [_choice(text, reason)], "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": [_choice(text, reason)], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def models_list(model: str, created: int) -> dict:

@@ -66,6 +66,7 @@ class SessionStats:
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0  # the first token drawn (prefill, cache and graph set-up before it)
     t_end: float = 0.0
+    cached: int = 0  # prompt rows its prefill did not run: shared from the engine's prefix cache
 
     @property
     def acceptance(self) -> float:
@@ -85,7 +86,8 @@ class SessionStats:
         return {"tokens": self.tokens, "seconds": round(wall, 4), "ttft_ms": round((first - self.t_start) * 1e3, 2),
                 "tok_per_s": round((self.tokens - 1) / decode, 2) if decode > 0 and self.tokens > 1 else 0.0,
                 "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance": round(self.acceptance, 4), "tokens_per_round": round(self.tokens_per_round, 3)}
+                "acceptance": round(self.acceptance, 4), "tokens_per_round": round(self.tokens_per_round, 3),
+                "cached_tokens": self.cached}
 
 
 class SpecSession:
@@ -171,9 +173,13 @@ class SpecSession:
         if pf is not None:
             t, pf.ms["cache_alloc"] = c.lap_ms(t)
         chunks = self.chunks(len(prompt))
-        logits = self._prefill(torch.tensor(prompt), chunks)  # (1, V): the last prompt row's
+        # a batched target may hold the prompt's leading rows already (prefix_cache.py): only the rest runs
+        cached = getattr(self.target, "cached_rows", 0)
+        own = [(lo + cached, hi + cached) for lo, hi in self.chunks(len(prompt) - cached)] if cached else chunks
+        logits = self._prefill(torch.tensor(prompt), own)  # (1, V): the last prompt row's
         if pf is not None:
             t, pf.ms["prime"] = c.lap_ms(t)
+            pf.cached_tokens = cached
         first = self._draw(logits, torch.tensor(prompt[-1:]), len(prompt) - 1)
         if pf is not None:
             t, pf.ms["anchor"] = c.lap_ms(t)
@@ -190,7 +196,7 @@ class SpecSession:
             pf.kernel_tune_ms = (tally["tune_s"] - tally0["tune_s"]) * 1e3
             pf.kernel_tune_cached, pf.kernel_keys = tally["cached"] - tally0["cached"], keys_since(keys0)
         self.tokens = list(prompt) + [first]
-        self.stats = SessionStats(tokens=1, t_start=self.stats.t_start, t_first=time.perf_counter())
+        self.stats = SessionStats(tokens=1, t_start=self.stats.t_start, t_first=time.perf_counter(), cached=cached)
         self.done = self.done or commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
         return first
 

@@ -65,6 +65,7 @@ ATTR = {
     "pp": "memra.pp",
     "trace_level": "memra.trace_level",
     "prompt_tokens": "memra.prompt_tokens",
+    "cached_tokens": "memra.cached_tokens",  # prompt tokens shared from the prefix cache, not prefilled (int)
     "prompt": "memra.prompt",  # only with --trace-content
     "output": "memra.output",  # only with --trace-content
     "kv_mb": "memra.draft_kv_mb",

@@ -142,7 +142,8 @@ class SpanSink:
         end = pf.round1_t0_ns + int(sum(pf.ms[b] for b in _ROUND1_BUCKETS) * 1e6)
         ft = self._span(SPAN_FIRST_TOKEN, self.parent, pf.t0_ns, max(end, pf.t0_ns), {
             ATTR["tokens"]: pf.first_burst_tokens, ATTR["rounds"]: pf.first_burst_rounds,
-            ATTR["kv_mb"]: pf.draft_kv_mb, **{ATTR[f]: v for f, v in pf.depth().items()}})
+            ATTR["kv_mb"]: pf.draft_kv_mb, ATTR["cached_tokens"]: pf.cached_tokens,
+            **{ATTR[f]: v for f, v in pf.depth().items()}})
         for buckets, t in ((_PRIME_BUCKETS, pf.t0_ns), (_ROUND1_BUCKETS, pf.round1_t0_ns)):
             for b in buckets:
                 attrs = {}

@@ -222,6 +222,7 @@ class _Request:
         st = result.stats
         self.span.set_attributes({ATTR["tokens"]: st["tokens"], ATTR["rounds"]: st["rounds"],
                                   ATTR["drafted"]: st["drafted"], ATTR["accepted_total"]: st["accepted"],
+                                  ATTR["cached_tokens"]: st.get("cached_tokens", 0),
                                   ATTR["fast_path"]: fast_path_label(st.get("fast_path"))})
         if self.trace_content:
             self.span.set_attribute(ATTR["output"], text)

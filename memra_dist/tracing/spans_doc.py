@@ -66,6 +66,8 @@ ATTR_DOC = {
     "pp": ("", "memra.request", "pipeline stages"),
     "trace_level": ("", "memra.request", "0, 1 or 2"),
     "prompt_tokens": ("{token}", "memra.request", "prompt length"),
+    "cached_tokens": ("{token}", "memra.request, memra.first_token", "the prompt's leading tokens whose KV blocks "
+                      "a batched engine shared from its prefix cache: its prefill ran only the rest (memra.prime_rows)"),
     "prompt": ("", "memra.request", "the prompt text: ONLY with --trace-content"),
     "output": ("", "memra.request", "the generated text: ONLY with --trace-content"),
     "kv_mb": ("MB", "memra.first_token", "the drafter state allocated for the session"),

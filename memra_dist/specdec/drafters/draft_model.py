@@ -46,7 +46,9 @@ class ModelDrafter(Drafter):
         # reaches the lm_head); propose() feeds the pending tail
         n = len(prompt) - 1
         ids = torch.tensor(prompt)
+        skip = getattr(self.runner, "cached_rows", 0)  # a batched draft slot's rows shared from the prefix cache
         for lo, hi in chunks or [(0, n)]:
+            lo = max(lo, skip)
             if lo < min(hi, n):
                 self.runner.forward(ids[lo:min(hi, n)], lo, last=True)
         self.cached = list(prompt[:-1])

@@ -1,0 +1,218 @@
+"""Automatic prefix caching (memra_dist/batching/prefix_cache.py, blocks.py, slot.py): a batched
+engine keeps the full KV blocks of the prompts (and, once a request ends, of the tokens) it has
+computed; a later request whose prompt starts with them shares those blocks and prefills only
+the rest. It changes no id (CPU, fp32, strict): every request gets exactly the ids it gets with
+the cache off and alone, greedy and sampled, with the drafters that need nothing from the
+prompt's hidden states, for prefixes that end mid-block, prompts entirely cached (the last token
+still runs), requests sharing blocks while others roll back or are preempted, and a pool full of
+cached blocks (evicted, least recently used first, only when no free block is left)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from memra_dist.app import open_engine
+from memra_dist.specdec.sampling import SamplingParams
+
+from test_batching import CAP, _cfg, _gate_admissions, _prompts
+
+HEADER = [(5 * j + 1) % 110 + 4 for j in range(37)]  # a few-shot header: two full blocks and 5 rows
+
+
+def _shared_prompts() -> list[tuple[list[int], int]]:
+    """Prompts that start with HEADER (then tails of 1 to 20 tokens), and one prompt exactly
+    two blocks long repeated (entirely cached but for its last block), and outputs that repeat
+    the prompt (ngram drafts, some rejected: rollbacks)."""
+    out = []
+    for i, (p, n) in enumerate(_prompts(6)):
+        out.append((HEADER + p[: 1 + (i * 7) % 20], 6 + n % 20))
+    out += [(HEADER[:32], 12), (HEADER[:32], 12), (HEADER[:33], 9), (HEADER[:33], 9)]
+    return out
+
+
+def _run(model, drafter, reqs, together: bool, cache: bool = True, max_batch: int = 4, kv_rows=None, **kw):
+    """Each request's ids and cached rows on one batched engine: one after another, or from
+    concurrent threads (`together`) -> (ids, cached, the engine's batch stats)."""
+    got, errors = {}, []
+    cfg = _cfg(model, drafter, prefix_cache=cache, **kw)
+    with open_engine(cfg, capacity=CAP, max_batch=max_batch, kv_rows=kv_rows) as eng:
+        def one(i, p, n):
+            try:
+                r = eng.generate(p, _cfg(model, drafter, prefix_cache=cache, max_new_tokens=n, **kw))
+                got[i] = (r.token_ids, r.stats["cached_tokens"])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        if together:
+            threads = [threading.Thread(target=one, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(reqs)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+        else:
+            for i, (p, n) in enumerate(reqs):
+                one(i, p, n)
+        b = getattr(eng._backend, "batcher", None)  # at pp > 1 the head's, in its actor
+        if b is not None:
+            b.wait_idle(60)
+        stats = eng.batch_stats()
+    assert not errors, errors
+    return [got[i][0] for i in range(len(reqs))], [got[i][1] for i in range(len(reqs))], stats
+
+
+def _solo(model, drafter, reqs, **kw) -> list[list[int]]:
+    with open_engine(_cfg(model, drafter, **kw), capacity=CAP) as eng:
+        return [eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw)).token_ids for p, n in reqs]
+
+
+SAMPLED = dict(sampling=SamplingParams(temperature=0.9, top_k=20), seed=7)
+
+
+@pytest.mark.parametrize("drafter,sampled", [("none", False), ("ngram", False), ("ngram", True), ("model", False),
+                                             ("model", True)])
+def test_requests_reusing_a_cached_prefix_get_the_ids_they_get_without_it(llama, draft_llama, drafter, sampled):
+    kw = dict(draft_model=str(draft_llama)) if drafter == "model" else {}
+    kw.update(SAMPLED if sampled else {})
+    reqs = _shared_prompts()
+    solo = _solo(llama, drafter, reqs, **kw)
+    off, off_cached, off_stats = _run(llama, drafter, reqs, together=False, cache=False, **kw)
+    ids, cached, stats = _run(llama, drafter, reqs, together=False, **kw)
+    assert ids == off == solo
+    assert off_cached == [0] * len(reqs) and "prefix_cache" not in off_stats
+    # the first request computed the header; every later one shares its two full blocks (32 rows),
+    # the repeated 33-token prompt all but its last token (2 blocks), the 32-token one 1 block
+    assert cached[0] == 0 and all(c == 32 for c in cached[1:6]), cached
+    assert cached[6] == 16 and cached[7] == 16 and cached[8] == 32 and cached[9] == 32, cached
+    pc = stats["prefix_cache"]
+    assert pc["hits"] == sum(cached) and pc["queries"] >= pc["hits"] > 0, pc
+    assert off_stats["rows"] - stats["rows"] == sum(cached)  # the shared rows were not run again
+    if drafter == "model":  # the draft model's own pool caches the same prefixes
+        assert stats["draft"]["prefix_cache"]["hits"] > 0, stats["draft"]
+
+
+def test_requests_sharing_blocks_at_once_while_others_roll_back_or_are_preempted(llama):
+    """The header's requests run four at a time on a pool too short for all of them to grow:
+    one is swapped out (its shared blocks stay with the others) and back; n-gram drafts are
+    rejected (rollbacks past shared blocks never touch them); every request gets its solo ids."""
+    reqs = [(HEADER + p[:12], 40) for p, _ in _prompts(8)][:4]
+    solo = _solo(llama, "ngram", reqs)
+    warm = [(HEADER + [9], 1)]  # computes the header first, so the four share it from their admission
+    ids, cached, stats = _run(llama, "ngram", warm + reqs, together=False, max_batch=4)
+    assert ids[1:] == solo
+    blocks = 2 + 4 * 2 + 1  # the header's 2 shared + two each at admission, one to spare: growth must preempt
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4, kv_rows=16 * blocks) as eng:
+        eng.generate(*warm[0][:1], _cfg(llama, "ngram", max_new_tokens=1))
+        _gate_admissions(eng, 4)  # all four hold their blocks before any runs a forward
+        got, errors = {}, []
+
+        def one(i):
+            try:
+                r = eng.generate(reqs[i][0], _cfg(llama, "ngram", max_new_tokens=reqs[i][1]))
+                got[i] = (r.token_ids, r.stats["cached_tokens"])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        eng._backend.batcher.wait_idle(60)
+        st = eng.batch_stats()
+    assert not errors, errors
+    assert [got[i][0] for i in range(4)] == solo
+    assert all(got[i][1] == 32 for i in range(4)), got
+    assert st["preemptions"] >= 1 and st["kv_blocks_used"] == 0, st
+
+
+def test_a_pool_full_of_cached_blocks_evicts_the_oldest_and_still_admits(llama):
+    """Eight different prompts through a pool of 8 blocks one after another: their blocks stay
+    cached until the pool needs them, then the least recently used go; the ids never change, and
+    the last prompt repeated still hits (it was used last)."""
+    reqs = [([(13 * i + 7 * j) % 100 + 4 for j in range(38)], 8) for i in range(8)]
+    reqs.append(reqs[-1])
+    solo = _solo(llama, "none", reqs)
+    ids, cached, stats = _run(llama, "none", reqs, together=False, max_batch=2, kv_rows=8 * 16)
+    assert ids == solo
+    pc = stats["prefix_cache"]
+    assert pc["evictions"] > 0 and cached[-1] == 32, (pc, cached)
+    assert stats["kv_blocks_used"] == 0 and pc["cached_blocks"] > 0
+
+
+def test_a_chat_turn_reuses_the_turn_before_with_its_answer(llama):
+    """Turn 2's prompt is turn 1's prompt, its answer and a new message: it shares the blocks of
+    all three that turn 1 held in full (the answer's too, published as turn 1 ended)."""
+    p1 = HEADER + [7, 8, 9]
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=2) as eng:
+        r1 = eng.generate(p1, _cfg(llama, "ngram", max_new_tokens=30))
+        p2 = p1 + r1.token_ids + [11, 12, 13]
+        r2 = eng.generate(p2, _cfg(llama, "ngram", max_new_tokens=10))
+    assert r2.stats["cached_tokens"] == 16 * ((len(p1) + len(r1.token_ids) - 1) // 16) > 32
+    assert r2.token_ids == _solo(llama, "ngram", [(p2, 10)])[0]
+
+
+def test_families_and_drafters_that_cannot_reuse_say_so_in_one_line(llama, tmp_path_factory, capfd):
+    """A tap drafter reads the target's hidden states at every prompt position (its draft cache
+    is primed from them): the engine says in one line that the prefix cache reuses nothing, and
+    no request shares a block."""
+    from test_batching import _tap_drafter
+
+    d = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    reqs = [(HEADER + [4], 6), (HEADER + [5], 6)]
+    _, cached, stats = _run(llama, "dflash", reqs, together=False, draft_model=d)
+    err = capfd.readouterr().err
+    assert "the prefix cache reuses nothing with --drafter dflash" in err
+    assert cached == [0, 0] and "prefix_cache" not in stats
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_moe_and_latent_attention_targets_reuse_prefixes_with_their_solo_ids(tmp_path_factory, arch):
+    """Grouped attention with partial rotary (glm4_moe) and latent attention (deepseek_v3: the
+    latent rows are the blocks' content) share cached blocks and keep their solo ids."""
+    from moe_ckpt import save_moe
+
+    path, _ = save_moe(tmp_path_factory.mktemp("pmoe") / arch, arch, layers=2, n_mtp=0, seed=2)
+    reqs = _shared_prompts()[:4]
+    solo = _solo(path, "ngram", reqs)
+    ids, cached, _ = _run(path, "ngram", reqs, together=False, max_batch=2)
+    assert ids == solo and cached[1:] == [32, 32, 32], cached
+
+
+@pytest.mark.slow  # a local Ray with two CPU stage actors
+def test_a_batched_pipeline_reuses_prefixes_on_every_stage(ray_local, llama):
+    """At pp 2 the head's pool decides and every stage's pool holds the same blocks (the step
+    plan carries the block tables): the shared rows are skipped down the whole ring, and the ids
+    are the solo ids."""
+    reqs = _shared_prompts()[:5]
+    solo = _solo(llama, "ngram", reqs)
+    ids, cached, stats = _run(llama, "ngram", reqs, together=False, max_batch=2, pp=2)
+    assert ids == solo and cached[1:] == [32, 32, 32, 32], cached
+
+
+def test_serve_reports_the_cached_prompt_tokens_in_its_usage(llama):
+    """`serve`'s usage object carries `prompt_tokens_details.cached_tokens` as OpenAI's API
+    does: 0 for a prompt first seen, the shared rows for the same prompt again (its text the same)."""
+    import httpx
+
+    from test_serve_api import _uvicorn
+
+    from memra_dist.config import RunConfig
+    from memra_dist.serve.api import build_app
+    from memra_dist.serve.host import EngineHost
+
+    cfg = RunConfig(model=str(llama), device="cpu", dtype="fp32", max_new_tokens=6)
+    host = EngineHost(cfg, 2, max_batch=2)
+    prompt = "the five phases of a round: draft, verify, accept, rollback and maint; " * 3
+    try:
+        with _uvicorn(build_app(host, 4)) as base, httpx.Client(timeout=60) as client:
+            first, again = (client.post(f"{base}/v1/completions", json={"prompt": prompt}).json() for _ in range(2))
+            metrics = client.get(f"{base}/metrics").text
+    finally:
+        host.close()
+    n = first["usage"]["prompt_tokens"]
+    assert n > 32 and first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 16 * ((n - 1) // 16)}
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    counted = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines() if ln.startswith("memra_prefix")}
+    assert counted["memra_prefix_cache_queries_total"] == 2 * n  # the Grafana panel's hit rate: hits / queries
+    assert counted["memra_prefix_cache_hits_total"] == again["usage"]["prompt_tokens_details"]["cached_tokens"]
