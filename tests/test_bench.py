@@ -337,7 +337,7 @@ def test_bad_sections_is_one_line_exit_2():
     p = _cli("bench", "--sections", "decode,bogus")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["memra-dist: error: --sections: unknown bogus "
-                                             "(choose from bandwidth, steps, decode, trace, peer, pp, hybrid, prefill, batching)"]
+                                             "(choose from bandwidth, steps, decode, trace, peer, pp, hybrid, prefill, prefix, batching)"]
 
 
 @pytest.mark.slow  # the whole bench on tiny checkpoints
@@ -357,7 +357,7 @@ def test_tiny_cpu_run_writes_every_key(tmp_path):
     assert "section decode: start" in p.stderr and "section decode: done" in p.stderr  # progress on stderr
     res = json.loads(out.read_text())
     for key in ("meta", "formula", "bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid", "prefill",
-                "batching", "targets"):
+                "prefix", "batching", "targets"):
         assert key in res, key
     assert "--sections batching" in res["batching"]["skipped"]  # not in the default suite
     m = res["meta"]
@@ -515,3 +515,22 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     assert set(by) == {"0", "1"} and all(len(v["runs"]) == 5 for v in by.values())
     assert b["replay"]["4"]["tokens_per_round"] > 1.5  # ~0.8 of its K = 4 drafts right: speculation ran
     assert all(len(v) == 4 and v[3] in (3, 5) for v in b["figures"].values())
+
+
+def test_prefix_section_on_cpu_times_both_workloads_and_keeps_the_ids(tmp_path):
+    """--sections prefix on the tiny CPU shape: TTFT with the cache off and on for a chat's
+    second turn and a shared header, the tokens the engine says it shared, the same ids both
+    ways, and its rows in the markdown."""
+    from memra_dist.bench.report import markdown
+
+    out = tmp_path / "bench.json"
+    p = _cli("bench", "--shape", "tiny", "--device", "cpu", "--sections", "prefix", "--out", str(out),
+             "--cache-dir", str(tmp_path / "cache"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())["prefix"]
+    assert r["ids_equal"] is True and r["cached_tokens_off"] == [0]
+    assert max(r["cached_tokens_on"]) >= r["header"] - 16 and r["cached_tokens_on"] != [0]
+    for key in ("turn2", "shared"):
+        assert r[f"{key}_ttft_ms_off"] > 0 and r[f"{key}_ttft_ms_on"] > 0 and r[f"{key}_speedup"] > 0
+    md = markdown(json.loads(out.read_text()))
+    assert "prefix cache, chat turn 2" in md and "prefix cache, shared header x5" in md

@@ -4,13 +4,13 @@ One role per file: checkpoints (made on the machine), timing (sync, medians, cop
 roofline (pure formulas), noise (ranges of repeats; the pass / miss / within-noise verdict),
 fastpath (the one place the CUDA-graph switch is wired), runs (runners built once,
 generations, step timing), drafting (draft cost per round off the phase clock, the model
-drafter vs its weight read, n-gram propose), sections / peer / dist_bench / hybrid / prefill / batching (what
+drafter vs its weight read, n-gram propose), sections / peer / dist_bench / hybrid / prefill / prefix / batching (what
 is measured), suite (order, budget, progress), report (targets, flags, markdown), cli (argparse glue).
 """
 
 __all__ = ["add_bench_parser", "run_bench", "SECTIONS"]
 
-SECTIONS = ("bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid", "prefill", "batching")  # in run order
+SECTIONS = ("bandwidth", "steps", "decode", "trace", "peer", "pp", "hybrid", "prefill", "prefix", "batching")  # in run order
 
 
 def add_bench_parser(sub) -> None:

@@ -315,10 +315,27 @@ def _info_rows(res: dict) -> list[tuple[str, str]]:
                                              f"{_rng(_get(res, 'pp', f'pp{pp}_over_pp1_step_range'))} of pp=1, "
                                              f"greedy ids equal pp=1: {r.get('greedy_ids_equal_pp1')}"))
     rows += _prefill_rows(res)
+    rows += _prefix_rows(res)
     rows += batch_rows(res)
     for k, h in (_get(res, "hybrid", "k") or {}).items():
         rows.append((f"hybrid {res['hybrid']['shape']} K={k}", f"verify/decode {h['ratio_vs_decode']:.2f}, "
                                                              f"KDA rollback {h['rollback_share_of_verify'] * 100:.2f} % of verify"))
+    return rows
+
+
+def _prefix_rows(res: dict) -> list[tuple[str, str]]:
+    """The prefix cache: TTFT at the caller with it off / on, for a chat's second turn and a
+    shared header, the tokens it shared, and whether the ids stayed the same."""
+    p = res.get("prefix") or {}
+    rows = []
+    for key, what in (("turn2", "chat turn 2"), ("shared", f"shared header x{p.get('requests')}")):
+        if p.get(f"{key}_ttft_ms_on") is None:
+            continue
+        rows.append((f"prefix cache, {what} ({p['header']} tokens)",
+                     f"TTFT {p[f'{key}_ttft_ms_off']:.1f}{_rng(p.get(f'{key}_ttft_ms_off_range'), '.1f')} -> "
+                     f"{p[f'{key}_ttft_ms_on']:.1f}{_rng(p.get(f'{key}_ttft_ms_on_range'), '.1f')} ms "
+                     f"(x{p[f'{key}_speedup']}), cached tokens {p.get('cached_tokens_on')}, ids equal "
+                     f"{p.get('ids_equal')}"))
     return rows
 
 

@@ -159,10 +159,11 @@ def _section_fns() -> dict:
     from .peer import peer  # noqa: PLC0415
     from .prefill import prefill  # noqa: PLC0415
     from .batching import batching  # noqa: PLC0415
+    from .prefix import prefix  # noqa: PLC0415
 
     return {"bandwidth": sections.bandwidth, "steps": sections.steps, "decode": sections.decode,
             "trace": sections.trace_levels, "peer": peer, "pp": pipeline, "hybrid": hybrid, "prefill": prefill,
-            "batching": batching}
+            "prefix": prefix, "batching": batching}
 
 
 def _meta(s: Suite, root: Path) -> dict:
@@ -194,6 +195,8 @@ def run_suite(opts: Options, root: Path) -> dict:
                    "hybrid": "not selected (--hybrid, or the default suite on a GPU, runs it)",
                    "prefill": "not in the default suite (minutes on a GPU: prompts to 128k, the transformers "
                               "peer, a chunk sweep; --sections prefill runs it)",
+                   "prefix": "not in the default suite (a chat's second turn and a shared header with the "
+                             "prefix cache off and on; --sections prefix runs it)",
                    "batching": "not in the default suite (engines of 1 to 64 concurrent requests; --sections "
                                "batching runs it)"}.get(name, "not selected")
             res[name] = {"skipped": why}

@@ -1,0 +1,103 @@
+"""What the prefix cache saves, timed from the outside (`memra-dist bench --sections prefix`).
+
+Two workloads through the public API on a batched engine (`open_engine(..., max_batch=2)`: what
+`batch` and `serve` run), plain greedy decoding, once with the prefix cache off
+(`prefix_cache=False`, `--no-prefix-cache`) and once on (the default), each on a fresh engine
+warmed by one unrelated request:
+
+    chat turn 2      turn 1 = a HEADER-token prompt and NEW tokens; turn 2 = turn 1's prompt,
+                     its answer and a short message. TTFT of turn 2 at the caller (from the
+                     call to its first token through the stream callback).
+    shared header    REQUESTS prompts of one HEADER-token header and their own 16-token tails,
+                     one after another: TTFT p50 over all but the first (the first computes the
+                     header either way).
+
+Each row: TTFT off / on (median of REPEATS runs, their range), the speedup, the tokens shared
+(the results' `cached_tokens`: what the engine's own stats say it skipped) and whether every
+request's ids are the same with and without the cache (they must be).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from .noise import Fig
+
+__all__ = ["prefix", "workload"]
+
+HEADER = {"cuda": 8192, "cpu": 256}  # the shared prompt rows (a GPU: the issue's 8k-token first turn)
+NEW = 32
+REQUESTS = 5
+REPEATS = 3
+TAIL = 16
+
+
+def _timed(eng, prompt: list[int], cfg) -> tuple[float, list[int], int]:
+    """(seconds from the call to the first token the caller receives, the ids, cached tokens)."""
+    first: list[float] = []
+    t0 = time.perf_counter()
+    res = eng.generate(prompt, cfg, stream=lambda toks: first or first.append(time.perf_counter()))
+    return first[0] - t0, res.token_ids, res.stats.get("cached_tokens", 0)
+
+
+def workload(model: str, device: str, header: int, cache: bool, vocab: int, repeats: int = REPEATS,
+             new: int = NEW) -> dict:
+    """Both workloads on one engine with the cache on or off -> their TTFTs (s, per repeat),
+    ids and cached tokens. Each repeat uses its own header (a new seed), so nothing carries
+    over from the repeat before."""
+    from ..app import open_engine  # noqa: PLC0415
+    from ..config import RunConfig  # noqa: PLC0415
+    from .runs import make_prompt  # noqa: PLC0415
+
+    cfg = RunConfig(model=model, drafter="none", device=device, max_new_tokens=new, prefix_cache=cache)
+    cap = header + 2 * new + 2 * TAIL + 8
+    out = {"turn2_s": [], "shared_s": [], "ids": [], "cached": []}
+    with open_engine(cfg, capacity=cap, max_batch=2) as eng:
+        _timed(eng, make_prompt(64, vocab, seed=999), cfg)  # the warm-up a server gets from its first request
+        for rep in range(repeats):
+            head = make_prompt(header, vocab, seed=100 + rep)
+            t1, a1, c1 = _timed(eng, head + [5, 6, 7], cfg)
+            t2, a2, c2 = _timed(eng, head + [5, 6, 7] + a1 + [8, 9, 10], cfg)
+            out["turn2_s"].append(t2)
+            out["ids"] += [a1, a2]
+            out["cached"].append(c2)
+            tails = [make_prompt(TAIL, vocab, seed=1000 * rep + i) for i in range(REQUESTS)]
+            base = make_prompt(header, vocab, seed=500 + rep)
+            times = []
+            for tail in tails:
+                t, ids, c = _timed(eng, base + tail, cfg)
+                times.append(t)
+                out["ids"].append(ids)
+                out["cached"].append(c)
+            out["shared_s"].append(statistics.median(times[1:]))
+    return out
+
+
+def _fig_ms(xs: list[float]) -> Fig:
+    f = Fig.of([x * 1e3 for x in xs])
+    return Fig(statistics.median(x * 1e3 for x in xs), f.lo, f.hi, f.n)
+
+
+def prefix(s) -> dict:
+    """The suite's section (see the module doc)."""
+    from ..model.config import load_config  # noqa: PLC0415
+    from .checkpoints import ensure_checkpoint  # noqa: PLC0415
+
+    header = HEADER["cuda" if s.device.type == "cuda" else "cpu"]
+    model = str(ensure_checkpoint(s.opts.shape, s.cache, s.device, s.say, s.ckpt_dtype))
+    vocab = load_config(model).vocab_size
+    runs = {}
+    for cache in (False, True):
+        s.say(f"  prefix cache {'on' if cache else 'off'}: chat turn 2 and a shared {header}-token header, "
+              f"{REPEATS} repeats")
+        runs[cache] = workload(model, str(s.device), header, cache, vocab)
+    out = {"header": header, "new": NEW, "requests": REQUESTS, "repeats": REPEATS,
+           "ids_equal": runs[True]["ids"] == runs[False]["ids"],
+           "cached_tokens_on": sorted(set(runs[True]["cached"])), "cached_tokens_off": sorted(set(runs[False]["cached"]))}
+    for key in ("turn2", "shared"):
+        off, on = _fig_ms(runs[False][f"{key}_s"]), _fig_ms(runs[True][f"{key}_s"])
+        out[f"{key}_ttft_ms_off"], out[f"{key}_ttft_ms_off_range"] = round(off.value, 2), off.rng(2)
+        out[f"{key}_ttft_ms_on"], out[f"{key}_ttft_ms_on_range"] = round(on.value, 2), on.rng(2)
+        out[f"{key}_speedup"] = round(off.value / on.value, 2) if on.value else None
+    return out
