@@ -88,3 +88,35 @@ def test_a_step_that_breaks_ends_its_requests_and_the_loop_goes_on(llama, monkey
             one(i)
             assert got[i] == solo[i]
         assert eng._backend.batcher.loop is loop  # the same loop thread went on
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_each_step_is_one_span_of_its_own_and_every_round_that_rode_it_links_to_it(llama, level):
+    """Traced, a batched step is a `batch.step` span in a trace of its own, made once (by
+    whichever request's sink got there first), with the step's requests, rows, forward and KV
+    blocks; every request's spec.round carries one span link to the step its verify rode in,
+    with its share (rows, k, accepted), and the step lies inside that round."""
+    from test_batching import traced_batched
+
+    from memra_dist.tracing.conventions import ATTR, SPAN_BATCH_STEP, SPAN_ROUND
+
+    reqs = _prompts(4)
+    got, exps, stats = traced_batched(llama, "ngram", reqs, level)
+    assert got == _solo(llama, "ngram", reqs)
+    spans = [s for e in exps for s in e.get_finished_spans()]
+    steps = [s for s in spans if s.name == SPAN_BATCH_STEP]
+    by_id = {s.attributes[ATTR["batch_step"]]: s for s in steps}
+    assert len(by_id) == len(steps) > 0  # each step's span made once
+    request_traces = {s.context.trace_id for s in spans if s.name == SPAN_ROUND}
+    assert not request_traces & {s.context.trace_id for s in steps} and all(s.parent is None for s in steps)
+    rounds = [s for s in spans if s.name == SPAN_ROUND]
+    assert rounds and any(s.attributes[ATTR["batch_requests"]] >= 2 for s in steps)
+    for r in rounds:
+        (link,) = r.links
+        step = by_id[r.attributes[ATTR["batch_step"]]]
+        assert link.context.span_id == step.context.span_id and link.context.trace_id == step.context.trace_id
+        assert link.attributes[ATTR["k"]] == r.attributes[ATTR["k"]]
+        assert link.attributes[ATTR["accepted"]] == r.attributes[ATTR["accepted"]]
+        assert link.attributes[ATTR["rows"]] == r.attributes[ATTR["k"]] + 1
+        assert r.start_time <= step.start_time <= step.end_time <= r.end_time
+    assert max(by_id) < stats["steps"] and all(s.attributes[ATTR["batch_rows"]] >= 1 for s in steps)

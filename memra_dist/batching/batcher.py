@@ -48,6 +48,7 @@ from .chain import Chain
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import BatchStep, Job
 from .stats import BatchStats
+from .step_ids import StepIds
 from .paged import PagedKV
 from .step_forward import launch, wake
 
@@ -107,6 +108,7 @@ class Batcher:
         self.ahead_rids: set = set()  # the requests of the step launched behind the running one (ahead.py)
         self._wakes: list[Chain] = []  # chains with a new round (or ended), their threads not yet woken
         self.stats = BatchStats()
+        self.step_ids = StepIds()
 
     # ---- requests joining, growing and leaving ----
     def admit(self, rid, rows: int, need: int | None = None, hashes=()) -> int:
@@ -482,8 +484,10 @@ class Batcher:
         submissions done."""
         used, free = self.pool.used_blocks, self.pool.free_blocks
         sid = self.stats.steps
+        ids = self.step_ids.new()  # its span's, should a traced request build it (tracing/emit.py)
         for j in take:
-            j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free, self.stats.preemptions)
+            j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free, self.stats.preemptions,
+                               t0, ids, self.step_ids)
         self.running = False
         s = self.stats
         if self.running_rids & self.prev_rids:  # a request mid-generation waited for this step

@@ -36,6 +36,7 @@ TTFT_BUCKETS = (
 )
 SPAN_PRIME_CHUNK = "ttft.prime.chunk"  # one prefill chunk of the target's prime (under ttft.prime)
 SPAN_STAGE_FORWARD = "stage.forward"  # a pipeline stage's share of one forward walk (or of one batch step)
+SPAN_BATCH_STEP = "batch.step"  # one step of a batched engine, its own trace; the rounds that rode it link to it
 
 
 def ttft_span(bucket: str) -> str:
@@ -103,6 +104,9 @@ ATTR = {
     "batch_wait_ms": "memra.batch.wait_ms",  # share of spec.verify: its rows waiting for the step to start (ms)
     "batch_forward_ms": "memra.batch.forward_ms",  # share of spec.verify: the step's forward, host to host (ms)
     "batch_draft_requests": "memra.batch.draft_requests",  # on spec.draft / spec.round: requests its draft forward held
+    "batch_kv_used": "memra.batch.kv_used",  # on batch.step: the paged pool's blocks in use after the step (int)
+    "batch_kv_free": "memra.batch.kv_free",  # on batch.step: ... and free (int)
+    "batch_preempted": "memra.batch.preempted",  # on batch.step: requests preempted so far (int)
     # a batched round run by the step's leader, at level 1: its phases as attributes of spec.round (ms)
     **{f"{p}_ms": f"memra.{p}_ms" for p in PHASES},
     "fast_path": "memra.fast_path",  # what the target's steps ran: graphs+compile+kernels(+ahead) ... | eager

@@ -10,12 +10,12 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, TraceFlags
+from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from ..phase.first_token import FirstTokenProf
 from ..phase.records import BurstRecord, RoundRecord
-from .conventions import (ATTR, PHASE_SPANS, PHASES, SPAN_BURST, SPAN_FIRST_TOKEN, SPAN_PRIME_CHUNK, SPAN_ROUND,
-                          TTFT_BUCKETS, VERIFY_SUB_SPANS, free_mb_attr, ttft_span)
+from .conventions import (ATTR, PHASE_SPANS, PHASES, SPAN_BATCH_STEP, SPAN_BURST, SPAN_FIRST_TOKEN, SPAN_PRIME_CHUNK,
+                          SPAN_ROUND, TTFT_BUCKETS, VERIFY_SUB_SPANS, free_mb_attr, ttft_span)
 
 __all__ = ["SpanSink", "verify_sub_layout"]
 
@@ -67,14 +67,31 @@ class SpanSink:
             self.sampled = res.decision.is_sampled()
         self.flags = TraceFlags(TraceFlags.SAMPLED if self.sampled else TraceFlags.DEFAULT)
 
-    def _span(self, name: str, parent: SpanContext | None, t0: int, t1: int, attrs: dict) -> SpanContext:
-        sc = SpanContext(self.trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=self.flags)
+    def _span(self, name: str, parent: SpanContext | None, t0: int, t1: int, attrs: dict, links=(),
+              sc: SpanContext | None = None) -> SpanContext:
+        sc = sc or SpanContext(self.trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=self.flags)
         if self.sampled:
             self.count += 1
             self.proc.on_end(ReadableSpan(name, context=sc, parent=parent, resource=self.resource,
                                           attributes={**self.attrs, **attrs}, instrumentation_scope=self.scope,
-                                          start_time=t0 + self.offset, end_time=t1 + self.offset))
+                                          start_time=t0 + self.offset, end_time=t1 + self.offset, links=links))
         return sc
+
+    def _step_link(self, r: RoundRecord) -> tuple:
+        """The link from a batched round to the step its verify rode in (its share: its rows, k
+        and accepted), the step's span made here if no request's sink made it before
+        (batching/step_ids.py); () for a round that rode no step."""
+        b = r.batch
+        if b is None or b.ids is None:
+            return ()
+        sc = SpanContext(b.ids[0], b.ids[1], is_remote=False, trace_flags=self.flags)
+        if self.sampled and b.spans.claim(b.id):
+            self._span(SPAN_BATCH_STEP, None, b.t0, b.t0 + b.forward_ns, {
+                ATTR["batch_step"]: b.id, ATTR["batch_requests"]: b.requests, ATTR["batch_rows"]: b.rows,
+                ATTR["batch_forward_ms"]: b.forward_ns / 1e6, ATTR["batch_kv_used"]: b.kv_used,
+                ATTR["batch_kv_free"]: b.kv_free, ATTR["batch_preempted"]: b.preempted,
+                **self._mem(r.free_mb[1])}, sc=sc)
+        return (Link(sc, {ATTR["rows"]: r.k + 1, ATTR["k"]: r.k, ATTR["accepted"]: r.j}),)
 
     @staticmethod
     def _mem(d: dict[str, int]) -> dict:
@@ -109,13 +126,13 @@ class SpanSink:
                           ATTR["batch_wait_ms"]: b.wait_ns / 1e6, ATTR["batch_forward_ms"]: b.forward_ns / 1e6})
         if r.draft_requests:
             attrs[ATTR["batch_draft_requests"]] = r.draft_requests
-        self._span(SPAN_ROUND, burst, r.t[0], r.t[5], attrs)
+        self._span(SPAN_ROUND, burst, r.t[0], r.t[5], attrs, self._step_link(r))
 
     def _round(self, r: RoundRecord, burst: SpanContext) -> None:
         base = {ATTR["round"]: r.index, ATTR["k"]: r.k, ATTR["accepted"]: r.j, ATTR["ctx"]: r.ctx}
         if r.batch is not None:  # a batched request: the step its verify rode in (every request of it names it)
             base[ATTR["batch_step"]] = r.batch.id
-        rs = self._span(SPAN_ROUND, burst, r.t[0], r.t[5], {**base, ATTR["seq_rows"]: r.seq_rows})
+        rs = self._span(SPAN_ROUND, burst, r.t[0], r.t[5], {**base, ATTR["seq_rows"]: r.seq_rows}, self._step_link(r))
         for i, ph in enumerate(PHASES):
             mem = self._mem(r.free_mb[i])
             extra = {ATTR["draft_forwards"]: r.draft_forwards} if ph == "draft" and r.draft_forwards >= 0 else {}

@@ -105,6 +105,9 @@ ATTR_DOC = {
     "draft_prime_chunks": ("{call}", "memra.first_token", "ingest calls in the drafter prime"),
     "draft_prime_arm": ("", "memra.first_token", "`device` (a tap drafter: the taps stay on the device) or `-` "
                         "(the drafter reads no taps)"),
+    "batch_kv_used": ("{block}", "batch.step", "the paged KV pool's blocks in use after the step"),
+    "batch_kv_free": ("{block}", "batch.step", "the paged KV pool's blocks free after the step (cached ones included)"),
+    "batch_preempted": ("{request}", "batch.step", "requests the engine had preempted (swapped out) by the step's end"),
     "drafted": ("{token}", "memra.request", "drafted tokens over the request"),
     "accepted_total": ("{token}", "memra.request", "accepted drafts over the request"),
     "batch_step": ("", "spec.round, spec.verify, stage.forward", "a batched request (--max-batch > 1): the id of the batch step its "
@@ -137,6 +140,10 @@ _SPANS = [
     *[(C.ttft_span(b), C.SPAN_FIRST_TOKEN, "driver / head", "first-token bucket " + b) for b in C.TTFT_BUCKETS],
     (C.SPAN_PRIME_CHUNK, C.ttft_span("prime"), "driver / head", "profile on: one prefill chunk of the target's prime "
      "(laid end to end inside ttft.prime; pp > 1: each stage's own chunk spans are its stage.forward spans)"),
+    (C.SPAN_BATCH_STEP, "-", "driver / head", "a batched engine (--max-batch > 1): one step of the engine loop, every "
+     "request's rows in one forward, from its launch to its readback; its own trace (it serves many requests), made once "
+     "by the first traced request that rode it; each such request's spec.round carries a span link to it with its share "
+     "(memra.rows, memra.k, memra.accepted)"),
     (C.SPAN_STAGE_FORWARD, C.SPAN_REQUEST, "stage", "pp > 1: a stage actor's share of one forward walk (its layers, drained); batched, of one "
      "step of every request's rows, in the trace of the step's first request"),
 ]
