@@ -58,8 +58,8 @@ def _gate_admissions(eng, n: int) -> None:
     b = eng._backend.batcher
     admit, seen, bar = b.admit, [0], threading.Barrier(n, timeout=120)
 
-    def gated(rid, rows, need=None, hashes=()):
-        shared = admit(rid, rows, need, hashes)
+    def gated(rid, rows, need=None, *a):
+        shared = admit(rid, rows, need, *a)
         seen[0] += 1
         if seen[0] <= n:
             bar.wait()
@@ -171,8 +171,8 @@ def _first_waits_for_a_short_pool(eng) -> None:
             short.set()
         return ok
 
-    def admit_(rid, rows, need=None, hashes=()):
-        shared = admit(rid, rows, need, hashes)
+    def admit_(rid, rows, need=None, *a):
+        shared = admit(rid, rows, need, *a)
         with lock:
             lead = not first
             first.append(rid)

@@ -216,3 +216,48 @@ def test_serve_reports_the_cached_prompt_tokens_in_its_usage(llama):
     counted = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines() if ln.startswith("memra_prefix")}
     assert counted["memra_prefix_cache_queries_total"] == 2 * n  # the Grafana panel's hit rate: hits / queries
     assert counted["memra_prefix_cache_hits_total"] == again["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_requests_arriving_together_with_one_header_compute_it_once(llama):
+    """Four requests of one header arriving together: the first admitted computes the header;
+    the other three, admitted meanwhile, wait for its blocks (here: held until all three wait)
+    instead of computing them beside it, then share them; every request gets its solo ids."""
+    import time as _time
+
+    reqs = [(HEADER + [i + 3] * 5, 12) for i in range(4)]
+    solo = _solo(llama, "ngram", reqs)
+
+    def first_waits_for_the_others(eng):
+        b = eng._backend.batcher
+        admit, first = b.admit, []
+
+        def admit_(rid, *a):
+            shared = admit(rid, *a)
+            if not first:
+                first.append(rid)
+                t = _time.monotonic()
+                while b.stats.prefix_waits < 3 and _time.monotonic() - t < 60:
+                    _time.sleep(0.01)
+            return shared
+        b.admit = admit_
+
+    got, errors = {}, []
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4) as eng:
+        first_waits_for_the_others(eng)
+
+        def one(i):
+            try:
+                r = eng.generate(reqs[i][0], _cfg(llama, "ngram", max_new_tokens=reqs[i][1]))
+                got[i] = (r.token_ids, r.stats["cached_tokens"])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stats = eng.batch_stats()
+    assert not errors, errors
+    assert [got[i][0] for i in range(4)] == solo
+    assert sorted(got[i][1] for i in range(4)) == [0, 32, 32, 32]
+    assert stats["prefix_waits"] == 3 and stats["prefix_cache"]["hits"] == 96, stats

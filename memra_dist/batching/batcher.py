@@ -50,6 +50,7 @@ from .job import BatchStep, Job
 from .stats import BatchStats
 from .step_ids import StepIds
 from .paged import PagedKV
+from .prefix_cache import InFlight
 from .step_forward import launch, wake
 
 __all__ = ["Batcher", "BatchStats", "BatchStep"]
@@ -109,20 +110,30 @@ class Batcher:
         self._wakes: list[Chain] = []  # chains with a new round (or ended), their threads not yet woken
         self.stats = BatchStats()
         self.step_ids = StepIds()
+        self.inflight = InFlight()  # prompt blocks admitted requests compute and have not published (prefix_cache.py)
 
     # ---- requests joining, growing and leaving ----
-    def admit(self, rid, rows: int, need: int | None = None, hashes=()) -> int:
+    def admit(self, rid, rows: int, need: int | None = None, hashes=(), reusable: int = 0) -> int:
         """Reserve `rows` rows of blocks for request `rid`, waiting while the pool is short.
         `need`: the most rows it can ever hold (refused now, in one line, if the pool cannot).
-        `hashes`: its prompt's reusable full blocks (prefix_cache.py): the longest prefix of
-        them the pool holds is shared, not recomputed. Returns the rows shared (0: none)."""
+        `hashes`: its prompt's full blocks (prefix_cache.py), of which the first `reusable`
+        may be shared: the longest prefix of them the pool holds is, not recomputed, and while
+        the next one is another admitted request's to compute, it waits for that (InFlight).
+        Returns the rows shared (0: none)."""
         most = max(rows, need or 0)
         if not self.pool.fits(most):
             raise UserError(f"a request of {most} rows does not fit the KV pool ({self.pool.rows} rows): "
                             f"raise --kv-rows or lower --max-new-tokens")
+        share = list(hashes[:reusable]) if self.pool.cache else []
         with self.cv:
             waited = False
-            while not self.pool.reserve(rid, rows, hashes):
+            while share and self.inflight.wait_for(rid, share, self.pool.lookup(share)):
+                self._open()
+                self.stats.prefix_waits += not waited
+                waited = True
+                self.cv.wait()  # until the computing request publishes (or leaves)
+            waited = False
+            while not self.pool.reserve(rid, rows, share):
                 self._open()
                 waited = True
                 self.cv.wait()
@@ -130,7 +141,10 @@ class Batcher:
             self._order += 1
             self.admitted[rid] = self._order
             self.kv.admit(rid)  # recurrent layers: the request's own states
-            return self.pool.shared_rows(rid)
+            shared = self.pool.shared_rows(rid)
+            if self.pool.cache:
+                self.inflight.claim(rid, hashes[shared // self.pool.block:])  # the rest is its to compute
+            return shared
 
     def publish(self, rid, hashes) -> None:
         """Request `rid`'s first len(hashes) blocks hold those full blocks' final rows (its
@@ -138,6 +152,8 @@ class Batcher:
         with self.cv:
             if self.pool.holds(rid):
                 self.pool.publish(rid, hashes)
+                self.inflight.published(hashes)
+                self.cv.notify_all()  # admissions waiting for these blocks
 
     def leave(self, rid) -> None:
         """Request `rid` is gone (finished, failed, its client gone), from any thread. Its queued
@@ -149,6 +165,7 @@ class Batcher:
                 if j.rid == rid and j.chain is not None:
                     j.chain.cancel()
             self.pending = [j for j in self.pending if j.rid != rid]
+            self.inflight.drop(rid)  # what it did not publish, nobody computes: admissions waiting for it go on
             self.finished.discard(rid)
             self.admitted.pop(rid, None)
             self.swapped.pop(rid, None)

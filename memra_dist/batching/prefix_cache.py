@@ -28,7 +28,7 @@ import sys
 from array import array
 from hashlib import blake2b
 
-__all__ = ["block_hashes", "reusable_blocks", "salt_for"]
+__all__ = ["block_hashes", "reusable_blocks", "salt_for", "InFlight"]
 
 DIGEST = 16
 _NO_PARENT = bytes(DIGEST)  # block 0's "previous hash"
@@ -90,3 +90,50 @@ def reusable_blocks(prompt_len: int, block: int) -> int:
     [0, 0, 0, 1, 2]
     """
     return max(prompt_len - 1, 0) // block
+
+
+class InFlight:
+    """The prompt blocks admitted requests are computing and have not published yet, so that a
+    request arriving meanwhile with the same prefix waits for them rather than computing them
+    a second time beside them (16 requests of one few-shot header arriving together prefill the
+    header once). A request waits only while the next block it would share is another live
+    request's to compute; it stops at the first block nobody computes (there its own prompt
+    differs, or the computing request left).
+
+    >>> f = InFlight()
+    >>> f.claim("a", [b"h0", b"h1", b"h2"])
+    >>> f.wait_for("b", [b"h0", b"h1", b"x"], 0), f.wait_for("b", [b"h0", b"h1"], 2), f.wait_for("a", [b"h0"], 0)
+    (True, False, False)
+    >>> f.published([b"h0"]); f.wait_for("b", [b"h0", b"h1"], 1), f.wait_for("b", [b"h0"], 0)
+    (True, False)
+    >>> f.drop("a"); f.wait_for("b", [b"h0", b"h1"], 1)
+    False
+    """
+
+    def __init__(self):
+        self._by: dict[bytes, object] = {}  # block hash -> the request computing it
+        self._of: dict[object, list[bytes]] = {}  # request -> the hashes it claimed
+
+    def claim(self, rid, hashes) -> None:
+        """Request `rid` (admitted) will publish these blocks as its prefill writes them: those
+        nobody computes yet are its own."""
+        mine = [h for h in hashes if h not in self._by]
+        for h in mine:
+            self._by[h] = rid
+        self._of.setdefault(rid, []).extend(mine)
+
+    def wait_for(self, rid, hashes, hit: int) -> bool:
+        """Whether request `rid`, which the cache gives `hit` of its `hashes` now, should wait:
+        the next one is another live request's to compute."""
+        owner = self._by.get(hashes[hit]) if hit < len(hashes) else None
+        return owner is not None and owner != rid
+
+    def published(self, hashes) -> None:
+        for h in hashes:
+            self._by.pop(h, None)
+
+    def drop(self, rid) -> None:
+        """Request `rid` left (or was preempted): what it had not published, nobody computes."""
+        for h in self._of.pop(rid, ()):
+            if self._by.get(h) == rid:
+                del self._by[h]

@@ -81,9 +81,9 @@ class BatchSlot:
             self.cache.taps = sink or TapSink.alloc(self.tap_layers, capacity, self.stage.cfg.hidden_size,
                                                     self.device, self.dtype)
         if not self.admitted:
-            reuse = self.hashes[:reusable_blocks(len(self.prompt), self.batcher.pool.block)] if self.hashes else ()
+            reuse = reusable_blocks(len(self.prompt), self.batcher.pool.block) if self.hashes else 0
             self.cached_rows = self.batcher.admit(self.rid, min(self.first, capacity), min(self.need, capacity),
-                                                  reuse)
+                                                  self.hashes, reuse)
             self.published = self.cached_rows // self.batcher.pool.block
             self.admitted = True
         self.capacity, self.length = capacity, 0

@@ -16,6 +16,7 @@ class BatchStats:
     requests: int = 0  # request-steps: a request's rows in a step count once
     max_requests: int = 0  # the most requests one step held
     waits: int = 0  # admissions that waited for blocks
+    prefix_waits: int = 0  # admissions that waited for another request to compute their prompt's shared blocks
     preemptions: int = 0  # requests swapped out to let another grow
     forward_ns: int = 0  # the steps' forwards, launch to device done
     # from a step's end to the next one's start, when a request rode both: the device idle while
@@ -46,5 +47,5 @@ class BatchStats:
                 "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "leader_maint_ms": round(self.maint_ns / 1e6, 1),
                 "leader_draft_ms": round(self.draft_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
                 "eager_steps": self.eager, "eager_step_ms": round(self.eager_ns / 1e6, 1),
-                "admission_waits": self.waits,
+                "admission_waits": self.waits, "prefix_waits": self.prefix_waits,
                 "preemptions": self.preemptions}
