@@ -530,7 +530,8 @@ def test_prefix_section_on_cpu_times_both_workloads_and_keeps_the_ids(tmp_path):
     r = json.loads(out.read_text())["prefix"]
     assert r["ids_equal"] is True and r["cached_tokens_off"] == [0]
     assert max(r["cached_tokens_on"]) >= r["header"] - 16 and r["cached_tokens_on"] != [0]
-    for key in ("turn2", "shared"):
+    for key in ("turn2", "shared", "together"):
         assert r[f"{key}_ttft_ms_off"] > 0 and r[f"{key}_ttft_ms_on"] > 0 and r[f"{key}_speedup"] > 0
     md = markdown(json.loads(out.read_text()))
     assert "prefix cache, chat turn 2" in md and "prefix cache, shared header x5" in md
+    assert "prefix cache, one header, 5 arriving together" in md

@@ -1,6 +1,6 @@
 """What the prefix cache saves, timed from the outside (`memra-dist bench --sections prefix`).
 
-Two workloads through the public API on a batched engine (`open_engine(..., max_batch=2)`: what
+Three workloads through the public API on a batched engine (`open_engine(..., max_batch=5)`: what
 `batch` and `serve` run), plain greedy decoding, once with the prefix cache off
 (`prefix_cache=False`, `--no-prefix-cache`) and once on (the default), each on a fresh engine
 warmed by one unrelated request:
@@ -11,6 +11,9 @@ warmed by one unrelated request:
     shared header    REQUESTS prompts of one HEADER-token header and their own 16-token tails,
                      one after another: TTFT p50 over all but the first (the first computes the
                      header either way).
+    together         REQUESTS such prompts (a header of their own) submitted at once: TTFT p50
+                     over all of them (with the cache, one computes the header and the others
+                     wait for its blocks instead of computing them beside it).
 
 Each row: TTFT off / on (median of REPEATS runs, their range), the speedup, the tokens shared
 (the results' `cached_tokens`: what the engine's own stats say it skipped) and whether every
@@ -33,6 +36,22 @@ REPEATS = 3
 TAIL = 16
 
 
+def _together(eng, prompts: list[list[int]], cfg) -> list[tuple[float, list[int], int]]:
+    """The prompts submitted at once, each from its own thread -> each one's _timed."""
+    import threading  # noqa: PLC0415
+
+    out: list = [None] * len(prompts)
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, _timed(eng, prompts[i], cfg)))
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(o is None for o in out):
+        raise RuntimeError("a request submitted together with others failed")
+    return out
+
+
 def _timed(eng, prompt: list[int], cfg) -> tuple[float, list[int], int]:
     """(seconds from the call to the first token the caller receives, the ids, cached tokens)."""
     first: list[float] = []
@@ -52,8 +71,8 @@ def workload(model: str, device: str, header: int, cache: bool, vocab: int, repe
 
     cfg = RunConfig(model=model, drafter="none", device=device, max_new_tokens=new, prefix_cache=cache)
     cap = header + 2 * new + 2 * TAIL + 8
-    out = {"turn2_s": [], "shared_s": [], "ids": [], "cached": []}
-    with open_engine(cfg, capacity=cap, max_batch=2) as eng:
+    out = {"turn2_s": [], "shared_s": [], "together_s": [], "ids": [], "cached": []}
+    with open_engine(cfg, capacity=cap, max_batch=REQUESTS) as eng:
         _timed(eng, make_prompt(64, vocab, seed=999), cfg)  # the warm-up a server gets from its first request
         for rep in range(repeats):
             head = make_prompt(header, vocab, seed=100 + rep)
@@ -71,6 +90,11 @@ def workload(model: str, device: str, header: int, cache: bool, vocab: int, repe
                 out["ids"].append(ids)
                 out["cached"].append(c)
             out["shared_s"].append(statistics.median(times[1:]))
+            base = make_prompt(header, vocab, seed=700 + rep)
+            runs = _together(eng, [base + t for t in tails], cfg)
+            out["together_s"].append(statistics.median(t for t, _, _ in runs))
+            out["ids"] += [ids for _, ids, _ in runs]
+            out["cached"] += [c for _, _, c in runs]
     return out
 
 
@@ -95,7 +119,7 @@ def prefix(s) -> dict:
     out = {"header": header, "new": NEW, "requests": REQUESTS, "repeats": REPEATS,
            "ids_equal": runs[True]["ids"] == runs[False]["ids"],
            "cached_tokens_on": sorted(set(runs[True]["cached"])), "cached_tokens_off": sorted(set(runs[False]["cached"]))}
-    for key in ("turn2", "shared"):
+    for key in ("turn2", "shared", "together"):
         off, on = _fig_ms(runs[False][f"{key}_s"]), _fig_ms(runs[True][f"{key}_s"])
         out[f"{key}_ttft_ms_off"], out[f"{key}_ttft_ms_off_range"] = round(off.value, 2), off.rng(2)
         out[f"{key}_ttft_ms_on"], out[f"{key}_ttft_ms_on_range"] = round(on.value, 2), on.rng(2)

@@ -328,7 +328,8 @@ def _prefix_rows(res: dict) -> list[tuple[str, str]]:
     shared header, the tokens it shared, and whether the ids stayed the same."""
     p = res.get("prefix") or {}
     rows = []
-    for key, what in (("turn2", "chat turn 2"), ("shared", f"shared header x{p.get('requests')}")):
+    for key, what in (("turn2", "chat turn 2"), ("shared", f"shared header x{p.get('requests')}"),
+                      ("together", f"one header, {p.get('requests')} arriving together")):
         if p.get(f"{key}_ttft_ms_on") is None:
             continue
         rows.append((f"prefix cache, {what} ({p['header']} tokens)",
