@@ -261,3 +261,25 @@ def test_requests_arriving_together_with_one_header_compute_it_once(llama):
     assert [got[i][0] for i in range(4)] == solo
     assert sorted(got[i][1] for i in range(4)) == [0, 32, 32, 32]
     assert stats["prefix_waits"] == 3 and stats["prefix_cache"]["hits"] == 96, stats
+
+
+def test_qwen3_with_its_q_k_norms_reuses_prefixes_with_its_solo_ids(ckpt_factory):
+    path = ckpt_factory("qwen3")[0]
+    reqs = _shared_prompts()[:4]
+    solo = _solo(path, "ngram", reqs)
+    ids, cached, _ = _run(path, "ngram", reqs, together=False, max_batch=2)
+    assert ids == solo and cached[1:] == [32, 32, 32], cached
+
+
+def test_a_linear_attention_target_reuses_nothing_says_so_and_keeps_its_ids(capfd):
+    """kimi_linear's KDA layers keep a recurrent state per request, not blocks: nothing is
+    shared (its state at the prefix's end is not kept), the engine says so in one line, and the
+    ids are the solo ids."""
+    from kimi_ckpt import hybrid
+
+    _, path, _ = hybrid()
+    reqs = [(HEADER + [4], 6), (HEADER + [5], 6)]
+    solo = _solo(path, "ngram", reqs)
+    ids, cached, stats = _run(path, "ngram", reqs, together=False, max_batch=2)
+    assert "the prefix cache reuses nothing for kimi_linear" in capfd.readouterr().err
+    assert ids == solo and cached == [0, 0] and "prefix_cache" not in stats
