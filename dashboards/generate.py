@@ -225,10 +225,13 @@ def _batch_panels() -> list:
         panel(20, "Batch: paged KV blocks", [target(f"max by ({kv}) ({m('kv_blocks')})", f"{{{{{kv}}}}}")],
               (16, 76, 8, 8), unit="none", stack="normal",
               desc="Blocks of the paged KV pool in use and free. Free near 0: new requests wait for blocks."),
-        panel(21, "Batch: preemptions", [target(f"max({m('batch_preemptions')})", "preempted so far")],
+        panel(21, "Batch: preemptions and prefix-cache evictions",
+              [target(f"max({m('batch_preemptions')})", "preempted so far"),
+               target(f"max({m('prefix_evictions')})", "cached blocks evicted so far", "B")],
               (0, 84, 8, 8), unit="none",
               desc="Requests the batched engine has preempted (K/V swapped to host so another could grow; "
-                   "each resumes bitwise). Rising: the paged KV pool (--kv-rows) is short for the load."),
+                   "each resumes bitwise), and blocks its prefix cache had to evict (least recently used first, "
+                   "only when no free block was left). Rising: the paged KV pool (--kv-rows) is short for the load."),
         panel(22, "Batch: requests per shared draft forward", [target(shared, "requests a draft forward")],
               (8, 84, 8, 8), unit="none",
               desc="Batched engines with a tap drafter (DFlash, EAGLE-3, MTP): requests whose drafts the step "

@@ -3,6 +3,7 @@ provider's readers; the Prometheus names the dashboards rely on."""
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
 
 import pytest
@@ -68,7 +69,7 @@ def test_burst_records_every_instrument(sink):
     s.burst(_burst(rounds))
     pts = _points(reader)
     batch_only = {METRICS[k] for k in ("batch_requests", "batch_wait", "kv_blocks", "batch_preemptions",
-                                       "batch_draft_requests")}  # a batched engine's rounds
+                                       "batch_draft_requests", "prefix_evictions")}  # a batched engine's rounds
     assert set(pts) == set(METRICS.values()) - {METRICS["verify_sub_duration"], METRICS["first_token"]} - batch_only
     host = _by(pts[METRICS["phase_host_duration"]], METRIC_ATTR["phase"])
     assert host["verify"].count == 1 and host["verify"].sum == pytest.approx(3.5)  # only the round that has it
@@ -235,3 +236,10 @@ def test_batched_rounds_record_the_step_size_the_wait_and_the_kv_blocks(sink):
     assert kv["used"].value == 7 and kv["free"].value == 33  # the burst's last step
     (pre,) = pts[METRICS["batch_preemptions"]]
     assert pre.value == 1  # the engine's count as of that step
+    assert "cached" not in kv and METRICS["prefix_evictions"] not in pts  # no prefix cache: no such series
+    rounds[2].batch = dataclasses.replace(rounds[2].batch, kv_cached=9, evictions=2)
+    s.burst(_burst(rounds))
+    pts = _points(reader)
+    kv = _by(pts[METRICS["kv_blocks"]], METRIC_ATTR["kv_state"])
+    (ev,) = pts[METRICS["prefix_evictions"]]
+    assert kv["cached"].value == 9 and ev.value == 2

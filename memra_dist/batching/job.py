@@ -25,6 +25,8 @@ class BatchStep:
     kv_used: int = 0  # the pool's blocks in use / free after the step
     kv_free: int = 0
     preempted: int = 0  # requests the engine had preempted by then (swapped out), in all
+    kv_cached: int = 0  # blocks the prefix cache holds (in use or evictable) after the step
+    evictions: int = 0  # cached blocks evicted so far (prefix caching: the pool was short)
     t0: int = 0  # perf_counter ns when the step's forward was launched
     ids: tuple[int, int] | None = None  # the step's own span: (trace id, span id) (step_ids.py)
     spans: object = None  # the engine's StepIds: which steps' spans are made

@@ -144,6 +144,7 @@ METRICS = {
     "batch_draft_requests": "memra.batch.draft_requests",  # histogram, requests in a leader round's shared draft forward
     "kv_blocks": "memra.batch.kv_blocks",  # gauge, blocks of the paged KV pool, attr memra.kv_state (used | free)
     "batch_preemptions": "memra.batch.preemptions",  # gauge, requests the engine has preempted so far
+    "prefix_evictions": "memra.prefix_cache.evictions",  # gauge, cached blocks the engine has evicted so far
 }
 METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device", "kv_state": "memra.kv_state"}
 # kind, UCUM unit and description of each instrument (docs/metrics.md and the dashboards read
@@ -169,11 +170,15 @@ METRIC_META = {
     "batch_draft_requests": ("histogram", "{request}", "Batched engines with a tap drafter (DFlash, EAGLE-3, MTP): "
                              "requests whose drafts the step leader made in one shared draft forward, one value "
                              "per round drafted that way."),
-    "kv_blocks": ("gauge", "{block}", "Batched engines: blocks of the paged KV pool by memra.kv_state (used, free) "
+    "kv_blocks": ("gauge", "{block}", "Batched engines: blocks of the paged KV pool by memra.kv_state (used, free; "
+                  "cached: blocks the prefix cache keeps for later requests, in use or evictable, counted in used or free) "
                   "after the last batch step a burst saw."),
     "batch_preemptions": ("gauge", "{preemption}", "Batched engines: requests preempted so far (their K/V swapped "
                           "to host memory to let another grow; each comes back bitwise before its next forward), "
                           "as of the last batch step a burst saw. Rising: the KV pool (--kv-rows) is short."),
+    "prefix_evictions": ("gauge", "{block}", "Batched engines with the prefix cache: cached blocks evicted so far (the "
+                         "least recently used, only when no free block was left), as of the last batch step a burst "
+                         "saw. Rising fast: the pool is too small to keep the prompts the load repeats."),
 }
 
 # The Collector's spanmetrics connector turns our spans into these (namespace set in

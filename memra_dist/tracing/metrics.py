@@ -91,7 +91,7 @@ class MetricsSink:
         self.m = _instruments(meter)
         self.context = context or (lambda: None)
         self.a_phase = [{METRIC_ATTR["phase"]: p} for p in PHASES]  # attribute dicts built once
-        self.a_kv = {st: {METRIC_ATTR["kv_state"]: st} for st in ("used", "free")}
+        self.a_kv = {st: {METRIC_ATTR["kv_state"]: st} for st in ("used", "free", "cached")}
 
     def _ctx(self) -> Context | None:
         try:
@@ -133,6 +133,9 @@ class MetricsSink:
         if last is not None:
             m["kv_blocks"].set(last.kv_used, self.a_kv["used"])
             m["kv_blocks"].set(last.kv_free, self.a_kv["free"])
+            if last.kv_cached or last.evictions:  # an engine with its prefix cache on, once it holds a block
+                m["kv_blocks"].set(last.kv_cached, self.a_kv["cached"])
+                m["prefix_evictions"].set(last.evictions)
             m["batch_preemptions"].set(last.preempted)
 
     def _memory(self, free_mb: dict[str, int]) -> None:
