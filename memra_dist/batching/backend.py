@@ -25,7 +25,7 @@ request's rows on its own state, so their steps run eager. On CPU the batched fo
 The KV pool: `kv_rows` slots in blocks of BLOCK rows (default: every request of the batch at
 the engine's capacity, shrunk to what the device's free memory holds, at least one capacity).
 
-The GIL: the step's leader launches every step and runs the chained requests' rounds; the
+The GIL: the engine loop (batcher.py) launches every step and runs the chained requests' rounds; the
 requests' threads stream their tokens and, traced, build their spans. A thread that wants the
 GIL asks its holder to drop it only after the switch interval, so while the backend is open
 the process's interval is at most BATCH_GIL_SWITCH_S (put back at close). Measured on an H200,
@@ -350,7 +350,7 @@ class BatchedBackend:
         return out
 
     def close(self) -> None:
-        self.batcher.close()  # no step left running (the stepper joined) once the engine is closed
+        self.batcher.close()  # no step left running (the engine loop joined) once the engine is closed
         if self.draft_batcher is not None:
             self.draft_batcher.close()
         self.torch.set_num_threads(self.threads_before)
