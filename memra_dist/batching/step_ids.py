@@ -36,8 +36,23 @@ class StepIds:
         """(trace id, span id) for a step: nonzero, as W3C trace context requires."""
         return self._rng.getrandbits(128) or 1, self._rng.getrandbits(64) or 1
 
+    def __getstate__(self):
+        """A copy (a step's record pickled to another process: the driver's lines at pp > 1)
+        makes no step span: the engine's process does."""
+        return {"detached": True}
+
+    def __setstate__(self, state) -> None:
+        self._rng, self._made, self._lock = None, None, None
+
     def claim(self, step: int) -> bool:
-        """True once per step: the caller makes its span."""
+        """True once per step: the caller makes its span (never on a pickled copy).
+
+        >>> import pickle
+        >>> pickle.loads(pickle.dumps(StepIds(seed=1))).claim(7)
+        False
+        """
+        if self._lock is None:
+            return False
         with self._lock:
             if step in self._made:
                 return False
