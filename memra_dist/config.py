@@ -40,6 +40,7 @@ class RunConfig:
     compile: str = "auto"  # torch.compile inside those graphs: auto (= where it pays, compile_policy.py) | on | off
     kernels: str = "auto"  # our Triton GEMV / cached-attention kernels in those graphs: auto (= with the graphs) | off
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt rows per prefill forward (specdec/chunks.py)
+    spec_k: str = "fixed"  # fixed: every round drafts k; auto: a batched engine picks each request's K <= k by goodput
     prefix_cache: bool = True  # a batched engine reuses the KV blocks of prompts it has seen (batching/prefix_cache.py)
 
     def __post_init__(self):
@@ -77,6 +78,8 @@ class RunConfig:
             raise UserError(f"--kernels must be auto or off (got {self.kernels!r})")
         if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
             raise UserError(f"--prefill-chunk must be an integer >= 1 (got {self.prefill_chunk!r})")
+        if self.spec_k not in ("fixed", "auto"):
+            raise UserError(f"--spec-k must be fixed or auto (got {self.spec_k!r})")
         if not isinstance(self.prefix_cache, bool):
             raise UserError(f"prefix_cache must be True or False (got {self.prefix_cache!r})")
         if isinstance(self.seed, numbers.Integral) and not isinstance(self.seed, bool):

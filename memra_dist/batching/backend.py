@@ -165,6 +165,7 @@ class BatchedBackend:
         self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, graphs, taps,
                                 self._pool_bytes(plan, max_batch, taps), self.prefix_cache,
                                 salt_for(cfg.model, self.dtype))
+        self.batcher.auto_k = cfg.spec_k == "auto"
         self.draft_batcher = None
         if cfg.drafter == "model":  # the draft model's steps batched too, over its own pool
             self.draft_runner = load(cfg.draft_model, plan.draft)

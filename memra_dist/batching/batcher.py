@@ -47,6 +47,7 @@ from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import BatchStep, Job
+from ..specdec.spec_k import StepCost, choose
 from .stats import BatchStats
 from .step_ids import StepIds
 from .paged import PagedKV
@@ -111,6 +112,8 @@ class Batcher:
         self.stats = BatchStats()
         self.step_ids = StepIds()
         self.inflight = InFlight()  # prompt blocks admitted requests compute and have not published (prefix_cache.py)
+        self.auto_k = False  # --spec-k auto: each chained request's K chosen every step by goodput (specdec/spec_k.py)
+        self.cost = StepCost()  # ... from this fit of the steps' time by their rows
 
     # ---- requests joining, growing and leaving ----
     def admit(self, rid, rows: int, need: int | None = None, hashes=(), reusable: int = 0) -> int:
@@ -396,8 +399,13 @@ class Batcher:
                 ch.inflight = None
             else:
                 going.append(ch)
+        if self.auto_k:
+            self._choose_k(going)
         proposed = propose_rounds(going, self.stats)
-        self.stats.draft_ns += time.perf_counter_ns() - t2
+        t3 = time.perf_counter_ns()
+        self.stats.draft_ns += t3 - t2
+        if self.auto_k:
+            self.cost.observe_draft(sum(ch.k_step or 0 for ch in going), t3 - t2)
         for ch, nxt in zip(going, proposed):
             if nxt is None:
                 continue  # its proposal failed: the chain ended with the error
@@ -412,6 +420,17 @@ class Batcher:
                 ch.inflight.void, ch.inflight = True, None
                 self.stats.voids += 1
             self._wakes.append(ch)  # woken once the next step is launched (_flush_wakes)
+
+    def _choose_k(self, chains) -> None:
+        """--spec-k auto: each chain's K for its next round, by the step's expected goodput
+        (specdec/spec_k.py choose), its bound the K it would take otherwise; counted by K."""
+        drafting = [ch for ch in chains if not ch.never_drafts]  # (drafter none: a plain row, nothing to choose)
+        for ch in drafting:
+            ch.k_step = None
+        bounds = [max(ch.draft_k(), 0) for ch in drafting]
+        for ch, k in zip(drafting, choose([(ch.acc, b) for ch, b in zip(drafting, bounds)], self.cost)):
+            ch.k_step = k
+            self.stats.k_chosen[k] = self.stats.k_chosen.get(k, 0) + 1
 
     def _ready_in(self) -> float:
         """Seconds until a step should run (<= 0: now)."""
@@ -515,6 +534,8 @@ class Batcher:
         self.running_jobs = []
         s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
         s.forward_ns += t1 - t0
+        if self.auto_k:
+            self.cost.observe(rows, t1 - t0)
         if not graphed:
             s.eager, s.eager_ns = s.eager + 1, s.eager_ns + t1 - t0
         s.max_requests = max(s.max_requests, len(take))

@@ -43,6 +43,7 @@ import torch
 from ..specdec.accept import accept_sampled, commit_rows
 from ..specdec.sampling import probs
 from ..specdec.drafters.none import NoDrafter
+from ..specdec.spec_k import Acceptance
 from ..specdec.stop import commit_tokens
 from .job import BatchStep, Job
 
@@ -87,12 +88,16 @@ class Chain:
         self._pending: tuple = ()  # the settled round, handed over by `maintained`
         self._shared = 0  # requests the latest proposal's draft forward held (0: its own, or none)
         self.greedy = sp.greedy  # sampled: the leader accepts on the step's logits with the request's generator
-        self.plain = isinstance(drafter, NoDrafter) and sp.greedy  # never drafts: its next row is its argmax
+        self.never_drafts = isinstance(drafter, NoDrafter)
+        self.plain = self.never_drafts and sp.greedy  # never drafts: its next row is its argmax
         self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
+        self.acc = Acceptance(k)  # its running acceptance per draft position (--spec-k auto: specdec/spec_k.py)
+        self.k_step: int | None = None  # the K the engine chose for its next round (--spec-k auto), else k
 
     def draft_k(self) -> int:
         """The drafts the next round asks for, as the session's round asks (<= 0: none)."""
-        return min(self.k, self.capacity - len(self.tokens), self.max_new - self.produced - 1)
+        k = self.k if self.k_step is None else self.k_step
+        return min(k, self.capacity - len(self.tokens), self.max_new - self.produced - 1)
 
     def next_job(self, prop=None, t0: int | None = None, shared: int = 0) -> Job:
         """The next round's verify rows (the pending token, then this round's drafts), proposed
@@ -140,6 +145,7 @@ class Chain:
             return None
         t3 = time.perf_counter_ns()
         j = len(new) - 1
+        self.acc.update(kk, j)
         self.slot.length, self.slot.last_step = n + j, job.step
         kept, _, self.done = commit_tokens(new, self.produced, self.max_new, len(self.tokens), self.capacity,
                                            self.eos)  # the session's own rule: it ends where the chain does

@@ -27,7 +27,7 @@ def _groups(chains) -> list[list]:
     by_net: dict[int, list] = {}
     for ch in chains:
         d = ch.drafter
-        if d.batched:
+        if d.batched and ch.draft_k() > 0:  # (K 0, --spec-k auto: nothing to draft, the chain goes alone)
             key = id(d.batch_key)
             if key not in by_net:
                 by_net[key] = []

@@ -4,7 +4,7 @@ the chained rounds, preemptions."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["BatchStats"]
 
@@ -16,6 +16,7 @@ class BatchStats:
     requests: int = 0  # request-steps: a request's rows in a step count once
     max_requests: int = 0  # the most requests one step held
     waits: int = 0  # admissions that waited for blocks
+    k_chosen: dict = field(default_factory=dict)  # --spec-k auto: chained rounds by the K chosen for them
     prefix_waits: int = 0  # admissions that waited for another request to compute their prompt's shared blocks
     preemptions: int = 0  # requests swapped out to let another grow
     forward_ns: int = 0  # the steps' forwards, launch to device done
@@ -48,4 +49,5 @@ class BatchStats:
                 "leader_draft_ms": round(self.draft_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
                 "eager_steps": self.eager, "eager_step_ms": round(self.eager_ns / 1e6, 1),
                 "admission_waits": self.waits, "prefix_waits": self.prefix_waits,
+                "k_chosen": {str(k): n for k, n in sorted(self.k_chosen.items())},
                 "preemptions": self.preemptions}

@@ -1,0 +1,81 @@
+"""K by goodput (memra_dist/specdec/spec_k.py; `--spec-k auto` on a batched engine): the pure
+rule (acceptance per position, the step's cost line fitted online, the greedy ascent), and the
+engine choosing each chained request's K every step: lossless (greedy ids equal alone), K 0 for
+a request whose drafts are never accepted, the bound for one whose drafts always are."""
+
+from __future__ import annotations
+
+import pytest
+
+from memra_dist.specdec.spec_k import Acceptance, StepCost, choose
+
+from test_batching import _batched, _prompts, _solo
+
+
+def test_acceptance_counts_only_the_positions_a_round_reached():
+    a = Acceptance(4, alpha=0.5, prior=0.5)
+    a.update(4, 2)  # positions 0, 1 accepted, 2 rejected, 3 not reached
+    assert a.p == [0.75, 0.75, 0.25, 0.5]
+    a.update(2, 2)  # both drafts accepted: nothing rejected, positions 2, 3 not reached
+    assert a.p == [0.875, 0.875, 0.25, 0.5]
+    assert a.expected(0) == 0 and a.expected(2) == pytest.approx(0.875 + 0.875 ** 2)
+    assert a.expected(9) == a.expected(4)  # no position past the bound
+
+
+def test_step_cost_fits_the_line_the_steps_follow_and_forgets_the_prior():
+    c = StepCost(prior_ns=(5e6, 0.0), prior_steps=2, decay=0.9)
+    for i in range(200):
+        rows = 1 + (i * 7) % 40
+        c.observe(rows, 2e6 + 3e4 * rows)
+    a, b = c.line()
+    assert a == pytest.approx(2e6, rel=1e-3) and b == pytest.approx(3e4, rel=1e-3)
+    c.observe_draft(4, 4e5)
+    assert c.predict(10, 4) == pytest.approx(2e6 + 3e5 + 0.2 * 1e5 * 4, rel=1e-3)
+
+
+def test_choose_gives_drafts_where_they_pay_and_respects_each_bound():
+    cheap = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9)
+    costly = StepCost(prior_ns=(1e5, 1e6), prior_steps=1e9)
+    hi, mid, lo = Acceptance(8, prior=0.95), Acceptance(8, prior=0.6), Acceptance(8, prior=0.0)
+    ks = choose([(hi, 8), (mid, 8), (lo, 8), (hi, 3)], cheap)
+    assert ks[0] == 8 and 0 < ks[1] < 8 and ks[2] == 0 and ks[3] == 3
+    assert choose([(hi, 8), (mid, 8)], costly) == [0, 0]  # a row costs ten steps' base: plain decoding
+    assert choose([], cheap) == []
+
+
+def _auto(eng, cost=None):
+    b = eng._backend.batcher
+    assert b.auto_k  # --spec-k auto reached the engine
+    if cost is not None:
+        b.cost = cost
+
+
+@pytest.mark.parametrize("corrupt,expect", [(1.0, "zero"), (0.0, "bound")])
+def test_the_engine_chooses_k_per_request_and_step_and_stays_lossless(llama, corrupt, expect):
+    """The replay drafter (each request's own greedy continuation) corrupted at 1.0 (no draft
+    is ever accepted) or 0.0 (every draft is): with a step cost where rows are cheap, the
+    engine soon gives the first K 0 and the second its bound; every request's ids are its
+    solo ids either way."""
+    reqs = [(p, 30) for p, _ in _prompts(4)]
+    solo = _solo(llama, "replay", reqs, replay_corrupt=corrupt)
+    cost = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9)
+    got, stats = _batched(llama, "replay", reqs, max_batch=4, on_open=lambda e: _auto(e, cost),
+                          replay_corrupt=corrupt, spec_k="auto")
+    assert got == solo
+    ks = {int(k): n for k, n in stats["k_chosen"].items()}
+    total = sum(ks.values())
+    assert total >= 20, stats
+    if expect == "zero":
+        assert ks.get(0, 0) >= 0.7 * total, ks
+    else:
+        assert sum(n for k, n in ks.items() if k >= 3) >= 0.7 * total, ks
+
+
+def test_auto_k_with_ngram_on_the_measured_step_cost_keeps_the_ids(llama):
+    """--spec-k auto with the cost line fitted to this machine's own steps (no injection): the
+    requests get their solo ids and every chained round had a K chosen."""
+    reqs = _prompts(6)
+    solo = _solo(llama, "ngram", reqs)
+    got, stats = _batched(llama, "ngram", reqs, max_batch=3, on_open=_auto, spec_k="auto")
+    assert got == solo
+    assert sum(stats["k_chosen"].values()) > 0, stats
