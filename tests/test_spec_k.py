@@ -79,3 +79,24 @@ def test_auto_k_with_ngram_on_the_measured_step_cost_keeps_the_ids(llama):
     got, stats = _batched(llama, "ngram", reqs, max_batch=3, on_open=_auto, spec_k="auto")
     assert got == solo
     assert sum(stats["k_chosen"].values()) > 0, stats
+
+
+def test_the_trace_shows_each_rounds_chosen_k_against_what_it_expected_and_each_steps_forecast(llama):
+    """Traced at level 1 with --spec-k auto: each chained round's span carries the accepted
+    drafts its K was chosen for (memra.spec_k.expected, between 0 and its K) beside what came
+    (memra.accepted), and each step's span its cost line's forecast beside its measured forward."""
+    from test_batching import traced_batched
+
+    from memra_dist.tracing.conventions import ATTR, SPAN_BATCH_STEP, SPAN_ROUND
+
+    reqs = _prompts(4)
+    got, exps, stats = traced_batched(llama, "ngram", reqs, 1, spec_k="auto")
+    assert got == _solo(llama, "ngram", reqs)
+    spans = [s for e in exps for s in e.get_finished_spans()]
+    rounds = [s for s in spans if s.name == SPAN_ROUND]
+    chosen = [s for s in rounds if ATTR["expected_accepted"] in s.attributes]
+    assert len(chosen) >= len(rounds) - 2 * len(reqs)  # all but each request's first round(s), K fixed there
+    for s in chosen:
+        assert 0 <= s.attributes[ATTR["expected_accepted"]] <= s.attributes[ATTR["k"]] + 1e-9
+    steps = [s for s in spans if s.name == SPAN_BATCH_STEP]
+    assert steps and all(s.attributes[ATTR["batch_predicted_ms"]] > 0 for s in steps)

@@ -520,11 +520,12 @@ class Batcher:
         submissions done."""
         used, free = self.pool.used_blocks, self.pool.free_blocks
         cached, evicted = self.pool.cached_blocks, self.pool.evictions
+        predicted = int(self.cost.predict(rows)) if self.auto_k else 0  # before this step is fitted in
         sid = self.stats.steps
         ids = self.step_ids.new()  # its span's, should a traced request build it (tracing/emit.py)
         for j in take:
             j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free, self.stats.preemptions,
-                               cached, evicted, t0, ids, self.step_ids)
+                               cached, evicted, t0, predicted, ids, self.step_ids)
         self.running = False
         s = self.stats
         if self.running_rids & self.prev_rids:  # a request mid-generation waited for this step

@@ -59,6 +59,7 @@ class ChainRound:
     step: BatchStep | None
     t: tuple[int, int, int, int, int, int]
     draft_requests: int = 0  # requests whose drafts one draft forward made with this round's (chain_drafts.py)
+    expected: float = -1.0  # --spec-k auto: the accepted drafts its K was chosen for (spec_k.py; -1: fixed K)
 
 
 class Chain:
@@ -87,6 +88,7 @@ class Chain:
         self._t0 = 0
         self._pending: tuple = ()  # the settled round, handed over by `maintained`
         self._shared = 0  # requests the latest proposal's draft forward held (0: its own, or none)
+        self._expected = -1.0  # the latest proposal's predicted accepted drafts (--spec-k auto)
         self.greedy = sp.greedy  # sampled: the leader accepts on the step's logits with the request's generator
         self.never_drafts = isinstance(drafter, NoDrafter)
         self.plain = self.never_drafts and sp.greedy  # never drafts: its next row is its argmax
@@ -111,6 +113,7 @@ class Chain:
         if prop is None and k > 0:
             prop = self.drafter.propose(self.tokens, k, self.sp, self.gen)
         self._drafts = prop.tokens[:k].tolist() if prop is not None and k > 0 else []
+        self._expected = self.acc.expected(len(self._drafts)) if self.k_step is not None else -1.0
         self._q = prop.q[:len(self._drafts)] if prop is not None and prop.q is not None else None
         return Job(self.rid, [self.tokens[-1], *self._drafts], n - 1, self.capacity, False, chain=self,
                    taps=self.slot.cache.taps)
@@ -118,7 +121,7 @@ class Chain:
     def adopt(self, job: Job) -> None:
         """Its next round is `job`, already launched one step ahead with the token just
         committed as its input (batching/ahead.py): the round began when that row was queued."""
-        self._t0, self._drafts, self._shared, self._q = job.t, [], 0, None
+        self._t0, self._drafts, self._shared, self._q, self._expected = job.t, [], 0, None, -1.0
         job.ids[0] = self.tokens[-1]  # what the device read from the argmax (the error path's ids)
 
     def settle(self, job: Job) -> int | None:
@@ -151,7 +154,7 @@ class Chain:
                                            self.eos)  # the session's own rule: it ends where the chain does
         self.tokens.extend(kept)
         self.produced += len(kept)
-        self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3, self._shared)
+        self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3, self._shared, self._expected)
         return n + j
 
     def maintained(self, t4: int | None = None) -> None:
@@ -162,8 +165,9 @@ class Chain:
             self.drafter.maintain(self.tokens)
             if self.drafter.device is not None:  # its device work ends inside its phase (DFlash's ingest)
                 self.drafter.drain()
-        new, kk, j, ctx, step, t0, t1, t2, t3, shared = self._pending
-        self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns()), shared))
+        new, kk, j, ctx, step, t0, t1, t2, t3, shared, expected = self._pending
+        self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns()), shared,
+                                      expected))
         if self.done:
             self.ended = True
 

@@ -29,6 +29,7 @@ class RoundRecord:
     draft_forwards: int = -1  # draft-network forwards in the draft phase (-1: the drafter does not say)
     batch: object | None = None  # a batched request: the BatchStep its verify rode in (batching/batcher.py)
     draft_requests: int = 0  # a leader's round: requests its shared draft forward drafted (0: none shared)
+    expected: float = -1.0  # --spec-k auto: the accepted drafts its K was chosen for (-1: K was fixed)
 
     def phase_ns(self, i: int) -> int:
         return self.t[i + 1] - self.t[i]

@@ -66,6 +66,7 @@ def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | N
 def _record(r: RoundRecord, rnd, index: int, draft_fw: int, fm) -> None:
     r.index, r.ctx, r.k, r.j, r.batch = index, rnd.ctx, rnd.k, rnd.j, rnd.step
     r.draft_requests = rnd.draft_requests
+    r.expected = rnd.expected
     r.t[:] = rnd.t
     r.h[:] = [0] * len(r.h)
     for i in range(len(r.free_mb)):

@@ -351,7 +351,7 @@ class SpecSession:
                 self._spare.reset(0, self.k, len(rec.rounds))
             c.mark(r, slot, 2)
             r.batch = getattr(self.target, "last_step", None)  # a batched request: the step its rows rode in
-            r.draft_requests = 0  # its own draft (a leader's shared draft forward: chained.py)
+            r.draft_requests, r.expected = 0, -1.0  # its own draft (a leader's shared draft forward: chained.py)
         try:
             if self.sp.greedy:
                 # the accepted drafts + the next token: one readback (none when a batched step read them)
@@ -445,7 +445,7 @@ class SpecSession:
         a round (every phase of it carries that reading)."""
         verify_ns = self._ahead.verify_ns()
         r.index, r.ctx, r.k, r.j, r.batch = self.stats.rounds, n - 1, 0, 0, None
-        r.draft_requests = 0
+        r.draft_requests, r.expected = 0, -1.0
         r.draft_forwards = self._draft_fw if self._draft_fw < 0 else 0
         t2 = t0 + min(verify_ns, t3 - t0)
         t4 = time.perf_counter_ns()

@@ -107,6 +107,8 @@ ATTR = {
     "batch_kv_used": "memra.batch.kv_used",  # on batch.step: the paged pool's blocks in use after the step (int)
     "batch_kv_free": "memra.batch.kv_free",  # on batch.step: ... and free (int)
     "batch_preempted": "memra.batch.preempted",  # on batch.step: requests preempted so far (int)
+    "batch_predicted_ms": "memra.batch.predicted_ms",  # on batch.step (--spec-k auto): its cost line's forecast (ms)
+    "expected_accepted": "memra.spec_k.expected",  # on spec.round (--spec-k auto): accepted drafts its K was chosen for
     # a batched round run by the step's leader, at level 1: its phases as attributes of spec.round (ms)
     **{f"{p}_ms": f"memra.{p}_ms" for p in PHASES},
     "fast_path": "memra.fast_path",  # what the target's steps ran: graphs+compile+kernels(+ahead) ... | eager

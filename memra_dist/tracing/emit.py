@@ -17,7 +17,21 @@ from ..phase.records import BurstRecord, RoundRecord
 from .conventions import (ATTR, PHASE_SPANS, PHASES, SPAN_BATCH_STEP, SPAN_BURST, SPAN_FIRST_TOKEN, SPAN_PRIME_CHUNK,
                           SPAN_ROUND, TTFT_BUCKETS, VERIFY_SUB_SPANS, free_mb_attr, ttft_span)
 
-__all__ = ["SpanSink", "verify_sub_layout"]
+__all__ = ["SpanSink", "verify_sub_layout", "clock_offset"]
+
+
+def clock_offset(tries: int = 5) -> int:
+    """time_ns - perf_counter_ns, from the read whose perf_counter bracket was the tightest (a
+    thread preempted between the two reads would shift every span of the sink by the pause;
+    spans of several sinks, such as a batch step's and its requests' rounds, must line up)."""
+    best = None
+    for _ in range(tries):
+        a = time.perf_counter_ns()
+        w = time.time_ns()
+        b = time.perf_counter_ns()
+        if best is None or b - a < best[0]:
+            best = (b - a, w - (a + b) // 2)
+    return best[1]
 
 _PRIME_BUCKETS = TTFT_BUCKETS[:6]  # cache_alloc .. draft_prime: contiguous laps from t0
 _ROUND1_BUCKETS = TTFT_BUCKETS[6:]  # first_draft .. first_maint: contiguous from round 1's entry
@@ -55,7 +69,7 @@ class SpanSink:
         self.ids = tracer.id_generator
         self.scope = InstrumentationScope("memra_dist")
         self.attrs = attrs or {}  # e.g. memra.stage on a stage's spans
-        self.offset = time.time_ns() - time.perf_counter_ns()
+        self.offset = clock_offset()
         self.count = 0  # spans made (the level-0 test counts zero)
         psc = trace.get_current_span(parent).get_span_context() if parent is not None else None
         if psc is not None and psc.is_valid:
@@ -90,6 +104,7 @@ class SpanSink:
                 ATTR["batch_step"]: b.id, ATTR["batch_requests"]: b.requests, ATTR["batch_rows"]: b.rows,
                 ATTR["batch_forward_ms"]: b.forward_ns / 1e6, ATTR["batch_kv_used"]: b.kv_used,
                 ATTR["batch_kv_free"]: b.kv_free, ATTR["batch_preempted"]: b.preempted,
+                **({ATTR["batch_predicted_ms"]: b.predicted_ns / 1e6} if b.predicted_ns else {}),
                 **self._mem(r.free_mb[1])}, sc=sc)
         return (Link(sc, {ATTR["rows"]: r.k + 1, ATTR["k"]: r.k, ATTR["accepted"]: r.j}),)
 
@@ -126,6 +141,8 @@ class SpanSink:
                           ATTR["batch_wait_ms"]: b.wait_ns / 1e6, ATTR["batch_forward_ms"]: b.forward_ns / 1e6})
         if r.draft_requests:
             attrs[ATTR["batch_draft_requests"]] = r.draft_requests
+        if r.expected >= 0:
+            attrs[ATTR["expected_accepted"]] = round(r.expected, 4)
         self._span(SPAN_ROUND, burst, r.t[0], r.t[5], attrs, self._step_link(r))
 
     def _round(self, r: RoundRecord, burst: SpanContext) -> None:

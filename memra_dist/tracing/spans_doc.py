@@ -108,6 +108,11 @@ ATTR_DOC = {
     "batch_kv_used": ("{block}", "batch.step", "the paged KV pool's blocks in use after the step"),
     "batch_kv_free": ("{block}", "batch.step", "the paged KV pool's blocks free after the step (cached ones included)"),
     "batch_preempted": ("{request}", "batch.step", "requests the engine had preempted (swapped out) by the step's end"),
+    "batch_predicted_ms": ("ms", "batch.step", "--spec-k auto: the step's time the engine's cost line (rows against "
+                           "measured step time) forecast before it ran; beside memra.batch.forward_ms, what it took"),
+    "expected_accepted": ("{token}", "spec.round", "--spec-k auto: the accepted drafts the engine expected when it "
+                          "chose this round's K (memra.k) from the request's running acceptance; memra.accepted is "
+                          "what came"),
     "drafted": ("{token}", "memra.request", "drafted tokens over the request"),
     "accepted_total": ("{token}", "memra.request", "accepted drafts over the request"),
     "batch_step": ("", "spec.round, spec.verify, stage.forward", "a batched request (--max-batch > 1): the id of the batch step its "
