@@ -45,9 +45,9 @@ from ..errors import UserError
 from .blocks import BlockPool
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
-from .chain_drafts import maintain_rounds, propose_rounds
+from .loop_rounds import chain_rounds
 from .job import BatchStep, Job
-from ..specdec.spec_k import StepCost, choose
+from ..specdec.spec_k import StepCost
 from .stats import BatchStats
 from .step_ids import StepIds
 from .paged import PagedKV
@@ -364,74 +364,6 @@ class Batcher:
         wakes, self._wakes = self._wakes, []
         wake(wakes)
 
-    def _chain_rounds(self, jobs: list[Job]) -> None:
-        """Called holding the lock, right after a step: each chained job's round (accept,
-        commit, rollback as a block trim), then every settled chain's drafter maintained and its
-        next verify rows proposed (chain_drafts.py: the step's DFlash requests in one forward
-        each) and queued for the next step, or the chain parked where its blocks cannot grow
-        (chain.py)."""
-        settled, touched = [], []
-        for j in jobs:
-            ch = j.chain
-            if ch is None or ch.ended or j.void:  # not chained, its request left, or a row past its end
-                continue
-            touched.append(ch)
-            try:
-                keep = ch.settle(j)
-                if keep is None:
-                    continue
-                if self.pool.holds(ch.rid) and ch.inflight is None:  # (ahead: its next row is the kept one)
-                    self.pool.shrink(ch.rid, keep)
-                settled.append(ch)
-            except BaseException as e:  # noqa: BLE001 (ends its own request only)
-                ch.err, ch.ended = e, True
-        going = []
-        t = time.perf_counter_ns()
-        maintained = maintain_rounds(settled)
-        t2 = time.perf_counter_ns()
-        self.stats.maint_ns += t2 - t
-        for ch in maintained:
-            self.stats.chained += 1
-            if ch.ended:
-                self.finished.add(ch.rid)
-            elif ch.inflight is not None:  # its next round already runs, one step ahead (ahead.py)
-                ch.adopt(ch.inflight)
-                ch.inflight = None
-            else:
-                going.append(ch)
-        if self.auto_k:
-            self._choose_k(going)
-        proposed = propose_rounds(going, self.stats)
-        t3 = time.perf_counter_ns()
-        self.stats.draft_ns += t3 - t2
-        if self.auto_k:
-            self.cost.observe_draft(sum(ch.k_step or 0 for ch in going), t3 - t2)
-        for ch, nxt in zip(going, proposed):
-            if nxt is None:
-                continue  # its proposal failed: the chain ended with the error
-            end = nxt.start + nxt.n
-            if self.pool.capacity(ch.rid) >= end or self.pool.grow(ch.rid, end):
-                self.pending.append(nxt)
-            else:
-                self.stats.parks += 1
-                ch.park()  # its thread submits the next round itself (waits for blocks, or preempts)
-        for ch in touched:
-            if ch.inflight is not None and ch.ended:  # its row launched ahead runs past its end: dropped
-                ch.inflight.void, ch.inflight = True, None
-                self.stats.voids += 1
-            self._wakes.append(ch)  # woken once the next step is launched (_flush_wakes)
-
-    def _choose_k(self, chains) -> None:
-        """--spec-k auto: each chain's K for its next round, by the step's expected goodput
-        (specdec/spec_k.py choose), its bound the K it would take otherwise; counted by K."""
-        drafting = [ch for ch in chains if not ch.never_drafts]  # (drafter none: a plain row, nothing to choose)
-        for ch in drafting:
-            ch.k_step = None
-        bounds = [max(ch.draft_k(), 0) for ch in drafting]
-        for ch, k in zip(drafting, choose([(ch.acc, b) for ch, b in zip(drafting, bounds)], self.cost)):
-            ch.k_step = k
-            self.stats.k_chosen[k] = self.stats.k_chosen.get(k, 0) + 1
-
     def _ready_in(self) -> float:
         """Seconds until a step should run (<= 0: now)."""
         waiting = {j.rid for j in self.pending} | self.finished
@@ -541,7 +473,7 @@ class Batcher:
             s.eager, s.eager_ns = s.eager + 1, s.eager_ns + t1 - t0
         s.max_requests = max(s.max_requests, len(take))
         tc = time.perf_counter_ns()
-        self._chain_rounds(take)
+        chain_rounds(self, take)
         s.rounds_ns += time.perf_counter_ns() - tc
         for j in take:
             j.done = True

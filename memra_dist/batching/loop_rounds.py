@@ -1,0 +1,87 @@
+"""What the engine loop does for the chained requests right after each step (batcher.py
+`_end_step` calls `chain_rounds` holding the batcher's lock): each round settled (accept,
+commit, rollback as a block trim: chain.py), every settled chain's drafter maintained and its
+next drafts proposed (chain_drafts.py: a batched drafter's requests in one forward), with
+--spec-k auto each request's K chosen first (`choose_k`: specdec/spec_k.py), and the next
+verify rows queued for the very next step, or the chain parked where its blocks cannot grow.
+`b`: the Batcher."""
+
+from __future__ import annotations
+
+import time
+
+from ..specdec.spec_k import choose
+from .chain_drafts import maintain_rounds, propose_rounds
+from .job import Job
+
+__all__ = ["chain_rounds", "choose_k"]
+
+
+def chain_rounds(b, jobs: list[Job]) -> None:
+    """Called holding the lock, right after a step: each chained job's round (accept,
+    commit, rollback as a block trim), then every settled chain's drafter maintained and its
+    next verify rows proposed (chain_drafts.py: the step's DFlash requests in one forward
+    each) and queued for the next step, or the chain parked where its blocks cannot grow
+    (chain.py)."""
+    settled, touched = [], []
+    for j in jobs:
+        ch = j.chain
+        if ch is None or ch.ended or j.void:  # not chained, its request left, or a row past its end
+            continue
+        touched.append(ch)
+        try:
+            keep = ch.settle(j)
+            if keep is None:
+                continue
+            if b.pool.holds(ch.rid) and ch.inflight is None:  # (ahead: its next row is the kept one)
+                b.pool.shrink(ch.rid, keep)
+            settled.append(ch)
+        except BaseException as e:  # noqa: BLE001 (ends its own request only)
+            ch.err, ch.ended = e, True
+    going = []
+    t = time.perf_counter_ns()
+    maintained = maintain_rounds(settled)
+    t2 = time.perf_counter_ns()
+    b.stats.maint_ns += t2 - t
+    for ch in maintained:
+        b.stats.chained += 1
+        if ch.ended:
+            b.finished.add(ch.rid)
+        elif ch.inflight is not None:  # its next round already runs, one step ahead (ahead.py)
+            ch.adopt(ch.inflight)
+            ch.inflight = None
+        else:
+            going.append(ch)
+    if b.auto_k:
+        choose_k(b, going)
+    proposed = propose_rounds(going, b.stats)
+    t3 = time.perf_counter_ns()
+    b.stats.draft_ns += t3 - t2
+    if b.auto_k:
+        b.cost.observe_draft(sum(ch.k_step or 0 for ch in going), t3 - t2)
+    for ch, nxt in zip(going, proposed):
+        if nxt is None:
+            continue  # its proposal failed: the chain ended with the error
+        end = nxt.start + nxt.n
+        if b.pool.capacity(ch.rid) >= end or b.pool.grow(ch.rid, end):
+            b.pending.append(nxt)
+        else:
+            b.stats.parks += 1
+            ch.park()  # its thread submits the next round itself (waits for blocks, or preempts)
+    for ch in touched:
+        if ch.inflight is not None and ch.ended:  # its row launched ahead runs past its end: dropped
+            ch.inflight.void, ch.inflight = True, None
+            b.stats.voids += 1
+        b._wakes.append(ch)  # woken once the next step is launched (Batcher._flush_wakes)
+
+
+def choose_k(b, chains) -> None:
+    """--spec-k auto: each chain's K for its next round, by the step's expected goodput
+    (specdec/spec_k.py choose), its bound the K it would take otherwise; counted by K."""
+    drafting = [ch for ch in chains if not ch.never_drafts]  # (drafter none: a plain row, nothing to choose)
+    for ch in drafting:
+        ch.k_step = None
+    bounds = [max(ch.draft_k(), 0) for ch in drafting]
+    for ch, k in zip(drafting, choose([(ch.acc, bound) for ch, bound in zip(drafting, bounds)], b.cost)):
+        ch.k_step = k
+        b.stats.k_chosen[k] = b.stats.k_chosen.get(k, 0) + 1
