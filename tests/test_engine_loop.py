@@ -121,3 +121,40 @@ def test_each_step_is_one_span_of_its_own_and_every_round_that_rode_it_links_to_
         slack = 1_000_000  # 1 ms: each sink maps perf_counter to the epoch with its own offset (emit.clock_offset)
         assert r.start_time - slack <= step.start_time <= step.end_time <= r.end_time + slack
     assert max(by_id) < stats["steps"] and all(s.attributes[ATTR["batch_rows"]] >= 1 for s in steps)
+
+
+def test_a_drafters_error_ends_its_own_request_and_every_other_goes_on(llama, monkeypatch):
+    """One request's drafter raises once it has produced a few tokens (in the loop's chained
+    round, its proposal); that request ends with the error, the three batched with it get their
+    solo ids, and a request submitted afterwards too."""
+    from memra_dist.specdec.drafters import ngram
+
+    reqs = _prompts(5)
+    solo = _solo(llama, "ngram", reqs)
+    bad = reqs[1][0]
+    real = ngram.NgramDrafter.propose
+
+    def propose(self, context, k, sp, gen):
+        if context[:len(bad)] == bad and len(context) > len(bad) + 3:
+            raise RuntimeError("a drafter's bug")
+        return real(self, context, k, sp, gen)
+    monkeypatch.setattr(ngram.NgramDrafter, "propose", propose)
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4) as eng:
+        got, errors = {}, {}
+
+        def one(i):
+            p, n = reqs[i]
+            try:
+                got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n)).token_ids
+            except RuntimeError as e:
+                errors[i] = str(e)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == {1: "a drafter's bug"}, errors
+        assert all(got[i] == solo[i] for i in (0, 2, 3))
+        one(4)
+        assert got[4] == solo[4]
+        assert eng._backend.stats()["chained_rounds"] > 0
