@@ -237,6 +237,14 @@ def _batch_panels() -> list:
               desc="Batched engines with a tap drafter (DFlash, EAGLE-3, MTP): requests whose drafts the step "
                    "leader made in one draft forward (mean over the rounds drafted that way). Near the requests "
                    "per step: every request's draft shares one forward."),
+        panel(24, "Speculation: K chosen (--spec-k auto)",
+              [target(f"{rate_sum('spec_k_chosen')} / {rate_sum('spec_k_chosen', part='_count')}", "mean K"),
+               target(f"sum(rate({m('spec_k_accepted')}[{RI}])) / sum(rate({m('spec_k_expected')}[{RI}]))",
+                      "accepted / expected", "B")],
+              (0, 92, 8, 8), unit="none",
+              desc="Batched engines with --spec-k auto: the mean number of drafts the engine chose per round (by "
+                   "the step's expected tokens per second; 0 = plain decoding for that request), and the accepted "
+                   "drafts those rounds brought over what the acceptance model expected (near 1: it forecasts well)."),
         panel(23, "API: prefix cache hit rate (prompt tokens)",
               [target(f"sum(rate({api_prometheus_name('prefix_hits')}[{RI}])) / "
                       f"sum(rate({api_prometheus_name('prefix_queries')}[{RI}]))", "cached / prompt tokens")],

@@ -69,7 +69,8 @@ def test_burst_records_every_instrument(sink):
     s.burst(_burst(rounds))
     pts = _points(reader)
     batch_only = {METRICS[k] for k in ("batch_requests", "batch_wait", "kv_blocks", "batch_preemptions",
-                                       "batch_draft_requests", "prefix_evictions")}  # a batched engine's rounds
+                                       "batch_draft_requests", "prefix_evictions", "spec_k_chosen",
+                                       "spec_k_expected", "spec_k_accepted")}  # a batched engine's rounds
     assert set(pts) == set(METRICS.values()) - {METRICS["verify_sub_duration"], METRICS["first_token"]} - batch_only
     host = _by(pts[METRICS["phase_host_duration"]], METRIC_ATTR["phase"])
     assert host["verify"].count == 1 and host["verify"].sum == pytest.approx(3.5)  # only the round that has it
@@ -243,3 +244,19 @@ def test_batched_rounds_record_the_step_size_the_wait_and_the_kv_blocks(sink):
     kv = _by(pts[METRICS["kv_blocks"]], METRIC_ATTR["kv_state"])
     (ev,) = pts[METRICS["prefix_evictions"]]
     assert kv["cached"].value == 9 and ev.value == 2
+
+
+def test_auto_k_rounds_record_the_k_chosen_and_expected_against_accepted(sink):
+    """--spec-k auto rounds (their record's `expected` set): the K chosen as a histogram (0
+    included), and the accepted drafts expected and brought as two counters; a round whose K
+    was fixed adds to neither."""
+    s, reader = sink
+    rounds = [_round(i, [1, 4, 0.5, 0.2, 0.3], k=k, j=j) for i, (k, j) in enumerate([(0, 0), (3, 2), (4, 4), (2, 1)])]
+    for r, e in zip(rounds, (0.0, 2.5, 3.1, -1.0)):
+        r.expected = e
+    s.burst(_burst(rounds))
+    pts = _points(reader)
+    (chosen,) = pts[METRICS["spec_k_chosen"]]
+    assert chosen.count == 3 and chosen.sum == 7  # K 0, 3, 4: the fixed round left out
+    (exp,), (acc,) = pts[METRICS["spec_k_expected"]], pts[METRICS["spec_k_accepted"]]
+    assert exp.value == pytest.approx(5.6) and acc.value == 6

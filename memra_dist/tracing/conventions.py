@@ -147,6 +147,9 @@ METRICS = {
     "kv_blocks": "memra.batch.kv_blocks",  # gauge, blocks of the paged KV pool, attr memra.kv_state (used | free)
     "batch_preemptions": "memra.batch.preemptions",  # gauge, requests the engine has preempted so far
     "prefix_evictions": "memra.prefix_cache.evictions",  # gauge, cached blocks the engine has evicted so far
+    "spec_k_chosen": "memra.spec_k.chosen",  # histogram, drafts: the K --spec-k auto chose for a round
+    "spec_k_expected": "memra.spec_k.expected",  # counter, tokens: accepted drafts those Ks were chosen for
+    "spec_k_accepted": "memra.spec_k.accepted",  # counter, tokens: accepted drafts of those rounds
 }
 METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device", "kv_state": "memra.kv_state"}
 # kind, UCUM unit and description of each instrument (docs/metrics.md and the dashboards read
@@ -178,6 +181,12 @@ METRIC_META = {
     "batch_preemptions": ("gauge", "{preemption}", "Batched engines: requests preempted so far (their K/V swapped "
                           "to host memory to let another grow; each comes back bitwise before its next forward), "
                           "as of the last batch step a burst saw. Rising: the KV pool (--kv-rows) is short."),
+    "spec_k_chosen": ("histogram", "{draft}", "--spec-k auto (batched engines): the K chosen for a round by the step's "
+                      "expected goodput (0: the request decoded plainly that step), one value per round."),
+    "spec_k_expected": ("counter", "{token}", "--spec-k auto: accepted drafts the chosen Ks were expected to bring "
+                        "(from each request's running acceptance per draft position)."),
+    "spec_k_accepted": ("counter", "{token}", "--spec-k auto: accepted drafts those rounds brought (against "
+                        "memra.spec_k.expected: how well the acceptance model forecasts)."),
     "prefix_evictions": ("gauge", "{block}", "Batched engines with the prefix cache: cached blocks evicted so far (the "
                          "least recently used, only when no free block was left), as of the last batch step a burst "
                          "saw. Rising fast: the pool is too small to keep the prompts the load repeats."),

@@ -42,6 +42,7 @@ SLOW_FACTOR = 1.5
 MS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 TOKEN_BUCKETS = tuple(float(i) for i in range(1, 17)) + (24.0, 32.0)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+DRAFT_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 REQUEST_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0)
 _PROM_UNIT = {"ms": "milliseconds", "MBy": "megabytes", "s": "seconds", "By": "bytes"}
 
@@ -61,7 +62,8 @@ def prometheus_name(key: str) -> str:
 
 def _instruments(meter: Meter) -> dict:
     out = {}
-    bounds = {"ms": MS_BUCKETS, "{token}": TOKEN_BUCKETS, "1": RATIO_BUCKETS, "{request}": REQUEST_BUCKETS}
+    bounds = {"ms": MS_BUCKETS, "{token}": TOKEN_BUCKETS, "1": RATIO_BUCKETS, "{request}": REQUEST_BUCKETS,
+              "{draft}": DRAFT_BUCKETS}
     for key, (kind, unit, desc) in METRIC_META.items():
         name = METRICS[key]
         if kind == "histogram":
@@ -105,6 +107,7 @@ class MetricsSink:
             return
         ctx, m = self._ctx(), self.m
         drafted = accepted = 0
+        auto_exp, auto_acc = 0.0, 0
         for r in rounds:
             for i, attrs in enumerate(self.a_phase):
                 m["phase_duration"].record(r.phase_ns(i) / 1e6, attrs, context=ctx)
@@ -120,9 +123,15 @@ class MetricsSink:
                 m["batch_wait"].record(r.batch.wait_ns / 1e6, context=ctx)
             if r.draft_requests:
                 m["batch_draft_requests"].record(r.draft_requests, context=ctx)
+            if r.expected >= 0:  # --spec-k auto chose its K
+                m["spec_k_chosen"].record(r.k, context=ctx)
+                auto_exp, auto_acc = auto_exp + r.expected, auto_acc + r.j
             drafted, accepted = drafted + r.k, accepted + r.j
         m["drafted"].add(drafted)
         m["accepted"].add(accepted)
+        if any(r.expected >= 0 for r in rounds):
+            m["spec_k_expected"].add(auto_exp)
+            m["spec_k_accepted"].add(auto_acc)
         if drafted:
             m["acceptance"].record(accepted / drafted, context=ctx)
         slow = slow_count([r.wall_ns for r in rounds])
