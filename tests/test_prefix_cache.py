@@ -32,33 +32,42 @@ def _shared_prompts() -> list[tuple[list[int], int]]:
     return out
 
 
+def _on(eng, model, drafter, reqs, together: bool, **kw) -> list[tuple[list[int], int]]:
+    """Each request's (ids, cached tokens) on engine `eng`: one after another, or from concurrent
+    threads (`together`); the first request's error re-raised."""
+    got, errors = {}, []
+
+    def one(i, p, n):
+        try:
+            r = eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw))
+            got[i] = (r.token_ids, r.stats["cached_tokens"])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+    if together:
+        threads = [threading.Thread(target=one, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    else:
+        for i, (p, n) in enumerate(reqs):
+            one(i, p, n)
+    if errors:
+        raise errors[0]
+    return [got[i] for i in range(len(reqs))]
+
+
 def _run(model, drafter, reqs, together: bool, cache: bool = True, max_batch: int = 4, kv_rows=None, **kw):
     """Each request's ids and cached rows on one batched engine: one after another, or from
     concurrent threads (`together`) -> (ids, cached, the engine's batch stats)."""
-    got, errors = {}, []
     cfg = _cfg(model, drafter, prefix_cache=cache, **kw)
     with open_engine(cfg, capacity=CAP, max_batch=max_batch, kv_rows=kv_rows) as eng:
-        def one(i, p, n):
-            try:
-                r = eng.generate(p, _cfg(model, drafter, prefix_cache=cache, max_new_tokens=n, **kw))
-                got[i] = (r.token_ids, r.stats["cached_tokens"])
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-        if together:
-            threads = [threading.Thread(target=one, args=(i, p, n), daemon=True) for i, (p, n) in enumerate(reqs)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(300)
-        else:
-            for i, (p, n) in enumerate(reqs):
-                one(i, p, n)
+        got = _on(eng, model, drafter, reqs, together, prefix_cache=cache, **kw)
         b = getattr(eng._backend, "batcher", None)  # at pp > 1 the head's, in its actor
         if b is not None:
             b.wait_idle(60)
         stats = eng.batch_stats()
-    assert not errors, errors
-    return [got[i][0] for i in range(len(reqs))], [got[i][1] for i in range(len(reqs))], stats
+    return [g[0] for g in got], [g[1] for g in got], stats
 
 
 def _solo(model, drafter, reqs, **kw) -> list[list[int]]:
@@ -104,24 +113,11 @@ def test_requests_sharing_blocks_at_once_while_others_roll_back_or_are_preempted
     with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4, kv_rows=16 * blocks) as eng:
         eng.generate(*warm[0][:1], _cfg(llama, "ngram", max_new_tokens=1))
         _gate_admissions(eng, 4)  # all four hold their blocks before any runs a forward
-        got, errors = {}, []
-
-        def one(i):
-            try:
-                r = eng.generate(reqs[i][0], _cfg(llama, "ngram", max_new_tokens=reqs[i][1]))
-                got[i] = (r.token_ids, r.stats["cached_tokens"])
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        got = _on(eng, llama, "ngram", reqs, together=True)
         eng._backend.batcher.wait_idle(60)
         st = eng.batch_stats()
-    assert not errors, errors
-    assert [got[i][0] for i in range(4)] == solo
-    assert all(got[i][1] == 32 for i in range(4)), got
+    assert [g[0] for g in got] == solo
+    assert all(g[1] == 32 for g in got), got
     assert st["preemptions"] >= 1 and st["kv_blocks_used"] == 0, st
 
 
@@ -241,25 +237,12 @@ def test_requests_arriving_together_with_one_header_compute_it_once(llama):
             return shared
         b.admit = admit_
 
-    got, errors = {}, []
     with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4) as eng:
         first_waits_for_the_others(eng)
-
-        def one(i):
-            try:
-                r = eng.generate(reqs[i][0], _cfg(llama, "ngram", max_new_tokens=reqs[i][1]))
-                got[i] = (r.token_ids, r.stats["cached_tokens"])
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        got = _on(eng, llama, "ngram", reqs, together=True)
         stats = eng.batch_stats()
-    assert not errors, errors
-    assert [got[i][0] for i in range(4)] == solo
-    assert sorted(got[i][1] for i in range(4)) == [0, 32, 32, 32]
+    assert [g[0] for g in got] == solo
+    assert sorted(g[1] for g in got) == [0, 32, 32, 32]
     assert stats["prefix_waits"] == 3 and stats["prefix_cache"]["hits"] == 96, stats
 
 
