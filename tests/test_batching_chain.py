@@ -75,8 +75,10 @@ def test_a_stream_that_blocks_does_not_stop_the_rounds(llama):
 def _with_a_victim(llama, victim_stream, again_of: int):
     """Four ngram requests at once on a 4-wide batched engine, request 0 (thread "victim")
     streaming through `victim_stream(toks, seen)`: (ids by request, errors by request, the
-    solo ids, request `again_of` run once more after, the backend's stats, the batcher)."""
+    solo ids, request `again_of` run once more after, the backend's stats, the batcher). The
+    victim asks for 40 tokens: its chain still has rounds to run when its thread parks."""
     reqs = _prompts(4)
+    reqs[0] = (reqs[0][0], 40)
     solo = _solo(llama, "ngram", reqs)
     got: dict[int, list[int]] = {}
     errs: dict[int, BaseException] = {}
@@ -145,7 +147,13 @@ def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monke
 
     def launch(b, jobs, wakes, ids_dev=None):
         """The first step holding the victim's rows once its thread is parked in its stream:
-        its client goes away now, and the step waits for its leave before building."""
+        its client goes away now, and the step waits for its leave before building. From the
+        victim's third step on (its prefill, its first round, then this), a step waits for its
+        thread to park first, so its chain cannot run ahead to its end meanwhile."""
+        if state["rid"] in {j.rid for j in jobs}:
+            state["steps"] = state.get("steps", 0) + 1
+            if state["steps"] >= 3:
+                parked.wait(10)
         if parked.is_set() and not go.is_set() and state["rid"] in {j.rid for j in jobs}:
             go.set()
             with cv:
