@@ -47,7 +47,7 @@ from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
 from .loop_rounds import chain_rounds
 from .job import BatchStep, Job
-from ..specdec.spec_k import StepCost
+from ..specdec.spec_k import Acceptance, StepCost
 from .stats import BatchStats
 from .step_ids import StepIds
 from .paged import PagedKV
@@ -301,6 +301,8 @@ class Batcher:
         next one right after the step before. The request's own thread only takes its rounds
         (`take`), waiting on its own chain's signal, so a step's end wakes each of them once
         and none queues for the batcher's lock."""
+        if self.auto_k:
+            ch.acc = Acceptance(ch.k)
         job = ch.next_job()
         with self.cv:
             self._open()
@@ -454,10 +456,9 @@ class Batcher:
         cached, evicted = self.pool.cached_blocks, self.pool.evictions
         predicted = int(self.cost.predict(rows)) if self.auto_k else 0  # before this step is fitted in
         sid = self.stats.steps
-        ids = self.step_ids.new()  # its span's, should a traced request build it (tracing/emit.py)
         for j in take:
             j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free, self.stats.preemptions,
-                               cached, evicted, t0, predicted, ids, self.step_ids)
+                               cached, evicted, t0, predicted, self.step_ids)
         self.running = False
         s = self.stats
         if self.running_rids & self.prev_rids:  # a request mid-generation waited for this step

@@ -93,7 +93,7 @@ class Chain:
         self.never_drafts = isinstance(drafter, NoDrafter)
         self.plain = self.never_drafts and sp.greedy  # never drafts: its next row is its argmax
         self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
-        self.acc = Acceptance(k)  # its running acceptance per draft position (--spec-k auto: specdec/spec_k.py)
+        self.acc: Acceptance | None = None  # --spec-k auto: its running acceptance per draft position (start_chain)
         self.k_step: int | None = None  # the K the engine chose for its next round (--spec-k auto), else k
 
     def draft_k(self) -> int:
@@ -148,7 +148,8 @@ class Chain:
             return None
         t3 = time.perf_counter_ns()
         j = len(new) - 1
-        self.acc.update(kk, j)
+        if self.acc is not None:  # (--spec-k auto only: nothing on a fixed-K round's path)
+            self.acc.update(kk, j)
         self.slot.length, self.slot.last_step = n + j, job.step
         kept, _, self.done = commit_tokens(new, self.produced, self.max_new, len(self.tokens), self.capacity,
                                            self.eos)  # the session's own rule: it ends where the chain does

@@ -29,8 +29,7 @@ class BatchStep:
     evictions: int = 0  # cached blocks evicted so far (prefix caching: the pool was short)
     t0: int = 0  # perf_counter ns when the step's forward was launched
     predicted_ns: int = 0  # --spec-k auto: the step's time its cost line predicted for its rows (0: none)
-    ids: tuple[int, int] | None = None  # the step's own span: (trace id, span id) (step_ids.py)
-    spans: object = None  # the engine's StepIds: which steps' spans are made
+    spans: object = None  # the engine's StepIds: the step's span ids, and which steps' spans are made
 
 
 @dataclass

@@ -96,9 +96,10 @@ class SpanSink:
         and accepted), the step's span made here if no request's sink made it before
         (batching/step_ids.py); () for a round that rode no step."""
         b = r.batch
-        if b is None or b.ids is None:
+        if b is None or b.spans is None:
             return ()
-        sc = SpanContext(b.ids[0], b.ids[1], is_remote=False, trace_flags=self.flags)
+        tid, sid = b.spans.ids(b.id)
+        sc = SpanContext(tid, sid, is_remote=False, trace_flags=self.flags)
         if self.sampled and b.spans.claim(b.id):
             self._span(SPAN_BATCH_STEP, None, b.t0, b.t0 + b.forward_ns, {
                 ATTR["batch_step"]: b.id, ATTR["batch_requests"]: b.requests, ATTR["batch_rows"]: b.rows,
