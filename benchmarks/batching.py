@@ -64,6 +64,8 @@ def main() -> int:
                     "eagle3-replay: the bench's random drafter over the target drafting in full (batched only), "
                     "its drafts replaced by each request's plain greedy ids (recorded by a plain run first) "
                     "corrupted at 0.2")
+    ap.add_argument("--spec-k", default="fixed", help="the drafter rows' --spec-k, comma-separated: fixed, auto "
+                    "or fixed,auto (each a row of its own on the same recordings)")
     ap.add_argument("--levels", default="0", help="trace levels, comma-separated: each run at each level in turn "
                     "(the batched rows only; the row's by_level has each level's steady tok/s)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per setting (and level)")
@@ -125,19 +127,22 @@ def main() -> int:
                 rows.append(plain)
             if a.torch_profile:
                 kw["profile"] = lambda: _profiled(out / "profile.txt")
-            r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
-                           spans_on=not a.no_spans, **kw)
-            if tap:
-                r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], kw["recorded"]))
-            elif b == 1:
-                alone = r["ids"]
-            elif not a.only_batched and not tap:  # greedy: each request's ids against the one-at-a-time engine's (bf16 may differ)
-                r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], alone))
-            del r["ids"]
-            rows.append(r)
-            print(f"[batching] {json.dumps(r)}", file=sys.stderr, flush=True)
-            (out / "batching.json").write_text(json.dumps({"shape": a.shape, "device": a.device, "drafter": a.drafter,
-                                                           "new": a.new, "prompt": a.prompt, "rows": rows}, indent=1))
+            ks = a.spec_k.split(",") if a.drafter != "none" and b > 1 else ["fixed"]
+            for spec_k in ks:
+                r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
+                               spans_on=not a.no_spans, spec_k=spec_k, **kw)
+                if tap:
+                    r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], kw["recorded"]))
+                elif b == 1:
+                    alone = r["ids"]
+                elif not a.only_batched:  # greedy: each request's ids against the one-at-a-time engine's (bf16 may differ)
+                    r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], alone))
+                del r["ids"]
+                rows.append(r)
+                print(f"[batching] {json.dumps(r)}", file=sys.stderr, flush=True)
+                (out / "batching.json").write_text(json.dumps({"shape": a.shape, "device": a.device,
+                                                               "drafter": a.drafter, "new": a.new,
+                                                               "prompt": a.prompt, "rows": rows}, indent=1))
     print("| drafter | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s | ITL p50 / p99 ms "
           "| TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward | step ms "
           "| graphed step ms | busy | leader rounds ms a step | ids = alone |")
