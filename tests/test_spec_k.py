@@ -9,7 +9,7 @@ import pytest
 
 from memra_dist.specdec.spec_k import Acceptance, StepCost, choose
 
-from test_batching import _batched, _prompts, _solo
+from test_batching import _batched, _prompts, _solo, _tap_drafter, spy_proposals
 
 
 def test_acceptance_counts_only_the_positions_a_round_reached():
@@ -69,6 +69,63 @@ def test_the_engine_chooses_k_per_request_and_step_and_stays_lossless(llama, cor
         assert ks.get(0, 0) >= 0.7 * total, ks
     else:
         assert sum(n for k, n in ks.items() if k >= 3) >= 0.7 * total, ks
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_a_tap_drafter_at_k_0_skips_its_maintenance_and_catches_up_when_it_drafts_again(
+        llama, tmp_path_factory, monkeypatch, drafter):
+    """K chosen as 0 for two steps in three: a tap drafter's maintenance is left out of those
+    rounds (plain decoding's cost), and when it drafts again it first takes in every row it
+    skipped: each of its proposals equals the one the request makes alone at the same context,
+    and the ids are the solo ids."""
+    import memra_dist.batching.loop_rounds as lr
+
+    if drafter == "dflash":
+        from memra_dist.specdec.drafters.dflash import DFlashDrafter as cls
+    else:
+        from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter as cls
+    ddir = str(_tap_drafter(drafter, llama, tmp_path_factory))
+    reqs = _prompts(4)
+    seen = spy_proposals(monkeypatch, cls)
+    solo = _solo(llama, drafter, reqs, draft_model=ddir)
+    alone, seen[:] = set(seen), []
+    calls = {"choose": 0, "maintain": 0, "in_loop": False}
+    real_maintain, real_many, real_rounds = cls.maintain, cls.maintain_many, lr.maintain_rounds
+
+    def maintain(self, context):  # counted when the loop maintains a chained round
+        calls["maintain"] += calls["in_loop"]
+        real_maintain(self, context)
+
+    def maintain_many(drafters, contexts):  # the step's shared maintenance: each drafter's counted once
+        calls["maintain"] += len(drafters)
+        calls["in_loop"] = False  # (where it calls each one's maintain)
+        try:
+            real_many(drafters, contexts)
+        finally:
+            calls["in_loop"] = True
+
+    def maintain_rounds(chains):
+        calls["in_loop"] = True
+        try:
+            return real_rounds(chains)
+        finally:
+            calls["in_loop"] = False
+
+    def every_third(reqs_, cost):  # K 0, K 0, then each request's bound
+        calls["choose"] += 1
+        return [bound if calls["choose"] % 3 == 0 else 0 for _, bound in reqs_]
+
+    monkeypatch.setattr(cls, "maintain", maintain)
+    monkeypatch.setattr(cls, "maintain_many", staticmethod(maintain_many))
+    monkeypatch.setattr(lr, "choose", every_third)
+    monkeypatch.setattr(lr, "maintain_rounds", maintain_rounds)
+    got, stats = _batched(llama, drafter, reqs, max_batch=4, on_open=_auto, draft_model=ddir, spec_k="auto")
+    assert got == solo
+    ks = {int(k): n for k, n in stats["k_chosen"].items()}
+    assert ks.get(0, 0) >= 20 and sum(n for k, n in ks.items() if k > 0) >= 8, ks
+    assert seen and set(seen) <= alone  # every proposal after a catch-up is the solo one
+    # the loop maintained a round only ahead of drafting (or as a request ended, or before its first K)
+    assert calls["maintain"] <= sum(n for k, n in ks.items() if k > 0) + 2 * len(reqs), (calls, ks)
 
 
 def test_auto_k_with_ngram_on_the_measured_step_cost_keeps_the_ids(llama):

@@ -96,6 +96,11 @@ class Chain:
         self.acc: Acceptance | None = None  # --spec-k auto: its running acceptance per draft position (start_chain)
         self.k_step: int | None = None  # the K the engine chose for its next round (--spec-k auto), else k
 
+    def skips_maint(self) -> bool:
+        """--spec-k auto chose K 0 for its next round and its drafter catches up on the rows it
+        skips when it drafts again (base.py `catches_up`): no maintenance now, plain decoding's cost."""
+        return self.k_step == 0 and self.drafter.catches_up and not self.done
+
     def draft_k(self) -> int:
         """The drafts the next round asks for, as the session's round asks (<= 0: none)."""
         k = self.k if self.k_step is None else self.k_step
@@ -163,9 +168,10 @@ class Chain:
         `t4`: the maintenance already ran, with other requests' in one forward begun then."""
         if t4 is None:
             t4 = time.perf_counter_ns()
-            self.drafter.maintain(self.tokens)
-            if self.drafter.device is not None:  # its device work ends inside its phase (DFlash's ingest)
-                self.drafter.drain()
+            if not self.skips_maint():
+                self.drafter.maintain(self.tokens)
+                if self.drafter.device is not None:  # its device work ends inside its phase (DFlash's ingest)
+                    self.drafter.drain()
         new, kk, j, ctx, step, t0, t1, t2, t3, shared, expected = self._pending
         self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns()), shared,
                                       expected))

@@ -20,14 +20,15 @@ import time
 __all__ = ["maintain_rounds", "propose_rounds"]
 
 
-def _groups(chains) -> list[list]:
+def _groups(chains, proposing: bool) -> list[list]:
     """Chains in groups that draft together: those whose drafters batch and share a network
-    (first-seen order), each other chain alone."""
+    (first-seen order), each other chain alone. At K 0 (--spec-k auto) a chain goes alone: it
+    drafts nothing (`proposing`), and skips its maintenance where its drafter catches up."""
     out: list[list] = []
     by_net: dict[int, list] = {}
     for ch in chains:
         d = ch.drafter
-        if d.batched and ch.draft_k() > 0:  # (K 0, --spec-k auto: nothing to draft, the chain goes alone)
+        if d.batched and (ch.draft_k() > 0 if proposing else not ch.skips_maint()):
             key = id(d.batch_key)
             if key not in by_net:
                 by_net[key] = []
@@ -61,7 +62,7 @@ def maintain_rounds(chains) -> list:
             except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own request only)
                 ch.err, ch.ended = e, True
         return ok
-    for group in _groups(chains):
+    for group in _groups(chains, False):
         try:
             if len(group) > 1:
                 t4 = time.perf_counter_ns()
@@ -93,7 +94,7 @@ def propose_rounds(chains, stats=None) -> list:
                 out.append(None)
         return out
     jobs: dict[int, object] = {}
-    for group in _groups(chains):
+    for group in _groups(chains, True):
         try:
             if len(group) > 1:
                 t0 = time.perf_counter_ns()

@@ -2,7 +2,8 @@
 `_end_step` calls `chain_rounds` holding the batcher's lock): each round settled (accept,
 commit, rollback as a block trim: chain.py), every settled chain's drafter maintained and its
 next drafts proposed (chain_drafts.py: a batched drafter's requests in one forward), with
---spec-k auto each request's K chosen first (`choose_k`: specdec/spec_k.py), and the next
+--spec-k auto each request's K chosen first (`choose_k`: specdec/spec_k.py; a request at K 0
+whose drafter catches up later skips its maintenance: plain decoding's cost), and the next
 verify rows queued for the very next step, or the chain parked where its blocks cannot grow.
 `b`: the Batcher."""
 
@@ -39,6 +40,8 @@ def chain_rounds(b, jobs: list[Job]) -> None:
         except BaseException as e:  # noqa: BLE001 (ends its own request only)
             ch.err, ch.ended = e, True
     going = []
+    if b.auto_k:  # the next rounds' K first: a K-0 round's drafter may skip its maintenance (chain.py)
+        choose_k(b, [ch for ch in settled if not ch.done and ch.inflight is None])
     t = time.perf_counter_ns()
     maintained = maintain_rounds(settled)
     t2 = time.perf_counter_ns()
@@ -52,8 +55,6 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             ch.inflight = None
         else:
             going.append(ch)
-    if b.auto_k:
-        choose_k(b, going)
     proposed = propose_rounds(going, b.stats)
     t3 = time.perf_counter_ns()
     b.stats.draft_ns += t3 - t2

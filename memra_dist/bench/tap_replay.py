@@ -36,6 +36,10 @@ class TapReplay(Drafter):
         return getattr(self.real, "batched", False)
 
     @property
+    def catches_up(self) -> bool:
+        return getattr(self.real, "catches_up", False)
+
+    @property
     def batch_key(self):
         return self.real.batch_key
 

@@ -36,6 +36,9 @@ class Drafter:
     # Proposal (its drafts on the host; greedy, or drawn with its generator): the chained requests of
     # a step that share this drafter's network, in one forward each
     batched = False
+    # its propose catches up on every committed row its maintain skipped (DFlash's ingest from its
+    # n, EAGLE-3's and MTP's from theirs): a round of K 0 (--spec-k auto) may leave maintain out
+    catches_up = False
 
     @property
     def batch_key(self):

@@ -49,6 +49,7 @@ class DFlashDrafter(Drafter):
     # batched greedy requests: the step leader drafts the step's requests in one forward (dflash_batch.py)
     chains = True
     batched = True
+    catches_up = True  # propose commits the rows from its n on (base.py)
     maintain_many = staticmethod(ingest_many_of_contexts)
     propose_many = staticmethod(propose_many)
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)

@@ -47,6 +47,7 @@ class Eagle3Drafter(Drafter):
     # batched greedy requests: the step leader drafts the step's requests as batched chains (eagle3_batch.py)
     chains = True
     batched = True
+    catches_up = True  # propose commits the rows from its n on (base.py)
     maintain_many = staticmethod(maintain_many)
     propose_many = staticmethod(propose_many)
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)

@@ -42,6 +42,7 @@ class MTPDrafter(Drafter):
     # batched greedy requests: the step leader drafts the step's requests as batched chains (mtp_batch.py)
     chains = True
     batched = True
+    catches_up = True  # propose commits the rows from its n on (base.py)
     maintain_many = staticmethod(maintain_many)
     propose_many = staticmethod(propose_many)
 
