@@ -70,7 +70,7 @@ def workload(model: str, device: str, header: int, cache: bool, vocab: int, repe
     from .runs import make_prompt  # noqa: PLC0415
 
     cfg = RunConfig(model=model, drafter="none", device=device, max_new_tokens=new, prefix_cache=cache)
-    cap = header + 2 * new + 2 * TAIL + 8
+    cap = header + _extra(new)
     out = {"turn2_s": [], "shared_s": [], "together_s": [], "ids": [], "cached": []}
     with open_engine(cfg, capacity=cap, max_batch=REQUESTS) as eng:
         _timed(eng, make_prompt(64, vocab, seed=999), cfg)  # the warm-up a server gets from its first request
@@ -98,6 +98,11 @@ def workload(model: str, device: str, header: int, cache: bool, vocab: int, repe
     return out
 
 
+def _extra(new: int = NEW) -> int:
+    """The rows a request holds past the header (turn 2: its message, turn 1's answer, its own)."""
+    return 2 * new + 2 * TAIL + 8
+
+
 def _fig_ms(xs: list[float]) -> Fig:
     f = Fig.of([x * 1e3 for x in xs])
     return Fig(statistics.median(x * 1e3 for x in xs), f.lo, f.hi, f.n)
@@ -108,9 +113,12 @@ def prefix(s) -> dict:
     from ..model.config import load_config  # noqa: PLC0415
     from .checkpoints import ensure_checkpoint  # noqa: PLC0415
 
-    header = HEADER["cuda" if s.device.type == "cuda" else "cpu"]
     model = str(ensure_checkpoint(s.opts.shape, s.cache, s.device, s.say, s.ckpt_dtype))
-    vocab = load_config(model).vocab_size
+    mcfg = load_config(model)
+    vocab = mcfg.vocab_size
+    # within the model's positions with the turn's own rows (the 8b shape's 8192: 8080), whole blocks
+    header = min(HEADER["cuda" if s.device.type == "cuda" else "cpu"], mcfg.max_position_embeddings - _extra())
+    header -= header % 16
     runs = {}
     for cache in (False, True):
         s.say(f"  prefix cache {'on' if cache else 'off'}: chat turn 2 and a shared {header}-token header, "
