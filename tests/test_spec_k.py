@@ -71,13 +71,14 @@ def test_the_engine_chooses_k_per_request_and_step_and_stays_lossless(llama, cor
         assert sum(n for k, n in ks.items() if k >= 3) >= 0.7 * total, ks
 
 
-@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+@pytest.mark.parametrize("drafter,ahead", [("dflash", False), ("eagle3", False), ("dflash", True)])
 def test_a_tap_drafter_at_k_0_skips_its_maintenance_and_catches_up_when_it_drafts_again(
-        llama, tmp_path_factory, monkeypatch, drafter):
-    """K chosen as 0 for two steps in three: a tap drafter's maintenance is left out of those
+        llama, tmp_path_factory, monkeypatch, drafter, ahead):
+    """K chosen as 0 for two steps in four: a tap drafter's maintenance is left out of those
     rounds (plain decoding's cost), and when it drafts again it first takes in every row it
     skipped: each of its proposals equals the one the request makes alone at the same context,
-    and the ids are the solo ids."""
+    and the ids are the solo ids. With the GPU's steps ahead (`ahead`), the K-0 rounds run one
+    step ahead as plain decoding does, their taps still written."""
     import memra_dist.batching.loop_rounds as lr
 
     if drafter == "dflash":
@@ -111,16 +112,21 @@ def test_a_tap_drafter_at_k_0_skips_its_maintenance_and_catches_up_when_it_draft
         finally:
             calls["in_loop"] = False
 
-    def every_third(reqs_, cost):  # K 0, K 0, then each request's bound
+    def every_third(reqs_, cost):  # K 0 twice, then each request's bound twice
         calls["choose"] += 1
-        return [bound if calls["choose"] % 3 == 0 else 0 for _, bound in reqs_]
+        return [bound if calls["choose"] % 4 < 2 else 0 for _, bound in reqs_]
+
+    def on_open(eng):
+        _auto(eng)
+        eng._backend.batcher.ahead = ahead  # (as on a GPU's graphed steps)
 
     monkeypatch.setattr(cls, "maintain", maintain)
     monkeypatch.setattr(cls, "maintain_many", staticmethod(maintain_many))
     monkeypatch.setattr(lr, "choose", every_third)
     monkeypatch.setattr(lr, "maintain_rounds", maintain_rounds)
-    got, stats = _batched(llama, drafter, reqs, max_batch=4, on_open=_auto, draft_model=ddir, spec_k="auto")
+    got, stats = _batched(llama, drafter, reqs, max_batch=4, on_open=on_open, draft_model=ddir, spec_k="auto")
     assert got == solo
+    assert (stats["ahead_steps"] > 0) == ahead, stats
     ks = {int(k): n for k, n in stats["k_chosen"].items()}
     assert ks.get(0, 0) >= 20 and sum(n for k, n in ks.items() if k > 0) >= 8, ks
     assert seen and set(seen) <= alone  # every proposal after a catch-up is the solo one

@@ -1,7 +1,8 @@
 """Plain greedy requests one step ahead of the host, in the batch.
 
-A step whose every row is a chained request's decode row with no drafter (`none`: its next
-input is the argmax of its row) does not need the host to know the next step's inputs: the
+A step whose every row is a chained request's decode row with no drafts (drafter `none`, or
+K 0 chosen by --spec-k auto: its next input is the argmax of its row; a tap drafter's taps are
+still written, for when it drafts again) does not need the host to know the next step's inputs: the
 positions are the next ones, the blocks can be grown now, and the ids are the step's argmax,
 which the device copies into the next step's input itself. So the leader launches step N + 1
 right behind step N, before reading N back, and runs N's rounds (commit, stop rules) while the
@@ -46,7 +47,7 @@ def plan_ahead(b, take: list[Job]) -> list[Job] | None:
                 return None  # left meanwhile
             if b.pool.capacity(rid) < end and not b.pool.grow(rid, end):
                 return None
-        nxt = [Job(j.rid, [0], j.start + 1, j.width, False, chain=j.chain) for j in take]
+        nxt = [Job(j.rid, [0], j.start + 1, j.width, False, chain=j.chain, taps=j.taps) for j in take]
         for j in nxt:
             j.chain.inflight = j
     return nxt

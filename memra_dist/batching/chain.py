@@ -91,10 +91,15 @@ class Chain:
         self._expected = -1.0  # the latest proposal's predicted accepted drafts (--spec-k auto)
         self.greedy = sp.greedy  # sampled: the leader accepts on the step's logits with the request's generator
         self.never_drafts = isinstance(drafter, NoDrafter)
-        self.plain = self.never_drafts and sp.greedy  # never drafts: its next row is its argmax
         self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
         self.acc: Acceptance | None = None  # --spec-k auto: its running acceptance per draft position (start_chain)
         self.k_step: int | None = None  # the K the engine chose for its next round (--spec-k auto), else k
+
+    @property
+    def plain(self) -> bool:
+        """Its next round drafts nothing (drafter none, or K 0 under --spec-k auto) and is greedy:
+        that row's input is the argmax of this one's, so the loop may launch it ahead (ahead.py)."""
+        return self.greedy and (self.never_drafts or self.k_step == 0)
 
     def skips_maint(self) -> bool:
         """--spec-k auto chose K 0 for its next round and its drafter catches up on the rows it

@@ -41,7 +41,7 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             ch.err, ch.ended = e, True
     going = []
     if b.auto_k:  # the next rounds' K first: a K-0 round's drafter may skip its maintenance (chain.py)
-        choose_k(b, [ch for ch in settled if not ch.done and ch.inflight is None])
+        choose_k(b, [ch for ch in settled if not ch.done])  # (one launched ahead: for the round after it)
     t = time.perf_counter_ns()
     maintained = maintain_rounds(settled)
     t2 = time.perf_counter_ns()
