@@ -275,10 +275,20 @@ def generate(cfg: RunConfig, prompt: list[int], stream=None, sink=None, span_sin
 
 def _demo_args(args):
     from .env import environment  # noqa: PLC0415
+    from .demo.prewarm import Prewarm, wanted as prewarm_wanted  # noqa: PLC0415
     from .demo.tiny import demo_checkpoints  # noqa: PLC0415
 
     say = (lambda s: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr, flush=True))
-    target, draft = demo_checkpoints(say)
+    warm = Prewarm(args, args.prompt or DEMO_PROMPT, say) if prewarm_wanted(args) else None
+    try:
+        target, draft = demo_checkpoints(say, warm.start if warm is not None else None)
+        return _demo_models(args, say, target, draft, warm)
+    finally:
+        if warm is not None:
+            warm.close()
+
+
+def _demo_models(args, say, target, draft, warm):
     if args.trace_level is None and not environment().trace_level_set:
         args.trace_level = 1  # the demo shows the phase shares unless told otherwise
     draft_model = args.draft_model or (str(draft) if args.drafter in (None, "model") else None)
@@ -295,6 +305,8 @@ def _demo_args(args):
 
         target = demo_mtp_dir(target.parent, say)
     say(f"tiny target + draft llamas trained on the embedded text, cached in {target.parent}")
+    if warm is not None:
+        warm.join()  # its kernels in Triton's cache before this engine compiles them
     return str(target), draft_model, args.prompt or DEMO_PROMPT
 
 

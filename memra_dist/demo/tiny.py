@@ -120,8 +120,11 @@ def demo_cache_dir() -> Path:
     return Path(cache_root()) / f"demo-v{DEMO_VERSION}"
 
 
-def demo_checkpoints(progress: Callable[[str], None] | None = None) -> tuple[Path, Path]:
-    """(target_dir, draft_dir), built once into the user cache directory, then reused."""
+def demo_checkpoints(progress: Callable[[str], None] | None = None,
+                     before_training: Callable[[dict, Tokenizer], None] | None = None) -> tuple[Path, Path]:
+    """(target_dir, draft_dir), built once into the user cache directory, then reused.
+    `before_training(shapes, tok)`: called once the shapes are known, before the models are
+    trained (the demo compiles its kernels meanwhile: prewarm.py)."""
     root = demo_cache_dir()
     target, draft = root / "target", root / "draft"
     if (target / "config.json").exists() and (draft / "config.json").exists():
@@ -129,9 +132,12 @@ def demo_checkpoints(progress: Callable[[str], None] | None = None) -> tuple[Pat
     root.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda s: None)
     tok = train_tokenizer()
+    shapes = {name: llama_config(tok.get_vocab_size(), **DEMO_SHAPES[name]) for name in DEMO_RECIPE}
+    if before_training is not None:
+        before_training(shapes, tok)
     for name, (steps, lr, seed) in DEMO_RECIPE.items():
         t0 = time.perf_counter()
-        cfg = llama_config(tok.get_vocab_size(), **DEMO_SHAPES[name])
+        cfg = shapes[name]
         cb = lambda i, n, loss, name=name: say(f"training the demo {name}: step {i}/{n} loss {loss:.3f}")  # noqa: E731
         build_checkpoint(root / name, cfg, tok, seed=seed, train_steps=steps, progress=cb,
                          init_std=DEMO_INIT_STD, lr=lr)
