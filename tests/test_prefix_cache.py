@@ -266,3 +266,95 @@ def test_a_linear_attention_target_reuses_nothing_says_so_and_keeps_its_ids(capf
     ids, cached, stats = _run(path, "ngram", reqs, together=False, max_batch=2)
     assert "the prefix cache reuses nothing for kimi_linear" in capfd.readouterr().err
     assert ids == solo and cached == [0, 0] and "prefix_cache" not in stats
+
+
+def test_a_waiting_request_with_a_cached_prefix_goes_before_an_earlier_one_without(llama, monkeypatch):
+    """Two request slots, held by a request of HEADER and a filler; an unrelated request
+    arrives, then another of HEADER. When the HEADER request's slot frees, the second HEADER
+    request (its two header blocks cached) is admitted, ahead of the earlier arrival; each
+    request gets its solo ids. With the cache off, arrival order holds."""
+    import time as _time
+
+    import memra_dist.batching.admission as admission
+
+    reqs = [(HEADER + [3] * 4, 6), (_prompts(2)[1][0], 6), (_prompts(1)[0][0], 6), (HEADER + [9] * 4, 6)]
+    solo = _solo(llama, "none", reqs)
+    granted: list[int] = []
+    real_pick = admission.pick
+
+    def pick(waiting, max_passes=admission.MAX_PASSES):
+        i = real_pick(waiting, max_passes)
+        granted.append(waiting[i][0])
+        return i
+
+    monkeypatch.setattr(admission, "pick", pick)
+
+    def until(cond):
+        t = _time.monotonic()
+        while not cond():
+            assert _time.monotonic() - t < 60
+            _time.sleep(0.005)
+
+    for cache in (True, False):
+        holds = [threading.Event(), threading.Event()]
+        got: dict[int, list[int]] = {}
+        granted.clear()
+        with open_engine(_cfg(llama, "none", prefix_cache=cache), capacity=CAP, max_batch=2) as eng:
+            adm = eng._backend.admission
+
+            def one(i, p, n):
+                def stream(_toks):
+                    if i < 2:
+                        holds[i].wait(60)  # the first two hold their slots until told
+                got[i] = eng.generate(p, _cfg(llama, "none", max_new_tokens=n, prefix_cache=cache),
+                                      stream=stream).token_ids
+
+            threads = []
+            for i, req in enumerate(reqs):  # arriving in this order
+                threads.append(threading.Thread(target=one, args=(i, *req), daemon=True))
+                threads[-1].start()
+                until(lambda: len(granted) + len(adm.waiting) == i + 1)
+            holds[0].set()  # one slot for the two waiting
+            until(lambda: len(granted) == 3)
+            holds[1].set()
+            for t in threads:
+                t.join(120)
+            stats = eng.batch_stats()
+        assert [got[i] for i in range(4)] == solo
+        assert granted == ([0, 1, 3, 2] if cache else [0, 1, 2, 3]), (cache, granted)
+        assert stats["admitted_ahead"] == (1 if cache else 0), stats
+
+
+def test_a_request_nobody_shares_is_passed_over_at_most_max_passes_times():
+    """The admission rule alone: a stream of requests with cached prefixes goes ahead of one
+    without only until it has been passed over MAX_PASSES times."""
+    import time as _time
+
+    from memra_dist.batching.admission import MAX_PASSES, Admission
+
+    adm = Admission(0)
+    log: list[int] = []
+    hits = {0: 0}
+    entered = []
+
+    def one(i):
+        with adm.enter(lambda: hits[i]):
+            log.append(i)
+
+    def arrive(i, h):
+        hits[i] = h
+        t = threading.Thread(target=one, args=(i,), daemon=True)
+        t.start()
+        entered.append(t)
+        while not any(w.arrival == len(entered) - 1 for w in adm.waiting) and t.is_alive():
+            _time.sleep(0.001)
+
+    arrive(0, 0)  # the unshared one, first
+    for i in range(1, MAX_PASSES + 3):
+        arrive(i, 5)
+    with adm.cv:  # one slot: each request hands it on as it leaves
+        adm.free += 1
+        adm._grant()
+    for t in entered:
+        t.join(10)
+    assert log == [*range(1, MAX_PASSES + 1), 0, MAX_PASSES + 1, MAX_PASSES + 2], log

@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import UserError
+from .admission import Admission
 from .batcher import Batcher
 from .blocks import BlockPool, blocks_for
 from .prefix_cache import salt_for
@@ -173,7 +174,7 @@ class BatchedBackend:
                                           self.batcher.pool.rows if kv_rows is not None else None, budget,
                                           fast["graphs"], cache=self.prefix_cache, salt=salt_for(cfg.draft_model,
                                                                                                  self.dtype))
-        self.slots = threading.BoundedSemaphore(max_batch)
+        self.admission = Admission(max_batch)  # the B request slots, longest cached prefix first (admission.py)
         self.max_batch = max_batch
         verify = cfg.k + 1 if cfg.drafter != "none" else 1
         self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target")
@@ -314,9 +315,9 @@ class BatchedBackend:
         abandoned."""
         cfg = plan.cfg
         need = min(plan.capacity, len(prompt) + cfg.max_new_tokens + cfg.k + 1)
-        with self.slots:
-            first = len(prompt) + 1  # admitted with its prompt's blocks; its forwards grow them
-            slot = BatchSlot(self.batcher, need, first, prompt)
+        first = len(prompt) + 1  # admitted with its prompt's blocks; its forwards grow them
+        slot = BatchSlot(self.batcher, need, first, prompt)
+        with self.admission.enter(slot.cached_blocks):
             draft = BatchSlot(self.draft_batcher, need, first, prompt) if self.draft_batcher is not None else None
             req = None
             try:
@@ -332,7 +333,7 @@ class BatchedBackend:
 
     def stats(self) -> dict:
         b = self.batcher
-        out = {**b.stats.as_dict(), "kv_rows": b.pool.rows, "block": BLOCK,
+        out = {**b.stats.as_dict(), "kv_rows": b.pool.rows, "block": BLOCK, "admitted_ahead": self.admission.ahead,
                "kv_blocks_used": b.pool.used_blocks, "kv_blocks_free": b.pool.free_blocks}
         if b.pool.cache:
             out["prefix_cache"] = b.pool.cache_stats()

@@ -68,6 +68,15 @@ class BatchSlot:
         # the latest forward's rows' argmax and the logit at it, read back by the step (accept.py greedy_commit)
         self.greedy_rows: tuple[list, list] | None = None
 
+    def cached_blocks(self) -> int:
+        """The leading blocks of its prompt the pool caches now (0 with the cache off): what the
+        engine's admission orders waiting requests by (admission.py)."""
+        if not self.hashes:
+            return 0
+        b = self.batcher
+        with b.cv:
+            return b.pool.lookup(self.hashes[:reusable_blocks(len(self.prompt), b.pool.block)])
+
     def keep_taps(self, layers) -> None:
         """From the next `alloc` on, every forward of this request keeps the outputs of these
         target layers (FINAL: the final norm's) in `cache.taps`, by position (model/taps.py):
