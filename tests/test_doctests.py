@@ -11,7 +11,8 @@ MODULES = ["memra_dist.pipeline.partition", "memra_dist.specdec.drafters.ngram",
            "memra_dist.model.prefetch", "memra_dist.specdec.chunks", "memra_dist.model.prefix_attention",
            "memra_dist.compile_policy", "memra_dist.batching.blocks", "memra_dist.batching.graphs",
            "memra_dist.batching.backend", "memra_dist.specdec.accept", "memra_dist.specdec.stop",
-           "memra_dist.serve.batch", "memra_dist.batching.policy", "memra_dist.batching.step_plan"]
+           "memra_dist.serve.batch", "memra_dist.batching.policy", "memra_dist.batching.step_plan",
+           "memra_dist.batching.admission", "memra_dist.specdec.spec_k", "memra_dist.batching.prefix_cache"]
 
 
 @pytest.mark.parametrize("name", MODULES)
