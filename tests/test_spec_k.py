@@ -29,8 +29,16 @@ def test_step_cost_fits_the_line_the_steps_follow_and_forgets_the_prior():
         c.observe(rows, 2e6 + 3e4 * rows)
     a, b = c.line()
     assert a == pytest.approx(2e6, rel=1e-3) and b == pytest.approx(3e4, rel=1e-3)
-    c.observe_draft(4, 4e5)
-    assert c.predict(10, 4) == pytest.approx(2e6 + 3e5 + 0.2 * 1e5 * 4, rel=1e-3)
+    assert c.predict(10, 4) == pytest.approx(2e6 + 3e5, rel=1e-3)  # nothing drafted seen: drafting free
+    c.observe_draft(4, 9e5)  # one drafting size seen: all of it the fixed part
+    assert c.draft_line() == pytest.approx((9e5, 0.0))
+    for i in range(100):  # drafting's fixed part (one forward) and its part a token
+        n = 1 + i % 16
+        c.observe_draft(n, 5e5 + 2e4 * n)
+    d0, d1 = c.draft_line()
+    assert d0 == pytest.approx(5e5, rel=1e-3) and d1 == pytest.approx(2e4, rel=1e-3)
+    assert c.predict(10, 4) == pytest.approx(2e6 + 3e5 + 5e5 + 8e4, rel=1e-3)
+    assert c.predict(10, 0) == pytest.approx(2e6 + 3e5, rel=1e-3)  # K 0 everywhere: no drafting cost
 
 
 def test_choose_gives_drafts_where_they_pay_and_respects_each_bound():
@@ -41,6 +49,22 @@ def test_choose_gives_drafts_where_they_pay_and_respects_each_bound():
     assert ks[0] == 8 and 0 < ks[1] < 8 and ks[2] == 0 and ks[3] == 3
     assert choose([(hi, 8), (mid, 8)], costly) == [0, 0]  # a row costs ten steps' base: plain decoding
     assert choose([], cheap) == []
+
+
+def test_choose_drafts_only_where_the_plan_pays_drafting_s_fixed_cost():
+    """A tap drafter's forward costs about the same for one draft as for all: with a fixed
+    drafting cost above what the drafts bring, every K is 0; below it, the drafts go to their
+    bounds (each one more is nearly free once the forward runs)."""
+    accs = [(Acceptance(4, prior=0.8), 4) for _ in range(16)]  # 16 requests, ~2.4 accepted of 4
+
+    def cost(d0):
+        c = StepCost(prior_ns=(4e6, 2e4), prior_steps=1e9)  # 4.3 ms for 16 rows
+        for n in (16, 32, 64):
+            c.observe_draft(n, d0 + 1e3 * n)
+        return c
+
+    assert choose(accs, cost(40e6)) == [0] * 16  # 40 ms of drafting for ~2.4x the tokens: plain
+    assert choose(accs, cost(2e6)) == [4] * 16
 
 
 def _auto(eng, cost=None):

@@ -11,7 +11,8 @@ first m are all accepted, from its running acceptance per draft position (`Accep
 exponential average per position, started optimistic so that a new request drafts and is
 measured). T(rows) is the step's time for that many rows: a line fitted online to the steps
 the engine ran (`StepCost`: rows against measured time, exponentially weighted least
-squares), plus the drafter's time per drafted token. `choose` raises one K_i at a time, the
+squares), plus, when anything is drafted, the drafting's time: a fixed part and a part per
+drafted token, fitted the same way. `choose` raises one K_i at a time, the
 one whose next draft adds the most goodput, while any adds some; a request whose drafts are
 rarely accepted, or a step whose rows cost more than their tokens bring, stays at K = 0
 (plain decoding for that request: one row).
@@ -58,18 +59,15 @@ class Acceptance:
         return out
 
 
-class StepCost:
-    """T(rows) ~ a + b * rows (ns), fitted to the steps seen, the recent ones weighted most
-    (`decay` per step), starting from `prior_ns` = (a, b) weighted as `prior_steps` steps; plus
-    `draft_ns` a drafted token (the drafter's share, an exponential average)."""
+class _Line:
+    """y ~ a + b * x, fitted to the points seen, the recent ones weighted most (`decay` a point),
+    from prior points (x, y, weight)."""
 
-    def __init__(self, prior_ns: tuple[float, float] = (1e6, 1e4), prior_steps: float = 4.0, decay: float = 0.98):
-        a, b = prior_ns
+    def __init__(self, prior: list[tuple[float, float, float]], decay: float):
         self.decay = decay
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        for rows in (1.0, 16.0):  # the prior as points of its line at 1 and 16 rows
-            self._add(rows, a + b * rows, prior_steps / 2)
-        self.draft_ns = 0.0
+        for x, y, w in prior:
+            self._add(x, y, w)
 
     def _add(self, x: float, y: float, w: float) -> None:
         self.n += w
@@ -78,39 +76,69 @@ class StepCost:
         self.sxx += w * x * x
         self.sxy += w * x * y
 
-    def observe(self, rows: int, ns: float) -> None:
+    def observe(self, x: float, y: float) -> None:
         d = self.decay
         self.n, self.sx, self.sy, self.sxx, self.sxy = (d * self.n, d * self.sx, d * self.sy, d * self.sxx,
                                                         d * self.sxy)
-        self._add(float(rows), float(ns), 1.0)
+        self._add(float(x), float(y), 1.0)
 
-    def observe_draft(self, tokens: int, ns: float, alpha: float = 0.2) -> None:
+    def fit(self) -> tuple[float, float]:
+        """(a, b), both >= 0 (one x seen so far: b 0, a their mean)."""
+        if self.n <= 0:
+            return 0.0, 0.0
+        var = self.sxx - self.sx * self.sx / self.n
+        b = (self.sxy - self.sx * self.sy / self.n) / var if var > 1e-9 * max(self.sxx, 1.0) else 0.0
+        b = max(b, 0.0)
+        return max((self.sy - b * self.sx) / self.n, 0.0), b
+
+
+class StepCost:
+    """A step's time (ns): T(rows) ~ a + b * rows, fitted to the steps seen (the recent ones
+    weighted most, `decay` per step, from `prior_ns` = (a, b) weighted as `prior_steps` steps),
+    plus, when anything is drafted, the drafting's own time ~ d0 + d1 * drafted tokens (the
+    drafters' maintenance and proposals between steps: a tap drafter's one forward costs about
+    the same for 1 draft as for 4, a host drafter's grows with them), fitted the same way."""
+
+    def __init__(self, prior_ns: tuple[float, float] = (1e6, 1e4), prior_steps: float = 4.0, decay: float = 0.98):
+        a, b = prior_ns
+        self.rows = _Line([(x, a + b * x, prior_steps / 2) for x in (1.0, 16.0)], decay)
+        self.drafts = _Line([], decay)
+
+    def observe(self, rows: int, ns: float) -> None:
+        self.rows.observe(rows, ns)
+
+    def observe_draft(self, tokens: int, ns: float) -> None:
+        """A step's drafting: `tokens` drafted (> 0) in `ns` (maintenance and proposals)."""
         if tokens > 0:
-            self.draft_ns += alpha * (ns / tokens - self.draft_ns)
+            self.drafts.observe(tokens, ns)
 
     def line(self) -> tuple[float, float]:
-        """(a, b): the fitted base and per-row cost (b >= 0, a >= 0)."""
-        var = self.sxx - self.sx * self.sx / self.n
-        b = (self.sxy - self.sx * self.sy / self.n) / var if var > 1e-9 else 0.0
-        b = max(b, 0.0)
-        a = max((self.sy - b * self.sx) / self.n, 0.0)
-        return a, b
+        """(a, b): the fitted base and per-row cost."""
+        return self.rows.fit()
+
+    def draft_line(self) -> tuple[float, float]:
+        """(d0, d1): drafting's fixed cost a step and its cost a drafted token."""
+        return self.drafts.fit()
 
     def predict(self, rows: int, drafted: int = 0) -> float:
         a, b = self.line()
-        return a + b * rows + self.draft_ns * drafted
+        d0, d1 = self.draft_line()
+        return a + b * rows + (d0 + d1 * drafted if drafted > 0 else 0.0)
 
 
 def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
     """Each request's K for the next step (0 .. its bound), by greedy ascent of the step's
-    expected tokens per ns (the module doc). Every added draft costs the same (one row and one
-    drafted token), and a request's gains shrink with its K (each is a product of one more
-    chance), so the ascent takes the gains largest first while one still raises the rate:
-    O(drafts log drafts), the cost line read once."""
+    expected tokens per ns (the module doc). Once drafting's fixed cost is paid, every added
+    draft costs the same (one row and one drafted token), and a request's gains shrink with
+    its K (each is a product of one more chance), so the ascent takes the gains largest first
+    while one still raises the rate: O(drafts log drafts). The best plan found is kept only if
+    it beats plain decoding (every K 0, no drafting cost)."""
     a, b = cost.line()
-    step = b + cost.draft_ns  # what one more draft adds to the step
+    d0, d1 = cost.draft_line()
+    step = b + d1  # what one more draft adds to the step
     tokens = float(len(reqs))  # each request's one sure token
-    t = max(a + b * len(reqs), 1.0)  # (ns; a free step still ranks its drafts)
+    plain = max(a + b * len(reqs), 1.0)  # (ns; a free step still ranks its drafts)
+    t = plain + d0
     gains = []
     for i, (acc, bound) in enumerate(reqs):
         run = 1.0
@@ -124,4 +152,6 @@ def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
             break  # (tokens + gain) / (t + step) no longer beats tokens / t
         tokens, t = tokens - g, t + step
         ks[i] += 1
+    if tokens * plain <= len(reqs) * t * (1 + 1e-9):
+        return [0] * len(reqs)  # drafting does not pay its own cost
     return ks
