@@ -391,9 +391,10 @@ def test_served_requests_batched_get_their_solo_completions(llama, draft_llama, 
         assert backend.draft_batcher.stats.max_requests >= 2
 
 
-def traced_batched(model, drafter, reqs, level: int, max_batch: int = 4, **kw):
+def traced_batched(model, drafter, reqs, level: int, max_batch: int = 4, sink=None, **kw):
     """The requests from concurrent threads on one batched engine traced at `level`, each
-    request's spans into its own in-memory exporter -> (their ids, the exporters, the stats)."""
+    request's spans into its own in-memory exporter -> (their ids, the exporters, the stats).
+    `sink`: every request's round records (a JobShare: the job's share table)."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -408,7 +409,7 @@ def traced_batched(model, drafter, reqs, level: int, max_batch: int = 4, **kw):
         def one(i, p, n):
             prov = TracerProvider()
             prov.add_span_processor(SimpleSpanProcessor(exps[i]))
-            got[i] = eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw),
+            got[i] = eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw), sink=sink,
                                   span_sink=SpanSink(prov.get_tracer("t"), None)).token_ids
 
         threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]

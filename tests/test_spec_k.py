@@ -176,9 +176,18 @@ def test_the_trace_shows_each_rounds_chosen_k_against_what_it_expected_and_each_
 
     from memra_dist.tracing.conventions import ATTR, SPAN_BATCH_STEP, SPAN_ROUND
 
+    from memra_dist.phase.share import JobShare
+
     reqs = _prompts(4)
-    got, exps, stats = traced_batched(llama, "ngram", reqs, 1, spec_k="auto")
+    table = JobShare()
+    got, exps, stats = traced_batched(llama, "ngram", reqs, 1, sink=table, spec_k="auto")
     assert got == _solo(llama, "ngram", reqs)
+    assert table.by_k and sum(n for n, *_ in table.by_k.values()) >= 10, table.by_k
+    lines = table.table().splitlines()
+    assert any(line.startswith("  by K chosen") for line in lines)
+    for k, (n, _ns, acc, exp) in table.by_k.items():  # a line per K: its rounds, accepted <= K, expected <= K
+        assert any(line.split()[:2] == [f"K={k}", str(n)] for line in lines), lines
+        assert acc <= k * n and exp <= k * n + 1e-6
     spans = [s for e in exps for s in e.get_finished_spans()]
     rounds = [s for s in spans if s.name == SPAN_ROUND]
     chosen = [s for s in rounds if ATTR["expected_accepted"] in s.attributes]

@@ -27,6 +27,8 @@ class ShareTable:
         self.sub: dict[str, int] = {}
         self.n_rounds = 0
         self.by_clock: dict[str, int] = {}  # rounds per BurstRecord.clock
+        # --spec-k auto: per K chosen, [rounds, their ns, accepted drafts, expected accepted drafts]
+        self.by_k: dict[int, list] = {}
 
     def burst(self, rec: BurstRecord) -> None:
         for i, v in enumerate(rec.totals_ns()):
@@ -35,6 +37,13 @@ class ShareTable:
             self.host_ns[i] += v
         self.n_rounds += rec.n
         self.by_clock[rec.clock] = self.by_clock.get(rec.clock, 0) + rec.n
+        for r in rec.live():
+            if r.expected >= 0:  # its K was chosen by goodput
+                row = self.by_k.setdefault(r.k, [0, 0, 0, 0.0])
+                row[0] += 1
+                row[1] += r.t[-1] - r.t[0]
+                row[2] += r.j
+                row[3] += r.expected
         if any(r.sub_ns for r in rec.live()):
             for key, v in sub_totals(rec).items():
                 self.sub[key] = self.sub.get(key, 0) + v
@@ -48,6 +57,10 @@ class ShareTable:
         self.n_rounds += other.n_rounds
         for clock, n in other.by_clock.items():
             self.by_clock[clock] = self.by_clock.get(clock, 0) + n
+        for k, row in other.by_k.items():
+            mine = self.by_k.setdefault(k, [0, 0, 0, 0.0])
+            for i, v in enumerate(row):
+                mine[i] += v
 
     def ms_a_round(self) -> dict[str, float]:
         """Each phase's mean ms a round (0 rounds: {})."""
@@ -114,7 +127,19 @@ class ShareTable:
             lines.append(row("  rest", self.sub.get("rest", 0), verify))
             if self.sub.get("ffn", 0) > 0:
                 lines.append(row("    of it ffn", self.sub["ffn"], verify, bar=False))
+        lines += self._k_lines()
         return "\n".join(lines)
+
+    def _k_lines(self) -> list[str]:
+        """--spec-k auto: one line per K chosen: its rounds, their ms a round, and the drafts
+        accepted a round against the number the choice expected."""
+        if not self.by_k:
+            return []
+        out = ["  by K chosen (--spec-k auto):   rounds  ms/round  accepted  expected"]
+        for k in sorted(self.by_k):
+            n, ns, acc, exp = self.by_k[k]
+            out.append(f"    K={k:<3}{'':<20}{n:>7}{ns / 1e6 / n:>10.3f}{acc / n:>10.2f}{exp / n:>10.2f}")
+        return out
 
 
 class JobShare(ShareTable):
