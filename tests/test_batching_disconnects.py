@@ -177,41 +177,13 @@ def served_batched(llama, tmp_path_factory):
     """`memra-dist serve --max-batch 4` on the tiny llama (CPU, ngram drafter), its own process
     group with the local Ray it starts, once for the module: (base URL, port, its stderr lines).
     Stopped as a service manager stops it (SIGTERM to the group)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
     pytest.importorskip("ray.serve")
     pytest.importorskip("httpx")
-    from ports import free_port
+    from serve_proc import CLEAN, serve
 
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RAY_ADDRESS", "TRACEPARENT", "MEMRA_"))}
-    p = subprocess.Popen([sys.executable, "-m", "memra_dist.cli", "serve", "--model", str(llama), "--device", "cpu",
-                          "--dtype", "fp32", "--drafter", "ngram", "--max-batch", "4", "--max-queue", "32",
-                          "--port", str(port)], start_new_session=True, env=env, cwd=tmp_path_factory.mktemp("serve"),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
-    reader.start()
-    try:
-        _until(lambda: any("Ctrl-C stops" in x for x in lines) or p.poll() is not None, 180, "serve to start")
-        assert p.poll() is None, "".join(lines)[-3000:]
-        yield f"http://127.0.0.1:{port}", port, lines
-    finally:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # whatever of its group is left (its Ray)
-            except ProcessLookupError:
-                pass
-            p.wait(10)
-        reader.join(5)
+    with serve(llama, "--drafter", "ngram", "--max-batch", "4", "--max-queue", "32",
+               cwd=tmp_path_factory.mktemp("serve"), clean=(*CLEAN, "MEMRA_")) as srv:
+        yield srv.base, srv.port, srv.lines
 
 
 def _bodies(n: int) -> list[dict]:

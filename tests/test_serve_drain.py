@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -22,7 +20,6 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from ports import free_port  # noqa: E402
 from test_serve_api import FakeMcfg, FakeOpen, FakeTok, _until, _uvicorn  # noqa: E402
 
 from memra_dist.config import RunConfig  # noqa: E402
@@ -234,19 +231,10 @@ def test_sigterm_drains_a_second_signal_cuts_and_ctrl_c_stops_at_once():
 def test_sigterm_drains_in_flight_and_queued_streams_then_a_second_cuts(ckpt_factory, tmp_path):
     pytest.importorskip("ray.serve")
     model = ckpt_factory("llama", seed=3, max_position_embeddings=4096, eos_token_id=None)[0]
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RAY_ADDRESS", "TRACEPARENT"))}
-    p = subprocess.Popen([sys.executable, "-m", "memra_dist.cli", "serve", "--model", str(model), "--device", "cpu",
-                          "--dtype", "fp32", "--port", str(port), "--max-batch", "1", "--drain-timeout", "120"],
-                         start_new_session=True, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
-    reader.start()
-    try:
-        _until(lambda: any("Ctrl-C stops" in x for x in lines) or p.poll() is not None, 120, "serve to start")
-        assert p.poll() is None, "".join(lines)[-3000:]
+    from serve_proc import serve
+
+    with serve(model, "--max-batch", "1", "--drain-timeout", "120", cwd=tmp_path, up_s=120, stop=None) as srv:
+        p, base = srv.p, srv.base
         with httpx.Client(timeout=30) as client:
             a = Reader(base, {"prompt": "Hello there", "max_tokens": 400, "stream": True})  # generating
             assert a.first.wait(60) and a.status == 200, (a.status, a.body, a.error)
@@ -270,11 +258,6 @@ def test_sigterm_drains_in_flight_and_queued_streams_then_a_second_cuts(ckpt_fac
         assert c.events[-1] == "[DONE]" and [x["error"]["code"] for x in c.errors] == ["shutting_down"], c.events[-3:]
         rc = p.wait(60)
         took = time.monotonic() - t
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-    reader.join(5)
-    err = "".join(lines)
+    err = srv.stderr
     print(f"\n[drain] stopped {took:.1f} s after the second SIGTERM")
     assert rc == 0 and "[serve] stopped" in err and "2 of 3 open request(s) ended, 1 cut" in err, err[-3000:]

@@ -26,7 +26,6 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from ports import free_port  # noqa: E402
 from test_serve_api import FakeMcfg, FakeOpen, FakeTok, _events, _text, _until  # noqa: E402
 
 from memra_dist.config import RunConfig  # noqa: E402
@@ -520,22 +519,14 @@ def test_sigterm_to_serves_process_group_stops_it_in_bound(ckpt_factory, tmp_pat
     import os
     import signal
     import subprocess
-    import sys
 
     pytest.importorskip("ray.serve")
+    from serve_proc import serve
+
     model = ckpt_factory("llama", seed=3, max_position_embeddings=4096, eos_token_id=None)[0]
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RAY_ADDRESS", "TRACEPARENT"))}
-    p = subprocess.Popen([sys.executable, "-m", "memra_dist.cli", "serve", "--model", str(model), "--device", "cpu",
-                          "--dtype", "fp32", "--port", str(port)], start_new_session=True, env=env, cwd=tmp_path,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
-    reader.start()
-    try:
-        _until(lambda: any("Ctrl-C stops" in x for x in lines) or p.poll() is not None, 120, "serve to start")
-        assert p.poll() is None, "".join(lines)[-3000:]
-        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+    with serve(model, cwd=tmp_path, up_s=120) as srv:
+        p = srv.p
+        assert httpx.post(f"{srv.base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
                           timeout=30).status_code == 200
         t = time.monotonic()
         os.killpg(p.pid, signal.SIGTERM)
@@ -543,12 +534,7 @@ def test_sigterm_to_serves_process_group_stops_it_in_bound(ckpt_factory, tmp_pat
         took = time.monotonic() - t
         _until(lambda: subprocess.run(["pgrep", "-s", str(p.pid)], capture_output=True).returncode != 0, 30,
                "every process of the session gone")
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-    reader.join(5)
-    err = "".join(lines)
+    err = srv.stderr
     print(f"\n[hostile] serve stopped by a process-group SIGTERM in {took:.1f} s")
     assert rc == 0 and "[serve] stopped" in err and took < 20, err[-3000:]
     assert "Controller failed to shut down" not in err
