@@ -274,7 +274,6 @@ def generate(cfg: RunConfig, prompt: list[int], stream=None, sink=None, span_sin
 
 
 def _demo_args(args):
-    from .env import environment  # noqa: PLC0415
     from .demo.prewarm import Prewarm, wanted as prewarm_wanted  # noqa: PLC0415
     from .demo.tiny import demo_checkpoints  # noqa: PLC0415
 
@@ -289,6 +288,8 @@ def _demo_args(args):
 
 
 def _demo_models(args, say, target, draft, warm):
+    from .env import environment  # noqa: PLC0415
+
     if args.trace_level is None and not environment().trace_level_set:
         args.trace_level = 1  # the demo shows the phase shares unless told otherwise
     draft_model = args.draft_model or (str(draft) if args.drafter in (None, "model") else None)
