@@ -492,8 +492,9 @@ def test_batching_targets_read_the_ratios_with_their_worst_case_ranges():
 @pytest.mark.slow  # a bench subprocess opening six engines
 def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     """`bench --sections batching` on CPU: plain at 1 and 4 callers, ngram and replay at 1 and 4,
-    the DFlash replay at 4, three timed runs each on one engine; request 0 gets the ids it gets
-    alone (the DFlash replay: every request its plain ids)."""
+    the DFlash replay at 4, ngram and the DFlash replay with --spec-k auto at 4, three timed runs
+    each on one engine; request 0 gets the ids it gets alone (the DFlash replay: every request
+    its plain ids)."""
     out = tmp_path / "bench.json"
     p = _cli("bench", "--shape", "tiny", "--device", "cpu", "--sections", "batching", "--out", str(out),
              "--cache-dir", str(tmp_path / "cache"))
@@ -509,8 +510,14 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     d = b["dflash_replay"]["4"]  # the random DFlash drafter drafting in full, four requests a block forward
     assert d["ids_equal_plain"] is True and d["tokens_per_round"] > 1.5, d
     assert d["batcher"]["draft_batches"] > 0 and d["batcher"]["mean_draft_batch"] >= 2, d["batcher"]
+    auto = b["auto"]  # --spec-k auto beside each fixed K: the same ids, a K chosen every chained round
+    assert auto["ngram"]["4"]["ids_equal_fixed"] is True and auto["dflash_replay"]["4"]["ids_equal_plain"] is True
+    for rows in auto.values():
+        assert sum(rows["4"]["batcher"]["k_chosen"].values()) > 0, rows["4"]["batcher"]
     assert set(b["figures"]) == {"x4", "itl_ratio_4", "ngram_over_plain_4", "replay_over_plain_4", "l1_cost_pct_4",
-                                 "dflash_replay_over_plain_4", "dflash_replay_over_replay_4"}
+                                 "dflash_replay_over_plain_4", "dflash_replay_over_replay_4",
+                                 "ngram_auto_over_plain_4", "ngram_auto_over_fixed_4",
+                                 "dflash_replay_auto_over_plain_4", "dflash_replay_auto_over_fixed_4"}
     by = b["plain"]["4"]["by_level"]  # level 1 interleaved with level 0, five runs each
     assert set(by) == {"0", "1"} and all(len(v["runs"]) == 5 for v in by.values())
     assert b["replay"]["4"]["tokens_per_round"] > 1.5  # ~0.8 of its K = 4 drafts right: speculation ran

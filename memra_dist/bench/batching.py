@@ -258,7 +258,8 @@ def _level_cost(row: dict | None, level: str = "1") -> list | None:
     return _row((f0 / f1).map(lambda x: (x - 1) * 100))
 
 
-def figures(plain: dict, ngram: dict, replay: dict | None = None, dflash: dict | None = None) -> dict:
+def figures(plain: dict, ngram: dict, replay: dict | None = None, dflash: dict | None = None,
+            auto: dict | None = None) -> dict:
     """The section's figures from its rows (keyed by concurrency), each [value, lo, hi, n]:
     steady rate over one request's decode rate, ITL p50 over alone, ngram's (and replay's, and
     the DFlash replay's) steady rate over plain's at the same concurrency, the DFlash replay's
@@ -282,6 +283,11 @@ def figures(plain: dict, ngram: dict, replay: dict | None = None, dflash: dict |
                 out[f"dflash_replay_over_replay_{n}"] = _ratio(_of(dflash[n], "steady_tok_s"),
                                                                _of(replay[n], "steady_tok_s"))
         out[f"l1_cost_pct_{n}"] = _level_cost(row)
+        for name, rows_ in (auto or {}).items():  # --spec-k auto: over plain, and over its fixed K
+            if n in rows_:
+                out[f"{name}_auto_over_plain_{n}"] = _ratio(_of(rows_[n], "steady_tok_s"), _of(row, "steady_tok_s"))
+                fixed = {"ngram": ngram, "dflash_replay": dflash or {}}[name].get(n)
+                out[f"{name}_auto_over_fixed_{n}"] = _ratio(_of(rows_[n], "steady_tok_s"), _of(fixed, "steady_tok_s"))
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -302,9 +308,13 @@ def batching(s) -> dict:
     dflash: dict = {}
     alone_ids: dict = {}
     plain_ids: dict = {}  # each concurrency's requests' greedy ids: the DFlash replay's recordings
+    fixed_ids: dict = {}  # (drafter, concurrency) -> the fixed-K rows' ids (the auto rows' check)
     draft = None
-    for drafter, ns, rows in (("none", levels, plain), ("ngram", (1, at), ngram), ("replay", (1, at), replay),
-                              ("dflash-replay", (at,), dflash)):
+    auto: dict = {"ngram": {}, "dflash_replay": {}}  # --spec-k auto at `at` (spec_k.py), beside each fixed K
+    for drafter, ns, rows, spec_k in (("none", levels, plain, "fixed"), ("ngram", (1, at), ngram, "fixed"),
+                                      ("replay", (1, at), replay, "fixed"), ("dflash-replay", (at,), dflash, "fixed"),
+                                      ("ngram", (at,), auto["ngram"], "auto"),
+                                      ("dflash-replay", (at,), auto["dflash_replay"], "auto")):
         for n in ns:
             if s.left() <= 0:
                 rows[str(n)] = {"skipped": "budget"}
@@ -318,23 +328,31 @@ def batching(s) -> dict:
                 kw = dict(draft_model=draft, recorded=plain_ids[n])
             traced = (0, 1) if drafter == "none" and n == at else (0,)  # level 1's cost where the target states it
             r = concurrent(model, dev, n, n, new, plen, drafter, repeats=REPEATS_TRACED if len(traced) > 1 else REPEATS,
-                           levels=traced, **kw)
+                           levels=traced, spec_k=spec_k, **kw)
             ids = r.pop("ids")
             if drafter == "none":
                 plain_ids[n] = ids
-            if n == 1:
+            if n > 1 and spec_k == "fixed":
+                fixed_ids[(drafter, n)] = ids
+            if spec_k == "auto":  # the same ids whatever K each round took (bf16: as far as the rows allow)
+                r["ids_equal_fixed"] = ids == fixed_ids.get((drafter, n))
+                if drafter == "dflash-replay":
+                    r["ids_equal_plain"] = ids == plain_ids[n]
+            elif n == 1:
                 alone_ids[drafter] = ids[0]
             elif drafter == "dflash-replay":  # lossless: every request's ids are its plain greedy ids
                 r["ids_equal_plain"] = ids == plain_ids[n]
             else:  # the requests' prompts differ: request 0's is the one-request run's
                 r["first_ids_equal_alone"] = ids[0] == alone_ids.get(drafter)
             rows[str(n)] = r
-            s.say(f"  batching {drafter} x{n}: steady {r['steady_tok_s']} tok/s, ITL p50 {r['itl_ms_p50']} ms")
+            s.say(f"  batching {drafter}{' (--spec-k auto)' if spec_k == 'auto' else ''} x{n}: steady "
+                  f"{r['steady_tok_s']} tok/s, ITL p50 {r['itl_ms_p50']} ms")
     def ran(rows):
         return {k: v for k, v in rows.items() if "skipped" not in v}
     return {"new": new, "prompt": plen, "k": K, "replay_corrupt": REPLAY_CORRUPT, "plain": plain, "ngram": ngram,
-            "replay": replay, "dflash_replay": dflash,
-            "figures": figures(ran(plain), ran(ngram), ran(replay), ran(dflash))}
+            "replay": replay, "dflash_replay": dflash, "auto": auto,
+            "figures": figures(ran(plain), ran(ngram), ran(replay), ran(dflash),
+                               {name: ran(rows_) for name, rows_ in auto.items()})}
 
 
 def fig(res: dict, key: str) -> Fig | None:
@@ -347,16 +365,22 @@ def rows(res: dict) -> list[tuple[str, str]]:
     """The report's lines for the section: each setting's steady and decode rates, ITL and TTFT."""
     b = res.get("batching") or {}
     out = []
-    for drafter in ("plain", "ngram", "replay", "dflash_replay"):
-        for n, r in (b.get(drafter) or {}).items():
+    sets = [(d, b.get(d)) for d in ("plain", "ngram", "replay", "dflash_replay")]
+    sets += [(f"{d}_auto", r) for d, r in (b.get("auto") or {}).items()]
+    for drafter, by_n in sets:
+        for n, r in (by_n or {}).items():
             if not isinstance(r, dict) or "steady_tok_s" not in r:
                 continue
             kv = f", KV {r['kv_mb_per_request']} MB a request" if r.get("kv_mb_per_request") is not None else ""
             if drafter != "plain" and r.get("tokens_per_round") is not None:
                 kv += f", {r['tokens_per_round']} tokens a round"
             name = {"replay": f"replay (corrupt {b.get('replay_corrupt')})",
-                    "dflash_replay": f"DFlash replay (its drafts paid, corrupt {b.get('replay_corrupt')})"}.get(
+                    "dflash_replay": f"DFlash replay (its drafts paid, corrupt {b.get('replay_corrupt')})",
+                    "ngram_auto": "ngram --spec-k auto",
+                    "dflash_replay_auto": f"DFlash replay --spec-k auto (corrupt {b.get('replay_corrupt')})"}.get(
                 drafter, drafter)
+            if r.get("batcher") and r["batcher"].get("k_chosen"):
+                kv += f", K chosen {r['batcher']['k_chosen']}"
             out.append((f"{name}, {n} concurrent " + ("batched" if n != "1" else "(one request)"),
                         f"steady {r['steady_tok_s'] or '-'} tok/s, decode {r['decode_tok_s']} tok/s, ITL p50 / p99 "
                         f"{r['itl_ms_p50']} / {r['itl_ms_p99']} ms, TTFT p50 {r['ttft_ms_p50']} ms{kv} "

@@ -59,6 +59,10 @@ TARGETS = {
                                                    "tok/s", None, 29),
     "batch_l1_cost_pct_16": Target("<=", 3.0, "trace level 1 at 16 concurrent requests batched: steady tok/s lost "
                                               "against level 0, %", None, 29),
+    "batch_dflash_auto_over_plain_16": Target(">=", 0.97, "DFlash replay with --spec-k auto at 16 concurrent / "
+                                                          "plain at 16, steady tok/s (never slower)", None, 45),
+    "batch_ngram_auto_over_plain_16": Target(">=", 0.97, "ngram with --spec-k auto at 16 concurrent / plain at 16, "
+                                                         "steady tok/s (never slower)", None, 45),
     "prefill_ttft_8k_over_sdpa": Target("<=", 1.0, "time to first token at 8k / transformers' SDPA forward of the "
                                                    "prompt (goal 1 / 1.1)"),
     "prefill_ttft_32k_over_sdpa": Target("<=", 1.0, "time to first token at 32k / transformers' SDPA forward of the "
@@ -73,7 +77,8 @@ TARGETS = {
 SHAPE_8B_ONLY = ("plain_roofline_fraction", "prefill_ttft_512_ms", "prefill_ttft_8k_over_sdpa",
                  "prefill_ttft_32k_over_sdpa", "prefill_tflops_32k", "prefill_128k_over_weights_kv_gb",
                  "decode_after_32k_kv_roofline", "batch_x16", "batch_x64", "batch_itl_ratio_16",
-                 "batch_ngram_over_plain_16", "batch_l1_cost_pct_16")
+                 "batch_ngram_over_plain_16", "batch_l1_cost_pct_16", "batch_dflash_auto_over_plain_16",
+                 "batch_ngram_auto_over_plain_16")
 
 RULE = ("pass / miss only when the whole range of the repeats lies on one side of the target, else within "
         "noise; range = min-max of the repeats (10 % trimmed at each end from 10 repeats on), worst case "
@@ -197,7 +202,9 @@ def _figures(res: dict) -> dict:
     f.update({"batch_x16": batch_fig(res, "x16"), "batch_x64": batch_fig(res, "x64"),
               "batch_itl_ratio_16": batch_fig(res, "itl_ratio_16"),
               "batch_ngram_over_plain_16": batch_fig(res, "ngram_over_plain_16"),
-              "batch_l1_cost_pct_16": batch_fig(res, "l1_cost_pct_16")})
+              "batch_l1_cost_pct_16": batch_fig(res, "l1_cost_pct_16"),
+              "batch_dflash_auto_over_plain_16": batch_fig(res, "dflash_replay_auto_over_plain_16"),
+              "batch_ngram_auto_over_plain_16": batch_fig(res, "ngram_auto_over_plain_16")})
     out = {name: (fig, None) for name, fig in f.items()}
     for acc in ("0.6", "0.8", "0.9"):
         out[f"spec_fraction_acc{acc}"] = _spec_figure(res, acc)
