@@ -391,7 +391,7 @@ def test_served_requests_batched_get_their_solo_completions(llama, draft_llama, 
         assert backend.draft_batcher.stats.max_requests >= 2
 
 
-def traced_batched(model, drafter, reqs, level: int, max_batch: int = 4, sink=None, **kw):
+def traced_batched(model, drafter, reqs, level: int, max_batch: int = 4, sink=None, on_open=None, **kw):
     """The requests from concurrent threads on one batched engine traced at `level`, each
     request's spans into its own in-memory exporter -> (their ids, the exporters, the stats).
     `sink`: every request's round records (a JobShare: the job's share table)."""
@@ -406,6 +406,9 @@ def traced_batched(model, drafter, reqs, level: int, max_batch: int = 4, sink=No
     kw = dict(trace=TraceSettings(level=level), **kw)
     got: dict[int, list[int]] = {}
     with open_engine(_cfg(model, drafter, **kw), capacity=CAP, max_batch=max_batch) as eng:
+        if on_open is not None:
+            on_open(eng)
+
         def one(i, p, n):
             prov = TracerProvider()
             prov.add_span_processor(SimpleSpanProcessor(exps[i]))

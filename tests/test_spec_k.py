@@ -196,3 +196,28 @@ def test_the_trace_shows_each_rounds_chosen_k_against_what_it_expected_and_each_
         assert 0 <= s.attributes[ATTR["expected_accepted"]] <= s.attributes[ATTR["k"]] + 1e-9
     steps = [s for s in spans if s.name == SPAN_BATCH_STEP]
     assert steps and all(s.attributes[ATTR["batch_predicted_ms"]] > 0 for s in steps)
+
+
+def test_k_0_rounds_run_one_step_ahead_are_counted_in_the_share_table(llama, monkeypatch):
+    """K 0 chosen for every round, the GPU's steps ahead on: the rounds that ran ahead (adopted,
+    not proposed) still count on the share table's K=0 line, with nothing expected or accepted."""
+    import memra_dist.batching.loop_rounds as lr
+    from test_batching import traced_batched
+
+    from memra_dist.phase.share import JobShare
+
+    monkeypatch.setattr(lr, "choose", lambda reqs_, cost: [0] * len(reqs_))
+
+    def ahead(eng):
+        _auto(eng)
+        eng._backend.batcher.ahead = True
+
+    reqs = _prompts(3)
+    table = JobShare()
+    got, _exps, stats = traced_batched(llama, "ngram", reqs, 1, max_batch=3, sink=table, on_open=ahead,
+                                       spec_k="auto")
+    assert got == _solo(llama, "ngram", reqs)
+    assert stats["ahead_steps"] > 10, stats
+    assert set(table.by_k) == {0}, table.by_k
+    n, _ns, acc, exp = table.by_k[0]
+    assert n >= stats["ahead_steps"] and acc == 0 and exp == 0, (table.by_k, stats)
