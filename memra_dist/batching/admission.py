@@ -87,7 +87,9 @@ class Admission:
         """Called holding the condition: free slots to the waiters `pick` names."""
         granted = False
         while self.free > 0 and self.waiting:
-            i = pick([(w.arrival, w.hits(), w.passes) for w in self.waiting], self.max_passes)
+            # (one waiter, the uncontended case: no choice, so no lookup of cached blocks under the engine's lock)
+            i = 0 if len(self.waiting) == 1 else pick([(w.arrival, w.hits(), w.passes) for w in self.waiting],
+                                                      self.max_passes)
             w = self.waiting.pop(i)
             passed = [o for o in self.waiting if o.arrival < w.arrival]
             for o in passed:
