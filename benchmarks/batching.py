@@ -35,19 +35,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 @contextlib.contextmanager
 def _profiled(path: Path):
-    """torch.profiler over the block; its op tables (host and device time) written to `path`."""
+    """torch.profiler over the block; its op tables (host and device time) written to `path`,
+    its timeline beside it (`path` .trace.json.gz: chrome://tracing or ui.perfetto.dev)."""
+    import gzip
+    import tempfile
+
     import torch
 
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
+    try:  # the engine loop's thread too, and the host's waits on the device (torch >= 2.7)
+        from torch._C._profiler import _ExperimentalConfig
+
+        kw = {"experimental_config": _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)}
+    except (ImportError, TypeError):
+        kw = {}
+    with torch.profiler.profile(activities=acts, **kw) as prof:
         yield
     ka = prof.key_averages()
     text = ka.table(sort_by="self_cpu_time_total", row_limit=45)
     if torch.cuda.is_available():
         text += "\n\n" + ka.table(sort_by="self_device_time_total", row_limit=30)
     path.write_text(text)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(path.with_suffix(".trace.json.gz"), "wb") as g:
+            g.write(f.read())
 
 
 def main() -> int:
@@ -80,8 +95,8 @@ def main() -> int:
     ap.add_argument("--six-spans", action="store_true", help="a leader's batched round as six spans at level 1 too "
                     "(specdec/chained.py COMPACT_BELOW = 0: what the one-span round saves)")
     ap.add_argument("--torch-profile", action="store_true", help="the drafter row's last timed run under "
-                    "torch.profiler: OUT/profile.txt, the ops by host time and by device time (a diagnostic: it "
-                    "slows the run it profiles)")
+                    "torch.profiler: OUT/profile-N-SPECK.txt, the ops by host time and by device time, and its "
+                    "timeline beside it (.trace.json.gz; a diagnostic: it slows the run it profiles)")
     a = ap.parse_args()
     import torch
 
@@ -125,10 +140,10 @@ def main() -> int:
                 plain = concurrent(model, a.device, n, b, a.new, a.prompt, "none", repeats=a.repeats)
                 kw = dict(draft_model=draft, recorded=plain.pop("ids"))
                 rows.append(plain)
-            if a.torch_profile:
-                kw["profile"] = lambda: _profiled(out / "profile.txt")
             ks = a.spec_k.split(",") if a.drafter != "none" and b > 1 else ["fixed"]
             for spec_k in ks:
+                if a.torch_profile:
+                    kw["profile"] = lambda p=out / f"profile-{n}-{spec_k}.txt": _profiled(p)
                 r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
                                spans_on=not a.no_spans, spec_k=spec_k, **kw)
                 if tap:
