@@ -61,8 +61,43 @@ def _profiled(path: Path):
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as f, gzip.open(path.with_suffix(".trace.json.gz"), "wb") as g:
-            g.write(f.read())
+        data = raw.read_bytes()
+    with gzip.open(path.with_suffix(".trace.json.gz"), "wb") as g:
+        g.write(data)
+    from memra_dist.bench.idle import format_idle, idle_gaps
+
+    path.with_suffix(".idle.txt").write_text(format_idle(idle_gaps(json.loads(data)["traceEvents"])))
+
+
+@contextlib.contextmanager
+def _loop_profiled(path: Path):
+    """cProfile over every engine loop thread started in the block (batching/batcher.py `_run`,
+    from its first submission to the engine's close): its calls by cumulative and own time."""
+    import cProfile
+    import io
+    import pstats
+
+    from memra_dist.batching.batcher import Batcher
+
+    orig, profs = Batcher._run, []
+
+    def run(self):
+        p = cProfile.Profile()
+        profs.append(p)
+        p.runcall(orig, self)
+
+    Batcher._run = run
+    try:
+        yield
+    finally:
+        Batcher._run = orig
+        text = io.StringIO()
+        for i, p in enumerate(profs):
+            text.write(f"==== engine loop {i}\n")
+            st = pstats.Stats(p, stream=text)
+            st.sort_stats("cumulative").print_stats(50)
+            st.sort_stats("tottime").print_stats(30)
+        path.write_text(text.getvalue())
 
 
 def main() -> int:
@@ -95,8 +130,11 @@ def main() -> int:
     ap.add_argument("--six-spans", action="store_true", help="a leader's batched round as six spans at level 1 too "
                     "(specdec/chained.py COMPACT_BELOW = 0: what the one-span round saves)")
     ap.add_argument("--torch-profile", action="store_true", help="the drafter row's last timed run under "
-                    "torch.profiler: OUT/profile-N-SPECK.txt, the ops by host time and by device time, and its "
-                    "timeline beside it (.trace.json.gz; a diagnostic: it slows the run it profiles)")
+                    "torch.profiler: OUT/profile-N-SPECK.txt, the ops by host time and by device time, its "
+                    "timeline beside it (.trace.json.gz) and where the device idled, with the host work in those "
+                    "gaps by thread (.idle.txt: memra_dist/bench/idle.py; a diagnostic: it slows the run)")
+    ap.add_argument("--loop-profile", action="store_true", help="each drafter row's engine loop thread under "
+                    "cProfile (warm-up and repeats): OUT/loop-N-SPECK.txt (a diagnostic: it slows the loop)")
     a = ap.parse_args()
     import torch
 
@@ -144,8 +182,10 @@ def main() -> int:
             for spec_k in ks:
                 if a.torch_profile:
                     kw["profile"] = lambda p=out / f"profile-{n}-{spec_k}.txt": _profiled(p)
-                r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
-                               spans_on=not a.no_spans, spec_k=spec_k, **kw)
+                looped = _loop_profiled(out / f"loop-{n}-{spec_k}.txt") if a.loop_profile else contextlib.nullcontext()
+                with looped:
+                    r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
+                                   spans_on=not a.no_spans, spec_k=spec_k, **kw)
                 if tap:
                     r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], kw["recorded"]))
                 elif b == 1:

@@ -583,6 +583,9 @@ def test_requests_coming_back_one_after_another_ride_one_step(llama, monkeypatch
     # the batcher's own account of where the time went: between its steps, the requests' host
     # work (8 x 2 ms a round, serialised); in them, the 1 ms forwards
     assert st["gap_ms"] >= 12 * (rounds - 2) and st["busy"] < 0.2, st
+    # ... and of the gaps, the loop held its steps back for the requests still on the host
+    assert st["holds"] >= rounds - 2 and st["held_ms"] >= 8 * (rounds - 2), st
+    assert st["held_ms"] <= st["gap_ms"] + 1, st
 
 
 def spy_proposals(monkeypatch, cls) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

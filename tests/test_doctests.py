@@ -12,7 +12,8 @@ MODULES = ["memra_dist.pipeline.partition", "memra_dist.specdec.drafters.ngram",
            "memra_dist.compile_policy", "memra_dist.batching.blocks", "memra_dist.batching.graphs",
            "memra_dist.batching.backend", "memra_dist.specdec.accept", "memra_dist.specdec.stop",
            "memra_dist.serve.batch", "memra_dist.batching.policy", "memra_dist.batching.step_plan",
-           "memra_dist.batching.admission", "memra_dist.specdec.spec_k", "memra_dist.batching.prefix_cache"]
+           "memra_dist.batching.admission", "memra_dist.specdec.spec_k", "memra_dist.batching.prefix_cache",
+           "memra_dist.bench.idle"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -334,7 +334,10 @@ class Batcher:
                             self._lead()
                             continue
                         self._flush_wakes()
+                        t = time.perf_counter_ns()
                         self._loop_cv.wait(wait)
+                        self.stats.holds += 1
+                        self.stats.held_ns += time.perf_counter_ns() - t
                     else:
                         self._flush_wakes()
                         self._loop_cv.wait()

@@ -23,6 +23,10 @@ class BatchStats:
     # from a step's end to the next one's start, when a request rode both: the device idle while
     # requests mid-generation do their host work (acceptance, drafts, streaming) and the wait
     gap_ns: int = 0
+    # ... of it, the loop holding a step back for a request's next submission while others wait
+    # (batcher.py _ready_in: a request busy on the host, or not yet chained)
+    holds: int = 0
+    held_ns: int = 0
     chained: int = 0  # request rounds the step leader ran (chain.py)
     rounds_ns: int = 0  # the leader's host time in those rounds (inside the gaps between steps)
     maint_ns: int = 0  # ... of it, the drafters' maintenance (chain_drafts.py maintain_rounds)
@@ -42,7 +46,7 @@ class BatchStats:
                 "mean_step_ms": round(self.forward_ns / self.steps / 1e6, 3) if self.steps else 0.0,
                 "gap_ms": round(self.gap_ns / 1e6, 1), "step_ms": round(self.forward_ns / 1e6, 1),
                 "busy": round(self.forward_ns / (self.forward_ns + self.gap_ns), 3) if self.steps else 0.0,
-                "chained_rounds": self.chained, "chain_parks": self.parks,
+                "holds": self.holds, "held_ms": round(self.held_ns / 1e6, 1), "chained_rounds": self.chained, "chain_parks": self.parks,
                 "draft_batches": self.draft_batches,
                 "mean_draft_batch": round(self.draft_batched / self.draft_batches, 3) if self.draft_batches else 0.0,
                 "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "leader_maint_ms": round(self.maint_ns / 1e6, 1),
