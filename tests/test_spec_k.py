@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from memra_dist.specdec.spec_k import Acceptance, StepCost, choose
+from memra_dist.batching.chain import Chain
 
 from test_batching import _batched, _prompts, _solo, _tap_drafter, spy_proposals
 
@@ -114,7 +115,7 @@ def test_a_tap_drafter_at_k_0_skips_its_maintenance_and_catches_up_when_it_draft
     seen = spy_proposals(monkeypatch, cls)
     solo = _solo(llama, drafter, reqs, draft_model=ddir)
     alone, seen[:] = set(seen), []
-    calls = {"choose": 0, "maintain": 0, "in_loop": False}
+    calls = {"choose": 0, "maintain": 0, "in_loop": False, "drafting": 0}
     real_maintain, real_many, real_rounds = cls.maintain, cls.maintain_many, lr.maintain_rounds
 
     def maintain(self, context):  # counted when the loop maintains a chained round
@@ -138,12 +139,23 @@ def test_a_tap_drafter_at_k_0_skips_its_maintenance_and_catches_up_when_it_draft
 
     def every_third(reqs_, cost):  # K 0 twice, then each request's bound twice
         calls["choose"] += 1
-        return [bound if calls["choose"] % 4 < 2 else 0 for _, bound in reqs_]
+        out = [bound if calls["choose"] % 4 < 2 else 0 for _, bound in reqs_]
+        calls["drafting"] += sum(k > 0 for k in out)
+        return out
 
     def on_open(eng):
         _auto(eng)
         eng._backend.batcher.ahead = ahead  # (as on a GPU's graphed steps)
 
+    rounds = []  # (drafts, expected) of every round the loop ran with a K chosen (expected >= 0)
+    real_maintained = Chain.maintained
+
+    def maintained(self, t4=None):
+        real_maintained(self, t4)
+        r = self.rounds[-1]
+        rounds.append((r.k, r.expected))
+
+    monkeypatch.setattr(Chain, "maintained", maintained)
     monkeypatch.setattr(cls, "maintain", maintain)
     monkeypatch.setattr(cls, "maintain_many", staticmethod(maintain_many))
     monkeypatch.setattr(lr, "choose", every_third)
@@ -153,9 +165,15 @@ def test_a_tap_drafter_at_k_0_skips_its_maintenance_and_catches_up_when_it_draft
     assert (stats["ahead_steps"] > 0) == ahead, stats
     ks = {int(k): n for k, n in stats["k_chosen"].items()}
     assert ks.get(0, 0) >= 20 and sum(n for k, n in ks.items() if k > 0) >= 8, ks
+    # each round counted once, under the K it ran with: a K chosen while the chain's next round
+    # already ran ahead (K 0) is chosen again once that round is in, and counted then
+    ran = {0: sum(1 for kk, e in rounds if kk == 0 and e >= 0), "k": sum(1 for kk, e in rounds if kk > 0 and e >= 0)}
+    assert ks.get(0, 0) == ran[0] and sum(n for k, n in ks.items() if k > 0) == ran["k"], (ks, ran, stats)
     assert seen and set(seen) <= alone  # every proposal after a catch-up is the solo one
-    # the loop maintained a round only ahead of drafting (or as a request ended, or before its first K)
-    assert calls["maintain"] <= sum(n for k, n in ks.items() if k > 0) + 2 * len(reqs), (calls, ks)
+    # the loop maintained a round only ahead of drafting (or as a request ended, or before its
+    # first K): where K > 0 was chosen (with steps ahead, a choice made while a K-0 round ran
+    # ahead may be chosen again, as K 0, once that round is in)
+    assert calls["maintain"] <= calls["drafting"] + 2 * len(reqs), (calls, ks)
 
 
 def test_auto_k_with_ngram_on_the_measured_step_cost_keeps_the_ids(llama):

@@ -131,9 +131,10 @@ class Chain:
     def adopt(self, job: Job) -> None:
         """Its next round is `job`, already launched one step ahead with the token just
         committed as its input (batching/ahead.py): the round began when that row was queued."""
-        # (a K-0 round chosen by --spec-k auto counts as one: it expected nothing and drafted nothing)
+        # (a K-0 round chosen by --spec-k auto counts as one: it expected nothing and drafted
+        # nothing, whatever K was chosen since for the round after it)
         self._t0, self._drafts, self._shared, self._q = job.t, [], 0, None
-        self._expected = 0.0 if self.k_step == 0 else -1.0
+        self._expected = 0.0 if self.k_step is not None else -1.0
         job.ids[0] = self.tokens[-1]  # what the device read from the argmax (the error path's ids)
 
     def settle(self, job: Job) -> int | None:

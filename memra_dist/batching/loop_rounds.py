@@ -53,8 +53,15 @@ def chain_rounds(b, jobs: list[Job]) -> None:
         elif ch.inflight is not None:  # its next round already runs, one step ahead (ahead.py)
             ch.adopt(ch.inflight)
             ch.inflight = None
+            if b.auto_k and not ch.never_drafts:  # a K-0 round (counted now: its K is the one it runs)
+                b.stats.k_chosen[0] = b.stats.k_chosen.get(0, 0) + 1
         else:
             going.append(ch)
+    if b.auto_k:  # each round counted once, under the K it drafts with (a K chosen while the
+        for ch in going:  # round before ran ahead was chosen again once that round came in)
+            if ch.k_step is not None:
+                k = max(ch.draft_k(), 0)
+                b.stats.k_chosen[k] = b.stats.k_chosen.get(k, 0) + 1
     proposed = propose_rounds(going, b.stats)
     t3 = time.perf_counter_ns()
     b.stats.draft_ns += t3 - t2
@@ -78,11 +85,10 @@ def chain_rounds(b, jobs: list[Job]) -> None:
 
 def choose_k(b, chains) -> None:
     """--spec-k auto: each chain's K for its next round, by the step's expected goodput
-    (specdec/spec_k.py choose), its bound the K it would take otherwise; counted by K."""
+    (specdec/spec_k.py choose), its bound the K it would take otherwise."""
     drafting = [ch for ch in chains if not ch.never_drafts]  # (drafter none: a plain row, nothing to choose)
     for ch in drafting:
         ch.k_step = None
     bounds = [max(ch.draft_k(), 0) for ch in drafting]
     for ch, k in zip(drafting, choose([(ch.acc, bound) for ch, bound in zip(drafting, bounds)], b.cost)):
-        ch.k_step = k
-        b.stats.k_chosen[k] = b.stats.k_chosen.get(k, 0) + 1
+        ch.k_step = k  # (counted by chain_rounds as the round starts with it)
