@@ -2,8 +2,8 @@
 engine keeps the full KV blocks of the prompts (and, once a request ends, of the tokens) it has
 computed; a later request whose prompt starts with them shares those blocks and prefills only
 the rest. It changes no id (CPU, fp32, strict): every request gets exactly the ids it gets with
-the cache off and alone, greedy and sampled, with the drafters that need nothing from the
-prompt's hidden states, for prefixes that end mid-block, prompts entirely cached (the last token
+the cache off and alone, greedy and sampled, with every drafter (a tap drafter's hidden-state
+rows of the cached blocks are kept with them: tap_blocks.py), for prefixes that end mid-block, prompts entirely cached (the last token
 still runs), requests sharing blocks while others roll back or are preempted, and a pool full of
 cached blocks (evicted, least recently used first, only when no free block is left)."""
 
@@ -147,18 +147,66 @@ def test_a_chat_turn_reuses_the_turn_before_with_its_answer(llama):
     assert r2.token_ids == _solo(llama, "ngram", [(p2, 10)])[0]
 
 
-def test_families_and_drafters_that_cannot_reuse_say_so_in_one_line(llama, tmp_path_factory, capfd):
-    """A tap drafter reads the target's hidden states at every prompt position (its draft cache
-    is primed from them): the engine says in one line that the prefix cache reuses nothing, and
-    no request shares a block."""
+def _tap_target(drafter: str, llama, tmp_path_factory) -> tuple[str, dict]:
+    """(target, extra config) of a tap drafter: a random DFlash / EAGLE-3 over `llama`, or a
+    glm4_moe target with its own MTP layer."""
+    if drafter == "mtp":
+        from moe_ckpt import save_moe
+
+        return str(save_moe(tmp_path_factory.mktemp("pmtp") / "glm", "glm4_moe", layers=2, n_mtp=1, seed=2)[0]), {}
     from test_batching import _tap_drafter
 
-    d = str(_tap_drafter("dflash", llama, tmp_path_factory))
-    reqs = [(HEADER + [4], 6), (HEADER + [5], 6)]
-    _, cached, stats = _run(llama, "dflash", reqs, together=False, draft_model=d)
-    err = capfd.readouterr().err
-    assert "the prefix cache reuses nothing with --drafter dflash" in err
-    assert cached == [0, 0] and "prefix_cache" not in stats
+    return str(llama), dict(draft_model=str(_tap_drafter(drafter, llama, tmp_path_factory)))
+
+
+@pytest.mark.parametrize("drafter,sampled", [("dflash", False), ("dflash", True), ("eagle3", False), ("mtp", False)])
+def test_tap_drafters_reuse_cached_prefixes_with_the_tap_rows_of_the_shared_blocks(llama, tmp_path_factory, drafter,
+                                                                                   sampled, monkeypatch):
+    """A tap drafter primes its draft cache from the target's hidden states at every prompt
+    position: the cached blocks keep those tap rows (tap_blocks.py), so its requests share the
+    header as the others do, and every proposal (greedy) is the one the request makes alone,
+    which it could not be if the shared rows' taps were missing; the ids are the solo ids and
+    those with the cache off."""
+    from test_batching import spy_proposals
+
+    from memra_dist.specdec.drafters import dflash, eagle3, mtp
+
+    cls = {"dflash": dflash.DFlashDrafter, "eagle3": eagle3.Eagle3Drafter, "mtp": mtp.MTPDrafter}[drafter]
+    model, kw = _tap_target(drafter, llama, tmp_path_factory)
+    kw.update(SAMPLED if sampled else {})
+    reqs = _shared_prompts()[:6] + [(HEADER[:33], 9), (HEADER[:33], 9)]
+    seen = spy_proposals(monkeypatch, cls)
+    solo = _solo(model, drafter, reqs, **kw)
+    alone, seen[:] = set(seen), []
+    off, _, _ = _run(model, drafter, reqs, together=False, cache=False, max_batch=2, **kw)
+    seen[:] = []
+    ids, cached, stats = _run(model, drafter, reqs, together=False, max_batch=2, **kw)
+    assert ids == off == solo
+    assert cached[0] == 0 and all(c == 32 for c in cached[1:]), cached
+    assert stats["prefix_cache"]["hits"] == sum(cached), stats["prefix_cache"]
+    if not sampled:
+        assert seen and set(seen) <= alone
+
+
+def test_a_tap_drafters_chat_turn_reuses_the_turn_before_with_its_answer(llama, tmp_path_factory, monkeypatch):
+    """DFlash: turn 2 shares turn 1's prompt and answer blocks (their tap rows saved as turn 1
+    ended, the answer's from its verify rows), and drafts what it drafts alone."""
+    from test_batching import spy_proposals
+
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+
+    model, kw = _tap_target("dflash", llama, tmp_path_factory)
+    p1 = HEADER + [7, 8, 9]
+    seen = spy_proposals(monkeypatch, DFlashDrafter)
+    with open_engine(_cfg(model, "dflash", **kw), capacity=CAP, max_batch=2) as eng:
+        r1 = eng.generate(p1, _cfg(model, "dflash", max_new_tokens=30, **kw))
+        p2 = p1 + r1.token_ids + [11, 12, 13]
+        mark = len(seen)
+        r2 = eng.generate(p2, _cfg(model, "dflash", max_new_tokens=10, **kw))
+    turn2, seen[:] = set(seen[mark:]), []
+    assert r2.stats["cached_tokens"] == 16 * ((len(p1) + len(r1.token_ids) - 1) // 16) > 32
+    assert r2.token_ids == _solo(model, "dflash", [(p2, 10)], **kw)[0]
+    assert turn2 and turn2 <= set(seen), "turn 2's proposals differ from its solo ones"
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
@@ -175,13 +223,17 @@ def test_moe_and_latent_attention_targets_reuse_prefixes_with_their_solo_ids(tmp
 
 
 @pytest.mark.slow  # a local Ray with two CPU stage actors
-def test_a_batched_pipeline_reuses_prefixes_on_every_stage(ray_local, llama):
+@pytest.mark.parametrize("drafter", ["ngram", "dflash"])
+def test_a_batched_pipeline_reuses_prefixes_on_every_stage(ray_local, llama, tmp_path_factory, drafter):
     """At pp 2 the head's pool decides and every stage's pool holds the same blocks (the step
     plan carries the block tables): the shared rows are skipped down the whole ring, and the ids
-    are the solo ids."""
+    are the solo ids. DFlash: its requests share the blocks down the ring too, their tap rows
+    (the first stage's layers shipped to the head as the rows run) kept with the head's blocks
+    (whether the drafts are the solo ones is checked at pp 1, where the proposals can be spied on)."""
+    model, kw = _tap_target(drafter, llama, tmp_path_factory) if drafter == "dflash" else (llama, {})
     reqs = _shared_prompts()[:5]
-    solo = _solo(llama, "ngram", reqs)
-    ids, cached, stats = _run(llama, "ngram", reqs, together=False, max_batch=2, pp=2)
+    solo = _solo(model, drafter, reqs, **kw)
+    ids, cached, stats = _run(model, drafter, reqs, together=False, max_batch=2, pp=2, **kw)
     assert ids == solo and cached[1:] == [32, 32, 32, 32], cached
 
 

@@ -50,6 +50,7 @@ from .prefix_cache import salt_for
 from .paged import PagedKV
 from .policy import check_batchable
 from .slot import BatchSlot
+from .tap_blocks import TapBlocks
 
 __all__ = ["BatchedBackend", "check_batchable", "BLOCK", "BATCH_GIL_SWITCH_S"]
 
@@ -70,7 +71,6 @@ def _switch(delta: int) -> None:
                 sys.setswitchinterval(BATCH_GIL_SWITCH_S)
         elif _OPEN["n"] == 0 and abs(sys.getswitchinterval() - BATCH_GIL_SWITCH_S) < 1e-7:  # ours (us-rounded)
             sys.setswitchinterval(_OPEN["before"])
-TAP_DRAFTERS = ("dflash", "eagle3", "mtp")  # read the target's hidden states: each request's own tap sink
 
 
 def graph_bytes(stage, budget: int) -> int:
@@ -93,17 +93,16 @@ def prefix_cache_off(cfg, arch: str) -> str | None:
     >>> from types import SimpleNamespace as NS
     >>> prefix_cache_off(NS(prefix_cache=True, drafter="ngram"), "llama") is None
     True
-    >>> print(prefix_cache_off(NS(prefix_cache=True, drafter="dflash"), "llama"))
-    the prefix cache reuses nothing with --drafter dflash (its drafter reads the target's hidden states at every prompt position)
+    >>> prefix_cache_off(NS(prefix_cache=True, drafter="dflash"), "llama") is None  # its taps cached too
+    True
+    >>> print(prefix_cache_off(NS(prefix_cache=True, drafter="none"), "kimi_linear"))
+    the prefix cache reuses nothing for kimi_linear (its linear-attention layers keep a recurrent state, not blocks)
     """
     if not cfg.prefix_cache:
         return None
     if arch == "kimi_linear":
         return ("the prefix cache reuses nothing for kimi_linear (its linear-attention layers keep a recurrent "
                 "state, not blocks)")
-    if cfg.drafter in TAP_DRAFTERS:
-        return (f"the prefix cache reuses nothing with --drafter {cfg.drafter} (its drafter reads the target's "
-                f"hidden states at every prompt position)")
     return None
 
 
@@ -115,7 +114,10 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
     the pool keeps prompts' full blocks for later requests, keyed under `salt` (prefix_cache.py)."""
     from ..device import free_mb  # noqa: PLC0415
 
-    row = PagedKV.row_bytes(runner.stage, runner.dtype)
+    hidden = runner.stage.cfg.hidden_size
+    tapped = cache and bool(tap_layers)  # the cached blocks keep their tap rows too (tap_blocks.py)
+    row = PagedKV.row_bytes(runner.stage, runner.dtype) + (TapBlocks.row_bytes(tap_layers, hidden, runner.dtype)
+                                                             if tapped else 0)
     free = free_mb(runner.device) * (1 << 20)
     if kv_rows is None:  # what the step graphs capture next (their logits, fp32) stays free too
         room = free * 0.9 - (graph_bytes(runner.stage, budget) if graphs else 0)
@@ -128,6 +130,8 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
     b = Batcher(runner.stage, runner.device, runner.dtype, pool, budget,
                 graphs=graphs and runner.device.type == "cuda", tap_layers=tap_layers, max_requests=max_batch)
     b.salt = salt
+    if tapped:
+        b.tap_blocks = TapBlocks(tap_layers, pool.num_blocks, BLOCK, hidden, runner.device, runner.dtype)
     return b
 
 

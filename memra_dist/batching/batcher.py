@@ -75,6 +75,7 @@ class Batcher:
         self.salt = b""  # the prefix cache's: the model and dtype whose K/V the pool holds (prefix_cache.py salt_for)
         self.tap_layers: tuple[int, ...] = tuple(tap_layers)  # the layers the requests' tap drafters read
         self.tap_pool = None  # the requests' tap sinks as slots of one pool (model/tap_pool.py)
+        self.tap_blocks = None  # the prefix cache's blocks' tap rows (tap_blocks.py), where both are on
         if self.tap_layers and max_requests:
             from ..model.tap_pool import TapPool  # noqa: PLC0415
 
@@ -149,14 +150,25 @@ class Batcher:
                 self.inflight.claim(rid, hashes[shared // self.pool.block:])  # the rest is its to compute
             return shared
 
-    def publish(self, rid, hashes) -> None:
+    def publish(self, rid, hashes, taps=None) -> None:
         """Request `rid`'s first len(hashes) blocks hold those full blocks' final rows (its
-        prompt's, or its committed tokens' as it ends): later requests may share them."""
+        prompt's, or its committed tokens' as it ends): later requests may share them. `taps`:
+        its tap sink, whose rows of the blocks registered now go to the tap store (tap_blocks.py)."""
         with self.cv:
             if self.pool.holds(rid):
-                self.pool.publish(rid, hashes)
+                placed = self.pool.publish(rid, hashes)
+                if self.tap_blocks is not None:
+                    self.tap_blocks.save(taps, placed)
                 self.inflight.published(hashes)
                 self.cv.notify_all()  # admissions waiting for these blocks
+
+    def load_taps(self, rid, taps, rows: int) -> None:
+        """The tap rows of request `rid`'s first `rows` rows (the blocks it shares from the
+        prefix cache) from the tap store into its sink `taps`."""
+        if self.tap_blocks is None or rows <= 0:
+            return
+        with self.cv:
+            self.tap_blocks.load(taps, self.pool.table(rid)[:rows // self.pool.block])
 
     def leave(self, rid) -> None:
         """Request `rid` is gone (finished, failed, its client gone), from any thread. Its queued

@@ -33,7 +33,7 @@ ignored and the pool hands out exactly the blocks it always did.
 
 >>> pool = BlockPool(num_blocks=4, block=4, cache=True)
 >>> pool.reserve("a", 9), pool.publish("a", [b"h0", b"h1"]), pool.table("a")
-(True, None, [0, 1, 2])
+(True, [(0, 0), (1, 1)], [0, 1, 2])
 >>> pool.reserve("b", 10, [b"h0", b"h1"]), pool.table("b"), pool.shared_rows("b"), pool.free_blocks
 (True, [0, 1, 3], 8, 0)
 >>> pool.release("a"); pool.release("b"); pool.free_blocks, pool.cached_blocks
@@ -149,7 +149,7 @@ class BlockPool:
 
         >>> pool = BlockPool(num_blocks=4, block=2, cache=True)
         >>> pool.reserve("a", 4), pool.publish("a", [b"x", b"y"]), pool.lookup([b"x", b"z", b"y"])
-        (True, None, 1)
+        (True, [(0, 0), (1, 1)], 1)
         """
         return len(self._hit(hashes))
 
@@ -161,7 +161,7 @@ class BlockPool:
 
         >>> pool = BlockPool(num_blocks=3, block=2, cache=True)
         >>> pool.reserve("a", 4), pool.publish("a", [b"x", b"y"]), pool.release("a")
-        (True, None, None)
+        (True, [(0, 0), (1, 1)], None)
         >>> pool.reserve("b", 8, [b"x", b"y"]), pool.reserve("b", 6, [b"x", b"y"]), pool.table("b")
         (False, True, [0, 1, 2])
         """
@@ -187,14 +187,15 @@ class BlockPool:
         them); 0 without a hit."""
         return self._shared[rid] * self.block
 
-    def publish(self, rid, hashes: list[bytes]) -> None:
+    def publish(self, rid, hashes: list[bytes]) -> list[tuple[int, int]]:
         """Request `rid`'s first `len(hashes)` blocks hold exactly those full blocks' content:
         register each under its hash, unless the hash is registered already (to any block) or
-        the block is under another one. Nothing without `cache`.
+        the block is under another one. Nothing without `cache`. Returns the blocks registered
+        now, as (index in the request's table, block id) (tap_blocks.py saves their tap rows).
 
         >>> pool = BlockPool(num_blocks=5, block=2, cache=True)
         >>> pool.reserve("a", 4), pool.reserve("b", 4), pool.publish("a", [b"x"]), pool.publish("b", [b"x", b"y"])
-        (True, True, None, None)
+        (True, True, [(0, 0)], [(1, 3)])
         >>> pool.reserve("c", 5, [b"x", b"y"]), pool.table("c"), pool.cached_blocks
         (True, [0, 3, 4], 2)
         """
@@ -202,10 +203,13 @@ class BlockPool:
         if len(hashes) > len(have):
             raise ValueError(f"request {rid!r} holds {len(have)} blocks, not the {len(hashes)} published")
         if not self.cache:
-            return
-        for b, h in zip(have, hashes):
+            return []
+        placed = []
+        for i, (b, h) in enumerate(zip(have, hashes)):
             if h not in self._block_of and b not in self._hash_of:
                 self._hash_of[b], self._block_of[h] = h, b
+                placed.append((i, b))
+        return placed
 
     def cache_stats(self) -> dict:
         return {"queries": self.queries, "hits": self.hits, "evictions": self.evictions,

@@ -94,6 +94,8 @@ class BatchSlot:
             self.cached_rows = self.batcher.admit(self.rid, min(self.first, capacity), min(self.need, capacity),
                                                   self.hashes, reuse)
             self.published = self.cached_rows // self.batcher.pool.block
+            if self.cached_rows and self.cache.taps is not None:  # a tap drafter's rows of the shared blocks
+                self.batcher.load_taps(self.rid, self.cache.taps, self.cached_rows)
             self.admitted = True
         self.capacity, self.length = capacity, 0
 
@@ -107,7 +109,7 @@ class BatchSlot:
         if self.published < len(self.hashes) and start < len(self.prompt):  # a prefill chunk: its full blocks
             done = min(len(self.hashes), min(start + rows, len(self.prompt)) // self.batcher.pool.block)
             if done > self.published:
-                self.batcher.publish(self.rid, self.hashes[:done])
+                self.batcher.publish(self.rid, self.hashes[:done], self.cache.taps)
                 self.published = done
         return out
 
@@ -149,7 +151,8 @@ class BatchSlot:
         which repeats this one, reuses them)."""
         if self.admitted and tokens is not None and self.prompt is not None:
             rows = min(self.length, len(tokens))  # rows written and kept are the committed tokens'
-            self.batcher.publish(self.rid, block_hashes(tokens[:rows], self.batcher.pool.block, self.batcher.salt))
+            self.batcher.publish(self.rid, block_hashes(tokens[:rows], self.batcher.pool.block, self.batcher.salt),
+                                 self.cache.taps)
         if self.admitted:
             self.batcher.leave(self.rid)
             self.admitted = False
