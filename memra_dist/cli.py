@@ -89,6 +89,11 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) 
                    help="with --max-batch > 1: do not reuse the KV blocks of prompt prefixes seen before (by "
                         "default a request whose prompt starts with whole 16-token blocks an earlier request "
                         "computed shares those blocks and prefills only the rest; the ids are the same)")
+    p.add_argument("--ngram-first", action="store_true",
+                   help="with --drafter dflash, eagle3 or mtp: each round where the context's last 4+ tokens "
+                        "occurred earlier (output copying the prompt) is drafted by prompt lookup, on the host, "
+                        "and the network drafts the others; the result's stats count each source apart "
+                        "(drafts_by_source; the ids are the same)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline stages (Ray actors, one device each); 1 = in-process")
     p.add_argument("--stage-bounds", metavar="A,B,..", help="explicit first layer of stages 2..N (default: even split)")
     p.add_argument("--trace-level", type=int, choices=[0, 1, 2], default=None, help="0 off, 1 phases, 2 + verify sub-split (beats MEMRA_SPEC_TRACE)")

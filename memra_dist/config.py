@@ -42,6 +42,7 @@ class RunConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt rows per prefill forward (specdec/chunks.py)
     spec_k: str = "fixed"  # fixed: every round drafts k; auto: a batched engine picks each request's K <= k by goodput
     prefix_cache: bool = True  # a batched engine reuses the KV blocks of prompts it has seen (batching/prefix_cache.py)
+    ngram_first: bool = False  # a network drafter's rounds drafted by prompt lookup where the suffix recurs (ngram_first.py)
 
     def __post_init__(self):
         if self.drafter == "mtp" and self.draft_model:
@@ -82,6 +83,11 @@ class RunConfig:
             raise UserError(f"--spec-k must be fixed or auto (got {self.spec_k!r})")
         if not isinstance(self.prefix_cache, bool):
             raise UserError(f"prefix_cache must be True or False (got {self.prefix_cache!r})")
+        if not isinstance(self.ngram_first, bool):
+            raise UserError(f"ngram_first must be True or False (got {self.ngram_first!r})")
+        if self.ngram_first and self.drafter not in ("dflash", "eagle3", "mtp"):
+            raise UserError(f"--ngram-first needs a network drafter that catches up on the rounds it leaves to "
+                            f"the lookup: --drafter dflash, eagle3 or mtp (got {self.drafter})")
         if isinstance(self.seed, numbers.Integral) and not isinstance(self.seed, bool):
             object.__setattr__(self, "seed", int(self.seed))  # a numpy integer from the Python API
         bad_seed = sampling_rule("seed", self.seed)  # the batch lines' and the server's rule too

@@ -310,6 +310,10 @@ class BatchedBackend:
             drafter = MTPDrafter(self.tap_net, slot)
         if self.draft_pool is not None:
             drafter.pool = self.draft_pool  # its draft cache taken at alloc, given back as the request ends
+        if plan.cfg.ngram_first:  # the lookup's rounds on the host, the network's in its shared forward
+            from ..specdec.drafters.ngram_first import NgramFirst  # noqa: PLC0415
+
+            drafter = NgramFirst(drafter)
         return Request(slot, plan, prompt, span_sink, drafter=drafter)
 
     @contextmanager

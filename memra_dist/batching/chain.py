@@ -102,9 +102,18 @@ class Chain:
         return self.greedy and (self.never_drafts or self.k_step == 0)
 
     def skips_maint(self) -> bool:
-        """--spec-k auto chose K 0 for its next round and its drafter catches up on the rows it
-        skips when it drafts again (base.py `catches_up`): no maintenance now, plain decoding's cost."""
-        return self.k_step == 0 and self.drafter.catches_up and not self.done
+        """--spec-k auto chose K 0 for its next round (or --ngram-first's lookup drafts it) and its
+        drafter catches up on the rows it skips when it drafts again (base.py `catches_up`): no
+        maintenance now, plain decoding's cost."""
+        if not self.drafter.catches_up or self.done:
+            return False
+        return self.k_step == 0 or self.host_round()
+
+    def host_round(self) -> bool:
+        """Its next round drafts on the host though its drafter has a network (--ngram-first: the
+        lookup's round), apart from the network's shared forward."""
+        pick = getattr(self.drafter, "host_round", None)
+        return pick is not None and pick(self.tokens, self.draft_k())
 
     def draft_k(self) -> int:
         """The drafts the next round asks for, as the session's round asks (<= 0: none)."""

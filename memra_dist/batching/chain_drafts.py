@@ -23,12 +23,13 @@ __all__ = ["maintain_rounds", "propose_rounds"]
 def _groups(chains, proposing: bool) -> list[list]:
     """Chains in groups that draft together: those whose drafters batch and share a network
     (first-seen order), each other chain alone. At K 0 (--spec-k auto) a chain goes alone: it
-    drafts nothing (`proposing`), and skips its maintenance where its drafter catches up."""
+    drafts nothing (`proposing`), and skips its maintenance where its drafter catches up; so
+    does a round the n-gram lookup drafts (--ngram-first: on the host)."""
     out: list[list] = []
     by_net: dict[int, list] = {}
     for ch in chains:
         d = ch.drafter
-        if d.batched and (ch.draft_k() > 0 if proposing else not ch.skips_maint()):
+        if d.batched and (ch.draft_k() > 0 and not ch.host_round() if proposing else not ch.skips_maint()):
             key = id(d.batch_key)
             if key not in by_net:
                 by_net[key] = []

@@ -162,6 +162,9 @@ class Request:
         if self.collect.caller is not None:
             self.collect.feed()
         stats = self.session.stats.as_dict()
+        by_source = getattr(self.session.drafter, "source_stats", None)
+        if by_source is not None:  # --ngram-first: the lookup's rounds and the network's, apart
+            stats["drafts_by_source"] = by_source(self.session.tokens, self.session.stats.accepted)
         target = self.session.target
         runner = getattr(target, "runner", target)  # a pipeline head: the runner of its own layers
         if hasattr(runner, "fast_path"):

@@ -41,6 +41,10 @@ def build_drafter(cfg, plan, device, dtype, prompt_len: int,
     """The drafter `cfg.drafter` names. `plan` (memra_dist.plan.RequestPlan) holds the configs
     read once; `record` produces the target's greedy continuation (replay only); `target` is
     the runner whose taps a tap drafter reads (dflash, mtp, eagle3): pp=1 the model's, pp>1 the head's."""
+    if getattr(cfg, "ngram_first", False):  # the network's rounds, and the lookup's where the suffix recurs
+        from .ngram_first import NgramFirst  # noqa: PLC0415
+
+        return NgramFirst(build_drafter(cfg.with_(ngram_first=False), plan, device, dtype, prompt_len, record, target))
     if cfg.drafter == "none":
         return NoDrafter()
     if cfg.drafter == "ngram":

@@ -58,6 +58,15 @@ class NgramIndex:
         self.ends = max(self.ends, upto)
 
     def lookup(self, context: list[int], k: int) -> list[int]:
+        return self.match(context, k)[1]
+
+    def match(self, context: list[int], k: int) -> tuple[int, list[int]]:
+        """(n, tokens): the length of the longest suffix that recurred earlier (0: none) and the
+        up-to-k tokens that followed its latest occurrence (what `lookup` proposes).
+
+        >>> NgramIndex(4, 1).match([5, 1, 2, 3, 9, 1, 2, 3], 2)
+        (3, [9, 1])
+        """
         L = len(context)
         if L < self.ends + 1 or context[:len(self.head)] != self.head:
             self._reset()
@@ -67,8 +76,8 @@ class NgramIndex:
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             s = self.latest[n].get(tuple(context[L - n:]))
             if s is not None:
-                return context[s + n:s + n + k]
-        return []
+                return n, context[s + n:s + n + k]
+        return 0, []
 
 
 class NgramDrafter(Drafter):
