@@ -158,3 +158,37 @@ def test_a_drafters_error_ends_its_own_request_and_every_other_goes_on(llama, mo
         one(4)
         assert got[4] == solo[4]
         assert eng._backend.stats()["chained_rounds"] > 0
+
+
+def test_each_step_span_says_how_long_the_device_idled_before_it_and_why(llama, monkeypatch):
+    """A step's span carries the device's idle time before it (`memra.batch.gap_ms`) and, of it,
+    the loop's chained rounds after the step before (`rounds_ms`: here n-gram proposals slowed
+    to 3 ms each) and the time it held the step for a request still on the host (`held_ms`):
+    the parts never exceed the gap, the rounds show the slowed drafts, and over the spans the
+    gaps add up to no more than the engine's own count."""
+    import time
+
+    from test_batching import traced_batched
+
+    from memra_dist.specdec.drafters import ngram
+    from memra_dist.tracing.conventions import ATTR, SPAN_BATCH_STEP
+
+    real = ngram.NgramDrafter.propose
+
+    def slow(self, context, k, sp, gen):
+        time.sleep(0.003)
+        return real(self, context, k, sp, gen)
+
+    monkeypatch.setattr(ngram.NgramDrafter, "propose", slow)
+    reqs = _prompts(4)
+    got, exps, stats = traced_batched(llama, "ngram", reqs, 1)
+    assert got == _solo(llama, "ngram", reqs)
+    steps = [s for e in exps for s in e.get_finished_spans() if s.name == SPAN_BATCH_STEP]
+    a = {k: ATTR[f"batch_{k}_ms"] for k in ("gap", "rounds", "held")}
+    for s in steps:
+        gap, rounds, held = (s.attributes[a[k]] for k in ("gap", "rounds", "held"))
+        assert 0 <= rounds <= gap + 1e-6 and 0 <= held <= gap + 1e-6, s.attributes
+    # a step after a round of 2+ chained requests waited for their slowed proposals
+    busy = [s for s in steps if s.attributes[a["rounds"]] >= 3 * 2 * 0.9]
+    assert busy and all(s.attributes[a["gap"]] >= s.attributes[a["rounds"]] for s in busy)
+    assert sum(s.attributes[a["gap"]] for s in steps) <= stats["gap_ms"] + 0.1 * len(steps), stats

@@ -115,6 +115,8 @@ class Batcher:
         self.inflight = InFlight()  # prompt blocks admitted requests compute and have not published (prefix_cache.py)
         self.auto_k = False  # --spec-k auto: each chained request's K chosen every step by goodput (specdec/spec_k.py)
         self.cost = StepCost()  # ... from this fit of the steps' time by their rows
+        self._held_since = 0  # ns the loop held steps back since the latest step ended
+        self._rounds_last = 0  # ns of the chained rounds after the latest step
 
     # ---- requests joining, growing and leaving ----
     def admit(self, rid, rows: int, need: int | None = None, hashes=(), reusable: int = 0) -> int:
@@ -348,8 +350,10 @@ class Batcher:
                         self._flush_wakes()
                         t = time.perf_counter_ns()
                         self._loop_cv.wait(wait)
+                        held = time.perf_counter_ns() - t
                         self.stats.holds += 1
-                        self.stats.held_ns += time.perf_counter_ns() - t
+                        self.stats.held_ns += held
+                        self._held_since += held  # (the next step's span says it)
                     else:
                         self._flush_wakes()
                         self._loop_cv.wait()
@@ -471,13 +475,16 @@ class Batcher:
         cached, evicted = self.pool.cached_blocks, self.pool.evictions
         predicted = int(self.cost.predict(rows)) if self.auto_k else 0  # before this step is fitted in
         sid = self.stats.steps
+        rode = bool(self.running_rids & self.prev_rids)  # a request mid-generation waited for this step
+        gap = max(0, t0 - self.last_end) if rode else 0
+        before = (gap, min(self._rounds_last, gap), min(self._held_since, gap))
         for j in take:
             j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free, self.stats.preemptions,
-                               cached, evicted, t0, predicted, self.step_ids)
+                               cached, evicted, t0, predicted, *before, spans=self.step_ids)
+        self._held_since = 0
         self.running = False
         s = self.stats
-        if self.running_rids & self.prev_rids:  # a request mid-generation waited for this step
-            s.gap_ns += max(0, t0 - self.last_end)
+        s.gap_ns += gap
         self.last_end = time.perf_counter_ns()
         self.prev_rids, self.running_rids = self.running_rids, set()
         self.running_jobs = []
@@ -490,7 +497,8 @@ class Batcher:
         s.max_requests = max(s.max_requests, len(take))
         tc = time.perf_counter_ns()
         chain_rounds(self, take)
-        s.rounds_ns += time.perf_counter_ns() - tc
+        self._rounds_last = time.perf_counter_ns() - tc
+        s.rounds_ns += self._rounds_last
         for j in take:
             j.done = True
         self.cv.notify_all()

@@ -29,6 +29,11 @@ class BatchStep:
     evictions: int = 0  # cached blocks evicted so far (prefix caching: the pool was short)
     t0: int = 0  # perf_counter ns when the step's forward was launched
     predicted_ns: int = 0  # --spec-k auto: the step's time its cost line predicted for its rows (0: none)
+    # the device idle before the step: from the previous step's end to this one's launch, when a
+    # request rode both (0: launched ahead, behind a running step) ...
+    gap_ns: int = 0
+    rounds_ns: int = 0  # ... of it, the loop's rounds after the previous step (accept, drafters, next drafts)
+    held_ns: int = 0  # ... and the loop holding this step back for a request still on the host
     spans: object = None  # the engine's StepIds: the step's span ids, and which steps' spans are made
 
 

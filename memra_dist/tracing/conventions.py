@@ -108,6 +108,9 @@ ATTR = {
     "batch_kv_free": "memra.batch.kv_free",  # on batch.step: ... and free (int)
     "batch_preempted": "memra.batch.preempted",  # on batch.step: requests preempted so far (int)
     "batch_predicted_ms": "memra.batch.predicted_ms",  # on batch.step (--spec-k auto): its cost line's forecast (ms)
+    "batch_gap_ms": "memra.batch.gap_ms",  # on batch.step: the device idle before it, requests mid-generation waiting (ms)
+    "batch_rounds_ms": "memra.batch.rounds_ms",  # ... of it, the loop's rounds after the step before (ms)
+    "batch_held_ms": "memra.batch.held_ms",  # ... of it, the loop holding the step for a request on the host (ms)
     "expected_accepted": "memra.spec_k.expected",  # on spec.round (--spec-k auto): accepted drafts its K was chosen for
     # a batched round run by the step's leader, at level 1: its phases as attributes of spec.round (ms)
     **{f"{p}_ms": f"memra.{p}_ms" for p in PHASES},

@@ -106,7 +106,8 @@ class SpanSink:
                 ATTR["batch_forward_ms"]: b.forward_ns / 1e6, ATTR["batch_kv_used"]: b.kv_used,
                 ATTR["batch_kv_free"]: b.kv_free, ATTR["batch_preempted"]: b.preempted,
                 **({ATTR["batch_predicted_ms"]: b.predicted_ns / 1e6} if b.predicted_ns else {}),
-                **self._mem(r.free_mb[1])}, sc=sc)
+                ATTR["batch_gap_ms"]: b.gap_ns / 1e6, ATTR["batch_rounds_ms"]: b.rounds_ns / 1e6,
+                ATTR["batch_held_ms"]: b.held_ns / 1e6, **self._mem(r.free_mb[1])}, sc=sc)
         return (Link(sc, {ATTR["rows"]: r.k + 1, ATTR["k"]: r.k, ATTR["accepted"]: r.j}),)
 
     @staticmethod

@@ -110,6 +110,14 @@ ATTR_DOC = {
     "batch_preempted": ("{request}", "batch.step", "requests the engine had preempted (swapped out) by the step's end"),
     "batch_predicted_ms": ("ms", "batch.step", "--spec-k auto: the step's time the engine's cost line (rows against "
                            "measured step time) forecast before it ran; beside memra.batch.forward_ms, what it took"),
+    "batch_gap_ms": ("ms", "batch.step", "the device's idle time before the step: from the previous step's end to "
+                     "this one's launch, when a request rode both (0 for a step launched behind a running one); "
+                     "the host work between steps that the requests waited through"),
+    "batch_rounds_ms": ("ms", "batch.step", "of memra.batch.gap_ms, the engine loop's chained rounds after the "
+                        "previous step: acceptance, commits, the drafters' maintenance and the next drafts"),
+    "batch_held_ms": ("ms", "batch.step", "of memra.batch.gap_ms, the engine loop holding this step back for a "
+                      "request's next rows (a request busy on the host, or one not yet chained); the rest of the "
+                      "gap is the loop packing and launching the step"),
     "expected_accepted": ("{token}", "spec.round", "--spec-k auto: the accepted drafts the engine expected when it "
                           "chose this round's K (memra.k) from the request's running acceptance; memra.accepted is "
                           "what came"),
