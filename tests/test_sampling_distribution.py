@@ -200,3 +200,74 @@ def test_session_distribution_test_has_power(tiny_pair, monkeypatch):
     counts, _ = sample_first_tokens(_runner(target_dir), ModelDrafter(_runner(draft_dir)), sp, 3, 400)
     _, m2, _ = exact_marginals(hf, sp)
     assert mismatch(counts[1], m2)
+
+
+def _auto_batched_counts(target_dir, sp: SamplingParams, n: int, max_batch: int = 8):
+    """Counts of generated tokens 1..3 over n seeded requests of PROMPT (8 tokens each) on ONE
+    batched engine with --spec-k auto (the replay drafter, half corrupted) -> (counts, stats)."""
+    import threading
+
+    from memra_dist.app import open_engine
+    from memra_dist.config import RunConfig
+    from memra_dist.specdec.spec_k import StepCost
+
+    V = TINY["vocab_size"]
+
+    def cfg(seed):
+        return RunConfig(model=str(target_dir), drafter="replay", k=3, device="cpu", dtype="fp32", sampling=sp,
+                         seed=seed, max_new_tokens=8, spec_k="auto", replay_corrupt=0.5)
+
+    counts = torch.zeros(3, V, dtype=torch.long)
+    outs: dict[int, list[int]] = {}
+    with open_engine(cfg(0), capacity=len(PROMPT) + 8, max_batch=max_batch) as eng:
+        b = eng._backend.batcher
+        assert b.auto_k
+        # a row costs about a quarter of a step's base: a draft pays only where the request's running
+        # acceptance is high, so requests get K 0 or K > 0 by their own acceptance
+        b.cost = StepCost(prior_ns=(20e6, 4.6e6), prior_steps=1e9)
+        todo = list(range(n))
+        lock = threading.Lock()
+
+        def worker():
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i = todo.pop()
+                outs[i] = eng.generate(PROMPT, cfg(i)).token_ids
+
+        threads = [threading.Thread(target=worker) for _ in range(max_batch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        stats = eng.batch_stats()
+    for out in outs.values():
+        for i in range(3):  # (the first three: their marginals are the target's whatever follows)
+            counts[i, out[i]] += 1
+    return counts, stats
+
+
+@pytest.mark.slow  # 800 sampled requests through a batched engine
+def test_auto_k_batched_samples_follow_target(tiny_pair, tmp_path):
+    """--spec-k auto over sampled requests batched 8 at a time: each round's K is chosen per
+    request and step (several values, 0 among them), the drafts accepted by rejection sampling
+    with each request's own generator, and the generated tokens still follow the target's exact
+    marginals."""
+    import json
+    import shutil
+
+    target_dir, hf, _ = tiny_pair
+    free = shutil.copytree(target_dir, tmp_path / "no-eos")  # no token ends a request: every one gives 8
+    conf = json.loads((free / "config.json").read_text())
+    conf["eos_token_id"] = None
+    (free / "config.json").write_text(json.dumps(conf))
+    sp = SamplingParams(temperature=0.8, top_k=10)
+    m1, m2, m3 = exact_marginals(hf, sp)
+    counts, st = _auto_batched_counts(free, sp, 800)
+    assert int(counts[0].sum()) == 800
+    ks = {int(k): n for k, n in st["k_chosen"].items()}
+    assert len(ks) >= 2 and sum(n for k, n in ks.items() if k > 0) >= 100, ks
+    assert_matches(counts[0], m1, "token 1 (anchor)", tv_tol=0.08)
+    assert_matches(counts[1], m2, "token 2", tv_tol=0.08)
+    assert_matches(counts[2], m3, "token 3", tv_tol=0.08)
