@@ -218,6 +218,9 @@ def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir:
         from .pipeline.driver import open_pipeline  # noqa: PLC0415
 
         check_batchable(cfg, mcfg, max_batch, base.draft if cfg.drafter == "model" else None)
+        if cfg.spec_k == "auto" and cfg.drafter != "none":  # (batching/backend.py: the head's slots do not chain)
+            print(f"[memra] --spec-k auto applies at --pp 1; at --pp {cfg.pp} every round drafts -k {cfg.k}",
+                  file=sys.stderr, flush=True)
         batched = {"max_tokens": max_batch_tokens, "kv_rows": kv_rows}
         with open_pipeline(base, run_dir, lost, max_batch, batched) as pipe:
             yield Engine(base, _Pipeline(pipe), max_batch)

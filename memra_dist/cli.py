@@ -84,7 +84,7 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) 
                    help="with --max-batch > 1: fixed (default) = every round drafts -k tokens; auto = each step "
                         "gives each request the K (0 .. -k) that maximizes the step's expected tokens per second, "
                         "from its running acceptance per draft position and the step time the engine measures "
-                        "(K 0: that request decodes plainly)")
+                        "(K 0: that request decodes plainly); at --pp 1 with ngram, dflash, eagle3 or mtp")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="with --max-batch > 1: do not reuse the KV blocks of prompt prefixes seen before (by "
                         "default a request whose prompt starts with whole 16-token blocks an earlier request "

@@ -239,3 +239,45 @@ def test_k_0_rounds_run_one_step_ahead_are_counted_in_the_share_table(llama, mon
     assert set(table.by_k) == {0}, table.by_k
     n, _ns, acc, exp = table.by_k[0]
     assert n >= stats["ahead_steps"] and acc == 0 and exp == 0, (table.by_k, stats)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "eagle3", "mtp"])
+def test_every_drafter_under_auto_k_gives_its_solo_ids_twelve_requests_six_at_a_time(
+        llama, draft_llama, tmp_path_factory, drafter, capfd):
+    """--spec-k auto with every drafter, twelve requests six at a time, on a step cost where a
+    row costs about a quarter of a step's base (so a request drafts only while its running
+    acceptance is high, and K moves with it): every request gets its solo ids."""
+    model, kw = str(llama), {}
+    if drafter == "model":
+        kw = dict(draft_model=str(draft_llama))
+    elif drafter in ("dflash", "eagle3"):
+        kw = dict(draft_model=str(_tap_drafter(drafter, llama, tmp_path_factory)))
+    elif drafter == "mtp":
+        from moe_ckpt import save_moe
+
+        model = str(save_moe(tmp_path_factory.mktemp("kmtp") / "glm", "glm4_moe", layers=2, n_mtp=1, seed=2)[0])
+    reqs = [(p[:14], n) for p, n in _prompts(12)] if drafter == "mtp" else _prompts(12)
+    solo = _solo(model, drafter, reqs, **kw)
+    cost = StepCost(prior_ns=(20e6, 4.6e6), prior_steps=1e9)
+    got, stats = _batched(model, drafter, reqs, max_batch=6, on_open=lambda e: _auto(e, cost), spec_k="auto", **kw)
+    assert got == solo and stats["max_requests"] >= 2, stats
+    if drafter == "model":  # its rounds are its session's own (the draft model's batcher): fixed K, said once
+        assert "with --drafter model every round drafts -k 3" in capfd.readouterr().err
+        assert not stats["k_chosen"], stats
+    else:
+        assert sum(stats["k_chosen"].values()) > 0, stats
+
+
+@pytest.mark.slow  # a local Ray with two CPU stage actors
+def test_auto_k_on_a_batched_pipeline_says_it_drafts_k_and_gives_the_solo_ids(ray_local, llama, capfd):
+    """At pp 2 a batched request runs its own rounds (the pipeline head's slots do not chain),
+    so --spec-k auto cannot choose there: the engine says in one line that every round drafts
+    -k, and the ids are the solo ids."""
+    from test_batching_pp import _runs
+
+    reqs = _prompts(6)
+    solo = _solo(llama, "ngram", reqs)
+    got, stats = _runs(llama, "ngram", reqs, pp=2, max_batch=3, spec_k="auto")
+    assert [g[0] for g in got] == solo
+    assert "--spec-k auto applies at --pp 1; at --pp 2 every round drafts -k 3" in capfd.readouterr().err
+    assert not stats.get("k_chosen"), stats

@@ -170,7 +170,12 @@ class BatchedBackend:
         self.batcher = _batcher(self.runner, max_batch, plan.capacity, kv_rows, budget, graphs, taps,
                                 self._pool_bytes(plan, max_batch, taps), self.prefix_cache,
                                 salt_for(cfg.model, self.dtype))
-        self.batcher.auto_k = cfg.spec_k == "auto"
+        # --spec-k auto chooses K in the loop's chained rounds; a pipeline's requests run their own
+        # rounds (the head's slots do not chain), so there every round drafts -k (app.py says so)
+        self.batcher.auto_k = cfg.spec_k == "auto" and runner is None
+        if self.batcher.auto_k and cfg.drafter == "model":  # its rounds run in the request's session, unchained
+            print(f"[memra] --spec-k auto applies to the drafters the engine loop drafts for (ngram, dflash, eagle3, "
+                  f"mtp); with --drafter model every round drafts -k {cfg.k}", file=sys.stderr, flush=True)
         self.draft_batcher = None
         if cfg.drafter == "model":  # the draft model's steps batched too, over its own pool
             self.draft_runner = load(cfg.draft_model, plan.draft)
