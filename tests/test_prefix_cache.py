@@ -135,6 +135,26 @@ def test_a_pool_full_of_cached_blocks_evicts_the_oldest_and_still_admits(llama):
     assert stats["kv_blocks_used"] == 0 and pc["cached_blocks"] > 0
 
 
+def test_a_tap_drafters_evicted_blocks_take_new_tap_rows_when_they_are_registered_again(llama, tmp_path_factory,
+                                                                                        monkeypatch):
+    """DFlash through a pool of 8 blocks, eight different prompts one after another: blocks are
+    evicted and registered again under other prompts, their tap rows saved again each time, so
+    the last prompt repeated (a hit) drafts what it drafts alone, as does every other."""
+    from test_batching import spy_proposals
+
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+
+    model, kw = _tap_target("dflash", llama, tmp_path_factory)
+    reqs = [([(13 * i + 7 * j) % 100 + 4 for j in range(38)], 8) for i in range(8)]
+    reqs.append(reqs[-1])
+    seen = spy_proposals(monkeypatch, DFlashDrafter)
+    solo = _solo(model, "dflash", reqs, **kw)
+    alone, seen[:] = set(seen), []
+    ids, cached, stats = _run(model, "dflash", reqs, together=False, max_batch=2, kv_rows=8 * 16, **kw)
+    assert ids == solo and set(seen) <= alone and seen
+    assert stats["prefix_cache"]["evictions"] > 0 and cached[-1] == 32, (stats["prefix_cache"], cached)
+
+
 def test_a_chat_turn_reuses_the_turn_before_with_its_answer(llama):
     """Turn 2's prompt is turn 1's prompt, its answer and a new message: it shares the blocks of
     all three that turn 1 held in full (the answer's too, published as turn 1 ended)."""
