@@ -159,18 +159,16 @@ class Batcher:
         with self.cv:
             if self.pool.holds(rid):
                 placed = self.pool.publish(rid, hashes)
-                if self.tap_blocks is not None:
+                if self.tap_blocks is not None:  # (tap_blocks.py: their rows saved once, as registered)
                     self.tap_blocks.save(taps, placed)
                 self.inflight.published(hashes)
                 self.cv.notify_all()  # admissions waiting for these blocks
 
     def load_taps(self, rid, taps, rows: int) -> None:
-        """The tap rows of request `rid`'s first `rows` rows (the blocks it shares from the
-        prefix cache) from the tap store into its sink `taps`."""
-        if self.tap_blocks is None or rows <= 0:
-            return
-        with self.cv:
-            self.tap_blocks.load(taps, self.pool.table(rid)[:rows // self.pool.block])
+        """Into sink `taps`, the tap rows of request `rid`'s first `rows` rows (its shared blocks)."""
+        if self.tap_blocks is not None and rows > 0:
+            with self.cv:
+                self.tap_blocks.load(taps, self.pool.table(rid)[:rows // self.pool.block])
 
     def leave(self, rid) -> None:
         """Request `rid` is gone (finished, failed, its client gone), from any thread. Its queued
