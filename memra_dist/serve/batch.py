@@ -367,6 +367,9 @@ def batch_line(st: dict | None) -> str | None:
     ...                   "draft_batches": 38, "mean_draft_batch": 5.2, "leader_maint_ms": 2.5,
     ...                   "leader_draft_ms": 5.0}).split("; ")[1])
     80.0 ms in steps, 20.0 ms between them, 9.0 ms of it the leader's rounds for 200 request rounds, drafted in 38 shared forwards of 5.2 requests (maintenance 2.5 ms, drafts 5.0 ms) (busy 80 %)
+    >>> print(batch_line({"steps": 40, "mean_requests": 5.5, "mean_rows": 12.0, "step_ms": 80.0, "gap_ms": 20.0,
+    ...                   "busy": 0.8, "preemptions": 0, "held_ms": 6.5}).split("; ")[1])
+    80.0 ms in steps, 20.0 ms between them, 6.5 ms of it held for a request still on the host (busy 80 %)
     """
     if not st or not st.get("steps"):
         return None
@@ -377,5 +380,7 @@ def batch_line(st: dict | None) -> str | None:
         lead += f", drafted in {st['draft_batches']} shared forwards of {st['mean_draft_batch']} requests"
         if "leader_draft_ms" in st:
             lead += f" (maintenance {st['leader_maint_ms']} ms, drafts {st['leader_draft_ms']} ms)"
+    if st.get("held_ms"):  # the loop holding a step for a request's next rows (batcher.py _ready_in)
+        lead += f", {st['held_ms']} ms of it held for a request still on the host"
     return (f"[batch] batched: {st['steps']} steps, {st['mean_requests']} requests / {st['mean_rows']} rows a step; "
             f"{st['step_ms']} ms in steps, {st['gap_ms']} ms between them{lead} (busy {st['busy'] * 100:.0f} %){pre}")
