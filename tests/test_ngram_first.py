@@ -105,3 +105,36 @@ def test_ngram_first_needs_a_network_drafter_that_catches_up():
         RunConfig(model="m", drafter="ngram", ngram_first=True)
     with pytest.raises(UserError, match="ngram_first must be True or False"):
         RunConfig(model="m", drafter="dflash", draft_model="d", ngram_first="yes")
+
+
+def test_generate_with_ngram_first_reports_each_source_in_its_json(llama, tmp_path_factory, capsys, short_match):
+    """`memra-dist generate --drafter dflash --ngram-first --json`: the result's stats carry
+    drafts_by_source; `--ngram-first` with the n-gram drafter is one line and exit 2."""
+    import json
+
+    from test_cli_errors import run_main
+
+    d = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    base = ["generate", "--model", str(llama), "--device", "cpu", "--dtype", "fp32", "--max-new-tokens", "24",
+            "--prompt", "the cat sat on the mat and the cat sat on the mat and the cat", "--json",
+            "--run-dir", str(tmp_path_factory.mktemp("r"))]
+    rc, out, err = run_main(base + ["--drafter", "dflash", "--draft-model", d, "--ngram-first"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    src = res["stats"]["drafts_by_source"]
+    assert src["ngram"]["rounds"] + src["network"]["rounds"] > 0, src
+    rc, out, err = run_main(base + ["--drafter", "ngram", "--ngram-first"], capsys)
+    assert rc == 2 and out == "" and "--ngram-first needs a network drafter" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow  # a local Ray with two CPU stage actors
+def test_ngram_first_on_a_pipeline_gives_the_solo_ids(ray_local, llama, tmp_path_factory, short_match):
+    """At pp 2 the head's drafter is wrapped too (pipeline/actors.py builds it): the ids are the
+    solo ids."""
+    from test_batching_pp import _runs
+
+    d = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    reqs = _looping(3)
+    solo = _solo(llama, "none", reqs)
+    got, _ = _runs(llama, "dflash", reqs, pp=2, max_batch=1, draft_model=d, ngram_first=True)
+    assert [g[0] for g in got] == solo

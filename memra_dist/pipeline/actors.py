@@ -274,7 +274,13 @@ class HeadWorker(_Worker):
             return ModelDrafter(self.slots[0].drafter.runner.slot_view(), k=self.cfg.k)
         if i > 0 and self.cfg.drafter in TAP_DRAFTERS:  # the network / MTP layers, over this slot's taps
             first = self.slots[0].drafter
-            return type(first)(first.head if self.cfg.drafter == "mtp" else first.net, self.slots[i].view)
+            own = getattr(first, "inner", first)  # (--ngram-first wraps the network's drafter)
+            d = type(own)(own.head if self.cfg.drafter == "mtp" else own.net, self.slots[i].view)
+            if self.cfg.ngram_first:
+                from ..specdec.drafters.ngram_first import NgramFirst  # noqa: PLC0415
+
+                d = NgramFirst(d)
+            return d
         return build_drafter(self.cfg, self.plan, self.device, self.runner.dtype, 1, target=self.slots[i].view)
 
     def start(self, slot: int, seq: int, index: int, carrier: dict, prompt: list[int], plan=None) -> tuple[int, bool]:

@@ -37,10 +37,10 @@ NGRAM_FIRST_DRAFTERS = ("dflash", "eagle3", "mtp")  # network drafters that catc
 class NgramFirst(Drafter):
     host_only = False
 
-    def __init__(self, net: Drafter, min_match: int | None = None):
-        self.net = net
-        self.name = f"{net.name}+ngram"
-        self.device = net.device
+    def __init__(self, inner: Drafter, min_match: int | None = None):
+        self.inner = inner  # the network drafter
+        self.name = f"{inner.name}+ngram"
+        self.device = inner.device
         self.index = NgramIndex(MAX_N, 1)
         self.min_match = MIN_MATCH if min_match is None else min_match
         self._pick: tuple[int, list[int]] | None = None  # (context length, n-gram drafts) decided for it
@@ -50,23 +50,23 @@ class NgramFirst(Drafter):
     # in a batched engine the network's requests draft together; an n-gram round drafts alone
     @property
     def chains(self) -> bool:
-        return getattr(self.net, "chains", False)
+        return getattr(self.inner, "chains", False)
 
     @property
     def batched(self) -> bool:
-        return getattr(self.net, "batched", False)
+        return getattr(self.inner, "batched", False)
 
     @property
     def catches_up(self) -> bool:
-        return getattr(self.net, "catches_up", False)
+        return getattr(self.inner, "catches_up", False)
 
     @property
     def batch_key(self):
-        return self.net.batch_key
+        return self.inner.batch_key
 
     @property
     def forwards_per_draft(self) -> int:
-        return getattr(self.net, "forwards_per_draft", -1)
+        return getattr(self.inner, "forwards_per_draft", -1)
 
     def host_round(self, context: list[int], k: int) -> bool:
         """Whether the round after `context` drafts from the n-gram lookup (decided once per context)."""
@@ -89,13 +89,13 @@ class NgramFirst(Drafter):
         self._open = None
 
     def alloc(self, capacity: int) -> float:
-        return self.net.alloc(capacity)
+        return self.inner.alloc(capacity)
 
     def prime(self, prompt: list[int], chunks=None) -> None:
         """A new request (an engine keeps its drafter from one request to the next): its counts from 0."""
         self._pick = self._open = None
         self.counts = {"ngram": [0, 0, 0], "network": [0, 0]}
-        self.net.prime(prompt, chunks)
+        self.inner.prime(prompt, chunks)
 
     def propose(self, context, k, sp, gen) -> Proposal:
         if self.host_round(context, k):
@@ -104,7 +104,7 @@ class NgramFirst(Drafter):
             self.counts["ngram"][0] += 1
             self.counts["ngram"][1] += len(toks)
             return Proposal(torch.tensor(toks, dtype=torch.long))
-        prop = self.net.propose(context, k, sp, gen)
+        prop = self.inner.propose(context, k, sp, gen)
         self._count_net(prop, k)
         return prop
 
@@ -114,20 +114,20 @@ class NgramFirst(Drafter):
             self.counts["network"][1] += int(prop.tokens.numel())
 
     def maintain(self, context) -> None:
-        self.net.maintain(context)
+        self.inner.maintain(context)
 
     def drain(self) -> None:
-        self.net.drain()
+        self.inner.drain()
 
     @staticmethod
     def maintain_many(drafters, contexts) -> None:
-        type(drafters[0].net).maintain_many([d.net for d in drafters], contexts)
+        type(drafters[0].inner).maintain_many([d.inner for d in drafters], contexts)
 
     @staticmethod
     def propose_many(drafters, contexts, ks, sps, gens) -> list[Proposal]:
         """The network's shared forward for requests whose round is not an n-gram one (chain_drafts.py
         groups only those)."""
-        props = type(drafters[0].net).propose_many([d.net for d in drafters], contexts, ks, sps, gens)
+        props = type(drafters[0].inner).propose_many([d.inner for d in drafters], contexts, ks, sps, gens)
         for d, p, k in zip(drafters, props, ks):
             d._count_net(p, k)
         return props
