@@ -138,3 +138,24 @@ def test_ngram_first_on_a_pipeline_gives_the_solo_ids(ray_local, llama, tmp_path
     solo = _solo(llama, "none", reqs)
     got, _ = _runs(llama, "dflash", reqs, pp=2, max_batch=1, draft_model=d, ngram_first=True)
     assert [g[0] for g in got] == solo
+
+
+def test_the_first_token_profile_reaches_the_network_through_the_wrapper():
+    """The profile's timer lent to the drafter (`lend`) reaches the network's prime, whose
+    sub-buckets (draft_prime_feat_ms, ...) it stamps, and is taken back after."""
+    from memra_dist.phase.first_token import lend
+    from memra_dist.specdec.drafters.base import Drafter
+
+    class Net(Drafter):
+        ttft_depth = None
+        seen = None
+
+        def prime(self, prompt, chunks=None):
+            Net.seen = self.ttft_depth
+
+    net = Net()
+    w = NgramFirst(net)
+    timer = object()
+    with lend(w, timer):
+        w.prime([1, 2, 3])
+    assert Net.seen is timer and net.ttft_depth is None

@@ -68,6 +68,16 @@ class NgramFirst(Drafter):
     def forwards_per_draft(self) -> int:
         return getattr(self.inner, "forwards_per_draft", -1)
 
+    @property
+    def ttft_depth(self):
+        """The first-token profile's timer, lent to the network's prime (phase/first_token.py `lend`)."""
+        return getattr(self.inner, "ttft_depth", None)
+
+    @ttft_depth.setter
+    def ttft_depth(self, timer) -> None:
+        if hasattr(self.inner, "ttft_depth"):
+            self.inner.ttft_depth = timer
+
     def host_round(self, context: list[int], k: int) -> bool:
         """Whether the round after `context` drafts from the n-gram lookup (decided once per context)."""
         if self._pick is None or self._pick[0] != len(context):
