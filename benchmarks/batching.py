@@ -18,7 +18,8 @@ token to the first request's last): the batch's decode rate with no prefill step
 
     python benchmarks/batching.py OUT_DIR [--shape tiny] [--device cpu] [--concurrency 1,4,16]
         [--max-batch 16] [--new 64] [--prompt 64] [--drafter none]
-Results: OUT_DIR/batching.json and a markdown table on stdout. The measurement is
+Results: OUT_DIR/batching.json, OUT_DIR/speedup.svg (each drafter row's steady tok/s over plain's
+at its concurrency, by --spec-k: memra_dist/bench/plot.py) and a markdown table on stdout. The measurement is
 memra_dist/bench/batching.py's (`memra-dist bench --sections batching` runs its fixed settings
 with repeats and targets)."""
 
@@ -154,6 +155,7 @@ def main() -> int:
         chained.COMPACT_BELOW = 0
 
     from memra_dist.bench.batching import concurrent, graphed_ms, per_step
+    from memra_dist.bench.plot import speedups, svg
     from memra_dist.bench.checkpoints import bench_cache_dir, ensure_checkpoint
 
     model = str(ensure_checkpoint(a.shape, bench_cache_dir(), torch.device(a.device),
@@ -198,6 +200,8 @@ def main() -> int:
                 (out / "batching.json").write_text(json.dumps({"shape": a.shape, "device": a.device,
                                                                "drafter": a.drafter, "new": a.new,
                                                                "prompt": a.prompt, "rows": rows}, indent=1))
+                (out / "speedup.svg").write_text(svg(speedups(rows), f"steady decode over plain, {a.shape} on "
+                                                                     f"{a.device} (batching.json beside)"))
     print("| drafter | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s | ITL p50 / p99 ms "
           "| TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward | step ms "
           "| graphed step ms | busy | leader rounds ms a step | ids = alone |")

@@ -1,0 +1,95 @@
+"""Speedup against concurrency, per drafter and --spec-k, as an SVG (no plotting library: the
+bench writes it beside its JSON and BENCHMARKS.md shows it; GitHub renders SVG inline).
+
+`speedups(rows)` turns the batching bench's rows (benchmarks/batching.py, bench/batching.py) into
+one series per (drafter, spec_k): (concurrency, steady tok/s over plain decoding's at the same
+concurrency); `svg(series)` draws them on a log2 concurrency axis with the 1.0x line (plain) and
+a legend. Pure functions, tested on CPU.
+
+>>> rows = [{"drafter": "none", "concurrency": 4, "spec_k": "fixed", "steady_tok_s": 100.0},
+...         {"drafter": "ngram", "concurrency": 4, "spec_k": "fixed", "steady_tok_s": 150.0},
+...         {"drafter": "ngram", "concurrency": 4, "spec_k": "auto", "steady_tok_s": 160.0}]
+>>> speedups(rows)
+{'ngram fixed': [(4, 1.5)], 'ngram auto': [(4, 1.6)]}
+"""
+
+from __future__ import annotations
+
+import math
+from xml.sax.saxutils import escape
+
+__all__ = ["speedups", "svg"]
+
+COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+
+
+def _rate(r: dict) -> float | None:
+    return r.get("steady_tok_s") or r.get("decode_tok_s")
+
+
+def speedups(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """{"<drafter> <spec_k>": [(concurrency, steady tok/s / plain's at that concurrency), ...]},
+    concurrency ascending; rows without a plain row at their concurrency are left out. Plain's
+    own rows (drafter none) are the baseline, not a series; with several plain rows at one
+    concurrency (one per drafter's recording) their mean."""
+    plain: dict[int, list[float]] = {}
+    for r in rows:
+        if r.get("drafter") == "none" and _rate(r):
+            plain.setdefault(r["concurrency"], []).append(_rate(r))
+    base = {n: sum(v) / len(v) for n, v in plain.items()}
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        n, rate = r.get("concurrency"), _rate(r)
+        if r.get("drafter") == "none" or not rate or n not in base:
+            continue
+        out.setdefault(f"{r['drafter']} {r.get('spec_k', 'fixed')}", []).append((n, round(rate / base[n], 3)))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def svg(series: dict[str, list[tuple[int, float]]], title: str = "steady decode over plain decoding",
+        width: int = 640, height: int = 400) -> str:
+    """The series as an SVG line chart: x = concurrency (log2), y = speedup (plain = 1.0)."""
+    pts = [p for s in series.values() for p in s]
+    if not pts:
+        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="80"><text x="10" y="40">'
+                f'no rows with a plain baseline</text></svg>\n')
+    left, right, top, bottom = 60, 170, 40, 50
+    w, h = width - left - right, height - top - bottom
+    xs = [math.log2(n) for n, _ in pts]
+    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    y0 = min(0.0, min(y for _, y in pts))
+    y1 = max(1.25, max(y for _, y in pts) * 1.1)
+
+    def X(n):
+        return left + (math.log2(n) - x0) / (x1 - x0) * w
+
+    def Y(v):
+        return top + (1 - (v - y0) / (y1 - y0)) * h
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="20" font-size="14">{escape(title)}</text>',
+           f'<line x1="{left}" y1="{top + h}" x2="{left + w}" y2="{top + h}" stroke="black"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + h}" stroke="black"/>',
+           f'<line class="plain" x1="{left}" y1="{Y(1.0):.1f}" x2="{left + w}" y2="{Y(1.0):.1f}" stroke="#888" '
+           f'stroke-dasharray="4 3"/>', f'<text x="{left + w + 4}" y="{Y(1.0) + 4:.1f}">plain</text>']
+    for n in sorted({n for n, _ in pts}):
+        out.append(f'<text x="{X(n):.1f}" y="{top + h + 16}" text-anchor="middle">{n}</text>')
+    out.append(f'<text x="{left + w / 2:.1f}" y="{height - 10}" text-anchor="middle">concurrent requests</text>')
+    step = 0.25 if y1 - y0 <= 2 else 0.5
+    v = math.ceil(y0 / step) * step
+    while v <= y1 + 1e-9:
+        out.append(f'<text x="{left - 6}" y="{Y(v) + 4:.1f}" text-anchor="end">{v:.2f}x</text>')
+        v += step
+    for i, (name, s) in enumerate(series.items()):
+        c = COLORS[i % len(COLORS)]
+        line = " ".join(f"{X(n):.1f},{Y(y):.1f}" for n, y in s)
+        out.append(f'<polyline class="series" data-name="{escape(name)}" points="{line}" fill="none" stroke="{c}" '
+                   f'stroke-width="2"/>')
+        out += [f'<circle cx="{X(n):.1f}" cy="{Y(y):.1f}" r="3" fill="{c}"/>' for n, y in s]
+        ly = top + 16 * i
+        out.append(f'<line x1="{left + w + 40}" y1="{ly}" x2="{left + w + 60}" y2="{ly}" stroke="{c}" '
+                   f'stroke-width="2"/>')
+        out.append(f'<text x="{left + w + 64}" y="{ly + 4}">{escape(name)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

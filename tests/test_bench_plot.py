@@ -1,0 +1,45 @@
+"""The bench's speedup chart (memra_dist/bench/plot.py): series from the batching rows, drawn as SVG."""
+
+import xml.etree.ElementTree as ET
+
+from memra_dist.bench.plot import speedups, svg
+
+NS = "{http://www.w3.org/2000/svg}"
+
+
+def _rows():
+    out = []
+    for n, plain in ((1, 100.0), (4, 350.0), (16, 1200.0)):
+        out += [{"drafter": "none", "concurrency": n, "spec_k": "fixed", "steady_tok_s": plain},
+                {"drafter": "none", "concurrency": n, "spec_k": "fixed", "steady_tok_s": plain * 1.02},  # a 2nd recording
+                {"drafter": "dflash-replay", "concurrency": n, "spec_k": "fixed", "steady_tok_s": plain * 2.0 / n ** 0.25},
+                {"drafter": "dflash-replay", "concurrency": n, "spec_k": "auto", "steady_tok_s": plain * 1.9}]
+    out.append({"drafter": "ngram", "concurrency": 64, "spec_k": "fixed", "steady_tok_s": 9.0})  # no plain at 64
+    return out
+
+
+def test_series_are_over_plain_at_the_same_concurrency_and_skip_rows_without_it():
+    s = speedups(_rows())
+    assert list(s) == ["dflash-replay fixed", "dflash-replay auto"]  # ngram at 64 had no plain row
+    fixed = dict(s["dflash-replay fixed"])
+    assert fixed[1] == round(2.0 / 1.01, 3) and fixed[16] == round(1.0 / 1.01, 3)  # over the plain rows' mean
+    assert [n for n, _ in s["dflash-replay auto"]] == [1, 4, 16]
+
+
+def test_the_svg_draws_one_polyline_per_series_with_a_point_per_concurrency_and_the_plain_line():
+    s = speedups(_rows())
+    root = ET.fromstring(svg(s))
+    lines = [e for e in root.iter(f"{NS}polyline")]
+    assert [e.get("data-name") for e in lines] == list(s)
+    for e in lines:
+        assert len(e.get("points").split()) == 3
+    ys = [float(p.split(",")[1]) for p in lines[0].get("points").split()]
+    assert ys[0] < ys[-1]  # fixed K falls with concurrency: its points go down the chart (SVG y grows downward)
+    plain = [e for e in root.iter(f"{NS}line") if e.get("class") == "plain"]
+    texts = {e.text for e in root.iter(f"{NS}text")}
+    assert plain and {"1", "4", "16", "plain", "dflash-replay auto"} <= texts
+
+
+def test_no_baseline_is_a_chart_that_says_so():
+    assert "no rows with a plain baseline" in svg(speedups([{"drafter": "ngram", "concurrency": 2,
+                                                              "steady_tok_s": 5.0}]))
