@@ -57,7 +57,7 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
         replay_corrupt=args.replay_corrupt, trace=trace, trace_content=args.trace_content,
         graphs=getattr(args, "graphs", "auto"), compile=getattr(args, "compile", "auto"),
         kernels=getattr(args, "kernels", "auto"), prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
-        prefix_cache=not getattr(args, "no_prefix_cache", False), spec_k=getattr(args, "spec_k", "fixed"),
+        prefix_cache=not getattr(args, "no_prefix_cache", False), spec_k=getattr(args, "spec_k", "auto"),
         ngram_first=getattr(args, "ngram_first", False))
 
 

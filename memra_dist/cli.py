@@ -80,11 +80,11 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) 
                    help="prompt rows per prefill forward (default %(default)s): the prompt runs in chunks, so its "
                         "working memory is O(N x context) whatever its length; at --pp > 1 the chunks are "
                         "pipelined across the stages and shrink as the prefix grows (N is their upper bound)")
-    p.add_argument("--spec-k", choices=["fixed", "auto"], default="fixed",
-                   help="with --max-batch > 1: fixed (default) = every round drafts -k tokens; auto = each step "
-                        "gives each request the K (0 .. -k) that maximizes the step's expected tokens per second, "
-                        "from its running acceptance per draft position and the step time the engine measures "
-                        "(K 0: that request decodes plainly); at --pp 1 with ngram, dflash, eagle3 or mtp")
+    p.add_argument("--spec-k", choices=["fixed", "auto"], default="auto",
+                   help="with --max-batch > 1: auto (default) = each step gives each request the K (0 .. -k) that "
+                        "maximizes the step's expected tokens per second, from its running acceptance per draft "
+                        "position and the step time the engine measures (K 0: that request decodes plainly; at "
+                        "--pp 1 with ngram, dflash, eagle3 or mtp); fixed = every round drafts -k tokens")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="with --max-batch > 1: do not reuse the KV blocks of prompt prefixes seen before (by "
                         "default a request whose prompt starts with whole 16-token blocks an earlier request "

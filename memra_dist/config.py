@@ -40,7 +40,7 @@ class RunConfig:
     compile: str = "auto"  # torch.compile inside those graphs: auto (= where it pays, compile_policy.py) | on | off
     kernels: str = "auto"  # our Triton GEMV / cached-attention kernels in those graphs: auto (= with the graphs) | off
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt rows per prefill forward (specdec/chunks.py)
-    spec_k: str = "fixed"  # fixed: every round drafts k; auto: a batched engine picks each request's K <= k by goodput
+    spec_k: str = "auto"  # auto: a batched engine picks each request's K <= k by goodput; fixed: every round drafts k
     prefix_cache: bool = True  # a batched engine reuses the KV blocks of prompts it has seen (batching/prefix_cache.py)
     ngram_first: bool = False  # a network drafter's rounds drafted by prompt lookup where the suffix recurs (ngram_first.py)
 
