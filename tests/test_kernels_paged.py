@@ -200,7 +200,7 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
 
     def cfg(n=12):
         return RunConfig(model=str(wide_llama), drafter=drafter, k=3, device="cpu", dtype="fp32", prefill_chunk=40,
-                         max_new_tokens=n, **kw)
+                         max_new_tokens=n, spec_k="fixed", **kw)  # (every round's drafts against the solo run's)
 
     reqs = [([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 12), ([9, 3, 9, 3, 9, 3, 9], 8), (list(range(4, 50)), 10),
             ([11, 12, 13, 11, 12, 13, 11], 12), ([7, 7, 8], 9)]

@@ -249,13 +249,18 @@ def _auto_batched_counts(target_dir, sp: SamplingParams, n: int, max_batch: int 
 
 
 @pytest.mark.slow  # 800 sampled requests through a batched engine
-def test_auto_k_batched_samples_follow_target(tiny_pair, tmp_path):
-    """--spec-k auto over sampled requests batched 8 at a time: each round's K is chosen per
-    request and step (several values, 0 among them), the drafts accepted by rejection sampling
-    with each request's own generator, and the generated tokens still follow the target's exact
-    marginals."""
+def test_auto_k_batched_samples_follow_target(tiny_pair, tmp_path, monkeypatch):
+    """--spec-k auto choosing for sampled requests too (`CHOOSE_SAMPLED`: off by default, so a
+    seeded request's output never depends on the load), batched 8 at a time: each round's K is
+    chosen per request and step (several values, 0 among them), the drafts accepted by rejection
+    sampling with each request's own generator, and the generated tokens still follow the
+    target's exact marginals."""
     import json
     import shutil
+
+    import memra_dist.batching.loop_rounds as lr
+
+    monkeypatch.setattr(lr, "CHOOSE_SAMPLED", True)
 
     target_dir, hf, _ = tiny_pair
     free = shutil.copytree(target_dir, tmp_path / "no-eos")  # no token ends a request: every one gives 8

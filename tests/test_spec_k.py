@@ -281,3 +281,19 @@ def test_auto_k_on_a_batched_pipeline_says_it_drafts_k_and_gives_the_solo_ids(ra
     assert [g[0] for g in got] == solo
     assert "--spec-k auto applies at --pp 1; at --pp 2 every round drafts -k 3" in capfd.readouterr().err
     assert not stats.get("k_chosen"), stats
+
+
+def test_sampled_requests_keep_their_seeded_solo_ids_under_auto_k(llama):
+    """A sampled request's draws depend on its K, so under auto it drafts -k every round: its
+    seeded output is the one it gets alone, whatever runs beside it; the greedy requests beside
+    it choose their K."""
+    from memra_dist.specdec.sampling import SamplingParams
+
+    reqs = _prompts(6)
+    sp = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
+    each = [sp if i % 2 else {} for i in range(len(reqs))]
+    solo = [_solo(llama, "ngram", [r], **e)[0] for r, e in zip(reqs, each)]
+    got, stats = _batched(llama, "ngram", reqs, max_batch=3, each=each, spec_k="auto",
+                          on_open=lambda e: _auto(e, StepCost(prior_ns=(20e6, 4.6e6), prior_steps=1e9)))
+    assert got == solo
+    assert sum(stats["k_chosen"].values()) > 0, stats  # (the greedy ones)

@@ -15,7 +15,14 @@ from ..specdec.spec_k import choose
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import Job
 
-__all__ = ["chain_rounds", "choose_k"]
+__all__ = ["chain_rounds", "choose_k", "CHOOSE_SAMPLED"]
+
+# A sampled request's draws depend on its K (each draft and each acceptance takes its generator's
+# next numbers), so a K chosen by the step's load would make its seeded output depend on what
+# else the engine runs. It keeps -k every round; greedy requests, whose ids are the target's
+# whatever K, are the ones auto chooses for. (True: sampled requests choose too, still keeping
+# the target's distribution: tests/test_sampling_distribution.py.)
+CHOOSE_SAMPLED = False
 
 
 def chain_rounds(b, jobs: list[Job]) -> None:
@@ -86,7 +93,7 @@ def chain_rounds(b, jobs: list[Job]) -> None:
 def choose_k(b, chains) -> None:
     """--spec-k auto: each chain's K for its next round, by the step's expected goodput
     (specdec/spec_k.py choose), its bound the K it would take otherwise."""
-    drafting = [ch for ch in chains if not ch.never_drafts]  # (drafter none: a plain row, nothing to choose)
+    drafting = [ch for ch in chains if not ch.never_drafts and (ch.greedy or CHOOSE_SAMPLED)]  # (drafter none: a plain row)
     for ch in drafting:
         ch.k_step = None
     bounds = [max(ch.draft_k(), 0) for ch in drafting]
