@@ -527,7 +527,9 @@ def test_a_batched_job_stopped_at_any_moment_exits_130_never_by_an_abort(long_jo
               (signal.SIGINT, 2, 0.01), (signal.SIGTERM, 3, 0.2)]
     for i, (sig, lines, after_s) in enumerate(points):
         out = tmp_path / f"out{i}.jsonl"
-        cmd = _cmd(model, inp, out, "--max-batch", "4", "--spec-k", "fixed")  # (each record's draft counts as the ref's)
+        # (each record as the one-at-a-time ref's: fixed K, and no prompt shared from the prefix cache,
+        # whose hits depend on which line finished first)
+        cmd = _cmd(model, inp, out, "--max-batch", "4", "--spec-k", "fixed", "--no-prefix-cache")
         if lines:
             proc = _start_and_wait_lines(cmd, out, lines)
         else:
