@@ -56,6 +56,7 @@ from .batch_input import DEFAULT_MAX_LINE_BYTES, Refused, Request, prompt_hash, 
 from .batch_progress import Progress, say as say_to
 from .prompt_pieces import at_least_tokens
 from .results_file import Output
+from .workers import Workers
 
 __all__ = ["run_job", "choose_capacity", "EngineFailing", "ENGINE_FAILURES_TO_STOP"]
 
@@ -156,7 +157,7 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
                 say(f"[batch] the context holds {cap} rows ({'--ctx' if ctx is not None else 'the model'}): "
                     f"a request needing more (up to {most}) ends when it is full")
             stop = threading.Event()
-            workers: list[threading.Thread] = []
+            workers = Workers()
             traced = {}
             if tracing is not None:  # the pipeline actors' spans go where the driver's do
                 traced = {"run_dir": str(tracing.run_dir) if tracing.run_dir else None,
@@ -170,15 +171,14 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
                     _serve_all(engine, runnable, out, prog, tok, stop, workers, tracing, share)
                 finally:
                     stop.set()  # Ctrl-C or an error: requests in flight end at their next tokens
-                    for w in workers:  # before the engine closes: none is left computing on it
-                        w.join()
+                    workers.finish()  # before the engine closes: none is left computing on it
                     line = batch_line(getattr(engine, "batch_stats", lambda: None)())
                     if line:
                         say(line)
                     if share is not None and share.n_rounds:  # where the job's rounds' time went
                         say(share.table())
-            if any(getattr(w, "error", None) for w in workers):
-                raise next(w.error for w in workers if getattr(w, "error", None))
+            if workers.first_error() is not None:
+                raise workers.first_error()
     except KeyboardInterrupt:
         interrupted = True
     say(prog.summary(out.path, interrupted))
@@ -241,12 +241,13 @@ class _Failures:
 
 
 def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threading.Event,
-               workers: list[threading.Thread], tracing=None, share=None) -> None:
-    """Run every request on `engine.sessions` worker threads (appended to `workers`) and
-    wait for them, in short joins so Ctrl-C reaches the main thread at once. A request that
-    fails gets its error record and the job goes on; a worker's unexpected error (or
-    EngineFailing) stops the others from starting new requests; it is kept on the thread
-    (`error`) and raised by the caller after the engine is closed."""
+               workers: Workers, tracing=None, share=None) -> None:
+    """Run every request on `engine.sessions` worker threads (started on `workers`) and wait
+    for them, in short waits so Ctrl-C reaches the main thread at once (the caller's
+    `workers.finish()` waits for them again). A request that fails gets its error record and
+    the job goes on; a worker's unexpected error (or EngineFailing) stops the others from
+    starting new requests; it is kept on the thread (`error`) and raised by the caller after
+    the engine is closed."""
     todo = iter(runnable)
     take = threading.Lock()
     lock = threading.Lock()  # progress counters and lines
@@ -262,10 +263,9 @@ def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threadi
                 _one(engine, out, prog, tok, *item, stop=stop, lock=lock, tracing=tracing, fails=fails, share=share)
             except _Stopped:
                 return
-            except BaseException as e:  # noqa: BLE001 (handed to the main thread)
-                me.error = e
+            except BaseException:
                 stop.set()
-                return
+                raise  # kept on the thread (Workers)
 
     n = max(1, min(getattr(engine, "sessions", 1), len(runnable)))
     if n == 1:  # one session: the requests run on this thread (no torch work in another thread)
@@ -273,13 +273,8 @@ def _serve_all(engine, runnable, out: Output, prog: Progress, tok, stop: threadi
             _one(engine, out, prog, tok, *item, tracing=tracing, fails=fails, share=share)
         return
     for i in range(n):
-        t = threading.Thread(target=lambda: work(threading.current_thread()), name=f"batch-{i}", daemon=True)
-        t.error = None
-        workers.append(t)
-        t.start()
-    for t in workers:
-        while t.is_alive():
-            t.join(0.2)
+        workers.start(work, f"batch-{i}")
+    workers.wait()
 
 
 def _generate(engine, ids: list[int], rcfg, stream, req: Request, tok, tracing, share=None):

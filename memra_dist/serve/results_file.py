@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
-from contextlib import contextmanager
 
 from ..errors import UserError
+from .workers import signals_held
 
 __all__ = ["Output", "record_key", "id_key", "line_key", "is_int", "valid_id"]
-
-_HELD = {signal.SIGINT, signal.SIGTERM}
-
 
 def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -47,32 +43,6 @@ def record_key(rec) -> str | None:
 
 
 # ---- output --------------------------------------------------------------------------
-
-
-@contextmanager
-def _signals_held():
-    """SIGINT / SIGTERM wait until the block is done, then go to the handlers they would have
-    met (Ctrl-C's KeyboardInterrupt comes right after): a line is never left half-written,
-    nor a written one cut back. Python-level handlers, not a thread's signal mask: a signal
-    sent to the process reaches whichever thread does not block it (torch has many)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # handlers can only be set from the main thread
-        return
-    got: list[int] = []
-    prev: dict[int, object] = {}
-    try:
-        for s in _HELD:
-            prev[s] = signal.signal(s, lambda signum, frame: got.append(signum))
-        yield
-    finally:
-        for s, h in prev.items():
-            signal.signal(s, h)
-        for s in dict.fromkeys(got):
-            h = prev.get(s)
-            if callable(h):
-                h(s, None)  # Python's own SIGINT handler raises KeyboardInterrupt here
-            elif h == signal.SIG_DFL:
-                signal.raise_signal(s)
 
 
 class Output:
@@ -122,7 +92,7 @@ class Output:
         keep = data.rfind(b"\n") + 1
         cut = len(data) - keep
         if cut:
-            with _signals_held():
+            with signals_held():
                 os.ftruncate(self.fd, keep)
                 os.fsync(self.fd)
         done: dict[str, bool] = {}
@@ -149,7 +119,7 @@ class Output:
             line = (json.dumps(rec, ensure_ascii=False, default=_jsonable) + "\n").encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate from the input: escaped instead
             line = (json.dumps(rec, default=_jsonable) + "\n").encode("ascii")
-        with self._writing, _signals_held():  # the job's sessions finish from several threads
+        with self._writing, signals_held():  # the job's sessions finish from several threads
             start = os.fstat(self.fd).st_size
             try:
                 view = memoryview(line)
