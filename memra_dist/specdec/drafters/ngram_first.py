@@ -26,6 +26,7 @@ import torch
 
 from .base import Drafter, Proposal
 from .ngram import NgramIndex
+from .wrapping import Wrapping
 
 __all__ = ["NgramFirst", "MIN_MATCH", "MAX_N", "NGRAM_FIRST_DRAFTERS"]
 
@@ -34,49 +35,16 @@ MAX_N = 8  # the longest suffix looked up
 NGRAM_FIRST_DRAFTERS = ("dflash", "eagle3", "mtp")  # network drafters that catch up on skipped rounds
 
 
-class NgramFirst(Drafter):
+class NgramFirst(Wrapping):
     host_only = False
 
     def __init__(self, inner: Drafter, min_match: int | None = None):
-        self.inner = inner  # the network drafter
-        self.name = f"{inner.name}+ngram"
-        self.device = inner.device
+        super().__init__(inner, f"{inner.name}+ngram")  # the network drafter
         self.index = NgramIndex(MAX_N, 1)
         self.min_match = MIN_MATCH if min_match is None else min_match
         self._pick: tuple[int, list[int]] | None = None  # (context length, n-gram drafts) decided for it
         self._open: tuple[int, list[int]] | None = None  # the latest n-gram round's (start, drafts), unscored
         self.counts = {"ngram": [0, 0, 0], "network": [0, 0]}  # rounds, drafted[, accepted]
-
-    # in a batched engine the network's requests draft together; an n-gram round drafts alone
-    @property
-    def chains(self) -> bool:
-        return getattr(self.inner, "chains", False)
-
-    @property
-    def batched(self) -> bool:
-        return getattr(self.inner, "batched", False)
-
-    @property
-    def catches_up(self) -> bool:
-        return getattr(self.inner, "catches_up", False)
-
-    @property
-    def batch_key(self):
-        return self.inner.batch_key
-
-    @property
-    def forwards_per_draft(self) -> int:
-        return getattr(self.inner, "forwards_per_draft", -1)
-
-    @property
-    def ttft_depth(self):
-        """The first-token profile's timer, lent to the network's prime (phase/first_token.py `lend`)."""
-        return getattr(self.inner, "ttft_depth", None)
-
-    @ttft_depth.setter
-    def ttft_depth(self, timer) -> None:
-        if hasattr(self.inner, "ttft_depth"):
-            self.inner.ttft_depth = timer
 
     def host_round(self, context: list[int], k: int) -> bool:
         """Whether the round after `context` drafts from the n-gram lookup (decided once per context)."""
@@ -97,9 +65,6 @@ class NgramFirst(Drafter):
             j += 1
         self.counts["ngram"][2] += j
         self._open = None
-
-    def alloc(self, capacity: int) -> float:
-        return self.inner.alloc(capacity)
 
     def prime(self, prompt: list[int], chunks=None) -> None:
         """A new request (an engine keeps its drafter from one request to the next): its counts from 0."""
@@ -123,21 +88,11 @@ class NgramFirst(Drafter):
             self.counts["network"][0] += 1
             self.counts["network"][1] += int(prop.tokens.numel())
 
-    def maintain(self, context) -> None:
-        self.inner.maintain(context)
-
-    def drain(self) -> None:
-        self.inner.drain()
-
-    @staticmethod
-    def maintain_many(drafters, contexts) -> None:
-        type(drafters[0].inner).maintain_many([d.inner for d in drafters], contexts)
-
     @staticmethod
     def propose_many(drafters, contexts, ks, sps, gens) -> list[Proposal]:
         """The network's shared forward for requests whose round is not an n-gram one (chain_drafts.py
         groups only those)."""
-        props = type(drafters[0].inner).propose_many([d.inner for d in drafters], contexts, ks, sps, gens)
+        props = Wrapping.inner_many(drafters, contexts, ks, sps, gens)
         for d, p, k in zip(drafters, props, ks):
             d._count_net(p, k)
         return props
