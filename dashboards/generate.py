@@ -214,6 +214,8 @@ def _batch_panels() -> list:
     size = f"{rate_sum('batch_requests')} / {rate_sum('batch_requests', part='_count')}"
     wait = lambda p: (f"histogram_quantile({p}, sum by (le) (rate({m('batch_wait', '_bucket')}[{RI}])))")  # noqa: E731
     shared = f"{rate_sum('batch_draft_requests')} / {rate_sum('batch_draft_requests', part='_count')}"
+    pt = label("part")
+    idle = f"{rate_sum('batch_idle', pt)} / {rate_sum('batch_idle', pt, part='_count')}"
     return [
         panel(18, "Batch: requests per step (mean over rounds)", [target(size, "requests a step")], (0, 76, 8, 8),
               unit="none", desc="Batched engines: requests whose rows shared the batch step of a round's verify. "
@@ -251,7 +253,15 @@ def _batch_panels() -> list:
               (16, 84, 8, 8), unit="percentunit",
               desc="memra-dist serve on a batched engine: the share of completed requests' prompt tokens whose KV "
                    "blocks came from the prefix cache (a shared header, a chat's earlier turns) instead of being "
-                   "prefilled. 0 with --no-prefix-cache, a tap drafter or kimi_linear (the engine says so at start)."),
+                   "prefilled. 0 with --no-prefix-cache or kimi_linear (the engine says so at start)."),
+        panel(25, "Batch: device idle before a step, by cause (mean ms per round)",
+              [target(idle, f"{{{{{pt}}}}}")], (8, 92, 16, 8), unit="ms", stack="normal",
+              desc="Batched engines: how long the device sat idle before the step each round's verify rode in "
+                   "(0 when the step was launched behind a running one), split by cause: rounds, the engine loop's "
+                   "host work after the previous step (acceptance, the drafters' maintenance and next drafts); "
+                   "held, the loop holding the step for a request still on the host; other, the rest (readback, "
+                   "launch). Compare with the step's own time: large idle means the host, not the device, sets "
+                   "the pace."),
     ]
 
 

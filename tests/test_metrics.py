@@ -70,7 +70,7 @@ def test_burst_records_every_instrument(sink):
     pts = _points(reader)
     batch_only = {METRICS[k] for k in ("batch_requests", "batch_wait", "kv_blocks", "batch_preemptions",
                                        "batch_draft_requests", "prefix_evictions", "spec_k_chosen",
-                                       "spec_k_expected", "spec_k_accepted")}  # a batched engine's rounds
+                                       "spec_k_expected", "spec_k_accepted", "batch_idle")}  # a batched engine's rounds
     assert set(pts) == set(METRICS.values()) - {METRICS["verify_sub_duration"], METRICS["first_token"]} - batch_only
     host = _by(pts[METRICS["phase_host_duration"]], METRIC_ATTR["phase"])
     assert host["verify"].count == 1 and host["verify"].sum == pytest.approx(3.5)  # only the round that has it
@@ -221,9 +221,12 @@ def test_batched_rounds_record_the_step_size_the_wait_and_the_kv_blocks(sink):
 
     s, reader = sink
     rounds = [_round(i, [1, 4, 0.5, 0.2, 0.3], k=4, j=2, free={"cpu": 900}) for i in range(3)]
-    for r, (n, wait_ms, used) in zip(rounds, [(4, 0.5, 10), (6, 2.0, 12), (2, 0.0, 7)]):
+    # the device's idle before each step (ms): gap, of it the loop's rounds and its hold
+    idle = [(3.0, 1.0, 0.5), (0.0, 0.0, 0.0), (2.0, 2.0, 0.0)]  # the second launched behind a running step
+    for r, (n, wait_ms, used), (gap, rnd, held) in zip(rounds, [(4, 0.5, 10), (6, 2.0, 12), (2, 0.0, 7)], idle):
         r.batch = BatchStep(id=r.index, requests=n, rows=5 * n, wait_ns=int(wait_ms * MS), forward_ns=3 * MS,
-                            kv_used=used, kv_free=40 - used, preempted=used // 6)
+                            kv_used=used, kv_free=40 - used, preempted=used // 6,
+                            gap_ns=int(gap * MS), rounds_ns=int(rnd * MS), held_ns=int(held * MS))
     rounds[0].draft_requests, rounds[1].draft_requests = 4, 3  # drafted in shared forwards; the last alone
     s.burst(_burst(rounds))
     pts = _points(reader)
@@ -233,6 +236,9 @@ def test_batched_rounds_record_the_step_size_the_wait_and_the_kv_blocks(sink):
     assert shared.count == 2 and shared.sum == 7  # one value per round drafted in a shared forward
     (wait,) = pts[METRICS["batch_wait"]]
     assert wait.count == 3 and wait.sum == pytest.approx(2.5)
+    parts = _by(pts[METRICS["batch_idle"]], METRIC_ATTR["part"])
+    assert {p: (x.count, x.sum) for p, x in parts.items()} == {
+        "rounds": (3, pytest.approx(3.0)), "held": (3, pytest.approx(0.5)), "other": (3, pytest.approx(1.5))}
     kv = _by(pts[METRICS["kv_blocks"]], METRIC_ATTR["kv_state"])
     assert kv["used"].value == 7 and kv["free"].value == 33  # the burst's last step
     (pre,) = pts[METRICS["batch_preemptions"]]

@@ -153,8 +153,10 @@ METRICS = {
     "spec_k_chosen": "memra.spec_k.chosen",  # histogram, drafts: the K --spec-k auto chose for a round
     "spec_k_expected": "memra.spec_k.expected",  # counter, tokens: accepted drafts those Ks were chosen for
     "spec_k_accepted": "memra.spec_k.accepted",  # counter, tokens: accepted drafts of those rounds
+    "batch_idle": "memra.batch.idle.duration",  # histogram, ms: the device idle before a round's step, by memra.part
 }
-METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device", "kv_state": "memra.kv_state"}
+METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device", "kv_state": "memra.kv_state",
+               "part": "memra.part"}
 # kind, UCUM unit and description of each instrument (docs/metrics.md and the dashboards read
 # these; the Prometheus form of a name adds the unit word and _total / _bucket suffixes)
 METRIC_META = {
@@ -190,6 +192,11 @@ METRIC_META = {
                         "(from each request's running acceptance per draft position)."),
     "spec_k_accepted": ("counter", "{token}", "--spec-k auto: accepted drafts those rounds brought (against "
                         "memra.spec_k.expected: how well the acceptance model forecasts)."),
+    "batch_idle": ("histogram", "ms", "Batched engines: the device idle before the batch step a round's verify rode in "
+                   "(from the previous step's end to its launch; 0 when it was launched behind a running step), "
+                   "one value per round and part (memra.part): rounds, the engine loop's rounds after the "
+                   "previous step (acceptance, drafters, next drafts); held, the loop holding the step for a "
+                   "request still on the host; other, the rest."),
     "prefix_evictions": ("gauge", "{block}", "Batched engines with the prefix cache: cached blocks evicted so far (the "
                          "least recently used, only when no free block was left), as of the last batch step a burst "
                          "saw. Rising fast: the pool is too small to keep the prompts the load repeats."),

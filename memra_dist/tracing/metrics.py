@@ -94,6 +94,7 @@ class MetricsSink:
         self.context = context or (lambda: None)
         self.a_phase = [{METRIC_ATTR["phase"]: p} for p in PHASES]  # attribute dicts built once
         self.a_kv = {st: {METRIC_ATTR["kv_state"]: st} for st in ("used", "free", "cached")}
+        self.a_part = {pt: {METRIC_ATTR["part"]: pt} for pt in ("rounds", "held", "other")}
 
     def _ctx(self) -> Context | None:
         try:
@@ -121,6 +122,7 @@ class MetricsSink:
             if r.batch is not None:
                 m["batch_requests"].record(r.batch.requests, context=ctx)
                 m["batch_wait"].record(r.batch.wait_ns / 1e6, context=ctx)
+                self._idle(r.batch, ctx)
             if r.draft_requests:
                 m["batch_draft_requests"].record(r.draft_requests, context=ctx)
             if r.expected >= 0:  # --spec-k auto chose its K
@@ -146,6 +148,12 @@ class MetricsSink:
                 m["kv_blocks"].set(last.kv_cached, self.a_kv["cached"])
                 m["prefix_evictions"].set(last.evictions)
             m["batch_preemptions"].set(last.preempted)
+
+    def _idle(self, b, ctx) -> None:
+        """The device's idle before step `b`, in its parts (their sum is the step's gap)."""
+        rounds, held = min(b.rounds_ns, b.gap_ns), min(b.held_ns, max(b.gap_ns - b.rounds_ns, 0))
+        for part, ns in (("rounds", rounds), ("held", held), ("other", b.gap_ns - rounds - held)):
+            self.m["batch_idle"].record(ns / 1e6, self.a_part[part], context=ctx)
 
     def _memory(self, free_mb: dict[str, int]) -> None:
         for dev, mb in free_mb.items():
