@@ -192,3 +192,40 @@ def test_each_step_span_says_how_long_the_device_idled_before_it_and_why(llama, 
     busy = [s for s in steps if s.attributes[a["rounds"]] >= 3 * 2 * 0.9]
     assert busy and all(s.attributes[a["gap"]] >= s.attributes[a["rounds"]] for s in busy)
     assert sum(s.attributes[a["gap"]] for s in steps) <= stats["gap_ms"] + 0.1 * len(steps), stats
+
+
+def test_no_step_waits_for_a_request_while_its_drafter_primes(llama, monkeypatch):
+    """A request between its prompt's last step and its first round (drawing its first token,
+    priming its drafter: here 0.4 s) is away from the steps: the request already decoding
+    keeps stepping without the loop holding each of its steps up to the batcher's wait for it
+    (~5 ms a step: 140-160 ms over the prime on CPU), and both get their solo ids."""
+    import time
+
+    from memra_dist.specdec.drafters import ngram
+
+    real = ngram.NgramDrafter.prime
+    slow_for = {}
+
+    def prime(self, prompt, chunks=None):
+        if tuple(prompt) in slow_for:
+            time.sleep(0.4)
+        return real(self, prompt, chunks)
+
+    monkeypatch.setattr(ngram.NgramDrafter, "prime", prime)
+    (pa, na), (pb, nb) = _prompts(2)
+    na = 120  # still decoding while the second request primes
+    slow_for[tuple(pb)] = True
+    got = {}
+    with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=2) as eng:
+        def one(key, p, n):
+            got[key] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n)).token_ids
+
+        ta = threading.Thread(target=one, args=("a", pa, na))
+        ta.start()
+        time.sleep(0.05)
+        one("b", pb, nb)
+        ta.join(120)
+        eng._backend.batcher.wait_idle(30)
+        st = eng.batch_stats()
+    assert [got["a"], got["b"]] == _solo(llama, "ngram", [(pa, na), (pb, nb)])
+    assert st["held_ms"] < 40, st  # (without the request stepping away: ~140-160 ms on CPU)

@@ -11,7 +11,8 @@ request its rows' output. A caller's thread never leads a step. So decode rows, 
 lengths (k per request, 0 included) and new requests' prefill chunks share a forward, and
 requests join (`admit`) and leave (`leave`) between steps: continuous batching.
 
-When a step runs: as soon as every admitted request has a submission waiting; else once no
+When a step runs: as soon as every admitted request has a submission waiting (or is away on
+the host for a while: its first token drawn, its drafter priming, `step_away`); else once no
 new submission has come for `max_wait_s` (a request busy on the host, or its client slow to
 read, never holds the others longer than that), and at the latest `MAX_HOLD` waits after the
 previous step's end (or the oldest submission, if later). Counting silence rather than time
@@ -104,6 +105,7 @@ class Batcher(Residency):
         self.prev_rids: set = set()  # the requests of the latest step
         self.last_submit = 0  # perf_counter_ns of the latest submission
         self.finished: set = set()  # requests whose chain ended with them: no step waits for their rows
+        self.away: set = set()  # requests on the host between submissions for a while (step_away): no step waits
         self.ahead = self.graphs is not None  # plain greedy chains one step ahead (ahead.py): the GPU's graphed steps
         self.remote = None  # pp > 1: the earlier stages down the ring (pipeline/batch_head.py RingWalk)
         self.loop: threading.Thread | None = None  # the engine loop: leads every step (started at the first submission)
@@ -166,6 +168,7 @@ class Batcher(Residency):
         running) is the one thread woken: waking every caller on every submission cost a
         wake-up storm a step (16 requests: 240 wake-ups; the host's step time 5.8 -> 3.4 ms)."""
         self._open()
+        self.away.discard(job.rid)  # back: the steps wait for its rows again
         self.pending.append(job)
         self.last_submit = job.t
         if self.loop is None:
@@ -252,7 +255,7 @@ class Batcher(Residency):
 
     def _ready_in(self) -> float:
         """Seconds until a step should run (<= 0: now)."""
-        waiting = {j.rid for j in self.pending} | self.finished
+        waiting = {j.rid for j in self.pending} | self.finished | self.away
         if self.admitted.keys() <= waiting:
             return 0.0
         start = max(self.pending[0].t, self.last_end)

@@ -68,6 +68,16 @@ class Residency:
             with self.cv:
                 self.tap_blocks.load(taps, self.pool.table(rid)[:rows // self.pool.block])
 
+    def step_away(self, rid) -> None:
+        """Request `rid` has host work to do before it submits again (its first token drawn, its
+        drafter priming on the prompt): no step waits for it meanwhile (a step otherwise holds
+        for an admitted request up to the batcher's wait, every step, as it does for requests
+        coming back from their host work a few at a time); its next submission ends this."""
+        with self.cv:
+            if rid in self.admitted:
+                self.away.add(rid)
+                self._loop_cv.notify()  # a step waiting for it goes now
+
     def leave(self, rid) -> None:
         """Request `rid` is gone (finished, failed, its client gone), from any thread. Its queued
         rows go and its chain ends at once; its blocks and recurrent states go back only when no
@@ -80,6 +90,7 @@ class Residency:
             self.pending = [j for j in self.pending if j.rid != rid]
             self.inflight.drop(rid)  # what it did not publish, nobody computes: admissions waiting for it go on
             self.finished.discard(rid)
+            self.away.discard(rid)
             self.admitted.pop(rid, None)
             self.swapped.pop(rid, None)
             if rid in self.running_rids or rid in self.ahead_rids:

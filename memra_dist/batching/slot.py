@@ -113,6 +113,11 @@ class BatchSlot:
                 self.published = done
         return out
 
+    def away(self) -> None:
+        """The request works on the host before its next forward (batcher.py `step_away`)."""
+        if self.admitted:
+            self.batcher.step_away(self.rid)
+
     def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
               gen) -> Chain:
         """Hand this greedy request's rounds to the step leader (chain.py)

@@ -146,6 +146,9 @@ class SpecSession:
         if pf is not None:
             t, pf.ms["prime"] = c.lap_ms(t)
             pf.cached_tokens = cached
+        away = getattr(self.target, "away", None)
+        if away is not None:  # a batched target: no step waits for this request while it draws and primes
+            away()
         first = self._draw(logits, torch.tensor(prompt[-1:]), len(prompt) - 1)
         if pf is not None:
             t, pf.ms["anchor"] = c.lap_ms(t)
