@@ -43,7 +43,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "slow: Ray, job-submit, hypothesis and other tests over ~5 s; the quick tier is "
-        "`pytest -m \"not slow\"` (under 3 minutes on 2 cores), CI runs everything")
+        "`pytest -m \"not slow\"` (about 4 minutes on 2 cores), CI runs everything")
 
 
 def pytest_collection_modifyitems(config, items):
