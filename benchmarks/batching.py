@@ -114,7 +114,10 @@ def main() -> int:
     ap.add_argument("--drafter", default="none", help="none, ngram, replay (greedy; k = 4), or dflash-replay / "
                     "eagle3-replay: the bench's random drafter over the target drafting in full (batched only), "
                     "its drafts replaced by each request's plain greedy ids (recorded by a plain run first) "
-                    "corrupted at 0.2")
+                    "corrupted at --corrupt")
+    ap.add_argument("--corrupt", default="0.2", help="the replay drafters' corruption rates, comma-separated, "
+                    "each a row of its own: 0.2 leaves ~0.8 of the drafts right, 0.4 ~0.6, 1.0 none (a drafter "
+                    "that never pays: what --spec-k auto must not lose to plain)")
     ap.add_argument("--spec-k", default="fixed", help="the drafter rows' --spec-k, comma-separated: fixed, auto "
                     "or fixed,auto (each a row of its own on the same recordings)")
     ap.add_argument("--levels", default="0", help="trace levels, comma-separated: each run at each level in turn "
@@ -181,13 +184,20 @@ def main() -> int:
                 kw = dict(draft_model=draft, recorded=plain.pop("ids"))
                 rows.append(plain)
             ks = a.spec_k.split(",") if a.drafter != "none" and b > 1 else ["fixed"]
-            for spec_k in ks:
+            replays = a.drafter.endswith("replay")
+            corrupts = [float(c) for c in a.corrupt.split(",")] if replays else [None]
+            for corrupt, spec_k in ((c, k) for c in corrupts for k in ks):
+                tag = f"{n}-{spec_k}" + (f"-c{corrupt:g}" if len(corrupts) > 1 else "")
+                if corrupt is not None:
+                    kw["corrupt"] = corrupt
                 if a.torch_profile:
-                    kw["profile"] = lambda p=out / f"profile-{n}-{spec_k}.txt": _profiled(p)
-                looped = _loop_profiled(out / f"loop-{n}-{spec_k}.txt") if a.loop_profile else contextlib.nullcontext()
+                    kw["profile"] = lambda p=out / f"profile-{tag}.txt": _profiled(p)
+                looped = _loop_profiled(out / f"loop-{tag}.txt") if a.loop_profile else contextlib.nullcontext()
                 with looped:
                     r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
                                    spans_on=not a.no_spans, spec_k=spec_k, **kw)
+                if corrupt is not None:
+                    r["corrupt"] = corrupt
                 if tap:
                     r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], kw["recorded"]))
                 elif b == 1:
@@ -202,17 +212,20 @@ def main() -> int:
                                                                "prompt": a.prompt, "rows": rows}, indent=1))
                 (out / "speedup.svg").write_text(svg(speedups(rows), f"steady decode over plain, {a.shape} on "
                                                                      f"{a.device} (batching.json beside)"))
-    print("| drafter | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s | ITL p50 / p99 ms "
-          "| TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward | step ms "
-          "| graphed step ms | busy | leader rounds ms a step | ids = alone |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| drafter (K, corrupt) | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s "
+          "| ITL p50 / p99 ms | TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward "
+          "| step ms | graphed step ms | busy | leader rounds ms a step | held ms a step | ids = alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bs = r["batcher"] or {}
-        print(f"| {r['drafter']} | {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['steady_tok_s'] or '-'} "
+        name = r["drafter"] + (f" {r['spec_k']}" if r["drafter"] != "none" and r.get("spec_k") else "") + (
+            f" c{r['corrupt']:g}" if "corrupt" in r else "")
+        print(f"| {name} | {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['steady_tok_s'] or '-'} "
               f"| {r['aggregate_tok_s']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
               f"| {r.get('tokens_per_round') or '-'} | {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} "
               f"| {bs.get('mean_draft_batch') or '-'} | {bs.get('mean_step_ms', '-')} "
-              f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'leader_rounds_ms')} | {r.get('ids_equal_alone', '-')} |")
+              f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'leader_rounds_ms')} | {per_step(bs, 'held_ms')} "
+              f"| {r.get('ids_equal_alone', '-')} |")
     return 0
 
 

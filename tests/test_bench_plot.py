@@ -43,3 +43,10 @@ def test_the_svg_draws_one_polyline_per_series_with_a_point_per_concurrency_and_
 def test_no_baseline_is_a_chart_that_says_so():
     assert "no rows with a plain baseline" in svg(speedups([{"drafter": "ngram", "concurrency": 2,
                                                               "steady_tok_s": 5.0}]))
+
+
+def test_rows_at_several_acceptances_are_series_of_their_own():
+    rows = [{"drafter": "none", "concurrency": 4, "steady_tok_s": 100.0}]
+    rows += [{"drafter": "eagle3-replay", "concurrency": 4, "spec_k": "auto", "corrupt": c, "steady_tok_s": v}
+             for c, v in ((0.2, 180.0), (1.0, 98.0))]
+    assert speedups(rows) == {"eagle3-replay auto corrupt 0.2": [(4, 1.8)], "eagle3-replay auto corrupt 1": [(4, 0.98)]}

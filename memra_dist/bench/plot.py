@@ -28,7 +28,7 @@ def _rate(r: dict) -> float | None:
 
 
 def speedups(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """{"<drafter> <spec_k>": [(concurrency, steady tok/s / plain's at that concurrency), ...]},
+    """{"<drafter> <spec_k>[ corrupt <c>]": [(concurrency, steady tok/s / plain's at that concurrency), ...]},
     concurrency ascending; rows without a plain row at their concurrency are left out. Plain's
     own rows (drafter none) are the baseline, not a series; with several plain rows at one
     concurrency (one per drafter's recording) their mean."""
@@ -42,7 +42,8 @@ def speedups(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
         n, rate = r.get("concurrency"), _rate(r)
         if r.get("drafter") == "none" or not rate or n not in base:
             continue
-        out.setdefault(f"{r['drafter']} {r.get('spec_k', 'fixed')}", []).append((n, round(rate / base[n], 3)))
+        key = f"{r['drafter']} {r.get('spec_k', 'fixed')}" + (f" corrupt {r['corrupt']:g}" if "corrupt" in r else "")
+        out.setdefault(key, []).append((n, round(rate / base[n], 3)))
     return {k: sorted(v) for k, v in out.items()}
 
 
