@@ -297,3 +297,58 @@ def test_sampled_requests_keep_their_seeded_solo_ids_under_auto_k(llama):
                           on_open=lambda e: _auto(e, StepCost(prior_ns=(20e6, 4.6e6), prior_steps=1e9)))
     assert got == solo
     assert sum(stats["k_chosen"].values()) > 0, stats  # (the greedy ones)
+
+
+def test_new_requests_start_from_the_engines_acceptance_so_a_drafter_that_never_pays_costs_little():
+    """Pure: where every draft so far was rejected, a new request's first choice is K 0
+    (it would otherwise draft until its own average fell), while every PROBE_EVERY-th new one
+    starts optimistic; and one whose drafts are always accepted leaves the engine's
+    average high for the next."""
+    from memra_dist.specdec.spec_k import PROBE_EVERY, EngineAcceptance
+
+    cost = StepCost(prior_ns=(1e6, 1e5), prior_steps=1e9)  # a draft pays where it is accepted > ~9 % of the time
+    fresh = Acceptance(4)
+    assert choose([(fresh, 4)], cost) == [4]  # a request alone, optimistic: drafts
+    e = EngineAcceptance()
+    first = e.start("r0", 4)
+    for _ in range(30):
+        first.update(4, 0)  # its rounds feed the engine's average too
+    e.forget("r0")
+    starts = [choose([(e.start(f"r{i}", 4), 4)], cost)[0] for i in range(1, 2 * PROBE_EVERY + 1)]
+    probes = [i for i, k in enumerate(starts, 1) if k > 0]
+    assert probes == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1], starts  # (r0 was the first started)
+    good = EngineAcceptance()
+    for i in range(6):
+        a = good.start(i, 4)
+        for _ in range(5):
+            a.update(4, 4)
+    assert good.start("next", 4).expected(4) > 3.0
+
+
+def test_a_drafter_that_never_pays_drafts_little_in_requests_after_the_first(llama, monkeypatch):
+    """Replay corrupted at 1.0 (no draft ever accepted), 12 requests through 4 slots, rows cheap:
+    a request started optimistic drafts its first rounds until its own average falls below what
+    pays; started from the engine's average, the later ones (but the probes) start at K 0: far fewer drafting
+    rounds than when every request starts optimistic, and the ids are the solo ids either way."""
+    import memra_dist.specdec.spec_k as sk
+
+    reqs = [(p, 24) for p, _ in _prompts(12)]
+    solo = _solo(llama, "replay", reqs, replay_corrupt=1.0)
+
+    def drafting_rounds(probe_every):
+        monkeypatch.setattr(sk.EngineAcceptance.__init__, "__defaults__",
+                            (0.98, 0.8, 2.0, probe_every))
+        cost = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9)
+
+        def on_open(eng):
+            _auto(eng, cost)
+            eng._backend.batcher.acceptance = sk.EngineAcceptance()
+
+        got, stats = _batched(llama, "replay", reqs, max_batch=4, on_open=on_open, replay_corrupt=1.0,
+                              spec_k="auto")
+        assert got == solo
+        return sum(n for k, n in stats["k_chosen"].items() if int(k) > 0)
+
+    every_optimistic = drafting_rounds(1)
+    learned = drafting_rounds(sk.PROBE_EVERY)
+    assert learned <= 0.4 * every_optimistic, (learned, every_optimistic)  # (on CPU: ~5 against ~48)

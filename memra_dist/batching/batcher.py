@@ -48,7 +48,7 @@ from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
 from .loop_rounds import chain_rounds
 from .job import BatchStep, Job
-from ..specdec.spec_k import Acceptance, StepCost
+from ..specdec.spec_k import EngineAcceptance, StepCost
 from .stats import BatchStats
 from .step_ids import StepIds
 from .paged import PagedKV
@@ -118,6 +118,7 @@ class Batcher(Residency):
         self.inflight = InFlight()  # prompt blocks admitted requests compute and have not published (prefix_cache.py)
         self.auto_k = False  # --spec-k auto: each chained request's K chosen every step by goodput (specdec/spec_k.py)
         self.cost = StepCost()  # ... from this fit of the steps' time by their rows
+        self.acceptance = EngineAcceptance()  # ... and each request's acceptance, started from the engine's
         self._held_since = 0  # ns the loop held steps back since the latest step ended
         self._rounds_last = 0  # ns of the chained rounds after the latest step
 
@@ -184,7 +185,8 @@ class Batcher(Residency):
         (`take`), waiting on its own chain's signal, so a step's end wakes each of them once
         and none queues for the batcher's lock."""
         if self.auto_k:
-            ch.acc = Acceptance(ch.k)
+            with self.cv:  # (the engine's average is the loop's to update)
+                ch.acc = self.acceptance.start(ch.rid, ch.k)  # (a request chained again keeps its own)
         job = ch.next_job()
         with self.cv:
             self._open()

@@ -91,6 +91,7 @@ class Residency:
             self.inflight.drop(rid)  # what it did not publish, nobody computes: admissions waiting for it go on
             self.finished.discard(rid)
             self.away.discard(rid)
+            self.acceptance.forget(rid)
             self.admitted.pop(rid, None)
             self.swapped.pop(rid, None)
             if rid in self.running_rids or rid in self.ahead_rids:

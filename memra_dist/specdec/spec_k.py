@@ -8,8 +8,12 @@ the request's upper bound) that maximize the step's expected tokens per second:
 
 E_i(k) is request i's expected accepted drafts among k: sum over m = 1..k of the chance the
 first m are all accepted, from its running acceptance per draft position (`Acceptance`: an
-exponential average per position, started optimistic so that a new request drafts and is
-measured). T(rows) is the step's time for that many rows: a line fitted online to the steps
+exponential average per position). A new request starts from what the engine's earlier
+requests' drafts were accepted at (`EngineAcceptance`, itself started optimistic so that the
+first requests draft and are measured): where the drafter never pays (random drafts), new
+requests start at K 0 instead of each paying a few rounds of drafts to learn it, and every
+PROBE_EVERY-th new request starts optimistic again, so an engine whose drafts became worth it
+finds out. T(rows) is the step's time for that many rows: a line fitted online to the steps
 the engine ran (`StepCost`: rows against measured time, exponentially weighted least
 squares), plus, when anything is drafted, the drafting's time: a fixed part and a part per
 drafted token, fitted the same way. `choose` raises one K_i at a time, the
@@ -33,22 +37,30 @@ True
 
 from __future__ import annotations
 
-__all__ = ["Acceptance", "StepCost", "choose"]
+__all__ = ["Acceptance", "EngineAcceptance", "StepCost", "choose", "PROBE_EVERY"]
+
+PROBE_EVERY = 8  # every 8th new request starts from the optimistic prior, whatever the engine learned
 
 
 class Acceptance:
     """A request's running chance that its draft at position i is accepted, given the ones
-    before it were: an exponential average per position (`alpha`), from `prior`."""
+    before it were: an exponential average per position (`alpha`), from `prior` (one chance
+    for every position, or one per position). `parent`: the engine's average
+    (EngineAcceptance), which every update feeds too."""
 
-    def __init__(self, kmax: int, alpha: float = 0.3, prior: float = 0.8):
-        self.p = [prior] * max(kmax, 0)
+    def __init__(self, kmax: int, alpha: float = 0.3, prior: float | list[float] = 0.8, parent=None):
+        n = max(kmax, 0)
+        self.p = list(prior[:n]) if isinstance(prior, list) else [prior] * n
+        assert len(self.p) == n, "a prior per position covers every position"
         self.alpha = alpha
+        self.parent = parent
 
     def update(self, k: int, j: int) -> None:
         """A round verified k drafts and accepted the first j: positions 0 .. j - 1 were
         accepted, position j (when j < k) rejected; later ones were not reached."""
-        for i in range(min(k, j + 1, len(self.p))):
-            self.p[i] += self.alpha * ((1.0 if i < j else 0.0) - self.p[i])
+        _ema(self.p, self.alpha, k, j)
+        if self.parent is not None and k > 0:
+            self.parent.update(k, j)
 
     def expected(self, k: int) -> float:
         """Expected accepted drafts among the first k."""
@@ -57,6 +69,63 @@ class Acceptance:
             run *= self.p[i]
             out += run
         return out
+
+
+def _ema(p: list[float], alpha: float, k: int, j: int) -> None:
+    for i in range(min(k, j + 1, len(p))):
+        p[i] += alpha * ((1.0 if i < j else 0.0) - p[i])
+
+
+class EngineAcceptance:
+    """The engine's acceptance per draft position over every request's rounds: at position i,
+    the accepted share of the drafts that reached it, recent rounds weighted most (`decay` a
+    round) over `prior` counted as `prior_rounds` rounds (so the first rounds move it at once
+    and a long run remembers ~1 / (1 - decay) rounds). A new request's `Acceptance` starts there
+    (`start`), except every `probe_every`-th, which starts from `prior`. A request keeps its own
+    average while it runs, across its chains (`forget` as it leaves).
+
+    >>> e = EngineAcceptance(probe_every=4)
+    >>> for _ in range(40): e.update(4, 0)        # the first requests' drafts never accepted
+    >>> [round(e.start(r, 4).expected(4), 2) for r in "abcd"]   # d: the 4th new one, a probe
+    [0.07, 0.07, 0.07, 2.36]
+    >>> e.start("a", 4) is e.start("a", 4)          # the same request keeps its own
+    True
+    """
+
+    def __init__(self, decay: float = 0.98, prior: float = 0.8, prior_rounds: float = 2.0,
+                 probe_every: int = PROBE_EVERY):
+        self.decay, self.prior, self.prior_rounds = decay, prior, prior_rounds
+        self.probe_every = max(int(probe_every), 1)
+        self.acc: list[float] = []  # per position: accepted drafts (decayed), the prior's included
+        self.seen: list[float] = []  # ... and drafts that reached it
+        self.started = 0
+        self._by_rid: dict = {}
+
+    def update(self, k: int, j: int) -> None:
+        """A round verified k drafts and accepted the first j (as Acceptance.update)."""
+        while len(self.seen) < k:
+            self.acc.append(self.prior * self.prior_rounds)
+            self.seen.append(self.prior_rounds)
+        for i in range(min(k, j + 1)):
+            self.acc[i] = self.decay * self.acc[i] + (1.0 if i < j else 0.0)
+            self.seen[i] = self.decay * self.seen[i] + 1.0
+
+    def p(self, kmax: int) -> list[float]:
+        """The chance per position 0 .. kmax - 1 (the prior where no draft reached it yet)."""
+        return [self.acc[i] / self.seen[i] if i < len(self.seen) else self.prior for i in range(kmax)]
+
+    def start(self, rid, kmax: int) -> Acceptance:
+        a = self._by_rid.get(rid)
+        if a is None:
+            self.started += 1
+            probe = self.started % self.probe_every == 0
+            a = self._by_rid[rid] = Acceptance(kmax, prior=self.prior if probe else self.p(kmax), parent=self)
+        elif len(a.p) < kmax:  # chained again with a larger bound: the positions it never had, the engine's
+            a.p += self.p(kmax)[len(a.p):]
+        return a
+
+    def forget(self, rid) -> None:
+        self._by_rid.pop(rid, None)
 
 
 class _Line:
