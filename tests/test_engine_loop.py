@@ -229,3 +229,25 @@ def test_no_step_waits_for_a_request_while_its_drafter_primes(llama, monkeypatch
         st = eng.batch_stats()
     assert [got["a"], got["b"]] == _solo(llama, "ngram", [(pa, na), (pb, nb)])
     assert st["held_ms"] < 40, st  # (without the request stepping away: ~140-160 ms on CPU)
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_at_level_0_the_loop_never_drains_the_device_for_a_tap_drafters_maintenance(llama, tmp_path_factory,
+                                                                                  monkeypatch, drafter):
+    """Nothing is recorded at trace level 0, so no phase boundary is drained: the loop's shared
+    maintenance of a tap drafter (DFlash's ingest) runs on without a wait for the device (a drain
+    there kept the device idle while the loop launched the drafts after it); the ids are the solo ids."""
+    from test_batching import _batched, _tap_drafter
+
+    from memra_dist.device import Drainer
+
+    drains = []
+    real = Drainer.__call__
+    monkeypatch.setattr(Drainer, "__call__", lambda self: drains.append(1) or real(self))
+    ddir = str(_tap_drafter(drafter, llama, tmp_path_factory))
+    reqs = _prompts(4)
+    solo = _solo(llama, drafter, reqs, draft_model=ddir)
+    drains.clear()
+    got, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=ddir, spec_k="fixed")
+    assert got == solo
+    assert stats["draft_batches"] > 0 and not drains, (len(drains), stats["draft_batches"])

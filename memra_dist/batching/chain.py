@@ -26,8 +26,9 @@ Each round keeps six host stamps (ns), as the session's phase clock stamps a rou
 boundaries: the proposal started / the verify queued (the draft) / the step read back (the
 verify: waiting for the step and its forward) / accepted / rolled back / maintained. A drafter
 on the device has its proposal read back (the draft phase ends with its drafts on the host)
-and its maintenance drained (DFlash's ingest) before the stamp, so each phase holds its own
-device time, as the session's clock drains at its boundaries.
+and, when the request's rounds are recorded (`timed`: trace level >= 1), its maintenance
+drained (DFlash's ingest) before the stamp, so each phase holds its own device time, as the
+session's clock drains at its boundaries; at level 0 nothing is recorded and nothing drains.
 """
 
 from __future__ import annotations
@@ -67,8 +68,11 @@ class Chain:
     `tokens`, `produced`, `max_new`, `capacity`, `eos` mirror the session's state and stop rules."""
 
     def __init__(self, slot, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int,
-                 drafter, sp, gen):
+                 drafter, sp, gen, timed: bool = True):
         self.slot, self.rid = slot, slot.rid
+        # its rounds are recorded (trace level >= 1): a device drafter's maintenance is drained so
+        # its device time ends inside the maint phase; untimed, nothing waits for it there
+        self.timed = timed
         self.tokens = list(tokens)
         self.produced, self.max_new, self.capacity, self.eos = produced, max_new, capacity, set(eos)
         self.k, self.drafter, self.sp, self.gen = k, drafter, sp, gen
@@ -187,7 +191,7 @@ class Chain:
             t4 = time.perf_counter_ns()
             if not self.skips_maint():
                 self.drafter.maintain(self.tokens)
-                if self.drafter.device is not None:  # its device work ends inside its phase (DFlash's ingest)
+                if self.timed and self.drafter.device is not None:  # its device work ends inside its phase
                     self.drafter.drain()
         new, kk, j, ctx, step, t0, t1, t2, t3, shared, expected = self._pending
         self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns()), shared,

@@ -69,8 +69,8 @@ def maintain_rounds(chains) -> list:
                 t4 = time.perf_counter_ns()
                 d0 = group[0].drafter
                 type(d0).maintain_many([ch.drafter for ch in group], [ch.tokens for ch in group])
-                if d0.device is not None:  # the shared ingest's device time ends in the maint phase, not the next draft
-                    d0.drain()
+                if d0.device is not None and any(ch.timed for ch in group):  # (recorded rounds only: the
+                    d0.drain()  # shared ingest's device time ends in the maint phase, not the next draft)
                 for ch in group:
                     ch.maintained(t4)
             else:

@@ -119,11 +119,12 @@ class BatchSlot:
             self.batcher.step_away(self.rid)
 
     def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
-              gen) -> Chain:
+              gen, timed: bool = True) -> Chain:
         """Hand this greedy request's rounds to the step leader (chain.py)
         from the session's state: its tokens (the last one pending), the tokens produced so
-        far and its stop rules; `take` returns them round by round."""
-        ch = Chain(self, tokens, produced, max_new, capacity, eos, k, drafter, sp, gen)
+        far and its stop rules; `take` returns them round by round. `timed`: its rounds are
+        recorded (trace level >= 1)."""
+        ch = Chain(self, tokens, produced, max_new, capacity, eos, k, drafter, sp, gen, timed)
         self.batcher.start_chain(ch)
         return ch
 
