@@ -83,7 +83,8 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) 
     p.add_argument("--spec-k", choices=["fixed", "auto"], default="auto",
                    help="with --max-batch > 1: auto (default) = each step gives each request the K (0 .. -k) that "
                         "maximizes the step's expected tokens per second, from its running acceptance per draft "
-                        "position and the step time the engine measures (K 0: that request decodes plainly; at "
+                        "position (a new request starts from the engine's) and the step time the engine measures "
+                        "(K 0: that request decodes plainly; greedy requests; at "
                         "--pp 1 with ngram, dflash, eagle3 or mtp); fixed = every round drafts -k tokens")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="with --max-batch > 1: do not reuse the KV blocks of prompt prefixes seen before (by "
