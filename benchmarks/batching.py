@@ -214,8 +214,8 @@ def main() -> int:
                                                                      f"{a.device} (batching.json beside)"))
     print("| drafter (K, corrupt) | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s "
           "| ITL p50 / p99 ms | TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward "
-          "| step ms | graphed step ms | busy | leader rounds ms a step | held ms a step | ids = alone |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| step ms | graphed step ms | busy | idle ms a step: all / rounds / held | ids = alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bs = r["batcher"] or {}
         name = r["drafter"] + (f" {r['spec_k']}" if r["drafter"] != "none" and r.get("spec_k") else "") + (
@@ -224,8 +224,8 @@ def main() -> int:
               f"| {r['aggregate_tok_s']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
               f"| {r.get('tokens_per_round') or '-'} | {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} "
               f"| {bs.get('mean_draft_batch') or '-'} | {bs.get('mean_step_ms', '-')} "
-              f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'leader_rounds_ms')} | {per_step(bs, 'held_ms')} "
-              f"| {r.get('ids_equal_alone', '-')} |")
+              f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'gap_ms')} / {per_step(bs, 'leader_rounds_ms')} "
+              f"/ {per_step(bs, 'held_ms')} | {r.get('ids_equal_alone', '-')} |")
     return 0
 
 
