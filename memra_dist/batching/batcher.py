@@ -46,7 +46,7 @@ from ..errors import UserError
 from .blocks import BlockPool
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
-from .loop_rounds import chain_rounds
+from .loop_rounds import chain_rounds, choose_first_k
 from .job import BatchStep, Job
 from ..specdec.spec_k import EngineAcceptance, StepCost
 from .stats import BatchStats
@@ -187,6 +187,7 @@ class Batcher(Residency):
         if self.auto_k:
             with self.cv:  # (the engine's average is the loop's to update)
                 ch.acc = self.acceptance.start(ch.rid, ch.k)  # (a request chained again keeps its own)
+                choose_first_k(self, ch)
         job = ch.next_job()
         with self.cv:
             self._open()

@@ -106,11 +106,13 @@ class Chain:
         return self.greedy and (self.never_drafts or self.k_step == 0)
 
     def skips_maint(self) -> bool:
-        """--spec-k auto chose K 0 for its next round (or --ngram-first's lookup drafts it) and its
-        drafter catches up on the rows it skips when it drafts again (base.py `catches_up`): no
-        maintenance now, plain decoding's cost."""
-        if not self.drafter.catches_up or self.done:
+        """--spec-k auto chose K 0 for its next round (or --ngram-first's lookup drafts it), or the
+        request ended, and its drafter catches up on the rows it skips when it drafts again
+        (base.py `catches_up`): no maintenance now, plain decoding's cost."""
+        if not self.drafter.catches_up:
             return False
+        if self.done:  # the request ended: its drafter is primed afresh before it drafts again
+            return True
         return self.k_step == 0 or self.host_round()
 
     def host_round(self) -> bool:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 
-from ..specdec.spec_k import choose
+from ..specdec.spec_k import Acceptance, choose
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import Job
 
-__all__ = ["chain_rounds", "choose_k", "CHOOSE_SAMPLED"]
+__all__ = ["chain_rounds", "choose_k", "choose_first_k", "CHOOSE_SAMPLED"]
+
+_NONE = Acceptance(0)  # a request of the step that drafts nothing
 
 # A sampled request's draws depend on its K (each draft and each acceptance takes its generator's
 # next numbers), so a K chosen by the step's load would make its seeded output depend on what
@@ -88,6 +90,19 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             ch.inflight.void, ch.inflight = True, None
             b.stats.voids += 1
         b._wakes.append(ch)  # woken once the next step is launched (Batcher._flush_wakes)
+
+
+def choose_first_k(b, ch) -> None:
+    """Called holding the lock as chain `ch` starts (its first round is proposed on its request's
+    thread, before any step of the loop holds it): its K as one more request of a step that
+    holds the others at K 0 (their rows and tokens), from its acceptance (the engine's, for a
+    new request), counted as the loop counts each round's K. A request the engine would not
+    draft for starts plainly: a tap drafter's catch-up (prime_later) then waits for a K > 0."""
+    if ch.never_drafts or not (ch.greedy or CHOOSE_SAMPLED):
+        return
+    others = [(_NONE, 0)] * max(len(b.admitted) - 1, 0)
+    ch.k_step = k = choose([(ch.acc, max(ch.draft_k(), 0)), *others], b.cost)[0]
+    b.stats.k_chosen[k] = b.stats.k_chosen.get(k, 0) + 1
 
 
 def choose_k(b, chains) -> None:

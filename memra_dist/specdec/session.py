@@ -157,7 +157,8 @@ class SpecSession:
             t, pf.ms["draft_alloc"] = c.lap_ms(t)
             pf.draft_kv_mb, pf.free_mb_after = kv_mb, self._free_mb()
         with lend(self.drafter, depth):
-            self.drafter.prime(prompt, chunks)
+            if not (self._chains and self.drafter.prime_later(prompt)):  # (the loop's first proposal catches up)
+                self.drafter.prime(prompt, chunks)
         if pf is not None:
             t, pf.ms["draft_prime"] = c.lap_ms(t)
             tally = tuning_tally()
