@@ -253,12 +253,11 @@ def test_at_level_0_the_loop_never_drains_the_device_for_a_tap_drafters_maintena
     assert stats["draft_batches"] > 0 and not drains, (len(drains), stats["draft_batches"])
 
 
-def test_a_dflash_request_the_loop_never_drafts_for_never_primes(llama, tmp_path_factory, monkeypatch):
-    """A batched DFlash request starts with nothing of its prompt ingested (its first token
-    comes without the prime; the loop's first proposal catches up on every row, and its drafts
-    are its solo drafts: tests/test_spec_k.py, tests/test_prefix_cache.py). With --spec-k auto
-    choosing K 0 every step, it never drafts, so its drafter never ingests a row at all, and the
-    ids are the solo ids."""
+def test_a_dflash_request_the_loop_never_drafts_for_costs_the_loop_no_ingest(llama, tmp_path_factory, monkeypatch):
+    """With --spec-k auto choosing K 0 every step (a request's first round too), the engine loop
+    never runs a batched DFlash request's drafter: no maintenance (it would catch up when it
+    drafted again), none as the request ends, no proposal; only the request's own prime on its
+    thread ingests rows. The ids are the solo ids."""
     import memra_dist.batching.loop_rounds as lr
     from test_batching import _batched, _tap_drafter
 
@@ -267,18 +266,19 @@ def test_a_dflash_request_the_loop_never_drafts_for_never_primes(llama, tmp_path
     ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
     reqs = _prompts(4)
     solo = _solo(llama, "dflash", reqs, draft_model=ddir)
-    ingested = []
+    in_loop = []
+
+    def note(n):
+        if threading.current_thread().name == "memra-engine-loop" and n > 0:
+            in_loop.append(n)
+
     real_one, real_many = dflash.DFlashDrafter._ingest, dflash_batch.ingest_many
     monkeypatch.setattr(dflash.DFlashDrafter, "_ingest",
-                        lambda self, upto, depth=None: ingested.append(upto - self.n) or real_one(self, upto, depth))
+                        lambda self, upto, depth=None: note(upto - self.n) or real_one(self, upto, depth))
     monkeypatch.setattr(dflash_batch, "ingest_many",
-                        lambda ds, uptos: ingested.extend(u - d.n for d, u in zip(ds, uptos)) or real_many(ds, uptos))
+                        lambda ds, uptos: [note(u - d.n) for d, u in zip(ds, uptos)] and real_many(ds, uptos))
     monkeypatch.setattr(lr, "choose", lambda reqs_, cost: [0] * len(reqs_))
-
-    def on_open(eng):
-        assert eng._backend.batcher.auto_k
-
-    got, stats = _batched(llama, "dflash", reqs, max_batch=4, on_open=on_open, draft_model=ddir, spec_k="auto")
+    got, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=ddir, spec_k="auto")
     assert got == solo
     assert stats["k_chosen"] and set(stats["k_chosen"]) == {"0"}, stats["k_chosen"]
-    assert not [n for n in ingested if n > 0], ingested
+    assert not in_loop, in_loop

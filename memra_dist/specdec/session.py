@@ -157,8 +157,7 @@ class SpecSession:
             t, pf.ms["draft_alloc"] = c.lap_ms(t)
             pf.draft_kv_mb, pf.free_mb_after = kv_mb, self._free_mb()
         with lend(self.drafter, depth):
-            if not (self._chains and self.drafter.prime_later(prompt)):  # (the loop's first proposal catches up)
-                self.drafter.prime(prompt, chunks)
+            self.drafter.prime(prompt, chunks)
         if pf is not None:
             t, pf.ms["draft_prime"] = c.lap_ms(t)
             tally = tuning_tally()

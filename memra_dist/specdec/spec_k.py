@@ -39,7 +39,7 @@ from __future__ import annotations
 
 __all__ = ["Acceptance", "EngineAcceptance", "StepCost", "choose", "PROBE_EVERY"]
 
-PROBE_EVERY = 8  # every 8th new request starts from the optimistic prior, whatever the engine learned
+PROBE_EVERY = 32  # every 32nd new request starts from the optimistic prior, whatever the engine learned
 
 
 class Acceptance:

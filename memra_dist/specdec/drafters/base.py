@@ -55,13 +55,6 @@ class Drafter:
         ranges over the prompt, specdec/chunks.py; None: one chunk), so the drafter's working
         memory is bounded as the target's is."""
 
-    def prime_later(self, prompt: list[int]) -> bool:
-        """A request whose rounds the engine loop runs (batching/chain.py): start it with
-        nothing of the prompt ingested, when the drafter's first proposal catches up on every
-        row by itself (True), so the request's first token comes without the prime and a
-        request that never drafts (--spec-k auto at K 0) never primes; False: prime now."""
-        return False
-
     def propose(self, context: list[int], k: int, sp: SamplingParams, gen: torch.Generator) -> Proposal:
         raise NotImplementedError
 

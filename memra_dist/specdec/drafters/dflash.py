@@ -32,7 +32,7 @@ from ...cache import KVLayer
 from ...model.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
-from .dflash_batch import CATCH_UP_ROWS, ingest_many, propose_many
+from .dflash_batch import ingest_many, propose_many
 from .dflash_graph import block_graphs
 
 
@@ -104,8 +104,6 @@ class DFlashDrafter(Drafter):
         (the prime, profiled): drained laps of the feature GEMM and of the k/v ingest."""
         if upto <= self.n:
             return
-        while depth is None and upto - self.n > CATCH_UP_ROWS:  # a catch-up over a whole prompt: in pieces
-            self._ingest(self.n + CATCH_UP_ROWS)
         t = depth.stamp() if depth is not None else 0
         pos = torch.arange(self.n, upto, device=self.device)
         C = self.net.features(self._taps().rows(self.n, upto))  # (rows, H)
@@ -118,10 +116,6 @@ class DFlashDrafter(Drafter):
             depth.lap("draft_prime_kv_ms", t)
             depth.chunk(upto - self.n)  # the taps stay on the device: no HtoD (draft_prime_h2d_ms = 0)
         self.n = upto
-
-    def prime_later(self, prompt: list[int]) -> bool:
-        self.n = 0  # the first proposal's ingest (dflash_batch.py ingest_many) takes every row from 0
-        return True
 
     def prime(self, prompt: list[int], chunks: list[tuple[int, int]] | None = None) -> None:
         self.n = 0

@@ -28,19 +28,13 @@ from .base import EMPTY, Proposal
 from ...device import to_device
 from .draft_pool import pool_of, pooled_attention
 
-CATCH_UP_ROWS = 2048  # the most rows one ingest takes in (a catch-up over a whole prompt: in pieces)
-
-__all__ = ["ingest_many", "propose_many", "CATCH_UP_ROWS"]
+__all__ = ["ingest_many", "propose_many"]
 
 
 @torch.inference_mode()
 def ingest_many(drafters, uptos: list[int]) -> None:
     """Each drafter's context rows [its n, upto) ingested, all in one forward."""
     todo = [(d, u) for d, u in zip(drafters, uptos) if u > d.n]
-    big = [(d, u) for d, u in todo if u - d.n > CATCH_UP_ROWS // max(len(todo), 1)]
-    for d, u in big:  # a catch-up over a whole prompt (prime_later): alone, in bounded pieces
-        d._ingest(u)
-    todo = [(d, u) for d, u in todo if u > d.n]
     if not todo:
         return
     pool = pool_of([d for d, _ in todo])

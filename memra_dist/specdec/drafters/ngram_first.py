@@ -68,16 +68,9 @@ class NgramFirst(Wrapping):
 
     def prime(self, prompt: list[int], chunks=None) -> None:
         """A new request (an engine keeps its drafter from one request to the next): its counts from 0."""
-        self._new_request()
-        self.inner.prime(prompt, chunks)
-
-    def prime_later(self, prompt: list[int]) -> bool:
-        self._new_request()
-        return self.inner.prime_later(prompt)
-
-    def _new_request(self) -> None:
         self._pick = self._open = None
         self.counts = {"ngram": [0, 0, 0], "network": [0, 0]}
+        self.inner.prime(prompt, chunks)
 
     def propose(self, context, k, sp, gen) -> Proposal:
         if self.host_round(context, k):

@@ -57,9 +57,6 @@ class Wrapping(Drafter):
     def prime(self, prompt: list[int], chunks=None) -> None:
         self.inner.prime(prompt, chunks)
 
-    def prime_later(self, prompt: list[int]) -> bool:
-        return self.inner.prime_later(prompt)
-
     def maintain(self, context) -> None:
         self.inner.maintain(context)
 
