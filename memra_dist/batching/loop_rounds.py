@@ -97,7 +97,7 @@ def choose_first_k(b, ch) -> None:
     thread, before any step of the loop holds it): its K as one more request of a step that
     holds the others at K 0 (their rows and tokens), from its acceptance (the engine's, for a
     new request), counted as the loop counts each round's K. A request the engine would not
-    draft for starts plainly: a tap drafter's catch-up (prime_later) then waits for a K > 0."""
+    draft for starts plainly (its first verify is its pending token alone)."""
     if ch.never_drafts or not (ch.greedy or CHOOSE_SAMPLED):
         return
     others = [(_NONE, 0)] * max(len(b.admitted) - 1, 0)
