@@ -331,7 +331,7 @@ def test_new_requests_start_from_the_engines_acceptance_so_a_drafter_that_never_
     assert good.start("next", 4).expected(4) > 3.0
 
 
-def test_a_drafter_that_never_pays_drafts_little_in_requests_after_the_first(llama, monkeypatch):
+def test_a_drafter_that_never_pays_drafts_little_in_requests_after_the_first(llama):
     """Replay corrupted at 1.0 (no draft ever accepted), 12 requests through 4 slots, rows cheap:
     a request started optimistic drafts its first rounds until its own average falls below what
     pays; started from the engine's average, the later ones (but the probes) start at K 0: far fewer drafting
@@ -342,13 +342,11 @@ def test_a_drafter_that_never_pays_drafts_little_in_requests_after_the_first(lla
     solo = _solo(llama, "replay", reqs, replay_corrupt=1.0)
 
     def drafting_rounds(probe_every):
-        monkeypatch.setattr(sk.EngineAcceptance.__init__, "__defaults__",
-                            (0.98, 0.8, 2.0, probe_every))
         cost = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9)
 
         def on_open(eng):
             _auto(eng, cost)
-            eng._backend.batcher.acceptance = sk.EngineAcceptance()
+            eng._backend.batcher.acceptance = sk.EngineAcceptance(probe_every=probe_every)
 
         got, stats = _batched(llama, "replay", reqs, max_batch=4, on_open=on_open, replay_corrupt=1.0,
                               spec_k="auto")
