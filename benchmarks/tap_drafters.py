@@ -46,7 +46,7 @@ FAMILIES = ("dflash", "eagle3", "mtp")  # eagle3 before mtp: --free-disk then dr
 TAU = {"dflash": 6.5, "mtp": 3.2, "eagle3": 4.0}
 TAU_K = {"dflash": DFLASH_K, "mtp": 3, "eagle3": 7}
 KS = {"dflash": (DFLASH_K,), "mtp": MTP_KS, "eagle3": EAGLE3_KS}
-SIZES = {"8b": dict(prompt=512, new=256, repeats=3), "tiny": dict(prompt=48, new=40, repeats=2)}
+SIZES = {"8b": dict(prompt=512, new=256, repeats=3), "tiny": dict(prompt=48, new=120, repeats=2)}
 PHASES = ("draft", "verify", "accept", "rollback", "maint")
 FORMULAS = {
     "decode_tok_s": "tokens after the first / wall from the first streamed token to the last, median of repeats",

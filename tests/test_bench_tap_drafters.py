@@ -102,7 +102,9 @@ def test_tiny_run_end_to_end(tmp_path):
     for fam, k in (("dflash", 15), ("mtp", 3), ("eagle3", 7)):
         rep = res[fam]["replay"]
         assert rep["k"] == k and rep["replay_follows_recording"]
-        assert abs(rep["acceptance_measured"] - rep["acceptance_set"]) < 0.1
+        # the acceptance inverted from ~35 rounds' tokens (tiny: 120 new tokens): its standard
+        # error is ~0.05 at K 7, so 0.15 is three of them (a replay off by a whole K is far outside)
+        assert abs(rep["acceptance_measured"] - rep["acceptance_set"]) < 0.15
         assert rep["fraction_of_ideal"] > 0 and rep["projected_speedup_at_tau"] > 0
     assert res["dflash"]["real"]["15"]["drafted"] > 0
     assert set(res["mtp"]["draft_per_token"]) == {"1", "2", "3"}

@@ -80,10 +80,11 @@ def test_the_engine_chooses_k_per_request_and_step_and_stays_lossless(llama, cor
     """The replay drafter (each request's own greedy continuation) corrupted at 1.0 (no draft
     is ever accepted) or 0.0 (every draft is): with a step cost where rows are cheap, the
     engine soon gives the first K 0 and the second its bound; every request's ids are its
-    solo ids either way."""
+    solo ids either way. Drafting's cost is pinned too (0.1 ms a step and 10 us a draft), so
+    the choices do not depend on how fast this machine runs the replay's host proposals."""
     reqs = [(p, 30) for p, _ in _prompts(4)]
     solo = _solo(llama, "replay", reqs, replay_corrupt=corrupt)
-    cost = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9)
+    cost = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9, draft_prior_ns=(1e5, 1e4))
     got, stats = _batched(llama, "replay", reqs, max_batch=4, on_open=lambda e: _auto(e, cost),
                           replay_corrupt=corrupt, spec_k="auto")
     assert got == solo

@@ -137,7 +137,7 @@ class Chain:
         n, k = len(self.tokens), self.draft_k()
         if prop is None and k > 0:
             prop = self.drafter.propose(self.tokens, k, self.sp, self.gen)
-        self._drafts = prop.tokens[:k].tolist() if prop is not None and k > 0 else []
+        self._drafts = prop.host(k) if prop is not None and k > 0 else []
         self._expected = self.acc.expected(len(self._drafts)) if self.k_step is not None else -1.0
         self._q = prop.q[:len(self._drafts)] if prop is not None and prop.q is not None else None
         return Job(self.rid, [self.tokens[-1], *self._drafts], n - 1, self.capacity, False, chain=self,

@@ -29,10 +29,8 @@ class TapReplay(Wrapping):
     @staticmethod
     def propose_many(drafters, contexts, ks, sps, gens) -> list[Proposal]:
         real = Wrapping.inner_many(drafters, contexts, ks, sps, gens)  # paid in full
-        return [Proposal(d.replay.propose(c, int(r.tokens.numel()), sp, g).tokens)
-                for d, c, r, sp, g in zip(drafters, contexts, real, sps, gens)]
+        return [d.replay.propose(c, r.count(), sp, g) for d, c, r, sp, g in zip(drafters, contexts, real, sps, gens)]
 
     def propose(self, context, k, sp, gen) -> Proposal:
         real = self.inner.propose(context, k, sp, gen)  # paid in full: its forward(s) and readback
-        rep = self.replay.propose(context, min(k, int(real.tokens.numel())), sp, gen)
-        return rep if real.q is None else Proposal(rep.tokens, None)  # greedy bench: deterministic drafts
+        return self.replay.propose(context, min(k, real.count()), sp, gen)  # greedy bench: deterministic drafts

@@ -168,10 +168,14 @@ class StepCost:
     drafters' maintenance and proposals between steps: a tap drafter's one forward costs about
     the same for 1 draft as for 4, a host drafter's grows with them), fitted the same way."""
 
-    def __init__(self, prior_ns: tuple[float, float] = (1e6, 1e4), prior_steps: float = 4.0, decay: float = 0.98):
+    def __init__(self, prior_ns: tuple[float, float] = (1e6, 1e4), prior_steps: float = 4.0, decay: float = 0.98,
+                 draft_prior_ns: tuple[float, float] | None = None):
+        """`draft_prior_ns`: drafting's (d0, d1) before any step drafted, weighted as the rows'
+        prior is (None: no prior, drafting's cost is what the first drafting steps measure)."""
         a, b = prior_ns
         self.rows = _Line([(x, a + b * x, prior_steps / 2) for x in (1.0, 16.0)], decay)
-        self.drafts = _Line([], decay)
+        d = draft_prior_ns
+        self.drafts = _Line([] if d is None else [(x, d[0] + d[1] * x, prior_steps / 2) for x in (1.0, 16.0)], decay)
 
     def observe(self, rows: int, ns: float) -> None:
         self.rows.observe(rows, ns)

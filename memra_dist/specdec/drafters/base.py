@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..sampling import SamplingParams
@@ -11,15 +9,43 @@ from ..sampling import SamplingParams
 __all__ = ["Drafter", "Proposal", "EMPTY"]
 
 
-@dataclass
 class Proposal:
-    # (k',) int64 drafted ids, k' <= k (0 = plain decode this round); on the drafter's device for a
-    # graphed greedy drafter (the session reads them back with the verify's argmax), else on the host
-    tokens: torch.Tensor
-    q: torch.Tensor | None = None  # (k', V) draft probabilities; None = deterministic (one-hot)
+    """A round's drafts. `tokens`: (k',) int64 drafted ids, k' <= k (0 = plain decode this
+    round); on the drafter's device for a graphed greedy drafter (the session reads them back
+    with the verify's argmax), else on the host. `q`: (k', V) draft probabilities (None =
+    deterministic, one-hot). A drafter that made its drafts on the host, or read them back
+    already, hands them as `ids` (a list) instead: the batched engine's loop reads them as they
+    are (`host`), with no torch call on its path between two steps (each one gives the GIL up,
+    and under 16 streaming request threads took tens of microseconds to get it back); the
+    tensor is built only where a caller asks for `tokens`.
+
+    >>> p = Proposal(ids=[5, 6, 7])
+    >>> p.host(2), p.count(), p.tokens.tolist()
+    ([5, 6], 3, [5, 6, 7])
+    """
+
+    __slots__ = ("_tokens", "q", "ids")
+
+    def __init__(self, tokens: torch.Tensor | None = None, q: torch.Tensor | None = None,
+                 ids: list[int] | None = None):
+        assert tokens is not None or ids is not None, "a proposal has its drafts"
+        self._tokens, self.q, self.ids = tokens, q, ids
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._tokens = torch.tensor(self.ids, dtype=torch.long)
+        return self._tokens
+
+    def host(self, k: int) -> list[int]:
+        """The first k drafts as a host list (a readback where they are on the device)."""
+        return self.ids[:k] if self.ids is not None else self._tokens[:k].tolist()
+
+    def count(self) -> int:
+        return len(self.ids) if self.ids is not None else int(self._tokens.numel())
 
 
-EMPTY = Proposal(torch.zeros(0, dtype=torch.long))
+EMPTY = Proposal(ids=[])
 
 
 class Drafter:

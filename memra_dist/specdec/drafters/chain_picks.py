@@ -46,5 +46,5 @@ class ChainPicks:
                 lo += 1
         out: list[Proposal] = [EMPTY for _ in range(n)]
         for r, (i, *_) in enumerate(self.live):
-            out[i] = Proposal(torch.tensor(got[r], dtype=torch.long), torch.cat(self.qs[r]) if r in self.qs else None)
+            out[i] = Proposal(ids=got[r]) if r not in self.qs else Proposal(torch.tensor(got[r], dtype=torch.long), torch.cat(self.qs[r]))
         return out

@@ -90,7 +90,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
             and max(kk for *_, kk in live) <= g.K):  # one replay (dflash_pool_graph.py)
         toks = g.greedy([d.pool_slot for _, d, _, _ in live], starts, [c[-1] for _, _, c, _ in live])
         for (i, _, _, kk), t in zip(live, toks):
-            out[i] = Proposal(torch.tensor(t[:kk], dtype=torch.long))
+            out[i] = Proposal(ids=t[:kk])
         return out
     ids = torch.full((n * B,), d0.dc.mask_token_id, dtype=torch.long)
     ids[::B] = torch.tensor([c[-1] for _, _, c, _ in live])
@@ -149,7 +149,7 @@ def _picks(out, live, h, B: int, stage, sps, gens, dev) -> list[Proposal]:
     for i, d, _, kk in live:
         sp = sps[i]
         if sp.greedy:
-            out[i] = Proposal(torch.tensor(toks[lo:lo + kk], dtype=torch.long))
+            out[i] = Proposal(ids=toks[lo:lo + kk])
         else:  # its own rows' distribution, drawn with its own generator (as alone)
             q = probs(logits[lo:lo + kk], sp)
             out[i] = Proposal(draw_drafts(q, gens[i], d.name), q)

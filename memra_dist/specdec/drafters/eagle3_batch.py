@@ -120,7 +120,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
             toks = graphs.greedy([(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)])
             for (i, d, _, k), N, t in zip(live, Ns, toks):
                 d.n = N - 1
-                out[i] = Proposal(torch.tensor(t[:k], dtype=torch.long))
+                out[i] = Proposal(ids=t[:k])
             return out
     tokens = to_device([t for (_, _, c, _), lo, N in zip(live, los, Ns) for t in c[lo + 1:N]], dev)
     g = net.features(gather_rows([d._taps() for d in ds], [(lo, N - 1) for lo, N in zip(los, Ns)], dev))

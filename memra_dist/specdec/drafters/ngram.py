@@ -7,8 +7,6 @@ the tokens a round appends, so a proposal costs microseconds whatever the contex
 
 from __future__ import annotations
 
-import torch
-
 from .base import EMPTY, Drafter, Proposal
 
 __all__ = ["NgramDrafter", "NgramIndex", "lookup"]
@@ -90,4 +88,4 @@ class NgramDrafter(Drafter):
 
     def propose(self, context, k, sp, gen) -> Proposal:
         toks = self.index.lookup(context, k)
-        return Proposal(torch.tensor(toks, dtype=torch.long)) if toks else EMPTY
+        return Proposal(ids=toks) if toks else EMPTY

@@ -22,8 +22,6 @@ that follows it (an accepted draft is the committed token; a rejected one never 
 
 from __future__ import annotations
 
-import torch
-
 from .base import Drafter, Proposal
 from .ngram import NgramIndex
 from .wrapping import Wrapping
@@ -78,7 +76,7 @@ class NgramFirst(Wrapping):
             self._open = (len(context), toks)
             self.counts["ngram"][0] += 1
             self.counts["ngram"][1] += len(toks)
-            return Proposal(torch.tensor(toks, dtype=torch.long))
+            return Proposal(ids=toks)
         prop = self.inner.propose(context, k, sp, gen)
         self._count_net(prop, k)
         return prop
@@ -86,7 +84,7 @@ class NgramFirst(Wrapping):
     def _count_net(self, prop: Proposal, k: int) -> None:
         if k > 0:
             self.counts["network"][0] += 1
-            self.counts["network"][1] += int(prop.tokens.numel())
+            self.counts["network"][1] += prop.count()
 
     @staticmethod
     def propose_many(drafters, contexts, ks, sps, gens) -> list[Proposal]:
