@@ -4,9 +4,12 @@ attention, the shared draft forwards run over the pool, and every slot comes bac
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from memra_dist.batching.calibrate import draft_points
 from memra_dist.cache import KVLayer
 from memra_dist.model.attention import cached_attention
 from memra_dist.model.tap_pool import TapPool, gather_rows
@@ -130,9 +133,26 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
         assert ing.warm() == 2
         b.draft_pool.ingest_graphs = ing
         made.extend((g, ing))
+        # --spec-k auto's calibration times each bucket (every request a pad: the requests
+        # after it still draft what they draft alone, asserted below)
+        pts = draft_points(b.draft_pool, 3, 4, b.device)
+        assert [x for x, _ in pts] == [2 * 3, 4 * 3] and all(ns > 0 for _, ns in pts), pts
+        # the backend's record of it, from these drafting points and steps timed as graphs.py's warm
+        # times them (on a GPU both happen as the engine opens, where --spec-k auto is on)
+        steps, real = [(1, 5.04e6), (64, 7.56e6)], b.batcher.graphs
+        b.batcher.graphs = SimpleNamespace(timings=steps, timing_s=0.25)
+        try:
+            b.calibration = b._calibrate(SimpleNamespace(cfg=SimpleNamespace(drafter="dflash", k=3),
+                                                         draft=SimpleNamespace(block_size=4)))
+        finally:
+            b.batcher.graphs = real
+        assert b.batcher.cost.line() == pytest.approx((5e6, 4e4))
+        assert b.calibration["steps_timed"] == 2 and b.calibration["drafts_timed"] == 2
+        assert b.calibration["step_ms"] == pytest.approx(5.0) and b.calibration["seconds"] >= 0.25
 
     batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
     assert batched == solo and sorted(seen) == alone
+    assert stats["calibration"]["draft_ms"] > 0, stats.get("calibration")
     g, ing = made
     assert g.replays == stats["draft_batches"] > 0 and sorted(g.graphs) == [2, 4], (g.replays, stats)
     assert ing.replays > 0, (ing.replays, g.replays)  # the shared maintenance of the chained rounds
@@ -197,6 +217,8 @@ def test_the_batched_eagle3_chains_replayed_draft_what_each_request_drafts_alone
         assert g.warm() == 2
         b.draft_pool.graphs = g
         made.append(g)
+        pts = draft_points(b.draft_pool, 3, None, b.device)  # (timed: calibrate.py)
+        assert [x for x, _ in pts] == [2 * 3, 4 * 3] and all(ns > 0 for _, ns in pts), pts
 
     batched, stats = _batched(llama, "eagle3", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
     assert batched == solo and sorted(seen) == alone

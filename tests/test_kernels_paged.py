@@ -218,7 +218,10 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
         _on_kernels(eng._backend)
         b.graphs = StepGraphs(b, b.max_tokens, graph_cls=graph_cls)
         b.ahead = True  # as on a GPU's graphed steps (plain chains only: drafter none)
-        warmed, _ = b.graphs.warm(5, (1, 4), 96)  # decode rows, verify rows of K + 1 = 4, at capacity 96
+        # decode rows, verify rows of K + 1 = 4, at capacity 96; each bucket's replay timed too
+        # (--spec-k auto's calibration: the requests after it still get their solo ids)
+        warmed, _ = b.graphs.warm(5, (1, 4), 96, timed=True)
+        assert len(b.graphs.timings) == warmed and all(ns > 0 for _, ns in b.graphs.timings)
 
         def one(i, p, n):
             got[i] = eng.generate(p, cfg(n)).token_ids

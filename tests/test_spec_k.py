@@ -42,6 +42,24 @@ def test_step_cost_fits_the_line_the_steps_follow_and_forgets_the_prior():
     assert c.predict(10, 0) == pytest.approx(2e6 + 3e5, rel=1e-3)  # K 0 everywhere: no drafting cost
 
 
+def test_step_cost_starts_from_the_points_timed_at_open_and_the_steps_take_over():
+    """calibrate.py: the buckets' replays timed as the engine opens replace the prior (1 ms +
+    10 us a row, drafting free) with this device's line; the steps run after it move it as the
+    prior's were moved."""
+    c = StepCost()
+    c.calibrate([(1, 5.04e6), (16, 5.64e6), (64, 7.56e6)], [(6, 1.2e6), (12, 1.3e6)])  # 5 ms + 40 us a row
+    a, b = c.line()
+    assert a == pytest.approx(5e6, rel=1e-6) and b == pytest.approx(4e4, rel=1e-6)
+    assert c.draft_line() == pytest.approx((1.1e6, 1.667e4), rel=1e-2)
+    c.calibrate([], [])  # nothing timed: the lines kept
+    assert c.line() == pytest.approx((a, b))
+    for _ in range(300):  # the steps this engine then runs
+        c.observe(8, 3e6)
+        c.observe(40, 4e6)
+    a2, b2 = c.line()
+    assert a2 == pytest.approx(3e6 - 8 * 3.125e4, rel=2e-2) and b2 == pytest.approx(3.125e4, rel=2e-2)
+
+
 def test_choose_gives_drafts_where_they_pay_and_respects_each_bound():
     cheap = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9)
     costly = StepCost(prior_ns=(1e5, 1e6), prior_steps=1e9)

@@ -186,7 +186,7 @@ class BatchedBackend:
         self.admission = Admission(max_batch)  # the B request slots, longest cached prefix first (admission.py)
         self.max_batch = max_batch
         verify = cfg.k + 1 if cfg.drafter != "none" else 1
-        self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target")
+        self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target", timed=self.batcher.auto_k)
         if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
             self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model")
         if cfg.drafter in ("dflash", "eagle3") and self.batcher.graphs is not None:
@@ -196,7 +196,26 @@ class BatchedBackend:
                 self.draft_pool.graphs = self.draft_pool.ingest_graphs = None
                 print(f"[memra] warning: the shared draft forwards stay eager (their CUDA graphs failed: "
                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
+        self.calibration = self._calibrate(plan) if self.batcher.auto_k else None
         _switch(+1)  # last: a backend that failed to open is never closed
+
+    def _calibrate(self, plan) -> dict | None:
+        """--spec-k auto's step cost started from the steps and draft forwards timed at open
+        (calibrate.py); None where nothing was timed (no graphs)."""
+        from .calibrate import calibrate, draft_points, say  # noqa: PLC0415
+
+        steps = self.batcher.graphs.timings if self.batcher.graphs is not None else []
+        if not steps:
+            return None
+        t = time.perf_counter()
+        drafts = []
+        if self.draft_pool is not None:
+            block = plan.draft.block_size if plan.cfg.drafter == "dflash" else None
+            drafts = draft_points(self.draft_pool, plan.cfg.k, block, self.device)
+        timed_s = time.perf_counter() - t + self.batcher.graphs.timing_s
+        rec = calibrate(self.batcher.cost, steps, drafts, timed_s)
+        print(f"[memra] {say(rec)}", file=sys.stderr, flush=True)
+        return rec
 
     def _load_tap_net(self, cfg, plan, max_batch: int) -> tuple[int, ...]:
         """A tap drafter's network, loaded once for every request (each request's drafter holds
@@ -287,11 +306,13 @@ class BatchedBackend:
               file=sys.stderr, flush=True)
 
     @staticmethod
-    def _warm(batcher: Batcher, max_batch: int, rows_each: tuple[int, ...], capacity: int, what: str) -> None:
-        """The batched steps' graphs (graphs.py) captured before the first request."""
+    def _warm(batcher: Batcher, max_batch: int, rows_each: tuple[int, ...], capacity: int, what: str,
+              timed: bool = False) -> None:
+        """The batched steps' graphs (graphs.py) captured before the first request (`timed`: each
+        bucket's replay timed too, calibrate.py)."""
         if batcher.graphs is None:
             return
-        n, sec = batcher.graphs.warm(max_batch, rows_each, capacity)
+        n, sec = batcher.graphs.warm(max_batch, rows_each, capacity, timed)
         if n:
             print(f"[memra] batched steps ({what}): {n} CUDA graphs captured in {sec:.1f} s", file=sys.stderr,
                   flush=True)
@@ -352,6 +373,8 @@ class BatchedBackend:
             out["prefix_cache"] = b.pool.cache_stats()
         if b.graphs is not None:
             out["graphs"] = b.graphs.stats()
+        if self.calibration is not None:
+            out["calibration"] = self.calibration
         g = self.draft_pool.graphs if self.draft_pool is not None else None
         if g is not None:
             ing = self.draft_pool.ingest_graphs

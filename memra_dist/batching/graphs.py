@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..graphs import CapturedGraph
+from .calibrate import best_ns
 from .job import Job
 from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
 from .step_forward import layers, scatter_taps
@@ -106,6 +107,8 @@ class StepGraphs:
         self.replays = 0
         self.captures = 0
         self.padded = 0  # rows of padding replayed (what the buckets waste)
+        self.timings: list[tuple[int, float]] = []  # (rows, ns) of the buckets timed at warm-up
+        self.timing_s = 0.0  # ... and the seconds their timing took
 
     def eligible(self, jobs) -> bool:
         """Decode / verify rows only: a prefill chunk (`last`) rides an eager step (one a request,
@@ -113,12 +116,14 @@ class StepGraphs:
         return (sum(j.n for j in jobs) <= self.max_rows and len(jobs) <= self.max_segments
                 and all(j.n <= PAGED_MAX_ROWS and not j.last for j in jobs))
 
-    def warm(self, max_requests: int, rows_each: tuple[int, ...], width: int) -> tuple[int, float]:
+    def warm(self, max_requests: int, rows_each: tuple[int, ...], width: int, timed: bool = False) -> tuple[int, float]:
         """Capture, before any request, the buckets that steps of up to `max_requests` requests
         of up to `rows_each` rows each take (1: decode; K + 1: verify, which may share a step
         with decode rows), over caches of `width` rows, so no capture stalls a running request
         (an 8B capture costs ~0.1-0.3 s). The steps run on a request of the pool's own that
-        holds `width` rows while it lasts. Returns (graphs captured, seconds)."""
+        holds `width` rows while it lasts. `timed`: each captured bucket's replay is also timed
+        (`timings`: (rows, ns), --spec-k auto's first fit of a step's cost, calibrate.py).
+        Returns (graphs captured, seconds)."""
         import time  # noqa: PLC0415
 
         t0, before = time.perf_counter(), self.captures
@@ -137,6 +142,11 @@ class StepGraphs:
                         jobs = [Job(rid, torch.zeros(n, dtype=torch.long), 0, width, False) for n in rows]
                         if self.eligible(jobs) and self._key(jobs) not in self.steps:
                             self.run(jobs)
+                            st = self.steps.get(self._key(jobs))
+                            if timed and st is not None:
+                                t1 = time.perf_counter()
+                                self.timings.append((n, best_ns(st.graph.replay, self.b.device)))
+                                self.timing_s += time.perf_counter() - t1
         finally:
             pool.release(rid)
         return self.captures - before, time.perf_counter() - t0

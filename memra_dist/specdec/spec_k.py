@@ -15,7 +15,8 @@ requests start at K 0 instead of each paying a few rounds of drafts to learn it,
 PROBE_EVERY-th new request starts optimistic again, so an engine whose drafts became worth it
 finds out. T(rows) is the step's time for that many rows: a line fitted online to the steps
 the engine ran (`StepCost`: rows against measured time, exponentially weighted least
-squares), plus, when anything is drafted, the drafting's time: a fixed part and a part per
+squares, started from the steps timed as the engine opens where it captures graphs:
+batching/calibrate.py), plus, when anything is drafted, the drafting's time: a fixed part and a part per
 drafted token, fitted the same way. `choose` raises one K_i at a time, the
 one whose next draft adds the most goodput, while any adds some; a request whose drafts are
 rarely accepted, or a step whose rows cost more than their tokens bring, stays at K = 0
@@ -173,9 +174,21 @@ class StepCost:
         """`draft_prior_ns`: drafting's (d0, d1) before any step drafted, weighted as the rows'
         prior is (None: no prior, drafting's cost is what the first drafting steps measure)."""
         a, b = prior_ns
+        self.prior_steps = prior_steps
         self.rows = _Line([(x, a + b * x, prior_steps / 2) for x in (1.0, 16.0)], decay)
         d = draft_prior_ns
         self.drafts = _Line([] if d is None else [(x, d[0] + d[1] * x, prior_steps / 2) for x in (1.0, 16.0)], decay)
+
+    def calibrate(self, steps: list[tuple[int, float]], drafts: list[tuple[int, float]] = (),
+                  weight: float | None = None) -> None:
+        """Start over from points measured at open: (rows, ns) of steps, (drafted tokens, ns) of
+        drafting, each list weighted as `weight` steps in all (default: the prior's weight), so
+        the steps run afterwards take over as they did from the prior. An empty list keeps that line."""
+        w = self.prior_steps if weight is None else weight
+        if steps:
+            self.rows = _Line([(float(x), float(y), w / len(steps)) for x, y in steps], self.rows.decay)
+        if drafts:
+            self.drafts = _Line([(float(x), float(y), w / len(drafts)) for x, y in drafts], self.drafts.decay)
 
     def observe(self, rows: int, ns: float) -> None:
         self.rows.observe(rows, ns)

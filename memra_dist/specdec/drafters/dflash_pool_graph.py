@@ -73,6 +73,17 @@ class _BucketGraphs:
             self._graph(b)
         return len(self.graphs)
 
+    def timed(self, device) -> dict[int, float]:
+        """Each bucket's replay timed (ns, the best of a few; every request a pad): what a
+        shared draft forward of that many requests costs (--spec-k auto's first fit, calibrate.py)."""
+        from ...batching.calibrate import best_ns  # noqa: PLC0415
+
+        out = {}
+        for b in self.buckets:
+            self._load([], b)
+            out[b] = best_ns(self._graph(b).replay, device)
+        return out
+
     def _graph(self, b: int):
         g = self.graphs.get(b)
         if g is None:

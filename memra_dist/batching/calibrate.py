@@ -1,0 +1,71 @@
+"""--spec-k auto's first fit of a step's cost, from steps timed as the engine opens.
+
+The goodput rule (specdec/spec_k.py `choose`) weighs each draft's expected gain against what it
+adds to the step: the step's time by its rows and the drafting's own time, lines the loop fits
+online from the steps it runs (`StepCost`). Before the first steps that line is a guess (1 ms a
+step, 10 us a row), and drafting's is unknown (free), so the first requests' K were chosen
+against costs this GPU does not have. Where the engine captures its steps' CUDA graphs at open
+(graphs.py `warm`), each bucket's replay is timed there as well, and where it captures its tap
+drafter's shared forwards (DFlash's block and maintenance, EAGLE-3's chains), each request
+bucket's too; the lines start from those points (weighted as the prior was, so the steps the
+loop then runs take over within a few dozen steps). Recorded in the backend's stats
+(`calibration`) and in one line at open. Without graphs (CPU, --graphs off) nothing is timed and
+the lines start from the prior, as before.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["best_ns", "calibrate", "REPS"]
+
+REPS = 3  # replays a timing takes the best of (the first after a capture pays its lazy setup)
+
+
+def best_ns(fn, device, reps: int = REPS) -> float:
+    """The fastest of `reps` runs of `fn` (ns), each from an idle device to an idle device."""
+    cuda = device.type == "cuda"
+    best = float("inf")
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t = time.perf_counter_ns()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter_ns() - t)
+    return float(best)
+
+
+def draft_points(pool, k: int, block: int | None, device) -> list[tuple[int, float]]:
+    """(drafted tokens, ns) a shared draft forward of b requests costs, b each bucket of the draft
+    pool's graphs: DFlash's block forward plus its maintenance (`block`: its block size; each
+    request drafts min(k, block - 1)), EAGLE-3's round of chains (k drafts a request)."""
+    g = getattr(pool, "graphs", None)
+    if g is None or not hasattr(g, "timed"):
+        return []
+    per = min(k, block - 1) if block is not None else k
+    times = g.timed(device)
+    ing = pool.ingest_graphs.timed(device) if getattr(pool, "ingest_graphs", None) is not None else {}
+    return [(b * per, ns + ing.get(b, 0.0)) for b, ns in sorted(times.items())]
+
+
+def calibrate(cost, steps: list[tuple[int, float]], drafts: list[tuple[int, float]], seconds: float) -> dict:
+    """Start `cost`'s lines from the timed points; returns what the backend records."""
+    cost.calibrate(steps, drafts)
+    a, b = cost.line()
+    d0, d1 = cost.draft_line()
+    return {"steps_timed": len(steps), "drafts_timed": len(drafts), "seconds": round(seconds, 3),
+            "step_ms": round(a / 1e6, 4), "row_ms": round(b / 1e6, 5),
+            "draft_ms": round(d0 / 1e6, 4) if drafts else None, "draft_token_ms": round(d1 / 1e6, 5) if drafts else None}
+
+
+def say(rec: dict) -> str:
+    """The line printed at open."""
+    out = (f"--spec-k auto: the step's cost from {rec['steps_timed']} steps timed at open: "
+           f"{rec['step_ms']:.2f} ms + {rec['row_ms'] * 1e3:.1f} us a row")
+    if rec["drafts_timed"]:
+        out += f"; drafting {rec['draft_ms']:.2f} ms + {rec['draft_token_ms'] * 1e3:.1f} us a draft"
+    return out + f" ({rec['seconds']:.2f} s)"
