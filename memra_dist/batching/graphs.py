@@ -79,6 +79,7 @@ class _Step:
     dev: torch.Tensor  # the same on the device (the graph reads it)
     graph: object = None
     copied: object = None  # event after the last host -> device copy (before `host` is rewritten)
+    np: object = None  # `host`'s memory as a numpy array (the packing writes it without a torch op)
 
     def views(self):
         T, W, d = self.rows, self.width, self.dev
@@ -191,21 +192,21 @@ class StepGraphs:
 
     def _pack(self, st: _Step, jobs) -> None:
         """Write the step's inputs into the pinned host row (padded rows: id 0, position 0, the
-        scratch slot; padded segments: no rows)."""
-        T, W, pool = st.rows, st.width, self.b.pool
-        ids, pos, slots, lo, nrows = [0] * T, [0] * T, [self.b.kv.scratch] * T, [0] * T, [0] * T
-        table = [0] * (T * W)
-        r = 0
+        scratch slot; padded segments: no rows), through its numpy view: no torch call, and no
+        tensor built from a list of T x (5 + W) ints (~0.3 ms a verify step of 16 requests)."""
+        T, W, pool, a = st.rows, st.width, self.b.pool, st.np
+        a.fill(0)
+        a[2 * T:3 * T] = self.b.kv.scratch
+        r, tab = 0, 5 * T
         for s, j in enumerate(jobs):
             n = j.n
-            ids[r:r + n] = j.ids if isinstance(j.ids, list) else j.ids.tolist()
-            pos[r:r + n] = range(j.start, j.start + n)
-            slots[r:r + n] = pool.slots(j.rid, j.start, j.start + n)
-            lo[s], nrows[s] = r, n
+            a[r:r + n] = j.ids if isinstance(j.ids, list) else j.ids.tolist()
+            a[T + r:T + r + n] = range(j.start, j.start + n)
+            a[2 * T + r:2 * T + r + n] = pool.slots(j.rid, j.start, j.start + n)
+            a[3 * T + s], a[4 * T + s] = r, n
             tbl = pool.table(j.rid)
-            table[s * W:s * W + len(tbl)] = tbl
+            a[tab + s * W:tab + s * W + len(tbl)] = tbl
             r += n
-        st.host.copy_(torch.tensor(ids + pos + slots + lo + nrows + table, dtype=torch.long))
 
     def _load(self, st: _Step, jobs) -> None:
         if st.copied is not None:
@@ -238,7 +239,7 @@ class StepGraphs:
         dev = self.b.device
         n = 5 * T + T * W
         host = torch.zeros(n, dtype=torch.long, pin_memory=self.cuda)
-        st = _Step(T, W, host, torch.zeros(n, dtype=torch.long, device=dev))
+        st = _Step(T, W, host, torch.zeros(n, dtype=torch.long, device=dev), np=host.numpy())
         self._load(st, jobs)
         if self.cuda and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
