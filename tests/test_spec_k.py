@@ -60,6 +60,31 @@ def test_step_cost_starts_from_the_points_timed_at_open_and_the_steps_take_over(
     assert a2 == pytest.approx(3e6 - 8 * 3.125e4, rel=2e-2) and b2 == pytest.approx(3.125e4, rel=2e-2)
 
 
+def test_where_steps_replay_by_bucket_the_choice_fills_a_bucket_instead_of_paying_for_the_next():
+    """16 requests whose drafts are accepted at 0.8 a position, K up to 4, steps costing their
+    bucket's time (graphs.py buckets: 64 rows fold their GEMMs, 80 rows replay the 96-row
+    bucket; illustrative times, 16 x 1 and 16 x 5 as an H200 measured them): all K 4 would be 80 rows
+    in the 96-row bucket; K 3 fills the 64-row bucket for 0.41 tokens a request less and 2 ms a
+    step less, and the choice takes it; a line through the same times charges each row its
+    slope and keeps K 4."""
+    from memra_dist.batching.graphs import bucket_rows
+
+    accs = [(Acceptance(4, prior=0.8), 4) for _ in range(16)]
+    times = {16: 4.9e6, 32: 5.1e6, 48: 5.6e6, 64: 6.0e6, 96: 8.0e6}
+    c = StepCost(prior_steps=1e9, draft_prior_ns=(1.5e6, 0.0), bucket=bucket_rows)
+    c.calibrate([(r, t) for r, t in times.items()], [], weight=1e9)
+    assert c.step_fn()(80) == 8.0e6 and c.step_fn()(64) == 6.0e6 and c.step_fn()(50) == 6.0e6
+    assert choose(accs, c) == [3] * 16
+    line = StepCost(prior_steps=1e9, draft_prior_ns=(1.5e6, 0.0))  # the same points as a line
+    line.calibrate([(r, t) for r, t in times.items()], [], weight=1e9)
+    assert choose(accs, line) == [4] * 16  # (a row costs the line's 40 us: it misses the jump)
+    # a graphed step's time moves its bucket's average; an eager step's (a prefill's) does not
+    c.observe(64, 7.0e6, graphed=True)
+    assert c.step_fn()(64) == pytest.approx(6.2e6)
+    c.observe(64, 30e6)
+    assert c.step_fn()(64) == pytest.approx(6.2e6)
+
+
 def test_choose_gives_drafts_where_they_pay_and_respects_each_bound():
     cheap = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9)
     costly = StepCost(prior_ns=(1e5, 1e6), prior_steps=1e9)

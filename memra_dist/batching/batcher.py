@@ -117,7 +117,8 @@ class Batcher(Residency):
         self.step_ids = StepIds()
         self.inflight = InFlight()  # prompt blocks admitted requests compute and have not published (prefix_cache.py)
         self.auto_k = False  # --spec-k auto: each chained request's K chosen every step by goodput (specdec/spec_k.py)
-        self.cost = StepCost()  # ... from this fit of the steps' time by their rows
+        # ... from this fit of the steps' time by their rows (by bucket where steps replay graphs)
+        self.cost = StepCost(bucket=_bucket_rows() if self.graphs is not None else None)
         self.acceptance = EngineAcceptance()  # ... and each request's acceptance, started from the engine's
         self._held_since = 0  # ns the loop held steps back since the latest step ended
         self._rounds_last = 0  # ns of the chained rounds after the latest step
@@ -362,7 +363,7 @@ class Batcher(Residency):
         s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
         s.forward_ns += t1 - t0
         if self.auto_k:
-            self.cost.observe(rows, t1 - t0)
+            self.cost.observe(rows, t1 - t0, graphed)
         if not graphed:
             s.eager, s.eager_ns = s.eager + 1, s.eager_ns + t1 - t0
         s.max_requests = max(s.max_requests, len(take))
@@ -373,3 +374,9 @@ class Batcher(Residency):
         for j in take:
             j.done = True
         self.cv.notify_all()
+
+
+def _bucket_rows():
+    from .graphs import bucket_rows  # noqa: PLC0415 (graphs.py imports the step's CUDA path)
+
+    return bucket_rows

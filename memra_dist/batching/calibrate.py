@@ -7,7 +7,8 @@ step, 10 us a row), and drafting's is unknown (free), so the first requests' K w
 against costs this GPU does not have. Where the engine captures its steps' CUDA graphs at open
 (graphs.py `warm`), each bucket's replay is timed there as well, and where it captures its tap
 drafter's shared forwards (DFlash's block and maintenance, EAGLE-3's chains), each request
-bucket's too; the lines start from those points (weighted as the prior was, so the steps the
+bucket's too; the lines start from those points, and each step bucket's own time (a step costs
+its bucket's, spec_k.py) from its replay (weighted as the prior was, so the steps the
 loop then runs take over within a few dozen steps). Recorded in the backend's stats
 (`calibration`) and in one line at open. Without graphs (CPU, --graphs off) nothing is timed and
 the lines start from the prior, as before.
@@ -59,7 +60,8 @@ def calibrate(cost, steps: list[tuple[int, float]], drafts: list[tuple[int, floa
     d0, d1 = cost.draft_line()
     return {"steps_timed": len(steps), "drafts_timed": len(drafts), "seconds": round(seconds, 3),
             "step_ms": round(a / 1e6, 4), "row_ms": round(b / 1e6, 5),
-            "draft_ms": round(d0 / 1e6, 4) if drafts else None, "draft_token_ms": round(d1 / 1e6, 5) if drafts else None}
+            "draft_ms": round(d0 / 1e6, 4) if drafts else None, "draft_token_ms": round(d1 / 1e6, 5) if drafts else None,
+            "bucket_ms": {str(k): round(v / 1e6, 4) for k, v in sorted(cost.by_bucket.items())}}
 
 
 def say(rec: dict) -> str:

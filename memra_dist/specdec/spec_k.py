@@ -167,10 +167,19 @@ class StepCost:
     weighted most, `decay` per step, from `prior_ns` = (a, b) weighted as `prior_steps` steps),
     plus, when anything is drafted, the drafting's own time ~ d0 + d1 * drafted tokens (the
     drafters' maintenance and proposals between steps: a tap drafter's one forward costs about
-    the same for 1 draft as for 4, a host drafter's grows with them), fitted the same way."""
+    the same for 1 draft as for 4, a host drafter's grows with them), fitted the same way.
+
+    Where steps replay CUDA graphs by bucket (`bucket`: rows -> the bucket a step of that many
+    rows replays, batching/graphs.py bucket_rows), a step costs its bucket's time, not the
+    line's: every row of a bucket is paid whether used or not, and the next bucket may cost a
+    jump (batched steps fold their GEMMs up to 64 rows, cuBLAS above). Each bucket's time is an exponential average of its graphed steps
+    (`BUCKET_ALPHA`), first the time it replayed in at open (calibrate.py); a bucket not seen
+    yet costs the line's time."""
+
+    BUCKET_ALPHA = 0.2
 
     def __init__(self, prior_ns: tuple[float, float] = (1e6, 1e4), prior_steps: float = 4.0, decay: float = 0.98,
-                 draft_prior_ns: tuple[float, float] | None = None):
+                 draft_prior_ns: tuple[float, float] | None = None, bucket=None):
         """`draft_prior_ns`: drafting's (d0, d1) before any step drafted, weighted as the rows'
         prior is (None: no prior, drafting's cost is what the first drafting steps measure)."""
         a, b = prior_ns
@@ -178,6 +187,8 @@ class StepCost:
         self.rows = _Line([(x, a + b * x, prior_steps / 2) for x in (1.0, 16.0)], decay)
         d = draft_prior_ns
         self.drafts = _Line([] if d is None else [(x, d[0] + d[1] * x, prior_steps / 2) for x in (1.0, 16.0)], decay)
+        self.bucket = bucket
+        self.by_bucket: dict[int, float] = {}  # bucket -> its steps' time (ns)
 
     def calibrate(self, steps: list[tuple[int, float]], drafts: list[tuple[int, float]] = (),
                   weight: float | None = None) -> None:
@@ -187,11 +198,30 @@ class StepCost:
         w = self.prior_steps if weight is None else weight
         if steps:
             self.rows = _Line([(float(x), float(y), w / len(steps)) for x, y in steps], self.rows.decay)
+            if self.bucket is not None:
+                self.by_bucket = {}
+                for x, y in steps:
+                    k = self.bucket(x)
+                    self.by_bucket[k] = min(self.by_bucket.get(k, float(y)), float(y))
         if drafts:
             self.drafts = _Line([(float(x), float(y), w / len(drafts)) for x, y in drafts], self.drafts.decay)
 
-    def observe(self, rows: int, ns: float) -> None:
+    def observe(self, rows: int, ns: float, graphed: bool = False) -> None:
+        """A step of `rows` rows took `ns`; `graphed`: it replayed its bucket's graph (an eager
+        step, a prefill's, says nothing of what its bucket's replay costs)."""
         self.rows.observe(rows, ns)
+        if graphed and self.bucket is not None:
+            k = self.bucket(rows)
+            old = self.by_bucket.get(k)
+            self.by_bucket[k] = float(ns) if old is None else old + self.BUCKET_ALPHA * (ns - old)
+
+    def step_fn(self):
+        """rows -> a step's ns, the fits read once (for a choice's many lookups)."""
+        a, b = self.line()
+        if self.bucket is None or not self.by_bucket:
+            return lambda rows: a + b * rows
+        by, bucket = self.by_bucket, self.bucket
+        return lambda rows: by.get(bucket(rows), a + b * rows)
 
     def observe_draft(self, tokens: int, ns: float) -> None:
         """A step's drafting: `tokens` drafted (> 0) in `ns` (maintenance and proposals)."""
@@ -207,24 +237,23 @@ class StepCost:
         return self.drafts.fit()
 
     def predict(self, rows: int, drafted: int = 0) -> float:
-        a, b = self.line()
         d0, d1 = self.draft_line()
-        return a + b * rows + (d0 + d1 * drafted if drafted > 0 else 0.0)
+        return self.step_fn()(rows) + (d0 + d1 * drafted if drafted > 0 else 0.0)
 
 
 def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
-    """Each request's K for the next step (0 .. its bound), by greedy ascent of the step's
-    expected tokens per ns (the module doc). Once drafting's fixed cost is paid, every added
-    draft costs the same (one row and one drafted token), and a request's gains shrink with
-    its K (each is a product of one more chance), so the ascent takes the gains largest first
-    while one still raises the rate: O(drafts log drafts). The best plan found is kept only if
-    it beats plain decoding (every K 0, no drafting cost)."""
-    a, b = cost.line()
+    """Each request's K for the next step (0 .. its bound), for the step's best expected tokens
+    per ns (the module doc). A request's gains shrink with its K (each is a product of one more
+    chance), so the best plan of m drafts takes the m largest gains; every m is weighed (each
+    costs its step's rows, by bucket where the steps replay graphs, plus drafting's time), and
+    plain decoding (every K 0, no drafting cost) unless a plan beats it: O(drafts log drafts).
+    Walking every m, not stopping at the first that lowers the rate, finds the plan that fills
+    a bucket past a draft whose own row does not pay (its bucket's rows are paid anyway)."""
+    n = len(reqs)
+    if n == 0:
+        return []
+    step = cost.step_fn()
     d0, d1 = cost.draft_line()
-    step = b + d1  # what one more draft adds to the step
-    tokens = float(len(reqs))  # each request's one sure token
-    plain = max(a + b * len(reqs), 1.0)  # (ns; a free step still ranks its drafts)
-    t = plain + d0
     gains = []
     for i, (acc, bound) in enumerate(reqs):
         run = 1.0
@@ -232,12 +261,14 @@ def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
             run *= acc.p[m]
             gains.append((-run, m, i))  # (largest first; then the request's lower K first)
     gains.sort()
-    ks = [0] * len(reqs)
-    for g, _m, i in gains:
-        if (tokens - g) * t <= tokens * (t + step) * (1 + 1e-9):
-            break  # (tokens + gain) / (t + step) no longer beats tokens / t
-        tokens, t = tokens - g, t + step
+    best, best_m = n / max(step(n), 1.0), 0  # plain: (ns; a free step still ranks the drafts)
+    tokens = float(n)
+    for m, (g, _m, _i) in enumerate(gains, 1):
+        tokens -= g
+        rate = tokens / (max(step(n + m), 1.0) + d0 + d1 * m)
+        if rate > best * (1 + 1e-9):
+            best, best_m = rate, m
+    ks = [0] * n
+    for _g, _m, i in gains[:best_m]:
         ks[i] += 1
-    if tokens * plain <= len(reqs) * t * (1 + 1e-9):
-        return [0] * len(reqs)  # drafting does not pay its own cost
     return ks
