@@ -25,7 +25,11 @@ class ReplayDrafter(Drafter):
             raise ValueError("corrupt must be in [0, 1]")
         self.recorded, self.prompt_len, self.vocab = list(recorded), prompt_len, vocab_size
         self.corrupt = corrupt
-        self.gen = random.Random(seed)  # its own stream: sampling draws stay the target's
+        # its own stream (sampling draws stay the target's), and each request's its own: the seed
+        # mixed with the request's recorded continuation, so concurrent requests' corruptions are
+        # independent (one seed for all made every request of a batch reject at the same rounds,
+        # a bench's acceptance then one request's draw) and a request's are the same solo or batched
+        self.gen = random.Random(f"{seed}:{prompt_len}:{self.recorded[:64]}")
 
     def propose(self, context, k, sp, gen) -> Proposal:
         at = len(context) - self.prompt_len
