@@ -139,8 +139,25 @@ def main() -> int:
                     "gaps by thread (.idle.txt: memra_dist/bench/idle.py; a diagnostic: it slows the run)")
     ap.add_argument("--loop-profile", action="store_true", help="each drafter row's engine loop thread under "
                     "cProfile (warm-up and repeats): OUT/loop-N-SPECK.txt (a diagnostic: it slows the loop)")
+    ap.add_argument("--stub-device-ms", type=float, default=None, help="CPU diagnostic: each batched step also "
+                    "sleeps this long (the GIL released), standing in for a GPU's step, so the loop's host work "
+                    "between steps contends with the streaming request threads as on a GPU's host (the loop's "
+                    "ms a step are the figures to read; tok/s are the tiny model's)")
     a = ap.parse_args()
     import torch
+
+    if a.stub_device_ms is not None:
+        import time as _time
+
+        import memra_dist.batching.batcher as batcher
+
+        real_launch = batcher.launch
+
+        def launch(b, jobs, wakes, ids_dev=None):
+            out = real_launch(b, jobs, wakes, ids_dev)
+            _time.sleep(a.stub_device_ms / 1e3)
+            return out
+        batcher.launch = launch
 
     if a.switch_ms is not None:
         import memra_dist.tracing.otel as otel
