@@ -85,6 +85,53 @@ def test_where_steps_replay_by_bucket_the_choice_fills_a_bucket_instead_of_payin
     assert c.step_fn()(64) == pytest.approx(6.2e6)
 
 
+def _best_plan_by_brute_force(reqs, cost):
+    """Every plan of the m largest gains weighed, m = 0 .. all (what `choose` must find)."""
+    import math
+
+    step, (d0, d1) = cost.step_fn(), cost.draft_line()
+    gains = sorted((-math.prod(acc.p[:m + 1]), m, i) for i, (acc, bound) in enumerate(reqs)
+                   for m in range(min(bound, len(acc.p))))
+    n, rates = len(reqs), []
+    for m in range(len(gains) + 1):
+        t = max(step(n + m), 1.0) + (d0 + d1 * m if m else 0.0)
+        rates.append((n - sum(g for g, _, _ in gains[:m])) / t)
+    m = max(range(len(rates)), key=lambda x: (rates[x] > rates[0] * (1 + 1e-9), rates[x]))
+    m = m if rates[m] > rates[0] * (1 + 1e-9) else 0
+    ks = [0] * n
+    for _, _, i in gains[:m]:
+        ks[i] += 1
+    return ks, rates[m]
+
+
+def test_choose_finds_the_best_plan_a_full_walk_finds_and_stops_early():
+    """Random steps (2-64 requests, bounds 0-8, acceptances 0-1 a position, costs by bucket or
+    by line, drafting fixed or per token): `choose`'s early stop never loses the plan the walk
+    over every m finds (its rate within rounding)."""
+    import random
+
+    from memra_dist.batching.graphs import bucket_rows
+
+    rng = random.Random(5)
+    for trial in range(300):
+        n = rng.randint(2, 64)
+        reqs = [(Acceptance(8, prior=[rng.random() ** rng.choice((0.2, 1, 3)) for _ in range(8)]), rng.randint(0, 8))
+                for _ in range(n)]
+        bucketed = trial % 2 == 0
+        c = StepCost(prior_steps=1e9, draft_prior_ns=(rng.choice((0.0, 5e5, 3e6)), rng.choice((0.0, 1e4, 5e4))),
+                     bucket=bucket_rows if bucketed else None)
+        base, row = rng.uniform(2e6, 6e6), rng.uniform(5e3, 6e4)
+        c.calibrate([(r, base + row * r) for r in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256,
+                                                     288, 320, 352, 384, 416, 448, 480, 512, 544, 576)], [], weight=1e9)
+        ks = choose(reqs, c)
+        want_ks, want_rate = _best_plan_by_brute_force(reqs, c)
+        step, (d0, d1) = c.step_fn(), c.draft_line()
+        m = sum(ks)
+        got = (n + sum(acc.expected(k) for (acc, _), k in zip(reqs, ks))) / (max(step(n + m), 1.0) + (d0 + d1 * m if m else 0))
+        assert got == pytest.approx(want_rate, rel=1e-9), (trial, ks, want_ks)
+        assert all(0 <= k <= b for k, (_, b) in zip(ks, reqs))
+
+
 def test_choose_gives_drafts_where_they_pay_and_respects_each_bound():
     cheap = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9)
     costly = StepCost(prior_ns=(1e5, 1e6), prior_steps=1e9)

@@ -221,7 +221,11 @@ class StepCost:
         if self.bucket is None or not self.by_bucket:
             return lambda rows: a + b * rows
         by, bucket = self.by_bucket, self.bucket
-        return lambda rows: by.get(bucket(rows), a + b * rows)
+
+        def step(rows):  # a bucket not timed yet: the line at its padded rows (it pays them all)
+            k = bucket(rows)
+            return by.get(k, a + b * k)
+        return step
 
     def observe_draft(self, tokens: int, ns: float) -> None:
         """A step's drafting: `tokens` drafted (> 0) in `ns` (maintenance and proposals)."""
@@ -262,12 +266,21 @@ def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
             gains.append((-run, m, i))  # (largest first; then the request's lower K first)
     gains.sort()
     best, best_m = n / max(step(n), 1.0), 0  # plain: (ns; a free step still ranks the drafts)
-    tokens = float(n)
+    tokens, last = float(n), 0.0
+    bucket = cost.bucket if cost.by_bucket else None  # (a step's time is its bucket's: read once a bucket)
+    top, base = -1, 0.0
     for m, (g, _m, _i) in enumerate(gains, 1):
         tokens -= g
-        rate = tokens / (max(step(n + m), 1.0) + d0 + d1 * m)
+        if bucket is None:
+            base = max(step(n + m), 1.0)
+        elif n + m > top:
+            top, base = bucket(n + m), max(step(n + m), 1.0)
+        rate = tokens / (base + d0 + d1 * m)
         if rate > best * (1 + 1e-9):
             best, best_m = rate, m
+        elif bucket is None and rate < last:
+            break  # (a line: the rate rises to one peak and falls after it)
+        last = rate
     ks = [0] * n
     for _g, _m, i in gains[:best_m]:
         ks[i] += 1
