@@ -223,3 +223,60 @@ def test_the_batched_eagle3_chains_replayed_draft_what_each_request_drafts_alone
     batched, stats = _batched(llama, "eagle3", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
     assert batched == solo and sorted(seen) == alone
     assert stats["draft_batches"] >= made[0].replays > stats["draft_batches"] // 2, (made[0].replays, stats)
+
+
+def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the_round(llama, tmp_path_factory,
+                                                                                      monkeypatch):
+    """--spec-k auto at K 0 for six steps in eight: an EAGLE-3 request skips those rounds' drafts,
+    so when it drafts again it brings more committed rows than the round's graph takes (K + 1).
+    Those rows' K/V go in first (`_prime_kv`, no output read) and the round still replays the
+    graph, instead of every request of the step running the eager chains (24 ms a step at 16
+    requests on an H200); every proposal equals the request's solo one at that context."""
+    from graph_emulator import EmulatedCapture
+
+    import memra_dist.batching.loop_rounds as lr
+    from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
+    from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
+
+    ddir, reqs, solo, seen, alone = _alone("eagle3", llama, tmp_path_factory, monkeypatch)
+    made, caught, calls = [], [], [0]
+    real_prime_kv = Eagle3Drafter._prime_kv
+
+    def prime_kv(self, context, lo, hi):
+        if len(context) > 0 and getattr(self, "_primed", False):  # (a catch-up, not the prime)
+            caught.append(hi - lo)
+        real_prime_kv(self, context, lo, hi)
+
+    real_prime = Eagle3Drafter.prime
+
+    def prime(self, prompt, chunks=None):
+        real_prime(self, prompt, chunks)
+        self._primed = True
+
+    def mostly_zero(reqs_, cost):  # each request's bound twice, then K 0 six times
+        calls[0] += 1
+        return [bound if calls[0] % 8 < 2 else 0 for _, bound in reqs_]
+
+    def on_open(eng):
+        b = eng._backend
+        b.batcher.auto_k = True
+        b.draft_pool.alloc(CAP)
+        b.batcher.tap_pool.alloc(CAP)
+        net = b.tap_net
+        embed = net.embed_tokens if net.embed_tokens is not None else b.runner.stage.embed_tokens
+        g = PoolChainGraphs(net, embed, b.draft_pool, b.batcher.tap_pool, 3, 4, graph_cls=EmulatedCapture)
+        assert g.warm() == 2
+        b.draft_pool.graphs = g
+        made.append(g)
+
+    monkeypatch.setattr(Eagle3Drafter, "_prime_kv", prime_kv)
+    monkeypatch.setattr(Eagle3Drafter, "prime", prime)
+    monkeypatch.setattr(lr, "choose", mostly_zero)
+    batched, stats = _batched(llama, "eagle3", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open,
+                              spec_k="auto")
+    assert batched == solo
+    assert caught and made[0].replays >= stats["draft_batches"] // 2 > 0, (caught, made[0].replays, stats)
+    solo_at = dict(alone)
+    both = [(c, d) for c, d in seen if c in solo_at]
+    assert len(both) >= 0.5 * len(seen) > 0, (len(both), len(seen))
+    assert all(solo_at[c] == d for c, d in both), [(len(c), d, solo_at[c]) for c, d in both if solo_at[c] != d]

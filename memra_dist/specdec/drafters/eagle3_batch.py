@@ -115,6 +115,10 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     pool = pool_of(ds)
     graphs = pool.graphs if pool is not None else None
     if graphs is not None and all(sps[i].greedy for i, *_ in live):  # one replay (eagle3_pool_graph.py)
+        for r, ((_, d, c, _), N) in enumerate(zip(live, Ns)):
+            if N - 1 - los[r] > graphs.R:  # it skipped rounds at K 0 (--spec-k auto): the rows the
+                d._prime_kv(c, los[r], N - 1 - graphs.R)  # graph cannot take, their K/V alone
+                los[r], lens[r] = d.n, graphs.R  # (no output of theirs is read), then the replay
         sinks = [d._taps() for d in ds]
         if graphs.fits(ds, sinks, los, Ns, [k for *_, k in live]):
             toks = graphs.greedy([(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)])
