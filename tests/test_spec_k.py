@@ -447,3 +447,29 @@ def test_a_drafter_that_never_pays_drafts_little_in_requests_after_the_first(lla
     every_optimistic = drafting_rounds(1)
     learned = drafting_rounds(sk.PROBE_EVERY)
     assert learned <= 0.4 * every_optimistic, (learned, every_optimistic)  # (on CPU: ~5 against ~48)
+
+
+def test_after_a_long_run_at_k_0_one_step_drafts_every_request_again_and_the_engine_relearns(llama, monkeypatch):
+    """Requests that start from an engine acceptance learned near 0 (as after a warm-up whose
+    drafts were rejected) choose K 0, and at K 0 nothing is measured: without re-measuring they
+    would decode plainly to the end though every draft would now be accepted (the replay drafter
+    at corruption 0). Every REMEASURE_STEPS all-K-0 steps (here 6) one step drafts every request
+    at its bound; its rounds' acceptance then lifts the requests' own averages and they keep
+    drafting; the ids stay the solo ids."""
+    import memra_dist.batching.loop_rounds as lr
+    from memra_dist.specdec.spec_k import EngineAcceptance
+
+    monkeypatch.setattr(lr, "REMEASURE_STEPS", 6)
+    reqs = [(p, 40) for p, _ in _prompts(4)]
+    solo = _solo(llama, "replay", reqs, replay_corrupt=0.0)
+
+    def on_open(eng):
+        b = eng._backend.batcher
+        _auto(eng, StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9, draft_prior_ns=(1e5, 1e4)))
+        b.acceptance = EngineAcceptance(prior=0.01, probe_every=10 ** 9)  # learned near 0, no probes
+
+    got, stats = _batched(llama, "replay", reqs, max_batch=4, on_open=on_open, replay_corrupt=0.0, spec_k="auto")
+    assert got == solo
+    ks = {int(k): n for k, n in stats["k_chosen"].items()}
+    assert stats["k_remeasures"] >= 1, stats
+    assert sum(n for k, n in ks.items() if k >= 2) >= 3 * stats["k_remeasures"] * 2, ks  # drafting went on after

@@ -15,7 +15,7 @@ from ..specdec.spec_k import Acceptance, choose
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import Job
 
-__all__ = ["chain_rounds", "choose_k", "choose_first_k", "CHOOSE_SAMPLED"]
+__all__ = ["chain_rounds", "choose_k", "choose_first_k", "CHOOSE_SAMPLED", "REMEASURE_STEPS"]
 
 _NONE = Acceptance(0)  # a request of the step that drafts nothing
 
@@ -105,12 +105,29 @@ def choose_first_k(b, ch) -> None:
     b.stats.k_chosen[k] = b.stats.k_chosen.get(k, 0) + 1
 
 
+# After this many steps in a row whose every chosen K was 0, one step drafts every request at its
+# bound: at K 0 nothing is measured (a request's average moves only on drafted rounds), so an
+# acceptance learned low (a continuation's first tokens, a drafter that became worth it) would
+# hold every request at K 0 for good; and where the step is a full graph bucket, a probe request
+# alone never pays the next bucket's jump. Its cost: at most one drafting step in this many.
+REMEASURE_STEPS = 128
+
+
 def choose_k(b, chains) -> None:
     """--spec-k auto: each chain's K for its next round, by the step's expected goodput
-    (specdec/spec_k.py choose), its bound the K it would take otherwise."""
+    (specdec/spec_k.py choose), its bound the K it would take otherwise; every REMEASURE_STEPS
+    all-K-0 steps, every bound (`b.k0_steps` counts them; the stats count the re-measures)."""
     drafting = [ch for ch in chains if not ch.never_drafts and (ch.greedy or CHOOSE_SAMPLED)]  # (drafter none: a plain row)
     for ch in drafting:
         ch.k_step = None
     bounds = [max(ch.draft_k(), 0) for ch in drafting]
-    for ch, k in zip(drafting, choose([(ch.acc, bound) for ch, bound in zip(drafting, bounds)], b.cost)):
+    ks = choose([(ch.acc, bound) for ch, bound in zip(drafting, bounds)], b.cost)
+    if any(bounds) and not any(ks):
+        b.k0_steps += 1
+        if b.k0_steps >= REMEASURE_STEPS:
+            ks, b.k0_steps = bounds, 0
+            b.stats.remeasures += 1
+    elif any(ks):
+        b.k0_steps = 0
+    for ch, k in zip(drafting, ks):
         ch.k_step = k  # (counted by chain_rounds as the round starts with it)
