@@ -30,6 +30,23 @@ def _alone(drafter: str, llama, tmp_path_factory, monkeypatch):
     return ddir, reqs, solo, seen, alone
 
 
+def _chain_graphs(b):
+    """EAGLE-3's round of chains over the backend's pools as graphs of an emulated capture (K 3,
+    up to 4 requests: buckets 2 and 4), installed as the engine's GPU path installs them."""
+    from graph_emulator import EmulatedCapture
+
+    from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
+
+    b.draft_pool.alloc(CAP)
+    b.batcher.tap_pool.alloc(CAP)
+    net = b.tap_net
+    embed = net.embed_tokens if net.embed_tokens is not None else b.runner.stage.embed_tokens
+    g = PoolChainGraphs(net, embed, b.draft_pool, b.batcher.tap_pool, 3, 4, graph_cls=EmulatedCapture)
+    assert g.warm() == 2
+    b.draft_pool.graphs = g
+    return g
+
+
 @pytest.mark.parametrize("block", [False, True])
 def test_pooled_attention_is_each_requests_own_masked_attention(block):
     """Three requests in slots 4, 0, 2 of a pool of capacity 24, GQA (4 query heads over 2 KV
@@ -200,23 +217,12 @@ def test_the_batched_eagle3_chains_replayed_draft_what_each_request_drafts_alone
     to K + 1) and K chained steps; eight requests four at a time get every proposal they get
     alone, most rounds from a replay (near its end a request asks for fewer drafts than its
     chain would run past its cache: those rounds run the eager chains)."""
-    from graph_emulator import EmulatedCapture
-
-    from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
-
     ddir, reqs, solo, seen, alone = _alone("eagle3", llama, tmp_path_factory, monkeypatch)
     made = []
 
     def on_open(eng):
         b = eng._backend
-        b.draft_pool.alloc(CAP)
-        b.batcher.tap_pool.alloc(CAP)
-        net = b.tap_net
-        embed = net.embed_tokens if net.embed_tokens is not None else b.runner.stage.embed_tokens
-        g = PoolChainGraphs(net, embed, b.draft_pool, b.batcher.tap_pool, 3, 4, graph_cls=EmulatedCapture)
-        assert g.warm() == 2
-        b.draft_pool.graphs = g
-        made.append(g)
+        made.append(_chain_graphs(b))
         pts = draft_points(b.draft_pool, 3, None, b.device)  # (timed: calibrate.py)
         assert [x for x, _ in pts] == [2 * 3, 4 * 3] and all(ns > 0 for _, ns in pts), pts
 
@@ -232,11 +238,8 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
     Those rows' K/V go in first (`_prime_kv`, no output read) and the round still replays the
     graph, instead of every request of the step running the eager chains (24 ms a step at 16
     requests on an H200); every proposal equals the request's solo one at that context."""
-    from graph_emulator import EmulatedCapture
-
     import memra_dist.batching.loop_rounds as lr
     from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
-    from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
 
     ddir, reqs, solo, seen, alone = _alone("eagle3", llama, tmp_path_factory, monkeypatch)
     made, caught, calls = [], [], [0]
@@ -258,16 +261,8 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
         return [bound if calls[0] % 8 < 2 else 0 for _, bound in reqs_]
 
     def on_open(eng):
-        b = eng._backend
-        b.batcher.auto_k = True
-        b.draft_pool.alloc(CAP)
-        b.batcher.tap_pool.alloc(CAP)
-        net = b.tap_net
-        embed = net.embed_tokens if net.embed_tokens is not None else b.runner.stage.embed_tokens
-        g = PoolChainGraphs(net, embed, b.draft_pool, b.batcher.tap_pool, 3, 4, graph_cls=EmulatedCapture)
-        assert g.warm() == 2
-        b.draft_pool.graphs = g
-        made.append(g)
+        eng._backend.batcher.auto_k = True
+        made.append(_chain_graphs(eng._backend))
 
     monkeypatch.setattr(Eagle3Drafter, "_prime_kv", prime_kv)
     monkeypatch.setattr(Eagle3Drafter, "prime", prime)
