@@ -15,10 +15,10 @@ requests start at K 0 instead of each paying a few rounds of drafts to learn it,
 PROBE_EVERY-th new request starts optimistic again, so an engine whose drafts became worth it
 finds out. T(rows) is the step's time for that many rows: a line fitted online to the steps
 the engine ran (`StepCost`: rows against measured time, exponentially weighted least
-squares, started from the steps timed as the engine opens where it captures graphs:
-batching/calibrate.py), plus, when anything is drafted, the drafting's time: a fixed part and a part per
-drafted token, fitted the same way. `choose` raises one K_i at a time, the
-one whose next draft adds the most goodput, while any adds some; a request whose drafts are
+squares), or where steps replay CUDA graphs the time of the rows' bucket; both start from the
+steps timed as the engine opens (batching/calibrate.py). Plus, when anything is drafted, the
+drafting's time: a fixed part and a part per drafted token, fitted the same way. `choose`
+weighs the plans of the m largest gains, every m, and keeps the best; a request whose drafts are
 rarely accepted, or a step whose rows cost more than their tokens bring, stays at K = 0
 (plain decoding for that request: one row).
 
@@ -172,9 +172,9 @@ class StepCost:
     Where steps replay CUDA graphs by bucket (`bucket`: rows -> the bucket a step of that many
     rows replays, batching/graphs.py bucket_rows), a step costs its bucket's time, not the
     line's: every row of a bucket is paid whether used or not, and the next bucket may cost a
-    jump (batched steps fold their GEMMs up to 64 rows, cuBLAS above). Each bucket's time is an exponential average of its graphed steps
-    (`BUCKET_ALPHA`), first the time it replayed in at open (calibrate.py); a bucket not seen
-    yet costs the line's time."""
+    jump (batched steps fold their GEMMs up to 64 rows, cuBLAS above). Each bucket's time is an
+    exponential average of its graphed steps (`BUCKET_ALPHA`), first the time it replayed in at
+    open (calibrate.py); a bucket not seen yet costs the line's time at its padded rows."""
 
     BUCKET_ALPHA = 0.2
 
