@@ -472,4 +472,6 @@ def test_after_a_long_run_at_k_0_one_step_drafts_every_request_again_and_the_eng
     assert got == solo
     ks = {int(k): n for k, n in stats["k_chosen"].items()}
     assert stats["k_remeasures"] >= 1, stats
-    assert sum(n for k, n in ks.items() if k >= 2) >= 3 * stats["k_remeasures"] * 2, ks  # drafting went on after
+    # a re-measure drafts 4 rounds (one a request); more rounds at K >= 2 than 6 a re-measure
+    # means the requests went on drafting after it, on what it measured
+    assert sum(n for k, n in ks.items() if k >= 2) >= 6 * stats["k_remeasures"], ks

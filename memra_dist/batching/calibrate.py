@@ -20,7 +20,7 @@ import time
 
 import torch
 
-__all__ = ["best_ns", "calibrate", "REPS"]
+__all__ = ["best_ns", "calibrate", "draft_points", "say", "REPS"]
 
 REPS = 3  # replays a timing takes the best of (the first after a capture pays its lazy setup)
 
