@@ -98,6 +98,8 @@ class Chain:
         self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
         self.acc: Acceptance | None = None  # --spec-k auto: its running acceptance per draft position (start_chain)
         self.k_step: int | None = None  # the K the engine chose for its next round (--spec-k auto), else k
+        self.remeasure = False  # --spec-k auto: its next drafting round drafts at its bound (loop_rounds.choose_k)
+        self._shadow: tuple[int, list[int]] | None = None  # a K-0 round's unverified drafts: (position, ids)
 
     @property
     def plain(self) -> bool:
@@ -123,8 +125,40 @@ class Chain:
 
     def draft_k(self) -> int:
         """The drafts the next round asks for, as the session's round asks (<= 0: none)."""
-        k = self.k if self.k_step is None else self.k_step
-        return min(k, self.capacity - len(self.tokens), self.max_new - self.produced - 1)
+        return self.bound(self.k if self.k_step is None else self.k_step)
+
+    def bound(self, k: int | None = None) -> int:
+        """The most drafts a round may ask for now (`k`, default -k, within the request's room)."""
+        return min(self.k if k is None else k, self.capacity - len(self.tokens), self.max_new - self.produced - 1)
+
+    def shadow(self) -> bool:
+        """--spec-k auto, a host drafter's K-0 round: its drafts at the bound proposed anyway and
+        kept, not verified; as the next tokens commit they are scored against them (`_score`) and
+        the request's acceptance (and the engine's) learns what drafting would have got. At K 0
+        nothing else measures it (no draft reaches the verify), and a host proposal costs no
+        device time: n-gram's drafts that start paying later in a request (a continuation that
+        begins to repeat) are seen. One at a time; True when one was proposed."""
+        if self._shadow is not None or self.acc is None or not self.drafter.host_only:
+            return False
+        k = self.bound()
+        if k <= 0:
+            return False
+        drafts = self.drafter.propose(self.tokens, k, self.sp, self.gen).host(k)
+        if drafts:
+            self._shadow = (len(self.tokens), drafts)
+        return bool(drafts)
+
+    def _score(self) -> None:
+        """The pending shadow's drafts against the tokens committed since: once one differs, or
+        all are matched, the request's acceptance takes the round it would have been."""
+        at, drafts = self._shadow
+        got = self.tokens[at:at + len(drafts)]
+        j = 0
+        while j < len(got) and got[j] == drafts[j]:
+            j += 1
+        if j < len(got) or j == len(drafts):
+            self._shadow = None
+            self.acc.update(len(drafts), j)
 
     def next_job(self, prop=None, t0: int | None = None, shared: int = 0) -> Job:
         """The next round's verify rows (the pending token, then this round's drafts), proposed
@@ -138,6 +172,8 @@ class Chain:
         if prop is None and k > 0:
             prop = self.drafter.propose(self.tokens, k, self.sp, self.gen)
         self._drafts = prop.host(k) if prop is not None and k > 0 else []
+        if self._drafts:
+            self._shadow, self.remeasure = None, False  # (measured by its own round now)
         self._expected = self.acc.expected(len(self._drafts)) if self.k_step is not None else -1.0
         self._q = prop.q[:len(self._drafts)] if prop is not None and prop.q is not None else None
         return Job(self.rid, [self.tokens[-1], *self._drafts], n - 1, self.capacity, False, chain=self,
@@ -183,6 +219,8 @@ class Chain:
                                            self.eos)  # the session's own rule: it ends where the chain does
         self.tokens.extend(kept)
         self.produced += len(kept)
+        if self._shadow is not None:
+            self._score()
         self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3, self._shared, self._expected)
         return n + j
 

@@ -20,12 +20,14 @@ import time
 __all__ = ["maintain_rounds", "propose_rounds"]
 
 
-def _groups(chains, proposing: bool) -> list[list]:
-    """Chains in groups that draft together: those whose drafters batch and share a network
-    (first-seen order), each other chain alone. At K 0 (--spec-k auto) a chain goes alone: it
-    drafts nothing (`proposing`), and skips its maintenance where its drafter catches up; so
-    does a round the n-gram lookup drafts (--ngram-first: on the host)."""
-    out: list[list] = []
+def _groups(chains, proposing: bool) -> list[tuple[list, bool]]:
+    """Chains in groups that draft together, each with whether it runs the shared forward: those
+    whose drafters batch and share a network (first-seen order; one alone too, so it replays the
+    shared forward's graphs rather than its eager solo path), each other chain alone. At K 0
+    (--spec-k auto) a chain goes alone: it drafts nothing (`proposing`), and skips its
+    maintenance where its drafter catches up; so does a round the n-gram lookup drafts
+    (--ngram-first: on the host)."""
+    out: list[tuple[list, bool]] = []
     by_net: dict[int, list] = {}
     for ch in chains:
         d = ch.drafter
@@ -33,10 +35,10 @@ def _groups(chains, proposing: bool) -> list[list]:
             key = id(d.batch_key)
             if key not in by_net:
                 by_net[key] = []
-                out.append(by_net[key])
+                out.append((by_net[key], True))
             by_net[key].append(ch)
         else:
-            out.append([ch])
+            out.append(([ch], False))
     return out
 
 
@@ -63,9 +65,9 @@ def maintain_rounds(chains) -> list:
             except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own request only)
                 ch.err, ch.ended = e, True
         return ok
-    for group in _groups(chains, False):
+    for group, shared in _groups(chains, False):
         try:
-            if len(group) > 1:
+            if shared:
                 t4 = time.perf_counter_ns()
                 d0 = group[0].drafter
                 type(d0).maintain_many([ch.drafter for ch in group], [ch.tokens for ch in group])
@@ -95,9 +97,9 @@ def propose_rounds(chains, stats=None) -> list:
                 out.append(None)
         return out
     jobs: dict[int, object] = {}
-    for group in _groups(chains, True):
+    for group, shared in _groups(chains, True):
         try:
-            if len(group) > 1:
+            if shared:
                 t0 = time.perf_counter_ns()
                 props = type(group[0].drafter).propose_many(
                     [ch.drafter for ch in group], [ch.tokens for ch in group], [ch.draft_k() for ch in group],

@@ -50,7 +50,11 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             ch.err, ch.ended = e, True
     going = []
     if b.auto_k:  # the next rounds' K first: a K-0 round's drafter may skip its maintenance (chain.py)
-        choose_k(b, [ch for ch in settled if not ch.done])  # (one launched ahead: for the round after it)
+        live = [ch for ch in settled if not ch.done]
+        choose_k(b, live)  # (one launched ahead: for the round after it)
+        for ch in live:  # a host drafter's K-0 round still measures what drafting would get
+            if ch.k_step == 0 and ch.shadow():
+                b.stats.shadows += 1
     t = time.perf_counter_ns()
     maintained = maintain_rounds(settled)
     t2 = time.perf_counter_ns()
@@ -105,29 +109,37 @@ def choose_first_k(b, ch) -> None:
     b.stats.k_chosen[k] = b.stats.k_chosen.get(k, 0) + 1
 
 
-# After this many steps in a row whose every chosen K was 0, one step drafts every request at its
-# bound: at K 0 nothing is measured (a request's average moves only on drafted rounds), so an
+# After this many steps in a row whose every chosen K was 0 (a network drafter's requests among
+# them), each such request drafts its next round at its bound: at K 0 a network's drafts are never
+# made, so nothing measures them (a request's average moves only on drafted rounds), and an
 # acceptance learned low (a continuation's first tokens, a drafter that became worth it) would
-# hold every request at K 0 for good; and where the step is a full graph bucket, a probe request
-# alone never pays the next bucket's jump. Its cost: at most one drafting step in this many.
+# hold every request at K 0 for good; where the step is a full graph bucket, a probe request alone
+# never pays the next bucket's jump. The requests draft together, in one shared forward (a chain
+# whose K-0 round already runs ahead keeps the flag until it drafts). Its cost: at most one
+# drafting step in this many, and the network's catch-up on the rows it skipped. A host drafter
+# (n-gram) needs none: its K-0 rounds propose anyway, unverified, and score the drafts against
+# the tokens that come (chain.py `shadow`).
 REMEASURE_STEPS = 128
 
 
 def choose_k(b, chains) -> None:
     """--spec-k auto: each chain's K for its next round, by the step's expected goodput
-    (specdec/spec_k.py choose), its bound the K it would take otherwise; every REMEASURE_STEPS
-    all-K-0 steps, every bound (`b.k0_steps` counts them; the stats count the re-measures)."""
+    (specdec/spec_k.py choose), its bound the K it would take otherwise; after REMEASURE_STEPS
+    all-K-0 steps, every network drafter's request at its bound (`b.k0_steps` counts those
+    steps; the stats count the re-measures)."""
     drafting = [ch for ch in chains if not ch.never_drafts and (ch.greedy or CHOOSE_SAMPLED)]  # (drafter none: a plain row)
     for ch in drafting:
         ch.k_step = None
     bounds = [max(ch.draft_k(), 0) for ch in drafting]
     ks = choose([(ch.acc, bound) for ch, bound in zip(drafting, bounds)], b.cost)
-    if any(bounds) and not any(ks):
+    if any(ks):
+        b.k0_steps = 0
+    elif any(bound for ch, bound in zip(drafting, bounds) if not ch.drafter.host_only):
         b.k0_steps += 1
         if b.k0_steps >= REMEASURE_STEPS:
-            ks, b.k0_steps = bounds, 0
+            b.k0_steps = 0
             b.stats.remeasures += 1
-    elif any(ks):
-        b.k0_steps = 0
-    for ch, k in zip(drafting, ks):
-        ch.k_step = k  # (counted by chain_rounds as the round starts with it)
+            for ch in drafting:
+                ch.remeasure = not ch.drafter.host_only
+    for ch, k, bound in zip(drafting, ks, bounds):
+        ch.k_step = bound if ch.remeasure and bound > 0 else k  # (counted by chain_rounds as the round starts with it)
