@@ -78,11 +78,36 @@ def test_where_steps_replay_by_bucket_the_choice_fills_a_bucket_instead_of_payin
     line = StepCost(prior_steps=1e9, draft_prior_ns=(1.5e6, 0.0))  # the same points as a line
     line.calibrate([(r, t) for r, t in times.items()], [], weight=1e9)
     assert choose(accs, line) == [4] * 16  # (a row costs the line's 40 us: it misses the jump)
-    # a graphed step's time moves its bucket's average; an eager step's (a prefill's) does not
+    # a graphed step's time moves every bucket timed at open by its excess; an eager step's (a
+    # prefill's) moves none
     c.observe(64, 7.0e6, graphed=True)
-    assert c.step_fn()(64) == pytest.approx(6.2e6)
+    assert c.step_fn()(64) == pytest.approx(6.2e6) and c.step_fn()(16) == pytest.approx(5.1e6)
     c.observe(64, 30e6)
     assert c.step_fn()(64) == pytest.approx(6.2e6)
+
+
+def test_buckets_the_steps_never_take_cost_what_the_taken_ones_cost_now_not_their_time_at_open():
+    """The open times each bucket at short contexts (an H100's, 8B); 16 requests' decode steps
+    then take 7.0 ms at their contexts against 5.85 at open. The 32-row bucket, which no step
+    took, costs 6.49 + the same 1.15 ms now, not its 6.49 at open: requests whose drafts are
+    accepted at 0.1 a position stay at K 0 (at its time at open, the 32-row bucket looked
+    cheaper than the 16-row one the steps were paying, and they were given drafts to fill it)."""
+    from memra_dist.batching.graphs import bucket_rows
+
+    at_open = {1: 5.49, 2: 5.78, 4: 5.83, 8: 5.86, 16: 5.85, 32: 6.49, 48: 7.09, 64: 7.20, 96: 8.90}
+    c = StepCost(draft_prior_ns=(0.3e6, 10e3), bucket=bucket_rows)
+    c.calibrate([(r, t * 1e6) for r, t in at_open.items()], [])
+    for _ in range(40):
+        c.observe(16, 7.0e6, graphed=True)
+    assert c.step_fn()(16) == pytest.approx(7.0e6, rel=1e-3)
+    assert c.step_fn()(32) == pytest.approx((6.49 + 1.15) * 1e6, rel=1e-3)
+    accs = [(Acceptance(4, prior=0.1), 4) for _ in range(16)]
+    assert choose(accs, c) == [0] * 16
+    stale = StepCost(draft_prior_ns=(0.3e6, 10e3), bucket=bucket_rows)  # each bucket its own average
+    stale.calibrate([(r, t * 1e6) for r, t in at_open.items()], [])
+    stale.at_open = {}
+    stale.by_bucket[16] = 7.0e6
+    assert sum(choose(accs, stale)) > 0  # (what it chose before: drafts into the cheaper-looking bucket)
 
 
 def _best_plan_by_brute_force(reqs, cost):

@@ -375,6 +375,9 @@ class BatchedBackend:
             out["graphs"] = b.graphs.stats()
         if self.calibration is not None:
             out["calibration"] = self.calibration
+            cost = self.batcher.cost  # ... and what the steps since taught it
+            out["step_cost"] = {"offset_ms": round(cost.offset / 1e6, 4),
+                                "bucket_ms": {str(k): round(v / 1e6, 4) for k, v in sorted(cost.by_bucket.items())}}
         g = self.draft_pool.graphs if self.draft_pool is not None else None
         if g is not None:
             ing = self.draft_pool.ingest_graphs

@@ -172,9 +172,15 @@ class StepCost:
     Where steps replay CUDA graphs by bucket (`bucket`: rows -> the bucket a step of that many
     rows replays, batching/graphs.py bucket_rows), a step costs its bucket's time, not the
     line's: every row of a bucket is paid whether used or not, and the next bucket may cost a
-    jump (batched steps fold their GEMMs up to 64 rows, cuBLAS above). Each bucket's time is an
-    exponential average of its graphed steps (`BUCKET_ALPHA`), first the time it replayed in at
-    open (calibrate.py); a bucket not seen yet costs the line's time at its padded rows."""
+    jump (batched steps fold their GEMMs up to 64 rows, cuBLAS above). A bucket timed at open
+    (calibrate.py) costs that time plus one offset every graphed step moves (an exponential
+    average of its time over its bucket's, `BUCKET_ALPHA`): the open timed each bucket at short
+    contexts, and the requests' reads grow the time of every bucket alike, so a bucket the steps
+    never take still costs what the ones they take cost now (an average per bucket left the
+    untaken ones at their times at open: 16 requests' decode steps took 7.0 ms against 5.8 at
+    open, the 32-row bucket stayed at its 6.5, and requests whose drafts were never accepted were
+    given drafts to fill it: 0.61x plain on an H100). A bucket not timed at open costs the
+    average of its own graphed steps, or before any the line's time at its padded rows."""
 
     BUCKET_ALPHA = 0.2
 
@@ -188,7 +194,9 @@ class StepCost:
         d = draft_prior_ns
         self.drafts = _Line([] if d is None else [(x, d[0] + d[1] * x, prior_steps / 2) for x in (1.0, 16.0)], decay)
         self.bucket = bucket
-        self.by_bucket: dict[int, float] = {}  # bucket -> its steps' time (ns)
+        self.at_open: dict[int, float] = {}  # bucket -> its time at open (ns, calibrate)
+        self.offset = 0.0  # ns every bucket timed at open costs over that time now
+        self.by_bucket: dict[int, float] = {}  # bucket -> a step's time (ns) now: the above, else its steps'
 
     def calibrate(self, steps: list[tuple[int, float]], drafts: list[tuple[int, float]] = (),
                   weight: float | None = None) -> None:
@@ -199,10 +207,11 @@ class StepCost:
         if steps:
             self.rows = _Line([(float(x), float(y), w / len(steps)) for x, y in steps], self.rows.decay)
             if self.bucket is not None:
-                self.by_bucket = {}
+                self.at_open, self.offset = {}, 0.0
                 for x, y in steps:
                     k = self.bucket(x)
-                    self.by_bucket[k] = min(self.by_bucket.get(k, float(y)), float(y))
+                    self.at_open[k] = min(self.at_open.get(k, float(y)), float(y))
+                self.by_bucket = dict(self.at_open)
         if drafts:
             self.drafts = _Line([(float(x), float(y), w / len(drafts)) for x, y in drafts], self.drafts.decay)
 
@@ -211,9 +220,15 @@ class StepCost:
         step, a prefill's, says nothing of what its bucket's replay costs)."""
         self.rows.observe(rows, ns)
         if graphed and self.bucket is not None:
-            k = self.bucket(rows)
-            old = self.by_bucket.get(k)
-            self.by_bucket[k] = float(ns) if old is None else old + self.BUCKET_ALPHA * (ns - old)
+            k, ns = self.bucket(rows), float(ns)
+            base = self.at_open.get(k)
+            if base is not None:
+                self.offset += self.BUCKET_ALPHA * (ns - base - self.offset)
+                for b, t in self.at_open.items():
+                    self.by_bucket[b] = t + self.offset
+            else:
+                old = self.by_bucket.get(k)
+                self.by_bucket[k] = ns if old is None else old + self.BUCKET_ALPHA * (ns - old)
 
     def step_fn(self):
         """rows -> a step's ns, the fits read once (for a choice's many lookups)."""
