@@ -166,6 +166,45 @@ class _Replayed:
             self.out[1][t].copy_(r)
 
 
+@pytest.mark.slow  # the Triton interpreter: ~15 s on 2 cores
+def test_a_prefill_tail_rides_a_graphed_step_beside_decode_rows_and_equals_the_eager_step(wide_llama):
+    """A prompt's last 35 rows (what a prefix-cache hit leaves to prefill) beside another
+    request's decode row: the step replays a graph (the tail as three paged segments of at most
+    16 rows over one block table), hands back the decode row's logits and the tail's last row's
+    only, as the eager step does, and writes the same K/V (the next step's logits agree too)."""
+    from memra_dist.batching.graphs import StepGraphs
+    from memra_dist.batching.job import Job
+    from memra_dist.batching.step_forward import forward
+
+    torch.manual_seed(0)
+    cap, a, b_ = 96, torch.randint(0, 100, (76,)), torch.randint(0, 100, (12,))
+    out = {}
+    with open_engine(_cfg(wide_llama, "none"), capacity=cap, max_batch=4) as eng:
+        _on_kernels(eng._backend)
+        b = eng._backend.batcher
+        graphs = StepGraphs(b, b.max_tokens, graph_cls=_Replayed)
+        graphs.tails = True  # (as warm(..., tails=True) leaves it; the buckets captured on first use here)
+        for graphed in (False, True):
+            ra, rb = ("tail", graphed), ("decode", graphed)
+            b.graphs = None
+            for r, ids, n in ((ra, a, 40), (rb, b_, 11)):
+                b.admit(r, cap)
+                forward(b, [Job(r, ids[:n], 0, cap, True)])  # eager: the cached prefix, the other's prompt
+            b.graphs = graphs if graphed else None
+            before = graphs.replays
+            with torch.inference_mode():
+                step = [Job(rb, b_[11:12], 11, cap, False), Job(ra, a[40:75], 40, cap, True)]
+                assert graphs.eligible(step)
+                first = forward(b, step).clone()
+                second = forward(b, [Job(ra, a[75:76], 75, cap, False), Job(rb, b_[11:12], 12, cap, False)]).clone()
+            out[graphed] = first, second
+            assert first.shape[0] == 2 and (graphs.replays - before == 2) == graphed
+            for r in (ra, rb):
+                b.leave(r)
+    for x, y in zip(out[True], out[False]):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
 class _Uncapturable:
     def __init__(self, fn, pool):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -222,6 +261,10 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
         # (--spec-k auto's calibration: the requests after it still get their solo ids)
         warmed, _ = b.graphs.warm(5, (1, 4), 96, timed=True)
         assert len(b.graphs.timings) == warmed and all(ns > 0 for _, ns in b.graphs.timings)
+        if drafter == "none":  # and the buckets of prefill chunks of up to 64 rows (untimed: not a
+            tails, _ = b.graphs.warm(5, (1, 4), 96, timed=True, tails=True)  # step's cost): the
+            assert tails >= 3 and len(b.graphs.timings) == warmed  # prompts' chunks that fit replay too
+            warmed += tails
 
         def one(i, p, n):
             got[i] = eng.generate(p, cfg(n)).token_ids
@@ -239,6 +282,7 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
     if graph_cls is _Replayed:  # every step size the requests took was captured before them
         assert warmed >= 6 and g["captured"] == warmed and g["eager_buckets"] == 0, g
         assert g["replays"] > 0 and g["padded_rows"] > 0, g
+        assert (g["prefill_replays"] > 0) == (drafter == "none"), g
         graphed = [(t, s) for t, s in slots if s is not None]  # a graph launches min(rows, 5) request slots
         assert graphed and all(s == min(t, 5) for t, s in graphed), graphed
         assert any(t > s for t, s in graphed), graphed  # steps of more rows than requests: not a slot a row

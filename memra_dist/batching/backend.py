@@ -186,9 +186,11 @@ class BatchedBackend:
         self.admission = Admission(max_batch)  # the B request slots, longest cached prefix first (admission.py)
         self.max_batch = max_batch
         verify = cfg.k + 1 if cfg.drafter != "none" else 1
-        self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target", timed=self.batcher.auto_k)
+        self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target", timed=self.batcher.auto_k,
+                   tails=self.prefix_cache)
         if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
-            self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model")
+            self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model",
+                       tails=self.prefix_cache)
         if cfg.drafter in ("dflash", "eagle3") and self.batcher.graphs is not None:
             try:
                 self._draft_graphs(plan, max_batch)
@@ -307,12 +309,13 @@ class BatchedBackend:
 
     @staticmethod
     def _warm(batcher: Batcher, max_batch: int, rows_each: tuple[int, ...], capacity: int, what: str,
-              timed: bool = False) -> None:
+              timed: bool = False, tails: bool = False) -> None:
         """The batched steps' graphs (graphs.py) captured before the first request (`timed`: each
-        bucket's replay timed too, calibrate.py)."""
+        bucket's replay timed too, calibrate.py; `tails`: a prefill tail's buckets too, where the
+        prefix cache leaves prompts short tails)."""
         if batcher.graphs is None:
             return
-        n, sec = batcher.graphs.warm(max_batch, rows_each, capacity, timed)
+        n, sec = batcher.graphs.warm(max_batch, rows_each, capacity, timed, tails)
         if n:
             print(f"[memra] batched steps ({what}): {n} CUDA graphs captured in {sec:.1f} s", file=sys.stderr,
                   flush=True)

@@ -3,7 +3,11 @@
 An eager batched step of an 8B model launches ~1,000 kernels from Python (~25-37 ms of host
 time on an H200, BENCHMARKS.md) around ~5-6 ms of device work, so the
 device idles most of the step. A step whose every request brings at most PAGED_MAX_ROWS rows
-(decode rows, verify rows, a short prefill tail) instead replays a graph of the whole forward.
+(decode rows, verify rows), or a prefill chunk of at most PREFILL_TAIL_ROWS (what a prompt
+leaves after a prefix-cache hit: a chat's next turn), instead replays a graph of the whole
+forward. A chunk's rows go to the paged kernel as segments of PAGED_MAX_ROWS rows over the same
+block table (each row reads the positions up to its own, written by the step before the
+attention), and only its last row's logits are handed back, as the eager step hands them.
 
 One graph per bucket (rows padded up to a bucket size, the class of the longest segment, the
 block-table width), captured when the engine opens for the step sizes its requests will take
@@ -39,6 +43,16 @@ from .step_forward import layers, scatter_taps
 __all__ = ["StepGraphs", "bucket_rows", "row_class"]
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
+PREFILL_TAIL_ROWS = 64  # a prefill chunk of at most this many rows may ride a graphed step
+
+
+def pieces(rows: int) -> int:
+    """The paged kernel's segments a request's `rows` take (PAGED_MAX_ROWS rows each).
+
+    >>> [pieces(n) for n in (1, 16, 17, 64)]
+    [1, 1, 2, 4]
+    """
+    return -(-rows // PAGED_MAX_ROWS)
 
 
 def bucket_rows(rows: int) -> int:
@@ -106,37 +120,51 @@ class StepGraphs:
         self.failed: set = set()
         self.pool = None
         self.replays = 0
+        self.tail_replays = 0  # ... of steps with prefill chunks
         self.captures = 0
         self.padded = 0  # rows of padding replayed (what the buckets waste)
+        self.tails = False  # prefill chunks of up to PREFILL_TAIL_ROWS replay too (warm's `tails`)
         self.timings: list[tuple[int, float]] = []  # (rows, ns) of the buckets timed at warm-up
         self.timing_s = 0.0  # ... and the seconds their timing took
 
     def eligible(self, jobs) -> bool:
-        """Decode / verify rows only: a prefill chunk (`last`) rides an eager step (one a request,
-        and its lengths would each meet a new bucket)."""
-        return (sum(j.n for j in jobs) <= self.max_rows and len(jobs) <= self.max_segments
-                and all(j.n <= PAGED_MAX_ROWS and not j.last for j in jobs))
+        """Decode / verify rows up to the largest bucket's rows; with prefill chunks (`last`)
+        among them, where `warm` captured the tails' buckets (`tails`), up to PREFILL_TAIL_ROWS
+        rows in all (the buckets captured for them: the prefix cache's tails, a short prompt's
+        chunk); and no more segments than the graphs' slots. A longer chunk rides an eager step
+        (its lengths would each meet a new bucket, and its attention is a prefill's)."""
+        rows = sum(j.n for j in jobs)
+        if any(j.last for j in jobs) and not (self.tails and rows <= PREFILL_TAIL_ROWS):
+            return False
+        return (rows <= self.max_rows and sum(pieces(j.n) for j in jobs) <= self.max_segments
+                and all(j.last or j.n <= PAGED_MAX_ROWS for j in jobs))
 
-    def warm(self, max_requests: int, rows_each: tuple[int, ...], width: int, timed: bool = False) -> tuple[int, float]:
+    def warm(self, max_requests: int, rows_each: tuple[int, ...], width: int, timed: bool = False,
+             tails: bool = False) -> tuple[int, float]:
         """Capture, before any request, the buckets that steps of up to `max_requests` requests
         of up to `rows_each` rows each take (1: decode; K + 1: verify, which may share a step
         with decode rows), over caches of `width` rows, so no capture stalls a running request
-        (an 8B capture costs ~0.1-0.3 s). The steps run on a request of the pool's own that
-        holds `width` rows while it lasts. `timed`: each captured bucket's replay is also timed
-        (`timings`: (rows, ns), --spec-k auto's first fit of a step's cost, calibrate.py).
-        Returns (graphs captured, seconds)."""
+        (an 8B capture costs ~0.1-0.3 s); `tails`: also the buckets of a prefill tail alone (up
+        to PREFILL_TAIL_ROWS rows: where the prefix cache leaves one). The steps run on a request
+        of the pool's own that holds `width` rows while it lasts. `timed`: each captured bucket's
+        replay is also timed (`timings`: (rows, ns), --spec-k auto's first fit of a step's cost,
+        calibrate.py). Returns (graphs captured, seconds)."""
         import time  # noqa: PLC0415
 
         t0, before = time.perf_counter(), self.captures
+        self.tails = self.tails or tails
         pool, rid = self.b.pool, ("warm-up",)
         if not pool.fits(width) or not pool.reserve(rid, width):
             return 0, 0.0
         try:
             with torch.inference_mode():  # as every step runs (step_forward.forward)
-                for c in sorted(set(rows_each)):
+                classes = sorted(set(rows_each) | ({PAGED_MAX_ROWS} if tails else set()))
+                for c in classes:
                     lo = 1 if c == 1 else 2  # a class-c step holds one segment of 2..c rows at least
                     most = min(max_requests, self.max_segments)
                     top = bucket_rows(min(most * c, self.max_rows))
+                    if tails and c == PAGED_MAX_ROWS and c not in rows_each:
+                        lo, top = PAGED_MAX_ROWS // 2 + 1, bucket_rows(min(PREFILL_TAIL_ROWS, top))
                     for T in sorted({bucket_rows(n) for n in range(lo, top + 1)}):
                         n = min(T, most * c)  # the bucket's rows (bucket_rows(n) == T), in <= `most` segments
                         rows = [min(c, n - i) for i in range(0, n, c)]
@@ -144,7 +172,7 @@ class StepGraphs:
                         if self.eligible(jobs) and self._key(jobs) not in self.steps:
                             self.run(jobs)
                             st = self.steps.get(self._key(jobs))
-                            if timed and st is not None:
+                            if timed and st is not None and c in rows_each:  # (a tail's: not the steps' cost)
                                 t1 = time.perf_counter()
                                 self.timings.append((n, best_ns(st.graph.replay, self.b.device)))
                                 self.timing_s += time.perf_counter() - t1
@@ -156,11 +184,12 @@ class StepGraphs:
         rows = sum(j.n for j in jobs)
         block = self.b.pool.block
         width = max(-(-j.width // block) for j in jobs)
-        return bucket_rows(rows), row_class(max(j.n for j in jobs)), width, max(j.width for j in jobs)
+        return (bucket_rows(rows), row_class(min(max(j.n for j in jobs), PAGED_MAX_ROWS)), width,
+                max(j.width for j in jobs))
 
     def run(self, jobs, launched=None, ids_dev: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor | None:
-        """The logits of every job's rows, in job order, from a replay (no job is `last`:
-        `eligible`); None when the bucket cannot be captured (the caller runs the step eager).
+        """The logits of every job's rows (a `last` job's last row only), in job order, from a
+        replay; None when the bucket cannot be captured (the caller runs the step eager).
         `launched()`: called once the replay is launched (before anything waits on it). `ids_dev`:
         the rows' ids already on the device (copied over the packed ones: a step launched ahead).
         `copy=False`: the rows of the shared logits buffer itself, valid until the next replay."""
@@ -182,12 +211,21 @@ class StepGraphs:
         rows = sum(j.n for j in jobs)
         self.replays += 1
         self.padded += st.rows - rows
+        tail = any(j.last for j in jobs)
+        self.tail_replays += tail
         logits, tapped = st.graph.out
         scatter_taps(jobs, tapped, st.views()[1])  # the tapped rows into each request's sink
+        if tail:  # a prefill chunk's last row only (as the eager step's lm_head)
+            keep, lo = [], 0
+            for j in jobs:
+                keep.extend([lo + j.n - 1] if j.last else range(lo, lo + j.n))
+                lo += j.n
+            return logits[torch.tensor(keep, device=logits.device)]  # (a gather: a copy already)
         return logits[:rows].clone() if copy else logits[:rows]  # the next replay rewrites it
 
     def stats(self) -> dict:
-        return {"captured": self.captures, "replays": self.replays, "padded_rows": self.padded,
+        return {"captured": self.captures, "replays": self.replays, "prefill_replays": self.tail_replays,
+                "padded_rows": self.padded,
                 "eager_buckets": len(self.failed)}
 
     def _pack(self, st: _Step, jobs) -> None:
@@ -197,15 +235,17 @@ class StepGraphs:
         T, W, pool, a = st.rows, st.width, self.b.pool, st.np
         a.fill(0)
         a[2 * T:3 * T] = self.b.kv.scratch
-        r, tab = 0, 5 * T
-        for s, j in enumerate(jobs):
+        r, s, tab = 0, 0, 5 * T
+        for j in jobs:
             n = j.n
             a[r:r + n] = j.ids if isinstance(j.ids, list) else j.ids.tolist()
             a[T + r:T + r + n] = range(j.start, j.start + n)
             a[2 * T + r:2 * T + r + n] = pool.slots(j.rid, j.start, j.start + n)
-            a[3 * T + s], a[4 * T + s] = r, n
             tbl = pool.table(j.rid)
-            a[tab + s * W:tab + s * W + len(tbl)] = tbl
+            for p in range(0, n, PAGED_MAX_ROWS):  # its segments (a prefill tail's: several, one table)
+                a[3 * T + s], a[4 * T + s] = r + p, min(PAGED_MAX_ROWS, n - p)
+                a[tab + s * W:tab + s * W + len(tbl)] = tbl
+                s += 1
             r += n
 
     def _load(self, st: _Step, jobs) -> None:
