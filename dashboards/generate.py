@@ -262,6 +262,16 @@ def _batch_panels() -> list:
                    "held, the loop holding the step for a request still on the host; other, the rest (readback, "
                    "launch). Compare with the step's own time: large idle means the host, not the device, sets "
                    "the pace."),
+        panel(26, "Speculation: step time, forecast vs measured (--spec-k auto)",
+              [target(f"{rate_sum('batch_step')} / {rate_sum('batch_step', part='_count')}", "measured"),
+               target(f"{rate_sum('batch_step_predicted')} / {rate_sum('batch_step_predicted', part='_count')}",
+                      "forecast", "B")],
+              (0, 100, 12, 8), unit="ms",
+              desc="Batched engines with --spec-k auto: the mean forward of the steps rounds rode in, and what the "
+                   "engine's step cost model forecast for their rows before they ran (by CUDA-graph bucket where "
+                   "steps replay graphs: each bucket's time at open plus an offset the steps move). The K choice "
+                   "weighs plans with this model: a forecast well below the measured time makes it draft where "
+                   "drafts do not pay."),
     ]
 
 

@@ -70,7 +70,8 @@ def test_burst_records_every_instrument(sink):
     pts = _points(reader)
     batch_only = {METRICS[k] for k in ("batch_requests", "batch_wait", "kv_blocks", "batch_preemptions",
                                        "batch_draft_requests", "prefix_evictions", "spec_k_chosen",
-                                       "spec_k_expected", "spec_k_accepted", "batch_idle")}  # a batched engine's rounds
+                                       "spec_k_expected", "spec_k_accepted", "batch_idle", "batch_step",
+                                       "batch_step_predicted")}  # a batched engine's rounds
     assert set(pts) == set(METRICS.values()) - {METRICS["verify_sub_duration"], METRICS["first_token"]} - batch_only
     host = _by(pts[METRICS["phase_host_duration"]], METRIC_ATTR["phase"])
     assert host["verify"].count == 1 and host["verify"].sum == pytest.approx(3.5)  # only the round that has it
@@ -228,6 +229,7 @@ def test_batched_rounds_record_the_step_size_the_wait_and_the_kv_blocks(sink):
                             kv_used=used, kv_free=40 - used, preempted=used // 6,
                             gap_ns=int(gap * MS), rounds_ns=int(rnd * MS), held_ns=int(held * MS))
     rounds[0].draft_requests, rounds[1].draft_requests = 4, 3  # drafted in shared forwards; the last alone
+    rounds[0].batch = dataclasses.replace(rounds[0].batch, predicted_ns=int(2.5 * MS))  # --spec-k auto's forecast
     s.burst(_burst(rounds))
     pts = _points(reader)
     (size,) = pts[METRICS["batch_requests"]]
@@ -236,6 +238,9 @@ def test_batched_rounds_record_the_step_size_the_wait_and_the_kv_blocks(sink):
     assert shared.count == 2 and shared.sum == 7  # one value per round drafted in a shared forward
     (wait,) = pts[METRICS["batch_wait"]]
     assert wait.count == 3 and wait.sum == pytest.approx(2.5)
+    (step,) = pts[METRICS["batch_step"]]
+    (forecast,) = pts[METRICS["batch_step_predicted"]]
+    assert (step.count, step.sum) == (3, pytest.approx(9.0)) and (forecast.count, forecast.sum) == (1, pytest.approx(2.5))
     parts = _by(pts[METRICS["batch_idle"]], METRIC_ATTR["part"])
     assert {p: (x.count, x.sum) for p, x in parts.items()} == {
         "rounds": (3, pytest.approx(3.0)), "held": (3, pytest.approx(0.5)), "other": (3, pytest.approx(1.5))}

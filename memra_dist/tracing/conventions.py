@@ -154,6 +154,8 @@ METRICS = {
     "spec_k_expected": "memra.spec_k.expected",  # counter, tokens: accepted drafts those Ks were chosen for
     "spec_k_accepted": "memra.spec_k.accepted",  # counter, tokens: accepted drafts of those rounds
     "batch_idle": "memra.batch.idle.duration",  # histogram, ms: the device idle before a round's step, by memra.part
+    "batch_step": "memra.batch.step.duration",  # histogram, ms: the forward of a round's step
+    "batch_step_predicted": "memra.batch.step.predicted",  # histogram, ms: --spec-k auto's forecast of that step
 }
 METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device", "kv_state": "memra.kv_state",
                "part": "memra.part"}
@@ -197,6 +199,12 @@ METRIC_META = {
                    "one value per round and part (memra.part): rounds, the engine loop's rounds after the "
                    "previous step (acceptance, drafters, next drafts); held, the loop holding the step for a "
                    "request still on the host; other, the rest."),
+    "batch_step": ("histogram", "ms", "Batched engines: the forward of the batch step a round's verify rode in (from "
+                   "its launch to its device work done), one value per round."),
+    "batch_step_predicted": ("histogram", "ms", "--spec-k auto (batched engines): the time the engine's step cost "
+                             "model forecast for that step's rows before it ran (its bucket's time where steps replay "
+                             "CUDA graphs), one value per round: against memra.batch.step.duration, how well the "
+                             "model the K choice weighs forecasts the steps."),
     "prefix_evictions": ("gauge", "{block}", "Batched engines with the prefix cache: cached blocks evicted so far (the "
                          "least recently used, only when no free block was left), as of the last batch step a burst "
                          "saw. Rising fast: the pool is too small to keep the prompts the load repeats."),

@@ -122,6 +122,9 @@ class MetricsSink:
             if r.batch is not None:
                 m["batch_requests"].record(r.batch.requests, context=ctx)
                 m["batch_wait"].record(r.batch.wait_ns / 1e6, context=ctx)
+                m["batch_step"].record(r.batch.forward_ns / 1e6, context=ctx)
+                if r.batch.predicted_ns:
+                    m["batch_step_predicted"].record(r.batch.predicted_ns / 1e6, context=ctx)
                 self._idle(r.batch, ctx)
             if r.draft_requests:
                 m["batch_draft_requests"].record(r.draft_requests, context=ctx)
