@@ -539,6 +539,12 @@ def test_prefix_section_on_cpu_times_both_workloads_and_keeps_the_ids(tmp_path):
     assert max(r["cached_tokens_on"]) >= r["header"] - 16 and r["cached_tokens_on"] != [0]
     for key in ("turn2", "shared", "together"):
         assert r[f"{key}_ttft_ms_off"] > 0 and r[f"{key}_ttft_ms_on"] > 0 and r[f"{key}_speedup"] > 0
+    # the batch job: every prompt but the first computed the header's blocks once (its own rows
+    # after them), the same ids both ways (in ids_equal above)
+    j = r["job"]
+    assert r["job_tok_s_off"] > 0 and r["job_tok_s_on"] > 0 and r["job_speedup"] > 0
+    assert max(r["job_cached_tokens_on"]) >= j["header"] - 16, r["job_cached_tokens_on"]
     md = markdown(json.loads(out.read_text()))
     assert "prefix cache, chat turn 2" in md and "prefix cache, shared header x5" in md
     assert "prefix cache, one header, 5 arriving together" in md
+    assert f"prefix cache, batch job of {j['prompts']}" in md

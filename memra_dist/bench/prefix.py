@@ -18,6 +18,14 @@ warmed by one unrelated request:
 Each row: TTFT off / on (median of REPEATS runs, their range), the speedup, the tokens shared
 (the results' `cached_tokens`: what the engine's own stats say it skipped) and whether every
 request's ids are the same with and without the cache (they must be).
+
+A fourth workload is a batch job, on an engine of its own (`--max-batch` JOB["inflight"]):
+
+    batch job        JOB["prompts"] prompts of one JOB["header"]-token header and their own
+                     JOB["own"] tokens, each generating NEW tokens, JOB["inflight"] at a time
+                     (the issue's 256 prompts of a 2k header + 200 own, 64 in flight, on a GPU):
+                     the job's generated tokens a second, from the first submission to the last
+                     answer, with the cache off and on.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ NEW = 32
 REQUESTS = 5
 REPEATS = 3
 TAIL = 16
+JOB = {"cuda": {"prompts": 256, "header": 2048, "own": 200, "inflight": 64},
+       "cpu": {"prompts": 16, "header": 128, "own": 16, "inflight": 4}}
 
 
 def _together(eng, prompts: list[list[int]], cfg) -> list[tuple[float, list[int], int]]:
@@ -98,6 +108,29 @@ def workload(model: str, device: str, header: int, cache: bool, vocab: int, repe
     return out
 
 
+def batch_job(model: str, device: str, cache: bool, vocab: int, prompts: int, header: int, own: int,
+              inflight: int, new: int = NEW) -> dict:
+    """The batch job (module doc) on a fresh engine, the cache on or off -> its wall seconds, the
+    tokens generated, every prompt's ids (in prompt order) and the cached tokens of each."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from ..app import open_engine  # noqa: PLC0415
+    from ..config import RunConfig  # noqa: PLC0415
+    from .runs import make_prompt  # noqa: PLC0415
+
+    cfg = RunConfig(model=model, drafter="none", device=device, max_new_tokens=new, prefix_cache=cache)
+    head = make_prompt(header, vocab, seed=900)
+    job = [head + make_prompt(own, vocab, seed=9000 + i) for i in range(prompts)]
+    with open_engine(cfg, capacity=header + own + new + 8, max_batch=inflight) as eng:
+        eng.generate(make_prompt(64, vocab, seed=999), cfg)  # the warm-up a server gets from its first request
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=inflight) as pool:
+            res = list(pool.map(lambda p: eng.generate(p, cfg), job))
+        wall = time.perf_counter() - t0
+    return {"s": wall, "tokens": sum(len(r.token_ids) for r in res), "ids": [r.token_ids for r in res],
+            "cached": [r.stats.get("cached_tokens", 0) for r in res]}
+
+
 def _extra(new: int = NEW) -> int:
     """The rows a request holds past the header (turn 2: its message, turn 1's answer, its own)."""
     return 2 * new + 2 * TAIL + 8
@@ -132,4 +165,18 @@ def prefix(s) -> dict:
         out[f"{key}_ttft_ms_off"], out[f"{key}_ttft_ms_off_range"] = round(off.value, 2), off.rng(2)
         out[f"{key}_ttft_ms_on"], out[f"{key}_ttft_ms_on_range"] = round(on.value, 2), on.rng(2)
         out[f"{key}_speedup"] = round(off.value / on.value, 2) if on.value else None
+    job = dict(JOB["cuda" if s.device.type == "cuda" else "cpu"])
+    job["header"] = min(job["header"], header)
+    jobs = {}
+    for cache in (False, True):
+        s.say(f"  prefix cache {'on' if cache else 'off'}: a batch job of {job['prompts']} prompts "
+              f"({job['header']}-token header + {job['own']} own), {job['inflight']} in flight")
+        jobs[cache] = batch_job(model, str(s.device), cache, vocab, **job)
+    out["job"] = job
+    out["ids_equal"] = out["ids_equal"] and jobs[True]["ids"] == jobs[False]["ids"]
+    out["job_cached_tokens_on"] = sorted(set(jobs[True]["cached"]))
+    for cache, tag in ((False, "off"), (True, "on")):
+        out[f"job_s_{tag}"] = round(jobs[cache]["s"], 3)
+        out[f"job_tok_s_{tag}"] = round(jobs[cache]["tokens"] / jobs[cache]["s"], 1)
+    out["job_speedup"] = round(jobs[False]["s"] / jobs[True]["s"], 2)
     return out

@@ -344,6 +344,12 @@ def _prefix_rows(res: dict) -> list[tuple[str, str]]:
                      f"{p[f'{key}_ttft_ms_on']:.1f}{_rng(p.get(f'{key}_ttft_ms_on_range'), '.1f')} ms "
                      f"(x{p[f'{key}_speedup']}), cached tokens {p.get('cached_tokens_on')}, ids equal "
                      f"{p.get('ids_equal')}"))
+    j = p.get("job")
+    if j and p.get("job_speedup") is not None:
+        rows.append((f"prefix cache, batch job of {j['prompts']} ({j['header']}-token header + {j['own']} own, "
+                     f"{j['inflight']} in flight)",
+                     f"{p['job_tok_s_off']:.1f} -> {p['job_tok_s_on']:.1f} generated tok/s ({p['job_s_off']:.2f} -> "
+                     f"{p['job_s_on']:.2f} s, x{p['job_speedup']}), cached tokens {p.get('job_cached_tokens_on')}"))
     return rows
 
 

@@ -195,7 +195,7 @@ def run_suite(opts: Options, root: Path) -> dict:
                    "hybrid": "not selected (--hybrid, or the default suite on a GPU, runs it)",
                    "prefill": "not in the default suite (minutes on a GPU: prompts to 128k, the transformers "
                               "peer, a chunk sweep; --sections prefill runs it)",
-                   "prefix": "not in the default suite (a chat's second turn and a shared header with the "
+                   "prefix": "not in the default suite (a chat's second turn, a shared header and a batch job with the "
                              "prefix cache off and on; --sections prefix runs it)",
                    "batching": "not in the default suite (engines of 1 to 64 concurrent requests; --sections "
                                "batching runs it)"}.get(name, "not selected")
