@@ -158,13 +158,16 @@ class StepGraphs:
             return 0, 0.0
         try:
             with torch.inference_mode():  # as every step runs (step_forward.forward)
-                classes = sorted(set(rows_each) | ({PAGED_MAX_ROWS} if tails else set()))
-                for c in classes:
-                    lo = 1 if c == 1 else 2  # a class-c step holds one segment of 2..c rows at least
-                    most = min(max_requests, self.max_segments)
-                    top = bucket_rows(min(most * c, self.max_rows))
-                    if tails and c == PAGED_MAX_ROWS and c not in rows_each:
-                        lo, top = PAGED_MAX_ROWS // 2 + 1, bucket_rows(min(PREFILL_TAIL_ROWS, top))
+                most = min(max_requests, self.max_segments)
+                # (rows a request brings, the least, the top bucket, timed): decode / verify steps;
+                # with `tails`, steps of up to PREFILL_TAIL_ROWS rows whose longest segment takes
+                # the kernel's row class 8 or 16 (a prefill chunk, alone or beside other rows)
+                specs = [(c, 1 if c == 1 else 2, bucket_rows(min(most * c, self.max_rows)), True)
+                         for c in sorted(set(rows_each))]
+                if tails:
+                    specs += [(c, lo, bucket_rows(min(most * c, PREFILL_TAIL_ROWS)), False)
+                              for c, lo in ((8, 2), (PAGED_MAX_ROWS, 9))]
+                for c, lo, top, timed_c in specs:
                     for T in sorted({bucket_rows(n) for n in range(lo, top + 1)}):
                         n = min(T, most * c)  # the bucket's rows (bucket_rows(n) == T), in <= `most` segments
                         rows = [min(c, n - i) for i in range(0, n, c)]
@@ -172,7 +175,7 @@ class StepGraphs:
                         if self.eligible(jobs) and self._key(jobs) not in self.steps:
                             self.run(jobs)
                             st = self.steps.get(self._key(jobs))
-                            if timed and st is not None and c in rows_each:  # (a tail's: not the steps' cost)
+                            if timed and timed_c and st is not None:  # (a tail's: not the steps' cost)
                                 t1 = time.perf_counter()
                                 self.timings.append((n, best_ns(st.graph.replay, self.b.device)))
                                 self.timing_s += time.perf_counter() - t1
