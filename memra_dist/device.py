@@ -8,7 +8,7 @@ import torch
 
 from .errors import UserError
 
-__all__ = ["DTYPES", "resolve_device", "actor_device", "resolve_dtype", "Drainer", "device_label", "free_mb", "CudaMarks", "stream_marks",
+__all__ = ["DTYPES", "resolve_device", "actor_device", "resolve_dtype", "Drainer", "device_label", "free_mb", "room_mb", "CudaMarks", "stream_marks",
            "to_device"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -67,6 +67,18 @@ def free_mb(device: torch.device) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20))
+
+
+def room_mb(device: torch.device) -> int:
+    """Memory in MB an allocation on `device` can take: on CUDA the device's free memory plus what
+    torch's caching allocator holds unused (an engine closed in this process leaves its tensors'
+    memory there, which the next allocations reuse but `free_mb` does not count: sized by
+    `free_mb`, a benchmark's sixth engine got a KV pool of one request); on CPU `free_mb`. For
+    sizing and fit checks; spans and the first-token profile report `free_mb`."""
+    if device.type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free_mb(device) + max(int(cached), 0) // (1 << 20)
+    return free_mb(device)
 
 
 class Drainer:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .cache import StageCache
-from .device import Drainer, device_label, free_mb, stream_marks
+from .device import Drainer, device_label, free_mb, room_mb, stream_marks
 from .errors import UserError
 from .kernels import available as kernels_available
 from .kernels import install as install_kernels
@@ -32,7 +32,7 @@ def check_fits_before_load(cfg: ModelConfig, first: int, last: int, has_embed: b
     size = torch.empty((), dtype=dtype).element_size()
     weights = sum(p.numel() for p in stage.parameters()) * size
     cache = stage.new_cache(capacity, torch.device("meta"), dtype).nbytes()
-    free = free_mb(device)
+    free = room_mb(device)
     if weights + cache > free * (1 << 20):
         mb = lambda b: f"{b / (1 << 20):.0f} MB"  # noqa: E731
         raise UserError(f"out of memory: the cache for {capacity} rows needs {mb(cache)} on {label}, free {free} MB, "
@@ -134,7 +134,7 @@ class ModelRunner:
         before allocating: on CPU an oversized allocation would swap or meet the OOM killer,
         not raise. The old cache counts as free: it is dropped first."""
         need = self.planned_bytes(capacity)
-        free = free_mb(self.device)
+        free = room_mb(self.device)
         reclaim = self.cache.nbytes() if self.cache is not None else 0
         if need > free * (1 << 20) + reclaim:
             raise UserError(

@@ -112,13 +112,13 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
     the batch at `capacity`, shrunk to what the device's free memory holds, at least one, with
     `reserve` bytes left for the tap and draft-cache pools its requests take later); `cache`:
     the pool keeps prompts' full blocks for later requests, keyed under `salt` (prefix_cache.py)."""
-    from ..device import free_mb  # noqa: PLC0415
+    from ..device import room_mb  # noqa: PLC0415
 
     hidden = runner.stage.cfg.hidden_size
     tapped = cache and bool(tap_layers)  # the cached blocks keep their tap rows too (tap_blocks.py)
     row = PagedKV.row_bytes(runner.stage, runner.dtype) + (TapBlocks.row_bytes(tap_layers, hidden, runner.dtype)
                                                              if tapped else 0)
-    free = free_mb(runner.device) * (1 << 20)
+    free = room_mb(runner.device) * (1 << 20)
     if kv_rows is None:  # what the step graphs capture next (their logits, fp32) stays free too
         room = free * 0.9 - (graph_bytes(runner.stage, budget) if graphs else 0)
         room -= max_batch * PagedKV.request_bytes(runner.stage) + reserve  # recurrent states; taps, draft caches
