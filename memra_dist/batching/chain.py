@@ -99,6 +99,7 @@ class Chain:
         self.acc: Acceptance | None = None  # --spec-k auto: its running acceptance per draft position (start_chain)
         self.k_step: int | None = None  # the K the engine chose for its next round (--spec-k auto), else k
         self.remeasure = False  # --spec-k auto: its next drafting round drafts at its bound (loop_rounds.choose_k)
+        self.remeasured = 0  # ... the engine's re-measure that last chose it (0: none yet)
         self._shadow: tuple[int, list[int]] | None = None  # a K-0 round's unverified drafts: (position, ids)
 
     @property

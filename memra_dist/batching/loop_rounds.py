@@ -15,7 +15,7 @@ from ..specdec.spec_k import Acceptance, choose
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import Job
 
-__all__ = ["chain_rounds", "choose_k", "choose_first_k", "CHOOSE_SAMPLED", "REMEASURE_STEPS"]
+__all__ = ["chain_rounds", "choose_k", "choose_first_k", "CHOOSE_SAMPLED", "REMEASURE_STEPS", "REMEASURE_MAX"]
 
 _NONE = Acceptance(0)  # a request of the step that drafts nothing
 
@@ -110,23 +110,26 @@ def choose_first_k(b, ch) -> None:
 
 
 # After this many steps in a row whose every chosen K was 0 (a network drafter's requests among
-# them), each such request drafts its next round at its bound: at K 0 a network's drafts are never
-# made, so nothing measures them (a request's average moves only on drafted rounds), and an
-# acceptance learned low (a continuation's first tokens, a drafter that became worth it) would
-# hold every request at K 0 for good; where the step is a full graph bucket, a probe request alone
-# never pays the next bucket's jump. The requests draft together, in one shared forward (a chain
-# whose K-0 round already runs ahead keeps the flag until it drafts). Its cost: at most one
-# drafting step in this many, and the network's catch-up on the rows it skipped. A host drafter
-# (n-gram) needs none: its K-0 rounds propose anyway, unverified, and score the drafts against
-# the tokens that come (chain.py `shadow`).
+# them), up to REMEASURE_MAX such requests (those re-measured longest ago first) draft their next
+# round at their bound: at K 0 a network's drafts are never made, so nothing measures them (a
+# request's average moves only on drafted rounds), and an acceptance learned low (a
+# continuation's first tokens, a drafter that became worth it) would hold every request at K 0
+# for good; where the step is a full graph bucket, a probe request alone never pays the next
+# bucket's jump. They draft together, in one shared forward (a chain whose K-0 round already runs
+# ahead keeps the flag until it drafts), and their rounds feed the engine's acceptance, which
+# later requests start from. Its cost: at most one drafting step in this many, and each drafter's
+# catch-up on the rows it skipped (hence the cap: 64 DFlash requests' catch-ups in one step stalled
+# it ~100 ms on an H100). A host drafter (n-gram) needs none: its K-0 rounds propose anyway,
+# unverified, and score the drafts against the tokens that come (chain.py `shadow`).
 REMEASURE_STEPS = 128
+REMEASURE_MAX = 8
 
 
 def choose_k(b, chains) -> None:
     """--spec-k auto: each chain's K for its next round, by the step's expected goodput
     (specdec/spec_k.py choose), its bound the K it would take otherwise; after REMEASURE_STEPS
-    all-K-0 steps, every network drafter's request at its bound (`b.k0_steps` counts those
-    steps; the stats count the re-measures)."""
+    all-K-0 steps, up to REMEASURE_MAX network drafters' requests at their bound (`b.k0_steps`
+    counts those steps; the stats count the re-measures)."""
     drafting = [ch for ch in chains if not ch.never_drafts and (ch.greedy or CHOOSE_SAMPLED)]  # (drafter none: a plain row)
     for ch in drafting:
         ch.k_step = None
@@ -139,7 +142,8 @@ def choose_k(b, chains) -> None:
         if b.k0_steps >= REMEASURE_STEPS:
             b.k0_steps = 0
             b.stats.remeasures += 1
-            for ch in drafting:
-                ch.remeasure = not ch.drafter.host_only
+            net = [ch for ch, bound in zip(drafting, bounds) if bound and not ch.drafter.host_only]
+            for ch in sorted(net, key=lambda c: c.remeasured)[:REMEASURE_MAX]:  # (stable: the earliest first)
+                ch.remeasure, ch.remeasured = True, b.stats.remeasures
     for ch, k, bound in zip(drafting, ks, bounds):
         ch.k_step = bound if ch.remeasure and bound > 0 else k  # (counted by chain_rounds as the round starts with it)
