@@ -112,7 +112,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64, help="tokens each request generates")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (copy-with-edits prompts)")
     ap.add_argument("--drafter", default="none", help="none, ngram, replay (greedy; k = 4), or dflash-replay / "
-                    "eagle3-replay: the bench's random drafter over the target drafting in full (batched only), "
+                    "eagle3-replay: the bench's random drafter over the target drafting in full (batched only: at concurrency 1, "
+                    "one request on an engine of --max-batch 2), "
                     "its drafts replaced by each request's plain greedy ids (recorded by a plain run first) "
                     "corrupted at --corrupt")
     ap.add_argument("--corrupt", default="0.2", help="the replay drafters' corruption rates, comma-separated, "
@@ -191,7 +192,10 @@ def main() -> int:
                            lambda s: print(f"[batching] {s}", file=sys.stderr))[1])
     rows = []
     for n in (int(x) for x in a.concurrency.split(",")):
-        for b in ((1,) if n == 1 else (min(a.max_batch, n),) if a.only_batched else (1, min(a.max_batch, n))):
+        sizes = (1,) if n == 1 else (min(a.max_batch, n),) if a.only_batched else (1, min(a.max_batch, n))
+        if tap and n == 1 and a.max_batch > 1:  # the replay drafters run batched only: one request on a
+            sizes = (2,)  # batched engine (what `serve --max-batch N` gives a request alone)
+        for b in sizes:
             levels = tuple(int(x) for x in a.levels.split(",")) if b > 1 else (0,)
             kw = {}
             if tap:  # each request's plain greedy ids first: the replay's recordings (and the lossless check)
