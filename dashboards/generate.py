@@ -272,6 +272,14 @@ def _batch_panels() -> list:
                    "steps replay graphs: each bucket's time at open plus an offset the steps move). The K choice "
                    "weighs plans with this model: a forecast well below the measured time makes it draft where "
                    "drafts do not pay."),
+        panel(27, "Speculation: acceptance by draft position",
+              [target(f"sum by ({label('position')}) (rate({m('position_accepted')}[{RI}])) / "
+                      f"sum by ({label('position')}) (rate({m('position_reached')}[{RI}]))",
+                      f"draft {{{{{label('position')}}}}}")],
+              (12, 100, 12, 8), unit="percentunit",
+              desc="The share of drafts accepted at each position of a round (1 = the first draft), among those "
+                   "that reached it (every draft before them accepted): the per-position chance --spec-k auto "
+                   "weighs. A steep fall after the first positions says a shorter K pays; a flat one, a longer."),
     ]
 
 

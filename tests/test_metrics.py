@@ -89,6 +89,11 @@ def test_burst_records_every_instrument(sink):
     assert (drafted.value, accepted.value) == (15, 8)
     (acc,) = pts[METRICS["acceptance"]]
     assert acc.count == 1 and acc.sum == pytest.approx(8 / 15)
+    # per draft position (k, j = 4/4, 4/1, 4/0, 3/3): the drafts that reached it, and accepted there
+    reached = _by(pts[METRICS["position_reached"]], METRIC_ATTR["position"])
+    took = _by(pts[METRICS["position_accepted"]], METRIC_ATTR["position"])
+    assert {p: x.value for p, x in reached.items()} == {1: 4, 2: 3, 3: 2, 4: 1}
+    assert {p: x.value for p, x in took.items()} == {1: 3, 2: 2, 3: 2, 4: 1}
     (tpr,) = pts[METRICS["tokens_per_round"]]
     assert tpr.count == 4 and tpr.sum == 8 + 4  # j + 1 per round
     (slow,) = pts[METRICS["slow_rounds"]]

@@ -156,9 +156,11 @@ METRICS = {
     "batch_idle": "memra.batch.idle.duration",  # histogram, ms: the device idle before a round's step, by memra.part
     "batch_step": "memra.batch.step.duration",  # histogram, ms: the forward of a round's step
     "batch_step_predicted": "memra.batch.step.predicted",  # histogram, ms: --spec-k auto's forecast of that step
+    "position_reached": "memra.spec.position.reached",  # counter, drafts that reached their position, by memra.draft_position
+    "position_accepted": "memra.spec.position.accepted",  # counter, ... and were accepted there
 }
 METRIC_ATTR = {"phase": "memra.phase", "bucket": "memra.bucket", "device": "memra.device", "kv_state": "memra.kv_state",
-               "part": "memra.part"}
+               "part": "memra.part", "position": "memra.draft_position"}
 # kind, UCUM unit and description of each instrument (docs/metrics.md and the dashboards read
 # these; the Prometheus form of a name adds the unit word and _total / _bucket suffixes)
 METRIC_META = {
@@ -205,6 +207,11 @@ METRIC_META = {
                              "model forecast for that step's rows before it ran (its bucket's time where steps replay "
                              "CUDA graphs), one value per round: against memra.batch.step.duration, how well the "
                              "model the K choice weighs forecasts the steps."),
+    "position_reached": ("counter", "{draft}", "Drafts that reached their position in a round's verify (every draft "
+                         "before them accepted), by memra.draft_position (1 = the first draft)."),
+    "position_accepted": ("counter", "{draft}", "Drafts accepted at their position, by memra.draft_position: over "
+                          "memra.spec.position.reached, the acceptance per draft position that --spec-k auto's "
+                          "choice weighs (each later position's share is given the ones before it)."),
     "prefix_evictions": ("gauge", "{block}", "Batched engines with the prefix cache: cached blocks evicted so far (the "
                          "least recently used, only when no free block was left), as of the last batch step a burst "
                          "saw. Rising fast: the pool is too small to keep the prompts the load repeats."),

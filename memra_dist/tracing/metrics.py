@@ -95,6 +95,7 @@ class MetricsSink:
         self.a_phase = [{METRIC_ATTR["phase"]: p} for p in PHASES]  # attribute dicts built once
         self.a_kv = {st: {METRIC_ATTR["kv_state"]: st} for st in ("used", "free", "cached")}
         self.a_part = {pt: {METRIC_ATTR["part"]: pt} for pt in ("rounds", "held", "other")}
+        self.a_pos: list[dict] = []  # position i's attributes (memra.draft_position = i + 1), made as reached
 
     def _ctx(self) -> Context | None:
         try:
@@ -109,7 +110,14 @@ class MetricsSink:
         ctx, m = self._ctx(), self.m
         drafted = accepted = 0
         auto_exp, auto_acc = 0.0, 0
+        reached, took = [], []  # per draft position: drafts that reached it, drafts accepted there
         for r in rounds:
+            for i in range(min(r.k, r.j + 1)):
+                if i == len(reached):
+                    reached.append(0)
+                    took.append(0)
+                reached[i] += 1
+                took[i] += i < r.j
             for i, attrs in enumerate(self.a_phase):
                 m["phase_duration"].record(r.phase_ns(i) / 1e6, attrs, context=ctx)
                 if r.h[i]:
@@ -134,6 +142,11 @@ class MetricsSink:
             drafted, accepted = drafted + r.k, accepted + r.j
         m["drafted"].add(drafted)
         m["accepted"].add(accepted)
+        while len(self.a_pos) < len(reached):
+            self.a_pos.append({METRIC_ATTR["position"]: len(self.a_pos) + 1})
+        for i, (n, a) in enumerate(zip(reached, took)):
+            m["position_reached"].add(n, self.a_pos[i])
+            m["position_accepted"].add(a, self.a_pos[i])
         if any(r.expected >= 0 for r in rounds):
             m["spec_k_expected"].add(auto_exp)
             m["spec_k_accepted"].add(auto_acc)
