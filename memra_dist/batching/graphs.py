@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import to_device
 from ..graphs import CapturedGraph
 from .calibrate import best_ns
 from .job import Job
@@ -223,7 +224,9 @@ class StepGraphs:
             for j in jobs:
                 keep.extend([lo + j.n - 1] if j.last else range(lo, lo + j.n))
                 lo += j.n
-            return logits[torch.tensor(keep, device=logits.device)]  # (a gather: a copy already)
+            # (a gather: a copy already; the indices through pinned memory, so the host does not
+            # wait for the replay just launched, as a pageable copy would)
+            return logits[to_device(keep, logits.device)]
         return logits[:rows].clone() if copy else logits[:rows]  # the next replay rewrites it
 
     def stats(self) -> dict:
