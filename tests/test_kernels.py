@@ -144,7 +144,9 @@ def _runner(path, kernels: bool) -> ModelRunner:
 
         n = _on_kernels(r)
         layers = len(r.stage.layers)
-        assert n == layers * 5 + 1  # attention + qkv + o, gating + gate_up, per layer; the head
+        # attention + qkv + o, gating + gate_up, the two norms and the gating in one pass (kernels/rows.py),
+        # per layer; the head
+        assert n == layers * 8 + 1
         assert isinstance(r.stage.lm_head, FastLinear)
     return r
 
@@ -155,6 +157,52 @@ def _generate(runner, drafter, k, prompt, n):
     while not s.done:
         s.burst(8)
     return s.tokens, s.stats
+
+
+@pytest.mark.parametrize("shape", [(7, 48), (3, 5, 40)])
+def test_row_kernels_equal_the_reference_norm_residual_and_gating(shape):
+    """kernels/rows.py: RMSNorm, the residual add with the next norm, silu(g) * u: each one pass,
+    equal to the reference modules (fp32; any leading dims, a hidden size off a power of two)."""
+    from memra_dist.kernels.rows import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
+    from memra_dist.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(sum(shape))
+    H = shape[-1]
+    x, r = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    norm = RMSNorm(H, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(H, generator=g) + 0.5)
+        torch.testing.assert_close(rms_norm_rows(x, norm.weight, norm.eps), norm(x), rtol=1e-6, atol=1e-6)
+        s, y = add_rms_norm_rows(x, r, norm.weight, norm.eps)
+        assert torch.equal(s, x + r)
+        torch.testing.assert_close(y, norm(x + r), rtol=1e-6, atol=1e-6)
+        gu = torch.randn(*shape[:-1], 2 * H, generator=g)
+        ref = torch.nn.functional.silu(gu[..., :H]) * gu[..., H:]
+        torch.testing.assert_close(silu_mul_rows(gu), ref, rtol=1e-6, atol=1e-6)
+        assert silu_mul_rows(gu[:0].reshape(0, 2 * H)).shape == (0, H)  # an empty step launches nothing
+
+
+def test_a_prefill_past_the_folds_runs_the_row_kernels_and_equals_the_reference(wide_llama, monkeypatch):
+    """A prompt longer than the folded rows (16) runs the eager block: its norms, residual add and
+    gating go through kernels/rows.py, and its logits equal the reference stage's."""
+    import memra_dist.kernels.ops as ops
+
+    calls = []
+    for name in ("rms_norm_rows", "add_rms_norm_rows", "silu_mul_rows"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    prompt = torch.tensor([5, 6, 7, 8, 9, 11, 3] * 6)  # 42 rows
+    out = []
+    for kernels in (False, True):
+        r = _runner(wide_llama, kernels)
+        with torch.inference_mode():
+            h = r.stage(prompt, torch.arange(len(prompt)), r.stage.new_cache(64, torch.device("cpu"), torch.float32))
+            out.append(r.stage.logits(h))
+    layers = len(r.stage.layers)
+    assert calls.count("rms_norm_rows") == layers and calls.count("add_rms_norm_rows") == layers
+    assert calls.count("silu_mul_rows") == layers
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))
 
 
 @pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it

@@ -350,6 +350,11 @@ def _prefix_rows(res: dict) -> list[tuple[str, str]]:
                      f"{j['inflight']} in flight)",
                      f"{p['job_tok_s_off']:.1f} -> {p['job_tok_s_on']:.1f} generated tok/s ({p['job_s_off']:.2f} -> "
                      f"{p['job_s_on']:.2f} s, x{p['job_speedup']}), cached tokens {p.get('job_cached_tokens_on')}"))
+    if j and p.get("unshared_on_over_off") is not None:
+        rows.append(("prefix cache, the same job with nothing shared",
+                     f"{p['unshared_tok_s_off']:.1f} -> {p['unshared_tok_s_on']:.1f} generated tok/s "
+                     f"(on / off x{p['unshared_on_over_off']}; bound >= 0.98), cached tokens "
+                     f"{p.get('unshared_cached_tokens_on')}"))
     return rows
 
 

@@ -14,6 +14,7 @@ from .decode_attention import decode_attention
 from .gemm_rows import BATCH_ROWS, MAX_ROWS, gemm_rows
 from .gemv import gemv
 from .moe_gemv import moe_experts
+from .rows import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
 
 __all__ = ["FastLinear", "install_stage", "install_mtp", "install_eagle3", "eagle3_foldable", "MAX_ATTN_ROWS",
            "MAX_MOE_ROWS", "BATCH_FOLD_ROWS"]
@@ -74,6 +75,39 @@ def _(q, kc, vc, pos):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
+@torch.library.custom_op("memra::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over many rows in one pass (kernels/rows.py)."""
+    return rms_norm_rows(x, w, eps)
+
+
+@rms_norm_op.register_fake
+def _(x, w, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype))
+
+
+@torch.library.custom_op("memra::add_rms_norm", mutates_args=())
+def add_rms_norm_op(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + r, RMSNorm(x + r)) in one pass: a residual add and the next half's pre-norm."""
+    return add_rms_norm_rows(x, r, w, eps)
+
+
+@add_rms_norm_op.register_fake
+def _(x, r, w, eps):
+    return torch.empty_like(x), x.new_empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype))
+
+
+@torch.library.custom_op("memra::silu_mul", mutates_args=())
+def silu_mul_op(gu: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u of a fused gate-up output, in one pass."""
+    return silu_mul_rows(gu)
+
+
+@silu_mul_op.register_fake
+def _(gu):
+    return gu.new_empty((gu.shape[0], gu.shape[1] // 2))
+
+
 def _no_backward(qualname: str):
     def backward(ctx, *grads):
         raise RuntimeError(f"{qualname} is inference-only and has no backward: call it (and any torch.compile'd "
@@ -88,7 +122,8 @@ def _no_context(ctx, inputs, output) -> None:
 # An autograd formula that refuses: a backward through one of the kernels raises this clear error
 # (at the call, or where AOTAutograd traces a compiled region with grad on), never a silent one.
 for _name, _op in (("gemv", gemv_op), ("glu_rows", glu_rows_op), ("moe_experts", moe_experts_op),
-                   ("decode_attention", attention_op)):
+                   ("decode_attention", attention_op), ("rms_norm", rms_norm_op), ("add_rms_norm", add_rms_norm_op),
+                   ("silu_mul", silu_mul_op)):
     _op.register_autograd(_no_backward(f"memra::{_name}"), setup_context=_no_context)
 
 
@@ -126,17 +161,28 @@ def _install_moe(moe) -> int:
     return n
 
 
+def _rows_kernels(module, norm_cls, glu_cls) -> int:
+    """Every RMSNorm and fused-gate SwiGLU in `module` computes its many rows' elementwise work
+    in one pass (kernels/rows.py): a prefill chunk's, or a batched step's past the folds."""
+    n = 0
+    for m in module.modules():
+        if type(m) is norm_cls or (type(m) is glu_cls and hasattr(m, "gate_up_proj")):
+            m.rows_kernel = True
+            n += 1
+    return n
+
+
 def install_block(blk) -> int:
     """One decoder block onto the kernels: Llama-family attention (GQA) and SwiGLU with their
     norms and residual adds folded in on a decode row; MLA's one-row projections as GEMVs;
     MoE FFNs (`_install_moe`). Other mixers (KDA) keep theirs."""
     from ..model.attention import Attention  # noqa: PLC0415
-    from ..model.layers import SwiGLU  # noqa: PLC0415
+    from ..model.layers import RMSNorm, SwiGLU  # noqa: PLC0415
     from ..model.mla import MLA  # noqa: PLC0415
     from ..model.moe import MoE  # noqa: PLC0415
 
     attn, mlp = blk.self_attn, blk.mlp
-    n = 0
+    n = _rows_kernels(blk, RMSNorm, SwiGLU)
     fast_attn = type(attn) is Attention and attn.hd >= 16 and attn.hd & (attn.hd - 1) == 0
     fast_mlp = type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj")
     if fast_attn:
@@ -151,6 +197,7 @@ def install_block(blk) -> int:
         n += 1 + _fast(mlp.gate_up_proj)
     elif isinstance(mlp, MoE):
         n += _install_moe(mlp)
+        n += _rows_kernels(mlp, RMSNorm, SwiGLU)  # its shared experts' gate-up, fused just now
     if fast_attn and fast_mlp and attn.rope_kernel_ok():
         blk.fused_rows = MAX_ROWS  # decode and verify rows: norms and residual adds inside the GEMVs / row GEMMs
         blk.batch_rows = BATCH_FOLD_ROWS  # a batched step's rows over the paged K/V, where the fold pays
@@ -162,6 +209,8 @@ def install_stage(stage) -> int:
     lm_head GEMV) switch to the kernels. Call after the QKV / gate-up fusion."""
     stage.requires_grad_(False)  # an inference stage (compiled regions run with grad off too: graphs.compile_inference)
     n = sum(install_block(blk) for blk in stage.layers.values())
+    if getattr(stage, "norm", None) is not None:
+        stage.norm.rows_kernel = True
     if getattr(stage, "has_head", False):
         n += _fast(stage.lm_head)
         # a verify's rows, and a batched step's up to 64: the lm_head's folded row GEMM beat cuBLAS with

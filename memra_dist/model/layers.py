@@ -19,7 +19,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    rows_kernel = False  # kernels/ops.py: one pass (kernels/rows.py) instead of the six ops below
+
+    def on_kernel(self) -> bool:
+        """Whether this norm runs as the one-pass kernel: installed, and not inside a region
+        torch.compile traces (it fuses the ops below itself)."""
+        return self.rows_kernel and not torch.compiler.is_compiling()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_kernel():
+            return torch.ops.memra.rms_norm(x, self.weight, self.eps)
         # normalise in fp32 like the HF reference, scale in the input dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -45,6 +54,7 @@ class SwiGLU(nn.Module):
         del self.gate_proj, self.up_proj
 
     fast_rows = 0  # kernels/ops.py: steps of up to this many rows fold silu(g) * u into the down kernel
+    rows_kernel = False  # kernels/ops.py: more rows compute silu(g) * u in one pass (kernels/rows.py)
 
     def fused_step(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """x + self(norm(x)) in two kernels. One decode row, two GEMVs (kernels/gemv.py): gate_up
@@ -61,6 +71,8 @@ class SwiGLU(nn.Module):
         if x.shape[0] <= self.fast_rows:
             return torch.ops.memra.gemv(self.gate_up_proj(x), self.down_proj.weight, self.down_proj.bias, True)
         if hasattr(self, "gate_up_proj"):
+            if self.rows_kernel and not torch.compiler.is_compiling():  # the gating in one pass (kernels/rows.py)
+                return self.down_proj(torch.ops.memra.silu_mul(self.gate_up_proj(x)))
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -90,16 +90,20 @@ class Block(nn.Module):
             fused = x.shape[0] <= self.batch_rows and ctx.batch.paged is not None
         if tm is not None:
             tm.begin()  # level 2: drained laps, so each class gets its device share
+        post, h = self.post_attention_layernorm, None
         if fused:
             x = self.self_attn.fused_step(x, ctx, state, self.input_layernorm)
+        elif post.on_kernel():  # the residual add and the FFN's pre-norm in one pass (kernels/rows.py)
+            x, h = torch.ops.memra.add_rms_norm(x, self.self_attn(self.input_layernorm(x), ctx, state), post.weight,
+                                                post.eps)
         else:
             x = x + self.self_attn(self.input_layernorm(x), ctx, state)
         if tm is not None:
             tm.lap(self.self_attn.mixer_class)
         if fused:
-            x = self.mlp.fused_step(x, self.post_attention_layernorm)
+            x = self.mlp.fused_step(x, post)
         else:
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.mlp(post(x) if h is None else h)
         if tm is not None:
             tm.lap("ffn")
         return x
