@@ -183,26 +183,36 @@ def test_row_kernels_equal_the_reference_norm_residual_and_gating(shape):
 
 
 def test_a_prefill_past_the_folds_runs_the_row_kernels_and_equals_the_reference(wide_llama, monkeypatch):
-    """A prompt longer than the folded rows (16) runs the eager block: its norms, residual add and
-    gating go through kernels/rows.py, and its logits equal the reference stage's."""
+    """Prefill chunks longer than the folded rows (16) run the eager block: their norms, residual
+    add and gating go through kernels/rows.py, their rotary and K/V writes through
+    kernels/rope_kv.py; the logits and the cache equal the reference stage's (a first chunk and
+    one over a prefix)."""
     import memra_dist.kernels.ops as ops
+    import memra_dist.kernels.rope_kv as rk
 
     calls = []
-    for name in ("rms_norm_rows", "add_rms_norm_rows", "silu_mul_rows"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
-    prompt = torch.tensor([5, 6, 7, 8, 9, 11, 3] * 6)  # 42 rows
-    out = []
+    for mod, name in ((ops, "rms_norm_rows"), (ops, "add_rms_norm_rows"), (ops, "silu_mul_rows"), (rk, "rope_kv_write")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    prompt = torch.tensor([5, 6, 7, 8, 9, 11, 3] * 12)  # two chunks of 42 rows
+    out, caches = [], []
     for kernels in (False, True):
         r = _runner(wide_llama, kernels)
+        cache = r.stage.new_cache(96, torch.device("cpu"), torch.float32)
         with torch.inference_mode():
-            h = r.stage(prompt, torch.arange(len(prompt)), r.stage.new_cache(64, torch.device("cpu"), torch.float32))
-            out.append(r.stage.logits(h))
+            for a in (0, 42):
+                h = r.stage(prompt[a:a + 42], torch.arange(a, a + 42), cache, start=a)
+                out.append(r.stage.logits(h))
+        caches.append(cache)
     layers = len(r.stage.layers)
-    assert calls.count("rms_norm_rows") == layers and calls.count("add_rms_norm_rows") == layers
-    assert calls.count("silu_mul_rows") == layers
-    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
-    assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))
+    for name in ("rms_norm_rows", "add_rms_norm_rows", "silu_mul_rows", "rope_kv_write"):
+        assert calls.count(name) == 2 * layers, (name, calls)
+    for ref, fast in ((out[0], out[2]), (out[1], out[3])):
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(fast.argmax(-1), ref.argmax(-1))
+    for i in caches[0].layers:
+        torch.testing.assert_close(caches[1].layers[i].k[:84], caches[0].layers[i].k[:84], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[1].layers[i].v[:84], caches[0].layers[i].v[:84], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it

@@ -198,6 +198,8 @@ def install_block(blk) -> int:
     elif isinstance(mlp, MoE):
         n += _install_moe(mlp)
         n += _rows_kernels(mlp, RMSNorm, SwiGLU)  # its shared experts' gate-up, fused just now
+    if fast_attn and attn.rope_kernel_ok():
+        attn.rows_rope = True  # a prefill chunk's rotary and cache writes in one kernel
     if fast_attn and fast_mlp and attn.rope_kernel_ok():
         blk.fused_rows = MAX_ROWS  # decode and verify rows: norms and residual adds inside the GEMVs / row GEMMs
         blk.batch_rows = BATCH_FOLD_ROWS  # a batched step's rows over the paged K/V, where the fold pays

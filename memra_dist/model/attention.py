@@ -42,6 +42,7 @@ class Attention(nn.Module):
         return KVLayer.alloc(capacity, self.nkv, self.hd, device, dtype)
 
     fast_attn_rows = 0  # kernels/ops.py: steps of up to this many rows read the cache with the split-sequence kernel
+    rows_rope = False  # kernels/ops.py: a prefill chunk's rotary and cache writes in one kernel (`_prefill_rows`)
     graph_safe = True  # static shapes, no host syncs: CUDA-graph capturable (graphs.py)
     compile_safe = True  # torch.compile'd blocks inside the graphs (--compile)
 
@@ -73,6 +74,8 @@ class Attention(nn.Module):
             return self._batched(x, ctx, state)
         if state is not None and T <= self.fast_attn_rows and self.rope_kernel_ok():
             return self._fast(x, ctx, state)
+        if state is not None and ctx.prefix is not None and self.rows_rope and not torch.compiler.is_compiling():
+            return self._prefill_rows(x, ctx, state)
         rope = ctx.rope_for(self.rope_dim)
         q, k, v = self._qkv(x)  # (T, nh, hd), (T, nkv, hd), (T, nkv, hd)
         if self.qk_norm:
@@ -94,6 +97,19 @@ class Attention(nn.Module):
         if T <= self.fast_attn_rows:
             return self.o_proj(torch.ops.memra.decode_attention(q, state.k, state.v, pos))
         return self.o_proj(cached_attention(q, state.k, state.v, mask, self.nkv))  # (T, hidden)
+
+    def _prefill_rows(self, x: torch.Tensor, ctx, state: KVLayer) -> torch.Tensor:
+        """A prefill chunk on our kernels (kernels/ops.py install): the rotary of q and k and the
+        K/V cache writes in one pass (kernels/rope_kv.py: the reference's rotary is about ten
+        elementwise passes over q and k, then two index copies), then the chunk's attention
+        over its prefix as the reference path runs it."""
+        from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415 (Triton: only where installed)
+
+        T = x.shape[0]
+        cos, sin = ctx.rope_for(self.rope_dim)
+        q = rope_kv_write(self.qkv_proj(x), cos, sin, state.k, state.v, ctx.pos, self.nh)  # (T, nh, hd)
+        o = prefix_attention(q, state.k[:ctx.prefix + T], state.v[:ctx.prefix + T], ctx.prefix, self.hd ** -0.5)
+        return self.o_proj(o.reshape(T, self.nh * self.hd))
 
     def _batched(self, x: torch.Tensor, ctx, state) -> torch.Tensor:
         """Rows of several requests (batching/paged.py `BatchView` in ctx.batch): the
