@@ -4,7 +4,8 @@ row counts, replayed 200 times in one CUDA graph with identical outputs every ti
 `rope_kv_write` equals its arithmetic (fp32 from the rounded cos / sin, one rounding) bit for
 bit in bf16, with V copied exactly (its difference from the eager bf16 rotary, which rounds
 three times, is reported); the decode GEMV with the pre-norm and the residual folded in equals
-the eager norm and linear; the MoE expert GEMVs (bf16) are as close to the fp32 per-expert
+the eager norm and linear; the many-row norm, residual-add + norm and SwiGLU gating kernels
+(kernels/rows.py) are within one bf16 rounding of the eager ops; the MoE expert GEMVs (bf16) are as close to the fp32 per-expert
 loop as the grouped-GEMM form is, and replay identically in a graph.
 usage: python benchmarks/kernels_gpu_check.py OUT_DIR   (writes kernels_gpu_check.json; exit 1 on a failure)
 """
@@ -144,6 +145,41 @@ def moe_case(rows, experts, top_k, hidden=7168, inter=2048):
     print(json.dumps(results[-1]), flush=True)
 
 
+def rows_case(rows, hidden, inter):
+    """kernels/rows.py against the eager bf16 reference: RMSNorm, the residual add with the next
+    norm (the sum bit for bit), silu(g) * u; at most one bf16 rounding step apart (the kernels'
+    fp32 sum of squares and exp may differ from torch's in the last fp32 bit)."""
+    global ok
+    from memra_dist.kernels.rows import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
+    from memra_dist.model.layers import RMSNorm
+
+    g = torch.Generator(device=dev).manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16, generator=g)
+    r = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16, generator=g)
+    gu = torch.randn(rows, 2 * inter, device=dev, dtype=torch.bfloat16, generator=g) * 3
+    norm = RMSNorm(hidden, 1e-5).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, device=dev, generator=g) + 0.5)
+        pairs = {"rms_norm": (rms_norm_rows(x, norm.weight, norm.eps), norm(x)),
+                 "silu_mul": (silu_mul_rows(gu), torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:])}
+        s, y = add_rms_norm_rows(x, r, norm.weight, norm.eps)
+        pairs["add_rms_norm"] = (y, norm(x + r))
+    same_sum = bool(torch.equal(s, x + r))
+    row = {"kernel": "rows", "rows": rows, "hidden": hidden, "inter": inter, "residual_sum_exact": same_sum}
+    good = same_sum
+    for name, (got, ref) in pairs.items():
+        rel = float(((got.float() - ref.float()).abs() / (ref.float().abs() + 1e-3)).max())
+        row[f"{name}_max_rel"] = rel
+        row[f"{name}_mismatch_fraction"] = float((got != ref).float().mean())
+        good &= rel <= 2 ** -7
+    row["ok"] = good
+    ok &= good
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+
+for rows, hidden, inter in ((1, 4096, 14336), (100, 4096, 14336), (4096, 4096, 14336), (333, 7168, 2048)):
+    rows_case(rows, hidden, inter)
 for rows, experts, top_k in ((1, 32, 8), (3, 32, 8), (16, 32, 8), (2, 16, 6)):
     moe_case(rows, experts, top_k)
 for dtype in (torch.float32, torch.bfloat16):
