@@ -5,7 +5,8 @@ row counts, replayed 200 times in one CUDA graph with identical outputs every ti
 bit in bf16, with V copied exactly (its difference from the eager bf16 rotary, which rounds
 three times, is reported); the decode GEMV with the pre-norm and the residual folded in equals
 the eager norm and linear; the many-row norm, residual-add + norm and SwiGLU gating kernels
-(kernels/rows.py) are within one bf16 rounding of the eager ops; the MoE expert GEMVs (bf16) are as close to the fp32 per-expert
+(kernels/rows.py) differ from the eager ops in at most 1e-4 of the elements, by at most the two bf16
+roundings the reference makes (the normed row, then times the weight); the MoE expert GEMVs (bf16) are as close to the fp32 per-expert
 loop as the grouped-GEMM form is, and replay identically in a graph.
 usage: python benchmarks/kernels_gpu_check.py OUT_DIR   (writes kernels_gpu_check.json; exit 1 on a failure)
 """
@@ -147,8 +148,11 @@ def moe_case(rows, experts, top_k, hidden=7168, inter=2048):
 
 def rows_case(rows, hidden, inter):
     """kernels/rows.py against the eager bf16 reference: RMSNorm, the residual add with the next
-    norm (the sum bit for bit), silu(g) * u; at most one bf16 rounding step apart (the kernels'
-    fp32 sum of squares and exp may differ from torch's in the last fp32 bit)."""
+    norm (the sum bit for bit), silu(g) * u. The kernels' fp32 sum of squares is summed in another
+    order than torch's, so a row's scale may differ in its last fp32 bit and, rarely, round the
+    normed value the other way, which the weight's product can carry to two bf16 steps: at most
+    1e-4 of the elements may differ, by at most 2^-6 relative (on an H100: 4 in a million, 1.4 %
+    at most at 4096 rows of 4096)."""
     global ok
     from memra_dist.kernels.rows import add_rms_norm_rows, rms_norm_rows, silu_mul_rows
     from memra_dist.model.layers import RMSNorm
@@ -171,7 +175,7 @@ def rows_case(rows, hidden, inter):
         rel = float(((got.float() - ref.float()).abs() / (ref.float().abs() + 1e-3)).max())
         row[f"{name}_max_rel"] = rel
         row[f"{name}_mismatch_fraction"] = float((got != ref).float().mean())
-        good &= rel <= 2 ** -7
+        good &= rel <= 2 ** -6 and row[f"{name}_mismatch_fraction"] <= 1e-4
     row["ok"] = good
     ok &= good
     results.append(row)

@@ -206,6 +206,25 @@ def install_block(blk) -> int:
     return n
 
 
+def _warm_rows(stage) -> None:
+    """Build the row kernels (kernels/rows.py) at install, on two rows of the stage's widths: no
+    graph captures them (the decode and verify steps fold their norms), so the first prompt past
+    the folds would build them inside its prefill (Triton's compile; later processes read its
+    cache)."""
+    blk = next(iter(stage.layers.values()), None)
+    post = getattr(blk, "post_attention_layernorm", None)
+    if not getattr(post, "rows_kernel", False):
+        return
+    w = post.weight
+    x = torch.zeros(2, w.shape[0], device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        rms_norm_rows(x, w, post.eps)
+        add_rms_norm_rows(x, x, w, post.eps)
+        mlp = blk.mlp
+        if getattr(mlp, "rows_kernel", False) and hasattr(mlp, "gate_up_proj"):
+            silu_mul_rows(torch.zeros(2, mlp.gate_up_proj.weight.shape[0], device=w.device, dtype=w.dtype))
+
+
 def install_stage(stage) -> int:
     """Every block of the stage (`install_block`) and the head (the final norm inside the
     lm_head GEMV) switch to the kernels. Call after the QKV / gate-up fusion."""
@@ -213,6 +232,7 @@ def install_stage(stage) -> int:
     n = sum(install_block(blk) for blk in stage.layers.values())
     if getattr(stage, "norm", None) is not None:
         stage.norm.rows_kernel = True
+    _warm_rows(stage)
     if getattr(stage, "has_head", False):
         n += _fast(stage.lm_head)
         # a verify's rows, and a batched step's up to 64: the lm_head's folded row GEMM beat cuBLAS with
