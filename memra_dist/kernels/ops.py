@@ -182,7 +182,7 @@ def install_block(blk) -> int:
     from ..model.moe import MoE  # noqa: PLC0415
 
     attn, mlp = blk.self_attn, blk.mlp
-    n = _rows_kernels(blk, RMSNorm, SwiGLU)
+    n = 0
     fast_attn = type(attn) is Attention and attn.hd >= 16 and attn.hd & (attn.hd - 1) == 0
     fast_mlp = type(mlp) is SwiGLU and hasattr(mlp, "gate_up_proj")
     if fast_attn:
@@ -197,7 +197,7 @@ def install_block(blk) -> int:
         n += 1 + _fast(mlp.gate_up_proj)
     elif isinstance(mlp, MoE):
         n += _install_moe(mlp)
-        n += _rows_kernels(mlp, RMSNorm, SwiGLU)  # its shared experts' gate-up, fused just now
+    n += _rows_kernels(blk, RMSNorm, SwiGLU)  # (after _install_moe: its shared experts' gate-up is fused now)
     if fast_attn and attn.rope_kernel_ok():
         attn.rows_rope = True  # a prefill chunk's rotary and cache writes in one kernel
     if fast_attn and fast_mlp and attn.rope_kernel_ok():

@@ -10,7 +10,14 @@ from torch.nn import functional as F
 
 from .rope_scaling import yarn_inv_freq
 
-__all__ = ["RMSNorm", "SwiGLU", "rope_inv_freq", "rope_scale", "rope_rows", "apply_rope"]
+__all__ = ["RMSNorm", "SwiGLU", "rows_on", "rope_inv_freq", "rope_scale", "rope_rows", "apply_rope"]
+
+
+def rows_on(m: nn.Module) -> bool:
+    """Whether module `m` (RMSNorm, SwiGLU) runs its many rows' elementwise work as the one-pass
+    kernel: installed (kernels/ops.py sets `rows_kernel`), and not inside a region torch.compile
+    traces (it fuses the reference ops itself)."""
+    return m.rows_kernel and not torch.compiler.is_compiling()
 
 
 class RMSNorm(nn.Module):
@@ -21,13 +28,8 @@ class RMSNorm(nn.Module):
 
     rows_kernel = False  # kernels/ops.py: one pass (kernels/rows.py) instead of the six ops below
 
-    def on_kernel(self) -> bool:
-        """Whether this norm runs as the one-pass kernel: installed, and not inside a region
-        torch.compile traces (it fuses the ops below itself)."""
-        return self.rows_kernel and not torch.compiler.is_compiling()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.on_kernel():
+        if rows_on(self):
             return torch.ops.memra.rms_norm(x, self.weight, self.eps)
         # normalise in fp32 like the HF reference, scale in the input dtype
         h = x.float()
@@ -71,7 +73,7 @@ class SwiGLU(nn.Module):
         if x.shape[0] <= self.fast_rows:
             return torch.ops.memra.gemv(self.gate_up_proj(x), self.down_proj.weight, self.down_proj.bias, True)
         if hasattr(self, "gate_up_proj"):
-            if self.rows_kernel and not torch.compiler.is_compiling():  # the gating in one pass (kernels/rows.py)
+            if rows_on(self):  # the gating in one pass (kernels/rows.py)
                 return self.down_proj(torch.ops.memra.silu_mul(self.gate_up_proj(x)))
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(g) * u)

@@ -18,7 +18,7 @@ from .attention import Attention, causal_mask
 from .config import ModelConfig
 from .prefix_attention import PREFIX_MIN_ROWS
 from .kimi import kimi_ffn, kimi_mixer
-from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_rows, rope_scale
+from .layers import RMSNorm, SwiGLU, rope_inv_freq, rope_rows, rope_scale, rows_on
 from .moe_families import moe_ffn, moe_mixer
 from .taps import FINAL
 
@@ -93,7 +93,7 @@ class Block(nn.Module):
         post, h = self.post_attention_layernorm, None
         if fused:
             x = self.self_attn.fused_step(x, ctx, state, self.input_layernorm)
-        elif post.on_kernel():  # the residual add and the FFN's pre-norm in one pass (kernels/rows.py)
+        elif rows_on(post):  # the residual add and the FFN's pre-norm in one pass (kernels/rows.py)
             x, h = torch.ops.memra.add_rms_norm(x, self.self_attn(self.input_layernorm(x), ctx, state), post.weight,
                                                 post.eps)
         else:
