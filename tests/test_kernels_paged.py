@@ -167,23 +167,25 @@ class _Replayed:
 
 
 @pytest.mark.slow  # the Triton interpreter: ~15 s on 2 cores
-def test_a_prefill_tail_rides_a_graphed_step_beside_decode_rows_and_equals_the_eager_step(wide_llama):
-    """A prompt's last 35 rows (what a prefix-cache hit leaves to prefill) beside another
-    request's decode row: the step replays a graph (the tail as three paged segments of at most
-    16 rows over one block table), hands back the decode row's logits and the tail's last row's
-    only, as the eager step does, and writes the same K/V (the next step's logits agree too)."""
+@pytest.mark.parametrize("tail", [35, pytest.param(70, marks=pytest.mark.slow)])  # (70: 30 s of the interpreter)
+def test_a_prefill_tail_rides_a_graphed_step_beside_decode_rows_and_equals_the_eager_step(wide_llama, tail):
+    """A prompt's last 35 or 70 rows (what a prefix-cache hit leaves to prefill) beside another
+    request's decode row: the step replays a graph of the tails' buckets (48 or 128 rows; the
+    tail as three or five paged segments of at most 16 rows over one block table), hands back
+    the decode row's logits and the tail's last row's only, as the eager step does, and writes
+    the same K/V (the next step's logits agree too)."""
     from memra_dist.batching.graphs import StepGraphs
     from memra_dist.batching.job import Job
     from memra_dist.batching.step_forward import forward
 
     torch.manual_seed(0)
-    cap, a, b_ = 96, torch.randint(0, 100, (76,)), torch.randint(0, 100, (12,))
+    cap, a, b_ = 128, torch.randint(0, 100, (41 + tail,)), torch.randint(0, 100, (12,))
     out = {}
     with open_engine(_cfg(wide_llama, "none"), capacity=cap, max_batch=4) as eng:
         _on_kernels(eng._backend)
         b = eng._backend.batcher
-        graphs = StepGraphs(b, b.max_tokens, graph_cls=_Replayed)
-        graphs.tails = True  # (as warm(..., tails=True) leaves it; the buckets captured on first use here)
+        graphs = StepGraphs(b, cap, graph_cls=_Replayed)  # (a row budget of the capacity: the step's 36 or 71 rows)
+        graphs.tails, graphs.tail_top = True, 128  # (as warm(..., tails=True) leaves them; captured on first use here)
         for graphed in (False, True):
             ra, rb = ("tail", graphed), ("decode", graphed)
             b.graphs = None
@@ -193,12 +195,14 @@ def test_a_prefill_tail_rides_a_graphed_step_beside_decode_rows_and_equals_the_e
             b.graphs = graphs if graphed else None
             before = graphs.replays
             with torch.inference_mode():
-                step = [Job(rb, b_[11:12], 11, cap, False), Job(ra, a[40:75], 40, cap, True)]
+                step = [Job(rb, b_[11:12], 11, cap, False), Job(ra, a[40:40 + tail], 40, cap, True)]
                 assert graphs.eligible(step)
                 first = forward(b, step).clone()
-                second = forward(b, [Job(ra, a[75:76], 75, cap, False), Job(rb, b_[11:12], 12, cap, False)]).clone()
+                second = forward(b, [Job(ra, a[40 + tail:], 40 + tail, cap, False),
+                                     Job(rb, b_[11:12], 12, cap, False)]).clone()
             out[graphed] = first, second
             assert first.shape[0] == 2 and (graphs.replays - before == 2) == graphed
+            assert not graphed or graphs._key(step)[0] == (48 if tail == 35 else 128)
             for r in (ra, rb):
                 b.leave(r)
     for x, y in zip(out[True], out[False]):
@@ -223,7 +227,7 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
     every DFlash proposal equals the request's solo one. Plain greedy requests go one step
     ahead: a step launched behind the one before, its ids that step's argmax copied over the
     graph's packed input (batching/ahead.py)."""
-    from memra_dist.batching.graphs import StepGraphs
+    from memra_dist.batching.graphs import PREFILL_TAIL_ROWS, StepGraphs, pieces
 
     kw, seen = {}, []
     if drafter == "dflash":
@@ -283,8 +287,9 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
         assert warmed >= 6 and g["captured"] == warmed and g["eager_buckets"] == 0, g
         assert g["replays"] > 0 and g["padded_rows"] > 0, g
         assert (g["prefill_replays"] > 0) == (drafter == "none"), g
-        graphed = [(t, s) for t, s in slots if s is not None]  # a graph launches min(rows, 5) request slots
-        assert graphed and all(s == min(t, 5) for t, s in graphed), graphed
+        # a graph launches min(rows, 5) request slots; one with a prefill chunk, its segments more
+        graphed = [(t, s) for t, s in slots if s is not None]
+        assert graphed and all(s in (min(t, 5), min(t, 5 + pieces(PREFILL_TAIL_ROWS))) for t, s in graphed), graphed
         assert any(t > s for t, s in graphed), graphed  # steps of more rows than requests: not a slot a row
     else:
         assert g["replays"] == 0 and g["captured"] == 0 and g["eager_buckets"] >= 1, g

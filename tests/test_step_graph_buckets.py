@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from memra_dist.app import open_engine
-from memra_dist.batching.graphs import PREFILL_TAIL_ROWS, StepGraphs, pieces
+from memra_dist.batching.graphs import PREFILL_TAIL_ROWS, StepGraphs, pieces, tail_bucket
 from memra_dist.batching.job import Job
 from memra_dist.config import RunConfig
 
@@ -33,21 +33,29 @@ def _warmed(llama, rows_each, tails: bool, most: int = 5, cap: int = 96):
         return g
 
 
-def test_with_the_prefix_cache_every_step_with_a_prefill_chunk_of_up_to_64_rows_was_captured_at_open(llama):
-    """A tail of 1..64 rows (what a prefix-cache hit leaves: 6 rows for a chat's second turn), alone
-    or beside other requests' decode rows, is eligible and its bucket was captured at open; without
-    `tails` none is eligible (it rides an eager step, as it did)."""
+def test_with_the_prefix_cache_every_step_with_a_prefill_chunk_was_captured_at_open(llama):
+    """A chunk of 1..capacity rows (what a prefix-cache hit leaves: 6 rows for a chat's second
+    turn, a batch job's own 200-token lines after a shared header), alone or beside other
+    requests' decode rows, is eligible and its bucket (by 64 rows past 64, row class 16) was
+    captured at open; chunks of more than PREFILL_TAIL_ROWS rows in all are not (a prefill's
+    step, eager); without `tails` none is eligible (it rides an eager step)."""
     most, cap = 5, 96
     g = _warmed(llama, (1,), tails=True, most=most, cap=cap)
     rid = ("warm-up",)
-    for n in range(1, PREFILL_TAIL_ROWS + 1):
+
+    def job(n, last):
+        return Job(rid, torch.zeros(n, dtype=torch.long), 0, cap, last)
+
+    for n in range(1, cap + 1):
         for beside in range(0, most):
-            jobs = [Job(rid, torch.zeros(n, dtype=torch.long), 0, cap, True)]
-            jobs += [Job(rid, torch.zeros(1, dtype=torch.long), 0, cap, False) for _ in range(beside)]
-            if n + beside > PREFILL_TAIL_ROWS or pieces(n) + beside > most:
-                assert not g.eligible(jobs)
-                continue
+            jobs = [job(n, True)] + [job(1, False) for _ in range(beside)]
             assert g.eligible(jobs) and g._key(jobs) in g.steps, (n, beside, g._key(jobs), sorted(g.steps))
+            assert g._key(jobs)[1] == 16 and g._key(jobs)[0] == tail_bucket(n + beside)
+    assert g.tail_top == tail_bucket(cap + most - 1)  # the largest step warm captured: no step larger
+    assert not g.eligible([job(g.tail_top // 2, True), job(g.tail_top // 2, True), job(1, False)])
+    assert not g.eligible([job(PREFILL_TAIL_ROWS + 1, True)])
+    assert not g.eligible([job(PREFILL_TAIL_ROWS // 2, True), job(PREFILL_TAIL_ROWS // 2 + 1, True)])
+    assert g.segments(True) == most + pieces(PREFILL_TAIL_ROWS) and g.segments(False) == most
     plain = _warmed(llama, (1,), tails=False, most=most, cap=cap)
-    assert not plain.eligible([Job(rid, torch.zeros(6, dtype=torch.long), 0, cap, True)])
+    assert not plain.eligible([job(6, True)])
     assert len(plain.steps) < len(g.steps)

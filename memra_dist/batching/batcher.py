@@ -21,7 +21,8 @@ another (their host work — acceptance, the next drafts — is serialised by th
 each), so 64 of them take longer than any fixed wait, and a fixed wait would launch the next
 step with part of them, splitting the requests into groups that alternate steps for good.
 A step takes waiting submissions in arrival order up to `max_tokens` rows (at least one); the
-rest go in the next step. Each request's rows see exactly the inputs they see alone
+rest go in the next step (where steps with prefill chunks replay graphs, a chunk that would take
+the step past the graphs' chunk rows waits a step while few prompt rows wait: take.py). Each request's rows see exactly the inputs they see alone
 (paged.py), so what shares a step never changes a result.
 
 Memory follows length: a request is admitted with the blocks of its first rows (blocks.py) and
@@ -55,6 +56,7 @@ from .paged import PagedKV
 from .prefix_cache import InFlight
 from .residency import Residency
 from .step_forward import launch, wake
+from .take import EAGER_PREFILL_ROWS, PREFILL_TAIL_ROWS, take as take_jobs
 
 __all__ = ["Batcher", "BatchStats", "BatchStep"]
 
@@ -271,14 +273,13 @@ class Batcher(Residency):
     def _lead(self) -> None:
         """Called holding the lock: take a step's jobs, run it unlocked, hand the results out;
         then, while plain greedy chains go one step ahead (ahead.py), the steps launched behind it."""
-        take, rows = [], 0
-        for j in self.pending:
-            n = j.n
-            if take and rows + n > self.max_tokens:
-                break
-            take.append(j)
-            rows += n
-        del self.pending[:len(take)]
+        g = self.graphs
+        tail = (PREFILL_TAIL_ROWS, EAGER_PREFILL_ROWS) if g is not None and g.tails else (0, 0)
+        idx = take_jobs(self.pending, self.max_tokens, *tail)
+        taken = set(idx)
+        take = [self.pending[i] for i in idx]
+        self.pending[:] = [j for i, j in enumerate(self.pending) if i not in taken]
+        rows = sum(j.n for j in take)
         wakes, self._wakes = self._wakes, []
         behind = None  # (the step launched behind the previous one, when it began)
         while True:

@@ -3,11 +3,16 @@
 An eager batched step of an 8B model launches ~1,000 kernels from Python (~25-37 ms of host
 time on an H200, BENCHMARKS.md) around ~5-6 ms of device work, so the
 device idles most of the step. A step whose every request brings at most PAGED_MAX_ROWS rows
-(decode rows, verify rows), or a prefill chunk of at most PREFILL_TAIL_ROWS (what a prompt
-leaves after a prefix-cache hit: a chat's next turn), instead replays a graph of the whole
-forward. A chunk's rows go to the paged kernel as segments of PAGED_MAX_ROWS rows over the same
-block table (each row reads the positions up to its own, written by the step before the
-attention), and only its last row's logits are handed back, as the eager step hands them.
+(decode rows, verify rows), with prefill chunks of at most PREFILL_TAIL_ROWS rows in all among
+them (what a prompt leaves after a prefix-cache hit: a chat's next turn, a batch job's own lines
+after a shared header; a short prompt), instead replays a graph of the whole forward. A chunk's
+rows go to the paged kernel as segments of PAGED_MAX_ROWS rows over the same block table (each
+row reads the positions up to its own, written by the step before the attention), and only its
+last row's logits are handed back, as the eager step hands them. A step with a chunk replays a
+graph of its own (the key's `tail`): its buckets step by 64 rows past 64 (`tail_bucket`), its
+segments always take the kernel's row class 16, and its grid has a chunk's segments more than
+the requests (`segments`); the loop keeps a step's chunks within PREFILL_TAIL_ROWS while few
+prompt rows wait (take.py).
 
 One graph per bucket (rows padded up to a bucket size, the class of the longest segment, the
 block-table width), captured when the engine opens for the step sizes its requests will take
@@ -40,11 +45,11 @@ from .calibrate import best_ns
 from .job import Job
 from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
 from .step_forward import layers, scatter_taps
+from .take import PREFILL_TAIL_ROWS
 
-__all__ = ["StepGraphs", "bucket_rows", "row_class"]
+__all__ = ["StepGraphs", "bucket_rows", "row_class", "tail_bucket", "PREFILL_TAIL_ROWS"]
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
-PREFILL_TAIL_ROWS = 64  # a prefill chunk of at most this many rows may ride a graphed step
 
 
 def pieces(rows: int) -> int:
@@ -67,6 +72,17 @@ def bucket_rows(rows: int) -> int:
         if rows <= b:
             return b
     return -(-rows // 32) * 32
+
+
+def tail_bucket(rows: int) -> int:
+    """The padded row count of a step with prefill rows: the small sizes up to 64, then
+    multiples of 64 (its chunk's GEMMs make it a compute step: padding costs what it is, and
+    each bucket is a capture at open).
+
+    >>> [tail_bucket(n) for n in (9, 40, 64, 65, 200, 264)]
+    [16, 48, 64, 128, 256, 320]
+    """
+    return bucket_rows(rows) if rows <= 64 else -(-rows // 64) * 64
 
 
 def row_class(max_rows: int) -> int:
@@ -95,6 +111,7 @@ class _Step:
     graph: object = None
     copied: object = None  # event after the last host -> device copy (before `host` is rewritten)
     np: object = None  # `host`'s memory as a numpy array (the packing writes it without a torch op)
+    tail: bool = False  # a prefill chunk rides it (its grid: StepGraphs.segments)
 
     def views(self):
         T, W, d = self.rows, self.width, self.dev
@@ -113,7 +130,7 @@ class StepGraphs:
         self.logits: torch.Tensor | None = None  # shared by every graph (_logits_buf)
         self.graph_cls = graph_cls
         self.cuda = batcher.device.type == "cuda"
-        self.steps: dict[tuple[int, int, int, int], _Step] = {}
+        self.steps: dict[tuple, _Step] = {}
         # the paged kernel's request slots in a graph of T rows: min(T, this). Padded slots are
         # programs with nothing to do, but a grid of T slots (one a row) for 16 requests' verify
         # rows cost 2x the attention (BENCHMARKS.md)
@@ -125,71 +142,88 @@ class StepGraphs:
         self.captures = 0
         self.padded = 0  # rows of padding replayed (what the buckets waste)
         self.tails = False  # prefill chunks of up to PREFILL_TAIL_ROWS replay too (warm's `tails`)
+        self.tail_top = 0  # ... in steps of up to this many rows (the largest tail bucket warm captured)
         self.timings: list[tuple[int, float]] = []  # (rows, ns) of the buckets timed at warm-up
         self.timing_s = 0.0  # ... and the seconds their timing took
 
     def eligible(self, jobs) -> bool:
-        """Decode / verify rows up to the largest bucket's rows; with prefill chunks (`last`)
-        among them, where `warm` captured the tails' buckets (`tails`), up to PREFILL_TAIL_ROWS
-        rows in all (the buckets captured for them: the prefix cache's tails, a short prompt's
-        chunk); and no more segments than the graphs' slots. A longer chunk rides an eager step
-        (its lengths would each meet a new bucket, and its attention is a prefill's)."""
+        """Decode / verify rows up to the largest bucket's rows, in no more segments than the
+        graphs' slots; with prefill chunks (`last`) among them, where `warm` captured the tails'
+        buckets (`tails`), up to PREFILL_TAIL_ROWS of their rows and `tail_top` rows in all (the
+        buckets captured for them). A longer chunk rides an eager step (its attention is a
+        prefill's, and its host time hides behind its device time)."""
         rows = sum(j.n for j in jobs)
-        if any(j.last for j in jobs) and not (self.tails and rows <= PREFILL_TAIL_ROWS):
+        fill = sum(j.n for j in jobs if j.last)
+        if fill and not (self.tails and fill <= PREFILL_TAIL_ROWS and rows <= self.tail_top):
             return False
-        return (rows <= self.max_rows and sum(pieces(j.n) for j in jobs) <= self.max_segments
+        return (rows <= self.max_rows and sum(pieces(j.n) for j in jobs) <= self.segments(bool(fill))
                 and all(j.last or j.n <= PAGED_MAX_ROWS for j in jobs))
+
+    def segments(self, tail: bool) -> int:
+        """The paged kernel's request slots of a graph: the requests', and with a prefill chunk
+        its segments too (a 200-row chunk is 13 of them, beside 63 requests' decode rows)."""
+        return self.max_segments + (pieces(PREFILL_TAIL_ROWS) if tail else 0)
 
     def warm(self, max_requests: int, rows_each: tuple[int, ...], width: int, timed: bool = False,
              tails: bool = False) -> tuple[int, float]:
         """Capture, before any request, the buckets that steps of up to `max_requests` requests
         of up to `rows_each` rows each take (1: decode; K + 1: verify, which may share a step
         with decode rows), over caches of `width` rows, so no capture stalls a running request
-        (an 8B capture costs ~0.1-0.3 s); `tails`: also the buckets of a prefill tail alone (up
-        to PREFILL_TAIL_ROWS rows: where the prefix cache leaves one). The steps run on a request
-        of the pool's own that holds `width` rows while it lasts. `timed`: each captured bucket's
-        replay is also timed (`timings`: (rows, ns), --spec-k auto's first fit of a step's cost,
-        calibrate.py). Returns (graphs captured, seconds)."""
+        (an 8B capture costs ~0.1-0.3 s); `tails`: also the buckets of a step with a prefill
+        chunk of up to PREFILL_TAIL_ROWS rows beside the others' rows (where the prefix cache
+        leaves one). The steps run on a request of the pool's own that holds `width` rows while
+        it lasts. `timed`: each decode / verify bucket's replay is also timed (`timings`: (rows,
+        ns), --spec-k auto's first fit of a step's cost, calibrate.py). Returns (graphs
+        captured, seconds)."""
         import time  # noqa: PLC0415
 
         t0, before = time.perf_counter(), self.captures
-        self.tails = self.tails or tails
         pool, rid = self.b.pool, ("warm-up",)
         if not pool.fits(width) or not pool.reserve(rid, width):
             return 0, 0.0
+
+        def job(n, last=False):
+            return Job(rid, torch.zeros(n, dtype=torch.long), 0, width, last)
+
         try:
             with torch.inference_mode():  # as every step runs (step_forward.forward)
                 most = min(max_requests, self.max_segments)
-                # (rows a request brings, the least, the top bucket, timed): decode / verify steps;
-                # with `tails`, steps of up to PREFILL_TAIL_ROWS rows whose longest segment takes
-                # the kernel's row class 8 or 16 (a prefill chunk, alone or beside other rows)
-                specs = [(c, 1 if c == 1 else 2, bucket_rows(min(most * c, self.max_rows)), True)
-                         for c in sorted(set(rows_each))]
-                if tails:
-                    specs += [(c, lo, bucket_rows(min(most * c, PREFILL_TAIL_ROWS)), False)
-                              for c, lo in ((8, 2), (PAGED_MAX_ROWS, 9))]
-                for c, lo, top, timed_c in specs:
-                    for T in sorted({bucket_rows(n) for n in range(lo, top + 1)}):
+                steps = []  # (its jobs, timed)
+                for c in sorted(set(rows_each)):  # decode / verify steps: `most` requests of c rows at most
+                    top = bucket_rows(min(most * c, self.max_rows))
+                    for T in sorted({bucket_rows(n) for n in range(1 if c == 1 else 2, top + 1)}):
                         n = min(T, most * c)  # the bucket's rows (bucket_rows(n) == T), in <= `most` segments
-                        rows = [min(c, n - i) for i in range(0, n, c)]
-                        jobs = [Job(rid, torch.zeros(n, dtype=torch.long), 0, width, False) for n in rows]
-                        if self.eligible(jobs) and self._key(jobs) not in self.steps:
-                            self.run(jobs)
-                            st = self.steps.get(self._key(jobs))
-                            if timed and timed_c and st is not None:  # (a tail's: not the steps' cost)
-                                t1 = time.perf_counter()
-                                self.timings.append((n, best_ns(st.graph.replay, self.b.device)))
-                                self.timing_s += time.perf_counter() - t1
+                        steps.append(([job(min(c, n - i)) for i in range(0, n, c)], True))
+                if tails:  # a chunk of up to PREFILL_TAIL_ROWS rows, the others' rows beside it
+                    self.tails = True
+                    chunk, beside = min(PREFILL_TAIL_ROWS, width), max(rows_each)
+                    self.tail_top = max(self.tail_top, min(tail_bucket(chunk + (most - 1) * beside), self.max_rows))
+                    for T in sorted({tail_bucket(n) for n in range(1, self.tail_top + 1)}):
+                        p = min(T, chunk)  # the chunk, then the others' rows up to T (at most most - 1 of them)
+                        rest = [beside] * ((T - p) // beside) + ([(T - p) % beside] if (T - p) % beside else [])
+                        steps.append(([job(p, True)] + [job(n) for n in rest[:most - 1]], False))
+                for jobs, timed_c in steps:
+                    if self.eligible(jobs) and self._key(jobs) not in self.steps:
+                        self.run(jobs)
+                        st = self.steps.get(self._key(jobs))
+                        if timed and timed_c and st is not None:  # (a tail's: not the steps' cost)
+                            t1 = time.perf_counter()
+                            self.timings.append((sum(j.n for j in jobs), best_ns(st.graph.replay, self.b.device)))
+                            self.timing_s += time.perf_counter() - t1
         finally:
             pool.release(rid)
         return self.captures - before, time.perf_counter() - t0
 
-    def _key(self, jobs) -> tuple[int, int, int, int]:
+    def _key(self, jobs) -> tuple[int, int, int, int, bool]:
+        """(padded rows, the longest segment's row class, block-table width, the widest cache,
+        whether a prefill chunk rides it)."""
         rows = sum(j.n for j in jobs)
         block = self.b.pool.block
         width = max(-(-j.width // block) for j in jobs)
+        if any(j.last for j in jobs):
+            return tail_bucket(rows), PAGED_MAX_ROWS, width, max(j.width for j in jobs), True
         return (bucket_rows(rows), row_class(min(max(j.n for j in jobs), PAGED_MAX_ROWS)), width,
-                max(j.width for j in jobs))
+                max(j.width for j in jobs), False)
 
     def run(self, jobs, launched=None, ids_dev: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor | None:
         """The logits of every job's rows (a `last` job's last row only), in job order, from a
@@ -266,7 +300,7 @@ class StepGraphs:
         b, stage = self.b, self.b.stage
         ids, pos, slots, lo, nrows, table = st.views()
         view = BatchView(slots, [], PagedRows(lo.to(torch.int32), nrows.to(torch.int32), table.to(torch.int32),
-                                              b.pool.block, rclass, max_len, min(st.rows, self.max_segments)))
+                                              b.pool.block, rclass, max_len, min(st.rows, self.segments(st.tail))))
         h, tapped = layers(b, ids, pos, view)
         out = self._logits_buf(stage)[:st.rows]
         out.copy_(stage.logits(h))  # the temporary goes back to the pool: the next capture reuses it
@@ -281,11 +315,11 @@ class StepGraphs:
         return self.logits
 
     def _capture(self, key, jobs) -> _Step | None:
-        T, rclass, W, max_len = key
+        T, rclass, W, max_len, tail = key
         dev = self.b.device
         n = 5 * T + T * W
         host = torch.zeros(n, dtype=torch.long, pin_memory=self.cuda)
-        st = _Step(T, W, host, torch.zeros(n, dtype=torch.long, device=dev), np=host.numpy())
+        st = _Step(T, W, host, torch.zeros(n, dtype=torch.long, device=dev), np=host.numpy(), tail=tail)
         self._load(st, jobs)
         if self.cuda and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
