@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from memra_dist.app import open_engine
-from memra_dist.batching.graphs import PREFILL_TAIL_ROWS, StepGraphs, pieces, tail_bucket
+from memra_dist.batching.graphs import PREFILL_TAIL_ROWS, StepGraphs, graph_rows, pieces, tail_bucket
 from memra_dist.batching.job import Job
 from memra_dist.config import RunConfig
 
@@ -56,6 +56,8 @@ def test_with_the_prefix_cache_every_step_with_a_prefill_chunk_was_captured_at_o
     assert not g.eligible([job(PREFILL_TAIL_ROWS + 1, True)])
     assert not g.eligible([job(PREFILL_TAIL_ROWS // 2, True), job(PREFILL_TAIL_ROWS // 2 + 1, True)])
     assert g.segments(True) == most + pieces(PREFILL_TAIL_ROWS) and g.segments(False) == most
+    # the logits buffer every graph writes holds the largest step captured, not the row budget's
+    assert max(k[0] for k in g.steps) <= g.max_rows == graph_rows(8192, most) < 8192 == g.b.max_tokens
     plain = _warmed(llama, (1,), tails=False, most=most, cap=cap)
     assert not plain.eligible([job(6, True)])
     assert len(plain.steps) < len(g.steps)

@@ -3,18 +3,12 @@ step's prefill chunks within what a graphed step holds while few prompt rows wai
 
 from __future__ import annotations
 
-import doctest
 import random
 from collections import namedtuple
 
-import memra_dist.batching.take as tk
 from memra_dist.batching.take import EAGER_PREFILL_ROWS, PREFILL_TAIL_ROWS, take
 
 J = namedtuple("J", "n last")
-
-
-def test_doctests():
-    assert doctest.testmod(tk, report=True).failed == 0
 
 
 def test_a_step_keeps_its_chunks_within_the_tail_rows_and_defers_only_chunks():

@@ -73,17 +73,19 @@ def _switch(delta: int) -> None:
             sys.setswitchinterval(_OPEN["before"])
 
 
-def graph_bytes(stage, budget: int) -> int:
+def graph_bytes(stage, budget: int, max_requests: int | None) -> int:
     """About what the batched step graphs hold once captured (graphs.py): the fp32 logits
-    buffer of the largest bucket they all write into, and as much again for their temporaries.
+    buffer of the most rows a graphed step holds, and as much again for their temporaries.
 
     >>> stage = type("Stage", (), {"cfg": type("Cfg", (), {"vocab_size": 1000})})()
-    >>> graph_bytes(stage, 20) == 2 * 32 * 1000 * 4  # 20 rows: the 32-row bucket
+    >>> graph_bytes(stage, 20, 4) == 2 * 32 * 1000 * 4  # 20 rows: the 32-row bucket
+    True
+    >>> graph_bytes(stage, 8192, 4) == 2 * 320 * 1000 * 4  # 4 requests' 16 rows, a 256-row chunk
     True
     """
-    from .graphs import bucket_rows  # noqa: PLC0415
+    from .graphs import graph_rows  # noqa: PLC0415
 
-    return 2 * bucket_rows(budget) * stage.cfg.vocab_size * 4
+    return 2 * graph_rows(budget, max_requests) * stage.cfg.vocab_size * 4
 
 
 def prefix_cache_off(cfg, arch: str) -> str | None:
@@ -120,7 +122,7 @@ def _batcher(runner, max_batch: int, capacity: int, kv_rows: int | None, budget:
                                                              if tapped else 0)
     free = room_mb(runner.device) * (1 << 20)
     if kv_rows is None:  # what the step graphs capture next (their logits, fp32) stays free too
-        room = free * 0.9 - (graph_bytes(runner.stage, budget) if graphs else 0)
+        room = free * 0.9 - (graph_bytes(runner.stage, budget, max_batch) if graphs else 0)
         room -= max_batch * PagedKV.request_bytes(runner.stage) + reserve  # recurrent states; taps, draft caches
         kv_rows = max(min(max_batch * capacity, int(room) // max(row, 1)), capacity)
     pool = BlockPool(blocks_for(kv_rows, BLOCK), BLOCK, cache=cache)

@@ -47,7 +47,7 @@ from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
 from .step_forward import layers, scatter_taps
 from .take import PREFILL_TAIL_ROWS
 
-__all__ = ["StepGraphs", "bucket_rows", "row_class", "tail_bucket", "PREFILL_TAIL_ROWS"]
+__all__ = ["StepGraphs", "bucket_rows", "graph_rows", "row_class", "tail_bucket", "PREFILL_TAIL_ROWS"]
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
 
@@ -83,6 +83,21 @@ def tail_bucket(rows: int) -> int:
     [16, 48, 64, 128, 256, 320]
     """
     return bucket_rows(rows) if rows <= 64 else -(-rows // 64) * 64
+
+
+def graph_rows(max_tokens: int, max_requests: int | None) -> int:
+    """The most rows a graphed step can hold, and so the rows of the logits buffer every graph
+    writes into: a step's row budget, within what `max_requests` requests bring to a graph (up to
+    PAGED_MAX_ROWS rows each, and one prefill chunk's PREFILL_TAIL_ROWS): the budget alone
+    (8,192 rows by default) would hold ~4 GB of fp32 logits for a 128k vocabulary.
+
+    >>> graph_rows(8192, 64), graph_rows(8192, 4), graph_rows(40, 4), graph_rows(8192, None)
+    (1280, 320, 48, 8192)
+    """
+    rows = bucket_rows(max_tokens)
+    if max_requests:
+        rows = min(rows, tail_bucket(max_requests * PAGED_MAX_ROWS + PREFILL_TAIL_ROWS))
+    return rows
 
 
 def row_class(max_rows: int) -> int:
@@ -126,7 +141,7 @@ class StepGraphs:
 
     def __init__(self, batcher, max_rows: int, graph_cls=_CudaGraph):
         self.b = batcher
-        self.max_rows = bucket_rows(max_rows)
+        self.max_rows = graph_rows(max_rows, batcher.max_requests)
         self.logits: torch.Tensor | None = None  # shared by every graph (_logits_buf)
         self.graph_cls = graph_cls
         self.cuda = batcher.device.type == "cuda"
