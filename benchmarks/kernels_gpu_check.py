@@ -182,8 +182,49 @@ def rows_case(rows, hidden, inter):
     print(json.dumps(row), flush=True)
 
 
+def merge_case(T, start, nh, nkv, d):
+    """kernels/merge.py on the prefix arm's real parts (cuDNN's outputs and log-sum-exps of a
+    chunk of T rows over `start` prefix keys) against the torch ops it replaced, and the arm's
+    output against one SDPA call over the whole key range with the causal mask bottom-right:
+    the merge rounds once, as the torch ops do (at most 1e-3 of the elements one bf16 step off);
+    against SDPA, two kernels' roundings of the same softmax (2^-4 relative of |out| + 1e-2;
+    the fraction of elements that differ is reported, not bounded)."""
+    global ok
+    from memra_dist.model import prefix_attention as pa
+
+    g = torch.Generator(device=dev).manual_seed(T + start)
+    q = torch.randn(T, nh, d, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(start + T, nkv, d, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(start + T, nkv, d, device=dev, dtype=torch.bfloat16, generator=g)
+    scale = d ** -0.5
+    qh = q.transpose(0, 1)[None]
+    o2, l2 = pa._cudnn_part(qh, k[start:], v[start:], True, scale)
+    o1, l1 = pa._cudnn_part(qh, k[:start], v[:start], False, scale)
+    from memra_dist.kernels.merge import merge_attention
+
+    got, ref = merge_attention(o1, l1, o2, l2, torch.bfloat16), pa.merge_parts(o1, l1, o2, l2, torch.bfloat16)
+    mask = torch.ones(T, start + T, device=dev, dtype=torch.bool).tril(start)
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    arm = pa.prefix_attention(q, k, v, start, scale)
+    row = {"kernel": "merge", "rows": T, "prefix": start, "heads": nh, "kv_heads": nkv, "d": d,
+           "arm": pa.prefix_arm(q, k, v)}
+    row["vs_torch_ops_mismatch_fraction"] = float((got != ref).float().mean())
+    row["vs_torch_ops_max_rel"] = float(((got.float() - ref.float()).abs() / (ref.float().abs() + 1e-3)).max())
+    row["arm_vs_sdpa_max_rel"] = float(((arm.float() - whole.float()).abs() / (whole.float().abs() + 1e-2)).max())
+    row["arm_vs_sdpa_mismatch_fraction"] = float((arm != whole).float().mean())
+    good = (row["vs_torch_ops_mismatch_fraction"] <= 1e-3 and row["vs_torch_ops_max_rel"] <= 2 ** -7
+            and row["arm_vs_sdpa_max_rel"] <= 2 ** -4)
+    row["ok"] = good
+    ok &= good
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+
 for rows, hidden, inter in ((1, 4096, 14336), (100, 4096, 14336), (4096, 4096, 14336), (333, 7168, 2048)):
     rows_case(rows, hidden, inter)
+for T, start, nh, nkv, d in ((8192, 8192, 32, 8, 128), (100, 3000, 32, 8, 128), (513, 64, 28, 4, 128)):
+    merge_case(T, start, nh, nkv, d)
 for rows, experts, top_k in ((1, 32, 8), (3, 32, 8), (16, 32, 8), (2, 16, 6)):
     moe_case(rows, experts, top_k)
 for dtype in (torch.float32, torch.bfloat16):

@@ -11,7 +11,7 @@ causal square). Three arms, picked by a registry on (device, dtype), not by scat
            H200 at 8k-32k rows); a chunk over a prefix is cuDNN's fused attention in two calls,
            the chunk against its prefix (every key visible) and against itself (the causal
            square, where top-left and bottom-right alignment agree), merged by their
-           log-sum-exps, grouped K/V heads read in place (~530-540 TFLOP/s at 8k rows over a
+           log-sum-exps in one pass (kernels/merge.py), grouped K/V heads read in place (~530-540 TFLOP/s at 8k rows over a
            24k-120k prefix, against FlashAttention-2's ~345; BENCHMARKS.md).
   flash    CUDA, fp16 / bf16, head dims <= 256: torch's FlashAttention-2 kernel
            (`aten::_scaled_dot_product_flash_attention`), whose causal flag is bottom-right
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["prefix_attention", "prefix_arm", "blocked_attention", "block_rows", "SCORE_BUDGET", "PREFIX_MIN_ROWS"]
+__all__ = ["prefix_attention", "prefix_arm", "merge_parts", "blocked_attention", "block_rows", "SCORE_BUDGET", "PREFIX_MIN_ROWS"]
 
 SCORE_BUDGET = 1 << 25  # fp32 scores one block of the blocked arm may hold (128 MiB)
 # forwards of more rows than this take the prefix path (prefill chunks); fewer (decode, verify
@@ -110,10 +110,28 @@ def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
         return o[0].transpose(0, 1)  # (T, nh, d)
     o2, l2 = _cudnn_part(qh, k[start:], v[start:], True, scale)  # the chunk's own rows: the causal square
     o1, l1 = _cudnn_part(qh, k[:start], v[:start], False, scale)  # the prefix: every key visible
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
-    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)  # the softmax over both key sets
-    return o.to(q.dtype)[0].transpose(0, 1)
+    return _merge()(o1, l1, o2, l2, q.dtype)  # the softmax over both key sets
+
+
+def merge_parts(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Two attention outputs (1, nh, T, d) over disjoint key sets, with the log-sum-exps of their
+    scores (1, nh, T) fp32 -> the softmax over both key sets (T, nh, d) in `dtype`: the torch
+    ops (kernels/merge.py is this in one pass)."""
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top)[..., None], torch.exp(l2 - top)[..., None]
+    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    return o.to(dtype)[0].transpose(0, 1)
+
+
+def _merge():
+    """The two parts' merge: one pass (kernels/merge.py) where Triton imports, else the torch ops."""
+    try:
+        from ..kernels.merge import merge_attention  # noqa: PLC0415
+
+        return merge_attention
+    except ImportError:
+        return merge_parts
 
 
 def _cudnn_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
