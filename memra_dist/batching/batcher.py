@@ -364,8 +364,8 @@ class Batcher(Residency):
         self.running_jobs = []
         s.steps, s.rows, s.requests = s.steps + 1, s.rows + rows, s.requests + len(take)
         s.forward_ns += t1 - t0
-        if self.auto_k:
-            self.cost.observe(rows, t1 - t0, graphed)
+        if self.auto_k:  # (a step with a prefill chunk replays a graph of its own: not its bucket's cost)
+            self.cost.observe(rows, t1 - t0, graphed and not any(j.last for j in take))
         if not graphed:
             s.eager, s.eager_ns = s.eager + 1, s.eager_ns + t1 - t0
         s.max_requests = max(s.max_requests, len(take))
