@@ -544,9 +544,15 @@ def test_prefix_section_on_cpu_times_both_workloads_and_keeps_the_ids(tmp_path):
     j = r["job"]
     assert r["job_tok_s_off"] > 0 and r["job_tok_s_on"] > 0 and r["job_speedup"] > 0
     assert max(r["job_cached_tokens_on"]) >= j["header"] - 16, r["job_cached_tokens_on"]
+    # the engine's own count of its steps (CPU: every one eager, no graphs)
+    for tag in ("off", "on"):
+        st = r[f"job_steps_{tag}"]
+        assert st["steps"] > 0 and st["eager_steps"] == st["steps"] and st["prefill_graph_steps"] == 0, st
+        assert 0 < st["busy"] <= 1
     # nothing shared: the cache finds nothing to reuse (the warm-up's prompt shares no block either)
     assert r["unshared_cached_tokens_on"] == [0] and r["unshared_on_over_off"] > 0
     md = markdown(json.loads(out.read_text()))
     assert "prefix cache, chat turn 2" in md and "prefix cache, shared header x5" in md
     assert "prefix cache, one header, 5 arriving together" in md
     assert f"prefix cache, batch job of {j['prompts']}" in md and "the same job with nothing shared" in md
+    assert f"steps {r['job_steps_off']['steps']} -> {r['job_steps_on']['steps']}" in md

@@ -39,7 +39,7 @@ import time
 
 from .noise import Fig
 
-__all__ = ["prefix", "workload"]
+__all__ = ["prefix", "workload", "job_steps"]
 
 HEADER = {"cuda": 8192, "cpu": 256}  # the shared prompt rows (a GPU: the issue's 8k-token first turn)
 NEW = 32
@@ -129,12 +129,33 @@ def batch_job(model: str, device: str, cache: bool, vocab: int, prompts: int, he
            for i in range(prompts)]
     with open_engine(cfg, capacity=header + own + new + 8, max_batch=inflight) as eng:
         eng.generate(make_prompt(64, vocab, seed=999), cfg)  # the warm-up a server gets from its first request
+        before = eng._backend.stats()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=inflight) as pool:
             res = list(pool.map(lambda p: eng.generate(p, cfg), job))
         wall = time.perf_counter() - t0
+        steps = job_steps(before, eng._backend.stats())
     return {"s": wall, "tokens": sum(len(r.token_ids) for r in res), "ids": [r.token_ids for r in res],
-            "cached": [r.stats.get("cached_tokens", 0) for r in res]}
+            "cached": [r.stats.get("cached_tokens", 0) for r in res], "steps": steps}
+
+
+def job_steps(before: dict, after: dict) -> dict:
+    """What the engine's own stats say of a job (the difference of its stats around it): its
+    steps, how many ran eager and their device ms, how many replayed a graph with a prefill chunk,
+    and the share of the job's step time the device was busy.
+
+    >>> a = {"steps": 10, "step_ms": 50.0, "gap_ms": 5.0, "eager_steps": 2, "eager_step_ms": 20.0,
+    ...      "graphs": {"prefill_replays": 1}}
+    >>> b = {"steps": 30, "step_ms": 150.0, "gap_ms": 30.0, "eager_steps": 3, "eager_step_ms": 60.0,
+    ...      "graphs": {"prefill_replays": 9}}
+    >>> job_steps(a, b)
+    {'steps': 20, 'eager_steps': 1, 'eager_step_ms': 40.0, 'prefill_graph_steps': 8, 'busy': 0.8}
+    """
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "step_ms", "gap_ms", "eager_steps", "eager_step_ms")}
+    graphs = after.get("graphs", {}).get("prefill_replays", 0) - before.get("graphs", {}).get("prefill_replays", 0)
+    busy = d["step_ms"] / (d["step_ms"] + d["gap_ms"]) if d["step_ms"] + d["gap_ms"] > 0 else 0.0
+    return {"steps": d["steps"], "eager_steps": d["eager_steps"], "eager_step_ms": round(d["eager_step_ms"], 1),
+            "prefill_graph_steps": graphs, "busy": round(busy, 3)}
 
 
 def _extra(new: int = NEW) -> int:
@@ -191,6 +212,7 @@ def prefix(s) -> dict:
         for cache, tag in ((False, "off"), (True, "on")):
             out[f"{pre}_s_{tag}"] = round(runs[cache]["s"], 3)
             out[f"{pre}_tok_s_{tag}"] = round(runs[cache]["tokens"] / runs[cache]["s"], 1)
+            out[f"{pre}_steps_{tag}"] = runs[cache]["steps"]
     out["job_speedup"] = round(jobs[False]["s"] / jobs[True]["s"], 2)
     out["unshared_on_over_off"] = round(alone[False]["s"] / alone[True]["s"], 3)  # >= 0.98: the issue's bound
     return out

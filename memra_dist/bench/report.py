@@ -349,13 +349,24 @@ def _prefix_rows(res: dict) -> list[tuple[str, str]]:
         rows.append((f"prefix cache, batch job of {j['prompts']} ({j['header']}-token header + {j['own']} own, "
                      f"{j['inflight']} in flight)",
                      f"{p['job_tok_s_off']:.1f} -> {p['job_tok_s_on']:.1f} generated tok/s ({p['job_s_off']:.2f} -> "
-                     f"{p['job_s_on']:.2f} s, x{p['job_speedup']}), cached tokens {p.get('job_cached_tokens_on')}"))
+                     f"{p['job_s_on']:.2f} s, x{p['job_speedup']}), cached tokens {p.get('job_cached_tokens_on')}"
+                     f"{_job_steps(p.get('job_steps_off'), p.get('job_steps_on'))}"))
     if j and p.get("unshared_on_over_off") is not None:
         rows.append(("prefix cache, the same job with nothing shared",
                      f"{p['unshared_tok_s_off']:.1f} -> {p['unshared_tok_s_on']:.1f} generated tok/s "
                      f"(on / off x{p['unshared_on_over_off']}; bound >= 0.98), cached tokens "
                      f"{p.get('unshared_cached_tokens_on')}"))
     return rows
+
+
+def _job_steps(off: dict | None, on: dict | None) -> str:
+    """The engine's steps of a job, off -> on (bench/prefix.py job_steps): eager ones and the
+    graphed ones that carried a prefill chunk, and the device's busy share."""
+    if not off or not on:
+        return ""
+    return (f"; steps {off['steps']} -> {on['steps']} (eager {off['eager_steps']} -> {on['eager_steps']}, "
+            f"prefill on graphs {off['prefill_graph_steps']} -> {on['prefill_graph_steps']}), busy "
+            f"{off['busy']} -> {on['busy']}")
 
 
 def _prefill_rows(res: dict) -> list[tuple[str, str]]:
