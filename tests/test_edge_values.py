@@ -191,6 +191,25 @@ def test_cli_a_nan_weight_is_one_line_naming_the_layer(nan_llama, extra, capsys)
     assert "the prompt's last row" in line
 
 
+def test_a_batched_greedy_first_token_from_a_nan_row_is_the_same_error_as_alone(nan_llama):
+    """On a batched engine a greedy request's first token comes from the step's readback (its
+    argmax and the logit there, no device op of its own): a NaN there is the error a request
+    alone gets, naming the layer; a sampled one beside it fails the same way."""
+    from memra_dist.app import open_engine
+
+    msgs = {}
+    for batch in (1, 2):
+        for temp in (0.0, 0.8):
+            cfg = RunConfig(model=str(nan_llama), drafter="none", device="cpu", dtype="fp32", max_new_tokens=4,
+                            sampling=SamplingParams(temperature=temp))
+            with open_engine(cfg, capacity=64, max_batch=batch) as eng:
+                with pytest.raises(Exception) as e:
+                    eng.generate([5, 6, 7, 8, 9, 10], cfg)
+            msgs[batch, temp] = str(e.value)
+    assert all("non-finite logits" in m and "layer 2" in m and "the prompt's last row" in m for m in msgs.values()), msgs
+    assert msgs[1, 0.0] == msgs[2, 0.0]
+
+
 def test_a_nan_at_a_later_position_is_caught_in_the_round(llama, tmp_path, capsys):
     """NaN embedding rows of the first generated tokens: the prime is finite, the first round's
     verify is not; greedy must not turn it into a token (argmax of an all-NaN row is 0)."""

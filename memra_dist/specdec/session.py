@@ -8,6 +8,8 @@ numbers only; lines and spans are built from them by the sinks, in a later verif
 
 from __future__ import annotations
 
+import math
+
 import time
 from typing import Callable, Protocol
 
@@ -203,9 +205,13 @@ class SpecSession:
     def _draw(self, logits: torch.Tensor, last_id: torch.Tensor, pos: int) -> int:
         """The anchor from the prompt's last row, whose logits are checked first (the request's
         only full check: each round's rides in its readback, accept.py). Greedy: the logit at
-        the argmax comes back with it (NaN / +inf are where argmax lands); sampled: the host's
-        probabilities sum to NaN exactly when a logit is not finite."""
-        if self.sp.greedy:
+        the argmax comes back with it (NaN / +inf are where argmax lands; on a batched target both
+        came back in the step's readback: no device op, no wait for the step running now);
+        sampled: the host's probabilities sum to NaN exactly when a logit is not finite."""
+        rows = getattr(self.target, "greedy_rows", None) if self.sp.greedy else None
+        if rows is not None:  # a batched target: the step's one readback holds the row's argmax and its logit
+            tok, ok = int(rows[0][-1]), math.isfinite(rows[1][-1])
+        elif self.sp.greedy:
             a = logits[0].argmax()
             tok, ok = torch.stack((a, torch.isfinite(logits[0, a]).long())).tolist()
         else:
