@@ -53,3 +53,36 @@ def test_the_merge_is_the_softmax_over_both_key_sets():
     o2, l2 = part(k[:, S1:], v[:, S1:])
     whole = ((q @ k.transpose(-1, -2)).softmax(-1) @ v).transpose(0, 1)
     torch.testing.assert_close(merge_attention(o1, l1, o2, l2, torch.float32), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_the_install_builds_the_merge_and_switches_the_arm_or_keeps_the_torch_ops(llama, monkeypatch, capsys):
+    """kernels/ops.py builds the merge once at install and only then points the prefix arm at it;
+    a build that fails leaves the torch ops, with one warning (the engine runs, slower)."""
+    import memra_dist.kernels.merge as km
+    from memra_dist.kernels import ops
+    from memra_dist.model import prefix_attention as pa
+    from memra_dist.runner import ModelRunner
+
+    stage = ModelRunner(str(llama), torch.device("cpu"), torch.float32, max_pos=64).stage
+    monkeypatch.setattr(pa, "FUSED_MERGE", False)
+    ops._warm_merge(stage)  # a CPU stage: nothing merges there
+    assert pa.FUSED_MERGE is False
+    built = []
+    real = km.merge_attention
+    monkeypatch.setattr(km, "merge_attention", lambda *a: built.append(a[0].shape) or real(*a))
+    ops._warm_merge(stage, on=("cpu",))
+    attn = stage.layers["0"].self_attn
+    assert pa.FUSED_MERGE is True and built == [(1, attn.nh, 1, attn.hd)]
+    o1, l1, o2, l2 = _parts(attn.nh, 5, attn.hd, torch.float32, "bshd")
+    assert torch.equal(pa._merge(o1, l1, o2, l2, torch.float32), real(o1, l1, o2, l2, torch.float32))
+
+    def broken(*a):
+        raise RuntimeError("PTX assembly failed\nmore")
+
+    monkeypatch.setattr(pa, "FUSED_MERGE", False)
+    monkeypatch.setattr(km, "merge_attention", broken)
+    ops._warm_merge(stage, on=("cpu",))
+    assert pa.FUSED_MERGE is False
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "RuntimeError: PTX assembly failed" in err and "torch ops" in err
+    torch.testing.assert_close(pa._merge(o1, l1, o2, l2, torch.float32), pa.merge_parts(o1, l1, o2, l2, torch.float32))

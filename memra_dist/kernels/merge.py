@@ -23,7 +23,9 @@ import triton.language as tl
 __all__ = ["merge_attention"]
 
 
-@triton.jit
+# one build whatever the chunk's rows: the strides (a log-sum-exp's head stride is the chunk's
+# rows) would otherwise specialise on their divisibility, a build per kind of chunk
+@triton.jit(do_not_specialize=["NH", "D", "s1h", "s1t", "s2h", "s2t", "l1h", "l1t", "l2h", "l2t"])
 def _merge_kernel(O1, L1, O2, L2, Y, NH, D, s1h, s1t, s2h, s2t, l1h, l1t, l2h, l2t,
                   BH: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

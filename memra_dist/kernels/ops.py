@@ -225,6 +225,33 @@ def _warm_rows(stage) -> None:
             silu_mul_rows(torch.zeros(2, mlp.gate_up_proj.weight.shape[0], device=w.device, dtype=w.dtype))
 
 
+def _warm_merge(stage, on=("cuda",)) -> None:
+    """Build the one-pass merge of a prefix chunk's attention parts (kernels/merge.py) at
+    install, on a row of the stage's heads, and switch the prefix arm to it
+    (`prefix_attention.FUSED_MERGE`); where it cannot build, the arm keeps the torch ops (one
+    warning). Only a CUDA stage's chunks take the cuDNN arm that merges (`on`: the device types
+    it is built for; a test's CPU, on Triton's interpreter)."""
+    from ..model import prefix_attention  # noqa: PLC0415
+    from ..model.attention import Attention  # noqa: PLC0415
+
+    attn = next((b.self_attn for b in stage.layers.values() if type(b.self_attn) is Attention), None)
+    if attn is None or prefix_attention.FUSED_MERGE:
+        return
+    w = next(attn.parameters())
+    if w.device.type not in on:
+        return
+    try:
+        from .merge import merge_attention  # noqa: PLC0415
+
+        o = torch.zeros(1, attn.nh, 1, attn.hd, device=w.device, dtype=w.dtype)
+        lse = torch.zeros(1, attn.nh, 1, device=w.device, dtype=torch.float32)
+        merge_attention(o, lse, o, lse, w.dtype)
+        prefix_attention.FUSED_MERGE = True
+    except Exception as e:  # noqa: BLE001 (a fast path: the torch ops stay)
+        print(f"[memra] warning: the prefix attention's one-pass merge did not build ({type(e).__name__}: "
+              f"{(str(e).strip().splitlines() or [''])[0][:200]}); it keeps the torch ops", file=sys.stderr, flush=True)
+
+
 def install_stage(stage) -> int:
     """Every block of the stage (`install_block`) and the head (the final norm inside the
     lm_head GEMV) switch to the kernels. Call after the QKV / gate-up fusion."""
@@ -233,6 +260,7 @@ def install_stage(stage) -> int:
     if getattr(stage, "norm", None) is not None:
         stage.norm.rows_kernel = True
     _warm_rows(stage)
+    _warm_merge(stage)
     if getattr(stage, "has_head", False):
         n += _fast(stage.lm_head)
         # a verify's rows, and a batched step's up to 64: the lm_head's folded row GEMM beat cuBLAS with

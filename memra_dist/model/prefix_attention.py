@@ -11,7 +11,7 @@ causal square). Three arms, picked by a registry on (device, dtype), not by scat
            H200 at 8k-32k rows); a chunk over a prefix is cuDNN's fused attention in two calls,
            the chunk against its prefix (every key visible) and against itself (the causal
            square, where top-left and bottom-right alignment agree), merged by their
-           log-sum-exps in one pass (kernels/merge.py), grouped K/V heads read in place (~530-540 TFLOP/s at 8k rows over a
+           log-sum-exps (in one pass, kernels/merge.py, where our kernels run), grouped K/V heads read in place (~530-540 TFLOP/s at 8k rows over a
            24k-120k prefix, against FlashAttention-2's ~345; BENCHMARKS.md).
   flash    CUDA, fp16 / bf16, head dims <= 256: torch's FlashAttention-2 kernel
            (`aten::_scaled_dot_product_flash_attention`), whose causal flag is bottom-right
@@ -110,7 +110,7 @@ def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
         return o[0].transpose(0, 1)  # (T, nh, d)
     o2, l2 = _cudnn_part(qh, k[start:], v[start:], True, scale)  # the chunk's own rows: the causal square
     o1, l1 = _cudnn_part(qh, k[:start], v[:start], False, scale)  # the prefix: every key visible
-    return _merge()(o1, l1, o2, l2, q.dtype)  # the softmax over both key sets
+    return _merge(o1, l1, o2, l2, q.dtype)  # the softmax over both key sets
 
 
 def merge_parts(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
@@ -124,14 +124,18 @@ def merge_parts(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.
     return o.to(dtype)[0].transpose(0, 1)
 
 
-def _merge():
-    """The two parts' merge: one pass (kernels/merge.py) where Triton imports, else the torch ops."""
-    try:
+# kernels/ops.py sets it where our kernels run (its install built the one-pass merge once);
+# --kernels off, no Triton, CPU: the torch ops
+FUSED_MERGE = False
+
+
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The two parts' merge: one pass (kernels/merge.py) where our kernels run, else the torch ops."""
+    if FUSED_MERGE and not torch.compiler.is_compiling():
         from ..kernels.merge import merge_attention  # noqa: PLC0415
 
-        return merge_attention
-    except ImportError:
-        return merge_parts
+        return merge_attention(o1, l1, o2, l2, dtype)
+    return merge_parts(o1, l1, o2, l2, dtype)
 
 
 def _cudnn_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
