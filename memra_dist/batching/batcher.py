@@ -22,8 +22,9 @@ each), so 64 of them take longer than any fixed wait, and a fixed wait would lau
 step with part of them, splitting the requests into groups that alternate steps for good.
 A step takes waiting submissions in arrival order up to `max_tokens` rows (at least one); the
 rest go in the next step (where steps with prefill chunks replay graphs, a chunk that would take
-the step past the graphs' chunk rows waits a step while few prompt rows wait: take.py). Each request's rows see exactly the inputs they see alone
-(paged.py), so what shares a step never changes a result.
+the step past the graphs' chunk rows waits a step while few prompt rows wait: take.py). Each
+request's rows see exactly the inputs they see alone (paged.py), so what shares a step never
+changes a result.
 
 Memory follows length: a request is admitted with the blocks of its first rows (blocks.py) and
 grows block by block as its forwards reach further. When a growth finds the pool empty, the

@@ -46,8 +46,9 @@ def _merge_kernel(O1, L1, O2, L2, Y, NH, D, s1h, s1t, s2h, s2t, l1h, l1t, l2h, l
 
 def merge_attention(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
-    """model/prefix_attention.py's `merge_parts` in one pass -> a contiguous (T, nh, d) tensor. Any strides of the
-    (1, nh, T, d) outputs and (1, nh, T) fp32 log-sum-exps with the last dim contiguous."""
+    """model/prefix_attention.py's `merge_parts` in one pass -> a contiguous (T, nh, d) tensor:
+    any strides of the (1, nh, T, d) outputs and (1, nh, T) fp32 log-sum-exps, the outputs'
+    last dim contiguous (made so where it is not)."""
     _, nh, T, D = o1.shape
     if o1.stride(-1) != 1:
         o1 = o1.contiguous()

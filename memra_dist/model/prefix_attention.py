@@ -11,8 +11,9 @@ causal square). Three arms, picked by a registry on (device, dtype), not by scat
            H200 at 8k-32k rows); a chunk over a prefix is cuDNN's fused attention in two calls,
            the chunk against its prefix (every key visible) and against itself (the causal
            square, where top-left and bottom-right alignment agree), merged by their
-           log-sum-exps (in one pass, kernels/merge.py, where our kernels run), grouped K/V heads read in place (~530-540 TFLOP/s at 8k rows over a
-           24k-120k prefix, against FlashAttention-2's ~345; BENCHMARKS.md).
+           log-sum-exps (in one pass where our kernels run: kernels/merge.py), grouped K/V
+           heads read in place (~530-540 TFLOP/s at 8k rows over a 24k-120k prefix, against
+           FlashAttention-2's ~345; BENCHMARKS.md).
   flash    CUDA, fp16 / bf16, head dims <= 256: torch's FlashAttention-2 kernel
            (`aten::_scaled_dot_product_flash_attention`), whose causal flag is bottom-right
            aligned when there are more keys than queries, with grouped K/V heads read in
@@ -31,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["prefix_attention", "prefix_arm", "merge_parts", "blocked_attention", "block_rows", "SCORE_BUDGET", "PREFIX_MIN_ROWS"]
+__all__ = ["prefix_attention", "prefix_arm", "merge_parts", "blocked_attention", "block_rows", "SCORE_BUDGET",
+           "PREFIX_MIN_ROWS"]
 
 SCORE_BUDGET = 1 << 25  # fp32 scores one block of the blocked arm may hold (128 MiB)
 # forwards of more rows than this take the prefix path (prefill chunks); fewer (decode, verify
