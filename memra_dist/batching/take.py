@@ -4,8 +4,8 @@ In arrival order up to `max_tokens` rows (at least one), as before; where steps 
 chunks replay CUDA graphs (graphs.py: `tail_rows`, the chunk rows such a step may hold), a
 step's chunks are also kept within `tail_rows` while few prompt rows wait: a chunk that would
 take the step past it waits for the next step (one step: a few ms), so the decode rows beside it
-replay a graph instead of a step launched kernel by kernel (~30 ms of host time on an 8B, for a
-200-row chunk's ~5 ms of device work). Once `eager_rows` prompt rows or more wait (requests
+replay a graph instead of a step launched kernel by kernel (25-37 ms of host time on an 8B,
+measured on an H200, for a 200-row chunk's few ms of device work). Once `eager_rows` prompt rows or more wait (requests
 arriving together), the step takes them all: a large step's host time hides behind its device
 time, and one step of them beats several graphed ones. A chunk larger than `tail_rows` never
 rides a graph: a step that holds one takes the rest as before.
@@ -31,11 +31,12 @@ __all__ = ["take", "PREFILL_TAIL_ROWS", "EAGER_PREFILL_ROWS"]
 
 # a step's prefill rows (its chunks, in all) that may ride a graphed step (graphs.py): a batch
 # job's lines after a 2k shared header (200 tokens each) ride one beside 63 decode rows; a longer
-# chunk is a prefill's work, where an eager step's host time (~30 ms on an 8B) hides behind the
+# chunk is a prefill's work, where an eager step's host time (25-37 ms on an 8B) hides behind the
 # device's
 PREFILL_TAIL_ROWS = 256
 # prompt rows waiting (within the row budget) from which a step takes them all at once: four
-# graphed steps of PREFILL_TAIL_ROWS cost about what one eager step of 1,024 rows does
+# graphed steps of PREFILL_TAIL_ROWS should cost about what one eager step of 1,024 rows does (an
+# estimate from the GEMMs' work and the eager step's host time; the threshold is not yet tuned)
 EAGER_PREFILL_ROWS = 4 * PREFILL_TAIL_ROWS
 
 

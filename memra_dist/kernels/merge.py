@@ -5,10 +5,10 @@ the chunk against its prefix (every key visible) and against itself (the causal 
 returning its output (1, heads, rows, d) and the log-sum-exp of its scores (1, heads, rows).
 The softmax over both key sets is their outputs weighted by exp(lse - max): as torch ops that is
 ~8 passes over fp32 copies of the outputs (each chunk's 4 MB a head of bf16 read and written
-as 8 MB fp32 several times: ~2 GB a layer for an 8k-row chunk of 32 heads, ~0.7 ms on an H100,
-~65 ms of a 32k prompt's first token). Here one program a row reads both outputs and both
-lse rows of every head once and writes the merged row into the (rows, heads, d) layout the
-projection after it reads.
+as 8 MB fp32 several times: by the bytes ~2 GB a layer for an 8k-row chunk of 32 heads, about
+0.7 ms at an H100's bandwidth and ~65 ms of a 32k prompt's first token; an estimate, not yet
+measured). Here one program a row reads both outputs and both lse rows of every head once and
+writes the merged row into the (rows, heads, d) layout the projection after it reads.
 
 It computes what the reference does (fp32 weights, o1 * w1 + o2 * w2 over w1 + w2, rounded to
 the output dtype once).
