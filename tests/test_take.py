@@ -36,3 +36,6 @@ def test_a_step_keeps_its_chunks_within_the_tail_rows_and_defers_only_chunks():
         else:
             assert sum(chunks) <= PREFILL_TAIL_ROWS
             assert all(jobs[i].last for i in skipped) and (not skipped or chunks)
+        # no chunk waits for ever: the first one the budget reaches is always taken
+        first = next((i for i in plain if jobs[i].last), None)
+        assert first is None or first in got
