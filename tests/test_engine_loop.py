@@ -255,9 +255,11 @@ def test_at_level_0_the_loop_never_drains_the_device_for_a_tap_drafters_maintena
 
 def test_a_dflash_request_the_loop_never_drafts_for_costs_the_loop_no_ingest(llama, tmp_path_factory, monkeypatch):
     """With --spec-k auto choosing K 0 every step (a request's first round too), the engine loop
-    never runs a batched DFlash request's drafter: no maintenance (it would catch up when it
-    drafted again), none as the request ends, no proposal; only the request's own prime on its
-    thread ingests rows. The ids are the solo ids."""
+    never runs a batched DFlash request's drafter past its prime: no maintenance (it would catch
+    up when it drafted again), none as the request ends, no proposal. The prime itself is the
+    loop's (primes.py): every request's drafter primed there, none on a request's thread. The
+    ids are the solo ids."""
+    import memra_dist.batching.batcher as bm
     import memra_dist.batching.loop_rounds as lr
     from test_batching import _batched, _tap_drafter
 
@@ -266,22 +268,34 @@ def test_a_dflash_request_the_loop_never_drafts_for_costs_the_loop_no_ingest(lla
     ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
     reqs = _prompts(4)
     solo = _solo(llama, "dflash", reqs, draft_model=ddir)
-    in_loop = []
+    in_loop, priming, primed_on = [], [], set()
 
     def note(n):
-        if threading.current_thread().name == "memra-engine-loop" and n > 0:
+        name = threading.current_thread().name
+        if priming:
+            primed_on.add(name)
+        elif name == "memra-engine-loop" and n > 0:
             in_loop.append(n)
 
-    real_one, real_many = dflash.DFlashDrafter._ingest, dflash_batch.ingest_many
+    def primes(ps):
+        priming.append(True)
+        try:
+            real_primes(ps)
+        finally:
+            priming.clear()
+
+    real_one, real_many, real_primes = dflash.DFlashDrafter._ingest, dflash_batch.ingest_many, bm.run_primes
     monkeypatch.setattr(dflash.DFlashDrafter, "_ingest",
                         lambda self, upto, depth=None: note(upto - self.n) or real_one(self, upto, depth))
     monkeypatch.setattr(dflash_batch, "ingest_many",
                         lambda ds, uptos: [note(u - d.n) for d, u in zip(ds, uptos)] and real_many(ds, uptos))
+    monkeypatch.setattr(bm, "run_primes", primes)
     monkeypatch.setattr(lr, "choose", lambda reqs_, cost: [0] * len(reqs_))
     got, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=ddir, spec_k="auto")
     assert got == solo
     assert stats["k_chosen"] and set(stats["k_chosen"]) == {"0"}, stats["k_chosen"]
     assert not in_loop, in_loop
+    assert stats["loop_primes"] == 4 and primed_on == {"memra-engine-loop"}, (stats["loop_primes"], primed_on)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "replay"])
@@ -314,3 +328,89 @@ def test_a_host_drafters_rounds_make_no_torch_call_on_the_loops_path(llama, monk
     assert got == solo
     assert rounds[0] >= 20 and stats["chained_rounds"] >= 40, stats
     assert calls == [], sorted(set(calls))
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_new_requests_drafters_are_primed_together_by_the_loop(llama, tmp_path_factory, monkeypatch, drafter):
+    """Four requests admitted together: the loop allocates and primes their tap drafters
+    (batching/primes.py), those that come in together in one shared prime (`prime_many`: their
+    chunks packed into one forward), no request's thread primes; every proposal equals the
+    request's solo one and the ids are the solo ids."""
+    from memra_dist.specdec.drafters.base import Drafter
+
+    from test_batching import _drafter_cls, _tap_drafter, spy_proposals
+
+    cls = _drafter_cls(drafter)
+    ddir = str(_tap_drafter(drafter, llama, tmp_path_factory))
+    seen = spy_proposals(monkeypatch, cls)
+    reqs = _prompts(4)
+    solo = _solo(llama, drafter, reqs, draft_model=ddir)
+    alone, seen[:] = sorted(seen), []
+    shared, threads = [], set()
+    real_many, real_one = cls.prime_many, cls.prime
+
+    def many(ds, prompts, chunks):
+        shared.append(len(ds))
+        threads.add(threading.current_thread().name)
+        real_many(ds, prompts, chunks)
+
+    def one(self, prompt, chunks=None):
+        threads.add(threading.current_thread().name)
+        real_one(self, prompt, chunks)
+
+    monkeypatch.setattr(cls, "prime_many", staticmethod(many))
+    monkeypatch.setattr(cls, "prime", one)
+    assert not hasattr(Drafter, "prime_many")  # (only the classes that share a forward have one)
+    got, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=ddir, gate=True)
+    assert got == solo and sorted(seen) == alone
+    assert threads == {"memra-engine-loop"}, threads
+    assert stats["loop_primes"] == 4 and shared and max(shared) >= 2, (stats["loop_prime_runs"], shared)
+    assert stats["loop_prime_runs"] < 4
+
+
+def test_a_drafter_prime_that_fails_ends_its_own_request_only(llama, tmp_path_factory, monkeypatch):
+    """One request's DFlash prime raises, in the loop's shared prime and again alone: that
+    request ends with the error, the three primed with it get their solo ids (the shared prime
+    is run again one by one), and the engine serves the next request."""
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+
+    from test_batching import _tap_drafter
+
+    ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    reqs = _prompts(5)
+    solo = _solo(llama, "dflash", reqs, draft_model=ddir)
+    bad = reqs[2][0]
+    real_many, real_one = DFlashDrafter.prime_many, DFlashDrafter.prime
+
+    def many(ds, prompts, chunks):
+        if bad in prompts:
+            raise RuntimeError("a prime's bug")
+        real_many(ds, prompts, chunks)
+
+    def one(self, prompt, chunks=None):
+        if prompt == bad:
+            raise RuntimeError("a prime's bug")
+        real_one(self, prompt, chunks)
+
+    monkeypatch.setattr(DFlashDrafter, "prime_many", staticmethod(many))
+    monkeypatch.setattr(DFlashDrafter, "prime", one)
+    with open_engine(_cfg(llama, "dflash", draft_model=ddir), capacity=CAP, max_batch=4) as eng:
+        got, errors = {}, {}
+
+        def run(i):
+            p, n = reqs[i]
+            try:
+                got[i] = eng.generate(p, _cfg(llama, "dflash", draft_model=ddir, max_new_tokens=n)).token_ids
+            except RuntimeError as e:
+                errors[i] = str(e)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == {2: "a prime's bug"}, errors
+        assert all(got[i] == solo[i] for i in (0, 1, 3))
+        run(4)
+        assert got[4] == solo[4]
+        assert eng._backend.batcher.wait_idle(60)
+        assert eng._backend.draft_pool.owners.held == 0  # the failed request's slot came back too

@@ -55,6 +55,7 @@ from .stats import BatchStats
 from .step_ids import StepIds
 from .paged import PagedKV
 from .prefix_cache import InFlight
+from .primes import Prime, run_primes
 from .residency import Residency
 from .step_forward import launch, wake
 from .take import EAGER_PREFILL_ROWS, PREFILL_TAIL_ROWS, take as take_jobs
@@ -98,6 +99,9 @@ class Batcher(Residency):
         self.cv = threading.Condition(lock)
         self._loop_cv = threading.Condition(lock)
         self.pending: list[Job] = []
+        self.primes: list[Prime] = []  # new requests' drafters the loop allocates and primes before its next step
+        self.priming: set = set()  # requests whose prompt's last chunk has run: each queues a prime soon
+        self.last_prime = 0  # perf_counter_ns of the latest prime queued
         self.admitted: dict = {}  # request id -> admission order (the latest is preempted first)
         self.swapped: dict = {}  # request id -> (rows, host K/V per layer): preempted, back before its next forward
         self.running_rids: set = set()
@@ -137,6 +141,9 @@ class Batcher(Residency):
                 if j.chain is not None:
                     j.chain.cancel()
             self._fail_pending(RuntimeError("the engine closed"))
+            for p in self.primes:
+                p.err, p.done = RuntimeError("the engine closed"), True
+            self.primes = []
             loop = self.loop
             self.cv.notify_all()
             self._loop_cv.notify()
@@ -151,14 +158,16 @@ class Batcher(Residency):
             return self.cv.wait_for(lambda: not (self.running or self.pending or self.leaving), timeout)
 
     # ---- one forward's rows ----
-    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool, taps=None, timer=None):
+    def submit(self, rid, ids: torch.Tensor, start: int, width: int, last: bool, taps=None, timer=None,
+               primes: bool = False):
         """Request `rid`'s rows `ids` at positions [start, start + len) (its attention as over a
         cache of `width` rows); returns what its runner's forward would (fp32 logits of every
         row, or of the last with `last`), the step it rode in, and its rows' argmax and the
         logit at each (host lists: the step reads every request's back at once). `taps`: the
         request's TapSink, which gets its rows' outputs of the tapped layers. `timer`: a level-2
-        request's sub-split timer, which gets the step's laps (laps.py)."""
-        job = Job(rid, ids, start, width, last, taps=taps, timer=timer)
+        request's sub-split timer, which gets the step's laps (laps.py). `primes`: the prompt's
+        last chunk, after which the request's drafter primes on the loop (`prime`)."""
+        job = Job(rid, ids, start, width, last, taps=taps, timer=timer, primes=primes)
         with self.cv:
             self._open()
             self._hold(rid, start + ids.shape[0])
@@ -177,6 +186,10 @@ class Batcher(Residency):
         self.away.discard(job.rid)  # back: the steps wait for its rows again
         self.pending.append(job)
         self.last_submit = job.t
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
+        """Called holding the lock: the loop (started now if it is not running) woken, and only it."""
         if self.loop is None:
             self.loop = threading.Thread(target=self._run, name="memra-engine-loop", daemon=True)
             self.loop.start()
@@ -206,6 +219,49 @@ class Batcher(Residency):
             ch.wait()
         return ch.rounds.popleft() if ch.rounds else None
 
+    def prime(self, rid, drafter, prompt: list[int], chunks, capacity: int) -> float:
+        """Request `rid`'s drafter allocated (`capacity` rows) and primed on its prompt by the
+        engine loop, with the other new requests' (primes.py), before its next step; returns
+        what the allocation did (MB). The request is away meanwhile (no step waits for it)."""
+        p = Prime(rid, drafter, prompt, chunks, capacity)
+        with self.cv:
+            self._open()
+            self.primes.append(p)
+            self.last_prime = p.t
+            self._wake_loop()
+            while not p.done:
+                self.cv.wait()
+        if p.err is not None:
+            raise p.err
+        return p.kv_mb
+
+    def _run_primes(self) -> None:
+        """Called holding the lock with no step running: every queued prime run (unlocked,
+        on the loop: primes.py), its request woken."""
+        primes, self.primes = self.primes, []
+        self.priming -= {p.rid for p in primes}
+        t = time.perf_counter_ns()
+        self.cv.release()
+        try:
+            run_primes(primes)
+        finally:
+            self.cv.acquire()
+        self.stats.primes += len(primes)
+        self.stats.prime_runs += 1
+        self.stats.prime_ns += time.perf_counter_ns() - t
+        for p in primes:
+            p.done = True
+        self.cv.notify_all()
+
+    def _primes_in(self) -> float:
+        """Seconds until the queued primes should run (<= 0: now): once every request whose
+        prompt's last chunk ran has queued its prime (they come back from that step one after
+        another: primed together, one forward), or after the batcher's wait without a new one."""
+        if self.priming <= {p.rid for p in self.primes}:
+            return 0.0
+        quiet = max(self.last_prime, self.last_end)
+        return (quiet + self.max_wait_s * 1e9 - time.perf_counter_ns()) / 1e9
+
     def _open(self) -> None:
         if self.closed:
             raise RuntimeError("the engine is closed")
@@ -218,21 +274,28 @@ class Batcher(Residency):
         with self.cv:
             while not self.closed:
                 try:
-                    if not self.running and self.pending:
-                        wait = self._ready_in()
-                        if wait <= 0:
-                            self._lead()
-                            continue
+                    if self.running:
                         self._flush_wakes()
-                        t = time.perf_counter_ns()
-                        self._loop_cv.wait(wait)
+                        self._loop_cv.wait()
+                        continue
+                    # new requests' drafters first (primes.py), once those of a step are all in
+                    prime_in = self._primes_in() if self.primes else None
+                    if prime_in is not None and prime_in <= 0:
+                        self._run_primes()
+                        continue
+                    step_in = self._ready_in() if self.pending else None
+                    if step_in is not None and step_in <= 0:
+                        self._lead()
+                        continue
+                    self._flush_wakes()
+                    t = time.perf_counter_ns()
+                    waits = [w for w in (prime_in, step_in) if w is not None]
+                    self._loop_cv.wait(min(waits) if waits else None)
+                    if step_in is not None:
                         held = time.perf_counter_ns() - t
                         self.stats.holds += 1
                         self.stats.held_ns += held
                         self._held_since += held  # (the next step's span says it)
-                    else:
-                        self._flush_wakes()
-                        self._loop_cv.wait()
                 except BaseException as e:  # noqa: BLE001 (no request waits forever on a step that broke)
                     self.pending = self.running_jobs + self.pending
                     self.running, self.running_rids, self.running_jobs = False, set(), []
@@ -312,8 +375,8 @@ class Batcher(Residency):
         nxt = staged = ahead = None
         if not isinstance(out, BaseException):
             staged = stage_readback(out.pv)  # before anything is launched behind it
-            try:
-                nxt = plan_ahead(self, take)
+            try:  # (queued primes run before the next step: none is launched behind this one)
+                nxt = plan_ahead(self, take) if not self.primes else None
             except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
                 nxt = None
             if nxt is not None:
@@ -354,6 +417,8 @@ class Batcher(Residency):
         gap = max(0, t0 - self.last_end) if rode else 0
         before = (gap, min(self._rounds_last, gap), min(self._held_since, gap))
         for j in take:
+            if j.primes:
+                self.priming.add(j.rid)
             j.step = BatchStep(sid, len(take), rows, max(0, t0 - j.t), t1 - t0, used, free, self.stats.preemptions,
                                cached, evicted, t0, predicted, *before, spans=self.step_ids)
         self._held_since = 0

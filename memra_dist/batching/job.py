@@ -54,6 +54,7 @@ class Job:
     chain: object = None  # the request's Chain (chain.py) when the leader runs its rounds
     void: bool = False  # a row launched ahead past its request's end (ahead.py): its output is dropped
     timer: object = None  # a level-2 request's SubsplitTimer: its step runs eager, drained by layer (laps.py)
+    primes: bool = False  # its prompt's last chunk, and its drafter primes on the loop after it (primes.py)
 
     def __post_init__(self):
         self.n = len(self.ids)  # its rows

@@ -91,6 +91,7 @@ class Residency:
             self.inflight.drop(rid)  # what it did not publish, nobody computes: admissions waiting for it go on
             self.finished.discard(rid)
             self.away.discard(rid)
+            self.priming.discard(rid)
             self.acceptance.forget(rid)
             self.admitted.pop(rid, None)
             self.swapped.pop(rid, None)

@@ -67,6 +67,7 @@ class BatchSlot:
         self.last_step = None  # the BatchStep of the latest forward (the session's round records read it)
         # the latest forward's rows' argmax and the logit at it, read back by the step (accept.py greedy_commit)
         self.greedy_rows: tuple[list, list] | None = None
+        self.primes_at: int | None = None  # its drafter primes on the loop once its rows reach this (the prompt's end)
 
     def cached_blocks(self) -> int:
         """The leading blocks of its prompt the pool caches now (0 with the cache off): what the
@@ -104,8 +105,11 @@ class BatchSlot:
         if start + rows > self.capacity:
             raise UserError(f"context full: {start + rows} rows needed, the request holds {self.capacity}")
         self.length = start + rows
+        primes = self.primes_at is not None and start + rows >= self.primes_at
+        if primes:
+            self.primes_at = None
         out, self.last_step, self.greedy_rows = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity,
-                                                                    last, self.cache.taps, timer)
+                                                                    last, self.cache.taps, timer, primes)
         if self.published < len(self.hashes) and start < len(self.prompt):  # a prefill chunk: its full blocks
             done = min(len(self.hashes), min(start + rows, len(self.prompt)) // self.batcher.pool.block)
             if done > self.published:
@@ -117,6 +121,15 @@ class BatchSlot:
         """The request works on the host before its next forward (batcher.py `step_away`)."""
         if self.admitted:
             self.batcher.step_away(self.rid)
+
+    def will_prime(self, prompt_len: int) -> None:
+        """Its drafter will prime on the loop after the prompt's last chunk (`prime_drafter`): the
+        loop waits for it to prime with the others of that step (batcher.py `_primes_in`)."""
+        self.primes_at = prompt_len
+
+    def prime_drafter(self, drafter, prompt: list[int], chunks, capacity: int) -> float:
+        """The request's drafter allocated and primed by the engine loop (batcher.py `prime`)."""
+        return self.batcher.prime(self.rid, drafter, prompt, chunks, capacity)
 
     def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
               gen, timed: bool = True) -> Chain:

@@ -40,6 +40,9 @@ class BatchStats:
     parks: int = 0  # chains whose next rows found no free block (their session ran that round)
     draft_batches: int = 0  # draft forwards the leader ran for several chained requests at once (chain_drafts.py)
     draft_batched: int = 0  # the proposals made in them
+    primes: int = 0  # new requests' drafters the loop allocated and primed (primes.py)
+    prime_runs: int = 0  # ... in this many passes between steps
+    prime_ns: int = 0  # the loop's time in them (launch, and what the device made it wait for)
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "rows": self.rows, "max_requests": self.max_requests,
@@ -52,7 +55,9 @@ class BatchStats:
                 "draft_batches": self.draft_batches,
                 "mean_draft_batch": round(self.draft_batched / self.draft_batches, 3) if self.draft_batches else 0.0,
                 "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "leader_maint_ms": round(self.maint_ns / 1e6, 1),
-                "leader_draft_ms": round(self.draft_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
+                "leader_draft_ms": round(self.draft_ns / 1e6, 1),
+                "loop_primes": self.primes, "loop_prime_runs": self.prime_runs,
+                "loop_prime_ms": round(self.prime_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
                 "eager_steps": self.eager, "eager_step_ms": round(self.eager_ns / 1e6, 1),
                 "admission_waits": self.waits, "prefix_waits": self.prefix_waits,
                 "k_chosen": {str(k): n for k, n in sorted(self.k_chosen.items())}, "k_remeasures": self.remeasures, "k_shadows": self.shadows,

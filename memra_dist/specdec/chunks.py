@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "fixed_chunks", "pipeline_chunks", "attention_weight", "MIN_PIPE_ROWS", "CHUNKS_PER_STAGE"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "fixed_chunks", "pipeline_chunks", "attention_weight", "MIN_PIPE_ROWS", "CHUNKS_PER_STAGE",
+           "pack_chunks"]
 
 # prompt rows per prefill forward (--prefill-chunk): working memory O(chunk x context);
 # chosen by the prefill section's chunk sweep on an H200 (BENCHMARKS.md)
@@ -84,3 +85,34 @@ def pipeline_chunks(n: int, max_rows: int, stages: int, ratio: float, start: int
         out.append((a, a + rows))
         a += rows
     return out
+
+
+def pack_chunks(chunks: list[list[tuple[int, int]]], budget: int) -> list[list[tuple[int, int, int]]]:
+    """Many requests' chunk lists (request i: its [lo, hi) ranges in order) packed into passes
+    of at most `budget` rows: each pass a list of (i, lo, hi), at most one chunk a request, each
+    request's chunks in their order over the passes (its chunk c + 1 in a later pass than c).
+    A pass takes a request's next chunk while it fits; a first chunk larger than the budget is
+    a pass of its own. What the engine loop's drafter primes run as one forward each, their
+    working memory bounded as one request's chunk bounds it (batching/batcher.py).
+
+    >>> pack_chunks([[(0, 4), (4, 6)], [(0, 3)], [(0, 5)]], 8)
+    [[(0, 0, 4), (1, 0, 3)], [(0, 4, 6), (2, 0, 5)]]
+    >>> pack_chunks([[(0, 9)], [(0, 2)]], 8)
+    [[(0, 0, 9)], [(1, 0, 2)]]
+    >>> pack_chunks([[], [(0, 1)]], 8)
+    [[(1, 0, 1)]]
+    """
+    at = [0] * len(chunks)
+    out: list[list[tuple[int, int, int]]] = []
+    while True:
+        pack, rows = [], 0
+        for i, cs in enumerate(chunks):
+            if at[i] < len(cs):
+                lo, hi = cs[at[i]]
+                if not pack or rows + hi - lo <= budget:
+                    pack.append((i, lo, hi))
+                    rows += hi - lo
+                    at[i] += 1
+        if not pack:
+            return out
+        out.append(pack)

@@ -144,6 +144,10 @@ class SpecSession:
         # a batched target may hold the prompt's leading rows already (prefix_cache.py): only the rest runs
         cached = getattr(self.target, "cached_rows", 0)
         own = [(lo + cached, hi + cached) for lo, hi in self.chunks(len(prompt) - cached)] if cached else chunks
+        on_loop = getattr(self.target, "prime_drafter", None)
+        on_loop = on_loop if on_loop is not None and self._chains and self.drafter.loop_prime else None
+        if on_loop is not None:  # (chained: never profiled)
+            self.target.will_prime(len(prompt))
         logits = self._prefill(torch.tensor(prompt), own)  # (1, V): the last prompt row's
         if pf is not None:
             t, pf.ms["prime"] = c.lap_ms(t)
@@ -154,12 +158,15 @@ class SpecSession:
         first = self._draw(logits, torch.tensor(prompt[-1:]), len(prompt) - 1)
         if pf is not None:
             t, pf.ms["anchor"] = c.lap_ms(t)
-        kv_mb = self.drafter.alloc(capacity)
-        if pf is not None:
-            t, pf.ms["draft_alloc"] = c.lap_ms(t)
-            pf.draft_kv_mb, pf.free_mb_after = kv_mb, self._free_mb()
-        with lend(self.drafter, depth):
-            self.drafter.prime(prompt, chunks)
+        if on_loop is not None:
+            on_loop(self.drafter, prompt, chunks, capacity)  # the engine loop's, with other new requests'
+        else:
+            kv_mb = self.drafter.alloc(capacity)
+            if pf is not None:
+                t, pf.ms["draft_alloc"] = c.lap_ms(t)
+                pf.draft_kv_mb, pf.free_mb_after = kv_mb, self._free_mb()
+            with lend(self.drafter, depth):
+                self.drafter.prime(prompt, chunks)
         if pf is not None:
             t, pf.ms["draft_prime"] = c.lap_ms(t)
             tally = tuning_tally()

@@ -6,7 +6,7 @@ import torch
 
 from ..sampling import SamplingParams
 
-__all__ = ["Drafter", "Proposal", "EMPTY"]
+__all__ = ["Drafter", "Proposal", "EMPTY", "prime_all"]
 
 
 class Proposal:
@@ -65,6 +65,10 @@ class Drafter:
     # its propose catches up on every committed row its maintain skipped (DFlash's ingest from its
     # n, EAGLE-3's and MTP's from theirs): a round of K 0 (--spec-k auto) may leave maintain out
     catches_up = False
+    # a batched engine's loop allocates and primes it (its network reads the target's taps on the
+    # device): the request's thread only waits (batching/batcher.py `prime`); the class's
+    # `prime_many(drafters, prompts, chunks)`, where it has one, primes many in shared forwards
+    loop_prime = False
 
     @property
     def batch_key(self):
@@ -89,3 +93,14 @@ class Drafter:
 
     def drain(self) -> None:
         """Drain the drafter's device stream (a no-op for host-only drafters)."""
+
+
+def prime_all(drafters, prompts: list[list[int]], chunks: list) -> None:
+    """Drafters of one class and network primed on their prompts (each with its chunks): in
+    shared forwards where the class has `prime_many`, else one after another."""
+    many = getattr(type(drafters[0]), "prime_many", None)
+    if many is not None and len(drafters) > 1:
+        many(drafters, prompts, chunks)
+        return
+    for d, p, c in zip(drafters, prompts, chunks):
+        d.prime(p, c)

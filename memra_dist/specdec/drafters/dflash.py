@@ -32,7 +32,7 @@ from ...cache import KVLayer
 from ...model.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
-from .dflash_batch import ingest_many, propose_many
+from .dflash_batch import ingest_many, prime_many, propose_many
 from .dflash_graph import block_graphs
 
 
@@ -50,8 +50,10 @@ class DFlashDrafter(Drafter):
     chains = True
     batched = True
     catches_up = True  # propose commits the rows from its n on (base.py)
+    loop_prime = True  # a batched engine's loop allocates and primes it (base.py)
     maintain_many = staticmethod(ingest_many_of_contexts)
     propose_many = staticmethod(propose_many)
+    prime_many = staticmethod(prime_many)  # a batched engine's loop primes its new requests together
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, net: DFlashNet, target):

@@ -23,12 +23,13 @@ import torch
 
 from ...model.attention import cached_attention
 from ...model.tap_pool import gather_rows
+from ..chunks import pack_chunks
 from ..sampling import draw_drafts, probs
 from .base import EMPTY, Proposal
 from ...device import to_device
 from .draft_pool import pool_of, pooled_attention
 
-__all__ = ["ingest_many", "propose_many"]
+__all__ = ["ingest_many", "propose_many", "prime_many"]
 
 
 @torch.inference_mode()
@@ -67,6 +68,17 @@ def ingest_many(drafters, uptos: list[int]) -> None:
             d.states[li].v.index_copy_(0, p, vr)
     for d, u in todo:
         d.n = u
+
+
+def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, int]] | None]) -> None:
+    """Each drafter primed on its prompt (DFlashDrafter.prime: every prompt row ingested), the
+    requests' chunks packed into shared ingests of at most the largest chunk's rows (the
+    engine loop primes a step's new requests together: batching/batcher.py)."""
+    lists = [cs or [(0, len(p))] for p, cs in zip(prompts, chunks)]
+    for d in drafters:
+        d.n = 0
+    for pack in pack_chunks(lists, max(hi - lo for cs in lists for lo, hi in cs)):
+        ingest_many([drafters[i] for i, _, _ in pack], [hi for _, _, hi in pack])
 
 
 @torch.inference_mode()

@@ -34,7 +34,7 @@ from ...model.eagle3 import Eagle3Net, load_eagle3
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
-from .eagle3_batch import maintain_many, propose_many
+from .eagle3_batch import maintain_many, prime_many, propose_many
 from .eagle3_graph import eagle3_graphs
 
 __all__ = ["Eagle3Drafter", "FOLD_ROWS"]
@@ -48,8 +48,10 @@ class Eagle3Drafter(Drafter):
     chains = True
     batched = True
     catches_up = True  # propose commits the rows from its n on (base.py)
+    loop_prime = True  # a batched engine's loop allocates and primes it (base.py)
     maintain_many = staticmethod(maintain_many)
     propose_many = staticmethod(propose_many)
+    prime_many = staticmethod(prime_many)  # a batched engine's loop primes its new requests together
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, net: Eagle3Net, target):

@@ -22,17 +22,60 @@ import torch
 from ...model.attention import cached_attention, causal_mask
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from ...model.tap_pool import gather_rows
+from ..chunks import pack_chunks
 from .base import EMPTY, Proposal
 from .chain_picks import ChainPicks
 from ...device import to_device
 from .draft_pool import pool_of, pooled_attention
 
-__all__ = ["maintain_many", "propose_many"]
+__all__ = ["maintain_many", "propose_many", "prime_many"]
 
 
 def maintain_many(drafters, contexts) -> None:
     for d, c in zip(drafters, contexts):
         d.maintain(c)
+
+
+def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, int]] | None]) -> None:
+    """Each drafter primed on its prompt (Eagle3Drafter.prime: rows 0 .. P - 2, their K/V only),
+    the requests' chunks packed into shared forwards of at most the largest chunk's rows (the
+    engine loop primes a step's new requests together: batching/batcher.py)."""
+    lists = []
+    for d, p, cs in zip(drafters, prompts, chunks):
+        d.n, n = 0, len(p) - 1
+        lists.append([(lo, min(hi, n)) for lo, hi in cs or [(0, n)] if lo < min(hi, n)])
+    if not any(lists):
+        return
+    for pack in pack_chunks(lists, max(hi - lo for cs in lists for lo, hi in cs)):
+        _prime_kv_many([drafters[i] for i, _, _ in pack], [prompts[i] for i, _, _ in pack],
+                       [(lo, hi) for _, lo, hi in pack])
+
+
+@torch.inference_mode()
+def _prime_kv_many(ds, prompts, ranges: list[tuple[int, int]]) -> None:
+    """Eagle3Drafter._prime_kv of several requests in one forward: committed rows [lo, hi) of
+    each (token p + 1, hidden fc(taps of p)), only their K/V into each request's cache."""
+    if len(ds) == 1:
+        ds[0]._prime_kv(prompts[0], *ranges[0])
+        return
+    d0 = ds[0]
+    net, dev = d0.net, d0.device
+    pos = to_device([p for lo, hi in ranges for p in range(lo, hi)], dev)
+    tokens = to_device([t for c, (lo, hi) in zip(prompts, ranges) for t in c[lo + 1:hi + 1]], dev)
+    g = net.features(gather_rows([d._taps() for d in ds], ranges, dev))
+    k, v = net.context_kv(d0.embed(tokens), g, pos)
+    pool = pool_of(ds)
+    if pool is not None:  # every request's rows into its own slot, one launch each
+        at = (to_device([d.pool_slot for d, (lo, hi) in zip(ds, ranges) for _ in range(lo, hi)], dev), pos)
+        pool.k[0].index_put_(at, k)
+        pool.v[0].index_put_(at, v)
+    else:
+        lens = [hi - lo for lo, hi in ranges]
+        for d, p, kr, vr in zip(ds, pos.split(lens), k.split(lens), v.split(lens)):
+            d.state.k.index_copy_(0, p, kr)
+            d.state.v.index_copy_(0, p, vr)
+    for d, (lo, hi) in zip(ds, ranges):
+        d.n = hi
 
 
 def _step(net, ds, los: list[int], lens: list[int], tokens: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ class MTPDrafter(Drafter):
     chains = True
     batched = True
     catches_up = True  # propose commits the rows from its n on (base.py)
+    loop_prime = True  # a batched engine's loop allocates and primes it (base.py)
     maintain_many = staticmethod(maintain_many)
     propose_many = staticmethod(propose_many)
 

@@ -64,11 +64,10 @@ class NgramFirst(Wrapping):
         self.counts["ngram"][2] += j
         self._open = None
 
-    def prime(self, prompt: list[int], chunks=None) -> None:
+    def reset(self) -> None:
         """A new request (an engine keeps its drafter from one request to the next): its counts from 0."""
         self._pick = self._open = None
         self.counts = {"ngram": [0, 0, 0], "network": [0, 0]}
-        self.inner.prime(prompt, chunks)
 
     def propose(self, context, k, sp, gen) -> Proposal:
         if self.host_round(context, k):

@@ -9,7 +9,7 @@ overrides only how a round's drafts are chosen (`propose`, `propose_many`)."""
 
 from __future__ import annotations
 
-from .base import Drafter
+from .base import Drafter, prime_all
 
 __all__ = ["Wrapping"]
 
@@ -34,6 +34,10 @@ class Wrapping(Drafter):
         return getattr(self.inner, "catches_up", False)
 
     @property
+    def loop_prime(self) -> bool:
+        return getattr(self.inner, "loop_prime", False)
+
+    @property
     def batch_key(self):
         return self.inner.batch_key
 
@@ -54,8 +58,18 @@ class Wrapping(Drafter):
     def alloc(self, capacity: int) -> float:
         return self.inner.alloc(capacity)
 
+    def reset(self) -> None:
+        """A new request: the wrapper's own state from the start (the inner drafter's is primed)."""
+
     def prime(self, prompt: list[int], chunks=None) -> None:
+        self.reset()
         self.inner.prime(prompt, chunks)
+
+    @staticmethod
+    def prime_many(drafters, prompts, chunks) -> None:
+        for d in drafters:
+            d.reset()
+        prime_all([d.inner for d in drafters], prompts, chunks)
 
     def maintain(self, context) -> None:
         self.inner.maintain(context)
