@@ -334,8 +334,9 @@ def test_a_host_drafters_rounds_make_no_torch_call_on_the_loops_path(llama, monk
 def test_new_requests_drafters_are_primed_together_by_the_loop(llama, tmp_path_factory, monkeypatch, drafter):
     """Four requests admitted together: the loop allocates and primes their tap drafters
     (batching/primes.py), those that come in together in one shared prime (`prime_many`: their
-    chunks packed into one forward), no request's thread primes; every proposal equals the
-    request's solo one and the ids are the solo ids."""
+    chunks packed into one forward), then proposes their first rounds together: no request's
+    thread primes or proposes; every proposal equals the request's solo one and the ids are
+    the solo ids."""
     from memra_dist.specdec.drafters.base import Drafter
 
     from test_batching import _drafter_cls, _tap_drafter, spy_proposals
@@ -360,10 +361,22 @@ def test_new_requests_drafters_are_primed_together_by_the_loop(llama, tmp_path_f
 
     monkeypatch.setattr(cls, "prime_many", staticmethod(many))
     monkeypatch.setattr(cls, "prime", one)
+    proposers, spied_one, spied_many = set(), cls.propose, cls.propose_many
+
+    def propose(self, *a):
+        proposers.add(threading.current_thread().name)
+        return spied_one(self, *a)
+
+    def propose_many(*a):
+        proposers.add(threading.current_thread().name)
+        return spied_many(*a)
+
+    monkeypatch.setattr(cls, "propose", propose)
+    monkeypatch.setattr(cls, "propose_many", staticmethod(propose_many))
     assert not hasattr(Drafter, "prime_many")  # (only the classes that share a forward have one)
     got, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=ddir, gate=True)
     assert got == solo and sorted(seen) == alone
-    assert threads == {"memra-engine-loop"}, threads
+    assert threads == {"memra-engine-loop"} and proposers == {"memra-engine-loop"}, (threads, proposers)
     assert stats["loop_primes"] == 4 and shared and max(shared) >= 2, (stats["loop_prime_runs"], shared)
     assert stats["loop_prime_runs"] < 4
 

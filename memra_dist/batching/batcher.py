@@ -48,6 +48,7 @@ from ..errors import UserError
 from .blocks import BlockPool
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
+from .chain_drafts import propose_rounds
 from .loop_rounds import chain_rounds, choose_first_k
 from .job import BatchStep, Job
 from ..specdec.spec_k import EngineAcceptance, StepCost
@@ -219,11 +220,14 @@ class Batcher(Residency):
             ch.wait()
         return ch.rounds.popleft() if ch.rounds else None
 
-    def prime(self, rid, drafter, prompt: list[int], chunks, capacity: int) -> float:
+    def prime(self, rid, drafter, prompt: list[int], chunks, capacity: int, chain: Chain | None = None) -> float:
         """Request `rid`'s drafter allocated (`capacity` rows) and primed on its prompt by the
         engine loop, with the other new requests' (primes.py), before its next step; returns
-        what the allocation did (MB). The request is away meanwhile (no step waits for it)."""
-        p = Prime(rid, drafter, prompt, chunks, capacity)
+        what the allocation did (MB). The request is away meanwhile (no step waits for it).
+        `chain`: its rounds (not started), whose first the loop then proposes with the other
+        new requests' (one shared draft forward) and queues: no proposal on the request's
+        thread (`_start_chains`)."""
+        p = Prime(rid, drafter, prompt, chunks, capacity, chain)
         with self.cv:
             self._open()
             self.primes.append(p)
@@ -252,6 +256,30 @@ class Batcher(Residency):
         for p in primes:
             p.done = True
         self.cv.notify_all()
+        self._start_chains([p.chain for p in primes if p.chain is not None and p.err is None])
+
+    def _start_chains(self, chains: list[Chain]) -> None:
+        """Called holding the lock (as the rounds after a step are, loop_rounds.py): new
+        requests' chains, their drafters primed: each one's K (--spec-k auto), their first
+        rounds proposed together (chain_drafts.py) and queued for the next step, or a chain
+        parked where its request cannot hold the rows (preempted meanwhile, no free block):
+        its thread runs that round itself."""
+        chains = [ch for ch in chains if not ch.ended and ch.rid in self.admitted]
+        if not chains:
+            return
+        if self.auto_k:
+            for ch in chains:
+                ch.acc = self.acceptance.start(ch.rid, ch.k)
+                choose_first_k(self, ch)
+        for ch, job in zip(chains, propose_rounds(chains, self.stats)):
+            if job is not None:
+                end = job.start + job.n
+                if self.pool.holds(ch.rid) and (self.pool.capacity(ch.rid) >= end or self.pool.grow(ch.rid, end)):
+                    self._queue(job)
+                    continue
+                self.stats.parks += 1
+                ch.park()
+            self._wakes.append(ch)  # (a failed proposal ended the chain with its error)
 
     def _primes_in(self) -> float:
         """Seconds until the queued primes should run (<= 0: now): once every request whose

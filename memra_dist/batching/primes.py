@@ -29,6 +29,7 @@ class Prime:
     prompt: list[int]
     chunks: list[tuple[int, int]] | None
     capacity: int
+    chain: object = None  # its request's chain (chain.py), whose first round the loop proposes after the prime
     kv_mb: float = 0.0  # what the drafter's allocation returned (the profile's draft_kv_mb)
     err: BaseException | None = None
     done: bool = False

@@ -127,18 +127,20 @@ class BatchSlot:
         loop waits for it to prime with the others of that step (batcher.py `_primes_in`)."""
         self.primes_at = prompt_len
 
-    def prime_drafter(self, drafter, prompt: list[int], chunks, capacity: int) -> float:
-        """The request's drafter allocated and primed by the engine loop (batcher.py `prime`)."""
-        return self.batcher.prime(self.rid, drafter, prompt, chunks, capacity)
+    def prime_drafter(self, drafter, prompt: list[int], chunks, capacity: int, chain: Chain | None = None) -> float:
+        """The request's drafter allocated and primed by the engine loop, which then proposes
+        `chain`'s first round (batcher.py `prime`)."""
+        return self.batcher.prime(self.rid, drafter, prompt, chunks, capacity, chain)
 
     def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
-              gen, timed: bool = True) -> Chain:
+              gen, timed: bool = True, start: bool = True) -> Chain:
         """Hand this greedy request's rounds to the step leader (chain.py)
         from the session's state: its tokens (the last one pending), the tokens produced so
         far and its stop rules; `take` returns them round by round. `timed`: its rounds are
         recorded (trace level >= 1)."""
         ch = Chain(self, tokens, produced, max_new, capacity, eos, k, drafter, sp, gen, timed)
-        self.batcher.start_chain(ch)
+        if start:  # (else the loop starts it after its drafter's prime: prime_drafter)
+            self.batcher.start_chain(ch)
         return ch
 
     def take(self, ch: Chain):

@@ -158,8 +158,13 @@ class SpecSession:
         first = self._draw(logits, torch.tensor(prompt[-1:]), len(prompt) - 1)
         if pf is not None:
             t, pf.ms["anchor"] = c.lap_ms(t)
-        if on_loop is not None:
-            on_loop(self.drafter, prompt, chunks, capacity)  # the engine loop's, with other new requests'
+        if on_loop is not None:  # the loop primes it and proposes its chain's first round (batcher.py `prime`)
+            self.tokens = list(prompt) + [first]
+            ends = commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
+            self._chain = None if ends else self.target.chain(
+                self.tokens, 1, max_new, capacity, self.eos, self.k, self.drafter, self.sp, self.gen,
+                timed=self.clock is not None, start=False)
+            on_loop(self.drafter, prompt, chunks, capacity, self._chain)  # the engine loop's, with other new requests'
         else:
             kv_mb = self.drafter.alloc(capacity)
             if pf is not None:
