@@ -209,6 +209,52 @@ def test_a_prefill_tail_rides_a_graphed_step_beside_decode_rows_and_equals_the_e
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # the Triton interpreter: ~15 s on 2 cores
+def test_an_eager_steps_prefill_tails_attend_in_the_paged_launch_and_equal_the_prefix_attention(wide_llama,
+                                                                                              monkeypatch):
+    """An eager step (no graphs) with two prompts' tails (35 rows over a 41-row cached prefix, 20
+    over 13) beside a decode row: on the kernels every row attends in ONE paged launch a layer,
+    each tail as segments of at most 16 rows over its own block table (3 + 2, and the decode
+    row's), no gather and no prefix attention; the rows handed back (the decode row's logits,
+    each tail's last row's) and the K/V written equal the reference step's (the gather and the
+    prefix attention, kernels off)."""
+    import memra_dist.kernels.paged_attention as pa
+    from memra_dist.batching.job import Job
+    from memra_dist.batching.step_forward import forward
+
+    torch.manual_seed(0)
+    cap = 128
+    a, c, d = torch.randint(0, 100, (80,)), torch.randint(0, 100, (40,)), torch.randint(0, 100, (12,))
+    segs, real = [], pa.paged_attention
+    monkeypatch.setattr(pa, "paged_attention", lambda q, *x, **kw: segs.append(x[3].numel()) or real(q, *x, **kw))
+    out = {}
+    with open_engine(_cfg(wide_llama, "none"), capacity=cap, max_batch=4) as eng:
+        _on_kernels(eng._backend)
+        b = eng._backend.batcher
+        for kernels in (False, True):
+            ra, rc, rd = ("a", kernels), ("c", kernels), ("d", kernels)
+            b.kernels = False
+            for r, ids, n in ((ra, a, 41), (rc, c, 13), (rd, d, 11)):
+                b.admit(r, cap)
+                forward(b, [Job(r, ids[:n], 0, cap, True)])  # the prefixes, on the reference
+            b.kernels = kernels
+            segs.clear()
+            with torch.inference_mode():
+                first = forward(b, [Job(rd, d[11:12], 11, cap, False), Job(ra, a[41:76], 41, cap, True),
+                                    Job(rc, c[13:33], 13, cap, True)]).clone()
+                calls = list(segs)
+                b.kernels = False  # the next step on the reference: it reads what the first wrote
+                second = forward(b, [Job(ra, a[76:77], 76, cap, False), Job(rc, c[33:34], 33, cap, False),
+                                     Job(rd, d[11:12], 12, cap, False)]).clone()
+            out[kernels] = first, second
+            assert first.shape[0] == 3
+            assert calls == ([1 + 3 + 2] * 2 if kernels else []), calls  # one launch a layer (2 layers)
+            for r in (ra, rc, rd):
+                b.leave(r)
+    for x, y in zip(out[True], out[False]):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
 class _Uncapturable:
     def __init__(self, fn, pool):
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -15,8 +15,13 @@ alone (bitwise on CPU), whatever shares its forward.
 
 On the kernels (a GPU's fast path, `kernels=True`), decode and verify segments of up to
 PAGED_MAX_ROWS rows instead go through ONE launch of kernels/paged_attention.py for the whole
-step, reading each request's keys through its block table (`PagedRows`); prefill chunks keep
-the gather and the prefix attention.
+step, reading each request's keys through its block table (`PagedRows`), and so do prefill
+chunks of up to PREFILL_TAIL_ROWS rows (a prefix-cache hit's tail, a short prompt), each as
+segments of PAGED_MAX_ROWS rows over its one table, as a graphed step takes them (graphs.py):
+64 requests' 200-row tails in one eager step were 64 gathers and prefix attentions a layer,
+~20,000 launches from Python a step (~0.3 s of host time, measured on an H100: the prefix
+cache's batch job, BENCHMARKS.md). Longer chunks keep the gather and the prefix attention
+(cuDNN's, which the paged kernel's 16-row programs do not match on long prompts).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from ..model.prefix_attention import PREFIX_MIN_ROWS
 from .blocks import BlockPool
+from .take import PREFILL_TAIL_ROWS
 
 __all__ = ["PagedKV", "PagedLayer", "PagedLatent", "RecurrentStates", "BatchView", "Segment", "PagedRows",
            "PAGED_MAX_ROWS"]
@@ -209,14 +215,17 @@ class BatchView:
               kernels: bool = False) -> "BatchView":
         """parts: (request id, start, rows, width) in row order; width: the rows of the cache the
         request's attention runs over alone (its session's capacity). kernels: decode / verify
-        segments of up to PAGED_MAX_ROWS rows go to the paged kernel (no gather, no mask)."""
+        segments of up to PAGED_MAX_ROWS rows and prefill chunks of up to PREFILL_TAIL_ROWS (as
+        segments of PAGED_MAX_ROWS rows) go to the paged kernel (no gather, no mask)."""
         slots, segs, lo = [], [], 0
         paged: list[tuple[int, int, list[int], int]] = []
         for rid, start, rows, cap in parts:
             end = start + rows
             slots.extend(pool.slots(rid, start, end))
-            if kernels and rows <= PAGED_MAX_ROWS:
-                paged.append((lo, rows, pool.table(rid), cap))
+            if kernels and rows <= max(PAGED_MAX_ROWS, PREFILL_TAIL_ROWS):
+                tbl = pool.table(rid)
+                for p in range(0, rows, PAGED_MAX_ROWS):  # (a chunk: several segments, one table)
+                    paged.append((lo + p, min(PAGED_MAX_ROWS, rows - p), tbl, cap))
                 lo += rows
                 continue
             keys = torch.tensor(pool.slots(rid, 0, end), dtype=torch.long, device=device)
