@@ -20,8 +20,9 @@ chunks of up to PREFILL_TAIL_ROWS rows (a prefix-cache hit's tail, a short promp
 segments of PAGED_MAX_ROWS rows over its one table, as a graphed step takes them (graphs.py):
 64 requests' 200-row tails in one eager step were 64 gathers and prefix attentions a layer,
 ~20,000 launches from Python a step (~0.3 s of host time, measured on an H100: the prefix
-cache's batch job, BENCHMARKS.md). Longer chunks keep the gather and the prefix attention
-(cuDNN's, which the paged kernel's 16-row programs do not match on long prompts).
+cache's batch job, BENCHMARKS.md). Longer chunks, and chunks past PAGED_TAIL_KEYS keys, keep the
+gather and the prefix attention (cuDNN's, which the paged kernel's 16-row programs do not match
+on long prompts).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ __all__ = ["PagedKV", "PagedLayer", "PagedLatent", "RecurrentStates", "BatchView
            "PAGED_MAX_ROWS"]
 
 PAGED_MAX_ROWS = 16  # a decode / verify segment the paged kernel takes (K + 1 <= 16)
+# an eager step's prefill chunk reading more keys than this keeps cuDNN's prefix attention: each of
+# its 16-row segments' programs reads every key, which past a long prefix outgrows cuDNN's one pass
+# (an estimate, not measured: the 64 x 200-row tails over 2k keys it was made for read ~2k each)
+PAGED_TAIL_KEYS = 16384
 
 
 @dataclass
@@ -222,7 +227,7 @@ class BatchView:
         for rid, start, rows, cap in parts:
             end = start + rows
             slots.extend(pool.slots(rid, start, end))
-            if kernels and rows <= max(PAGED_MAX_ROWS, PREFILL_TAIL_ROWS):
+            if kernels and (rows <= PAGED_MAX_ROWS or (rows <= PREFILL_TAIL_ROWS and end <= PAGED_TAIL_KEYS)):
                 tbl = pool.table(rid)
                 for p in range(0, rows, PAGED_MAX_ROWS):  # (a chunk: several segments, one table)
                     paged.append((lo + p, min(PAGED_MAX_ROWS, rows - p), tbl, cap))
