@@ -183,6 +183,44 @@ def test_choose_drafts_only_where_the_plan_pays_drafting_s_fixed_cost():
     assert choose(accs, cost(2e6)) == [4] * 16
 
 
+def test_a_block_drafters_cost_is_fitted_and_priced_by_drafting_request():
+    """Where drafting costs by request (DFlash: a block each, whatever its K), the draft line's x
+    is the requests that drafted, not the drafts: 1 ms + 0.5 ms a request is what it learns from
+    steps of 4 and 12 requests drafting 3 each (12 and 36 drafts); its plans give each drafting
+    request its bound (a first draft pays the block, the others only their rows)."""
+    c = StepCost(prior_ns=(4e6, 1e4), prior_steps=1e9)
+    c.per_request = True
+    for _ in range(20):
+        for r in (4, 12):
+            c.observe_draft(3 * r, 1e6 + 5e5 * r, r)
+    d0, d1 = c.draft_line()
+    assert d0 == pytest.approx(1e6, rel=1e-6) and d1 == pytest.approx(5e5, rel=1e-6)
+    assert c.predict(16, drafted=24, requests=8) == pytest.approx(c.predict(16) + 1e6 + 4e6)
+    ks = choose([(Acceptance(4, prior=0.85), 4) for _ in range(12)], c)
+    assert set(ks) <= {0, 4} and any(ks), ks
+
+
+def test_a_dflash_engine_prices_its_drafting_by_request(llama, tmp_path_factory, monkeypatch):
+    """A batched DFlash engine under --spec-k auto sets its cost to price drafting by request
+    (backend.py), and the loop feeds the draft line the requests that drafted (never more than a
+    step holds); the ids stay the solo ids."""
+    from memra_dist.specdec import spec_k
+
+    ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    reqs = _prompts(6)
+    solo = _solo(llama, "dflash", reqs, draft_model=ddir)
+    xs, per, real = [], [], spec_k._Line.observe
+
+    def seen(eng):
+        b = eng._backend.batcher
+        per.append(b.cost.per_request)
+        monkeypatch.setattr(b.cost.drafts, "observe", lambda x, y: xs.append(x) or real(b.cost.drafts, x, y))
+
+    got, stats = _batched(llama, "dflash", reqs, max_batch=3, on_open=seen, spec_k="auto", draft_model=ddir)
+    assert got == solo and per == [True]
+    assert xs and max(xs) <= 3, xs
+
+
 def _auto(eng, cost=None):
     b = eng._backend.batcher
     assert b.auto_k  # --spec-k auto reached the engine

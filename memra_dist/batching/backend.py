@@ -175,6 +175,9 @@ class BatchedBackend:
         # --spec-k auto chooses K in the loop's chained rounds; a pipeline's requests run their own
         # rounds (the head's slots do not chain), so there every round drafts -k (app.py says so)
         self.batcher.auto_k = cfg.spec_k == "auto" and runner is None
+        # DFlash's shared forward computes a whole block a drafting request, whatever its K:
+        # --spec-k auto prices its drafting by request, not by drafted token (spec_k.py StepCost)
+        self.batcher.cost.per_request = cfg.drafter == "dflash"
         if self.batcher.auto_k and cfg.drafter == "model":  # its rounds run in the request's session, unchained
             print(f"[memra] --spec-k auto applies to the drafters the engine loop drafts for (ngram, dflash, eagle3, "
                   f"mtp); with --drafter model every round drafts -k {cfg.k}", file=sys.stderr, flush=True)
@@ -215,7 +218,7 @@ class BatchedBackend:
         drafts = []
         if self.draft_pool is not None:
             block = plan.draft.block_size if plan.cfg.drafter == "dflash" else None
-            drafts = draft_points(self.draft_pool, plan.cfg.k, block, self.device)
+            drafts = draft_points(self.draft_pool, plan.cfg.k, block, self.device, self.batcher.cost.per_request)
         timed_s = time.perf_counter() - t + self.batcher.graphs.timing_s
         rec = calibrate(self.batcher.cost, steps, drafts, timed_s)
         print(f"[memra] {say(rec)}", file=sys.stderr, flush=True)

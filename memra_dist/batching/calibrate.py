@@ -40,14 +40,15 @@ def best_ns(fn, device, reps: int = REPS) -> float:
     return float(best)
 
 
-def draft_points(pool, k: int, block: int | None, device) -> list[tuple[int, float]]:
+def draft_points(pool, k: int, block: int | None, device, per_request: bool = False) -> list[tuple[int, float]]:
     """(drafted tokens, ns) a shared draft forward of b requests costs, b each bucket of the draft
     pool's graphs: DFlash's block forward plus its maintenance (`block`: its block size; each
-    request drafts min(k, block - 1)), EAGLE-3's round of chains (k drafts a request)."""
+    request drafts min(k, block - 1)), EAGLE-3's round of chains (k drafts a request);
+    `per_request`: (b, ns), the cost priced by drafting request (spec_k.py StepCost)."""
     g = getattr(pool, "graphs", None)
     if g is None or not hasattr(g, "timed"):
         return []
-    per = min(k, block - 1) if block is not None else k
+    per = 1 if per_request else min(k, block - 1) if block is not None else k
     times = g.timed(device)
     ing = pool.ingest_graphs.timed(device) if getattr(pool, "ingest_graphs", None) is not None else {}
     return [(b * per, ns + ing.get(b, 0.0)) for b, ns in sorted(times.items())]
@@ -60,7 +61,8 @@ def calibrate(cost, steps: list[tuple[int, float]], drafts: list[tuple[int, floa
     d0, d1 = cost.draft_line()
     return {"steps_timed": len(steps), "drafts_timed": len(drafts), "seconds": round(seconds, 3),
             "step_ms": round(a / 1e6, 4), "row_ms": round(b / 1e6, 5),
-            "draft_ms": round(d0 / 1e6, 4) if drafts else None, "draft_token_ms": round(d1 / 1e6, 5) if drafts else None,
+            "draft_ms": round(d0 / 1e6, 4) if drafts else None,
+            ("draft_request_ms" if cost.per_request else "draft_token_ms"): round(d1 / 1e6, 5) if drafts else None,
             "bucket_ms": {str(k): round(v / 1e6, 4) for k, v in sorted(cost.by_bucket.items())}}
 
 
@@ -69,5 +71,7 @@ def say(rec: dict) -> str:
     out = (f"--spec-k auto: the step's cost from {rec['steps_timed']} steps timed at open: "
            f"{rec['step_ms']:.2f} ms + {rec['row_ms'] * 1e3:.1f} us a row")
     if rec["drafts_timed"]:
-        out += f"; drafting {rec['draft_ms']:.2f} ms + {rec['draft_token_ms'] * 1e3:.1f} us a draft"
+        per = "a drafting request" if "draft_request_ms" in rec else "a draft"
+        d1 = rec.get("draft_request_ms", rec.get("draft_token_ms"))
+        out += f"; drafting {rec['draft_ms']:.2f} ms + {d1 * 1e3:.1f} us {per}"
     return out + f" ({rec['seconds']:.2f} s)"

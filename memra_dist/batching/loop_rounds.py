@@ -79,7 +79,7 @@ def chain_rounds(b, jobs: list[Job]) -> None:
     t3 = time.perf_counter_ns()
     b.stats.draft_ns += t3 - t2
     if b.auto_k:  # drafting's time: the maintenance (skipped at K 0) and the proposals
-        b.cost.observe_draft(sum(ch.k_step or 0 for ch in going), t3 - t)
+        b.cost.observe_draft(sum(ch.k_step or 0 for ch in going), t3 - t, sum(bool(ch.k_step) for ch in going))
     for ch, nxt in zip(going, proposed):
         if nxt is None:
             continue  # its proposal failed: the chain ended with the error

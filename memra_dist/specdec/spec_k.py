@@ -183,6 +183,11 @@ class StepCost:
     average of its own graphed steps, or before any the line's time at its padded rows."""
 
     BUCKET_ALPHA = 0.2
+    # drafting's variable part counts drafting requests, not drafted tokens: a block drafter's
+    # (DFlash) one forward computes its whole block for each request whatever its K, so a
+    # request's first draft costs a block and its others nothing more (the backend sets it from
+    # `Drafter.cost_per`); `observe_draft` / `calibrate` then take requests as their x
+    per_request = False
 
     def __init__(self, prior_ns: tuple[float, float] = (1e6, 1e4), prior_steps: float = 4.0, decay: float = 0.98,
                  draft_prior_ns: tuple[float, float] | None = None, bucket=None):
@@ -242,22 +247,25 @@ class StepCost:
             return by.get(k, a + b * k)
         return step
 
-    def observe_draft(self, tokens: int, ns: float) -> None:
-        """A step's drafting: `tokens` drafted (> 0) in `ns` (maintenance and proposals)."""
+    def observe_draft(self, tokens: int, ns: float, requests: int = 0) -> None:
+        """A step's drafting: `tokens` drafted (> 0) by `requests` in `ns` (maintenance and
+        proposals); the line's x is the requests where `per_request`."""
         if tokens > 0:
-            self.drafts.observe(tokens, ns)
+            self.drafts.observe(requests if self.per_request else tokens, ns)
 
     def line(self) -> tuple[float, float]:
         """(a, b): the fitted base and per-row cost."""
         return self.rows.fit()
 
     def draft_line(self) -> tuple[float, float]:
-        """(d0, d1): drafting's fixed cost a step and its cost a drafted token."""
+        """(d0, d1): drafting's fixed cost a step and its cost a drafted token (a drafting
+        request, where `per_request`)."""
         return self.drafts.fit()
 
-    def predict(self, rows: int, drafted: int = 0) -> float:
+    def predict(self, rows: int, drafted: int = 0, requests: int = 0) -> float:
         d0, d1 = self.draft_line()
-        return self.step_fn()(rows) + (d0 + d1 * drafted if drafted > 0 else 0.0)
+        x = requests if self.per_request else drafted
+        return self.step_fn()(rows) + (d0 + d1 * x if drafted > 0 else 0.0)
 
 
 def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
@@ -267,12 +275,27 @@ def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
     costs its step's rows, by bucket where the steps replay graphs, plus drafting's time), and
     plain decoding (every K 0, no drafting cost) unless a plan beats it: O(drafts log drafts).
     Walking every m, not stopping at the first that lowers the rate, finds the plan that fills
-    a bucket past a draft whose own row does not pay (its bucket's rows are paid anyway)."""
+    a bucket past a draft whose own row does not pay (its bucket's rows are paid anyway).
+    Where drafting costs by request (`cost.per_request`: a block drafter), a request's first
+    draft pays its block and its later ones only their rows, so the plans of the r requests
+    worth most at their bound, each drafting its bound, are weighed too: the m largest gains
+    spread one draft over many requests, each paying a whole block for it.
+
+    >>> accs = [(Acceptance(4, prior=0.9), 4)] * 4 + [(Acceptance(4, prior=0.5), 4)] * 4
+    >>> by_token = StepCost(prior_ns=(4e6, 1e4), draft_prior_ns=(5e5, 1.25e5))   # 125 us a draft
+    >>> choose(accs, by_token)
+    [4, 4, 4, 4, 1, 1, 1, 1]
+    >>> by_block = StepCost(prior_ns=(4e6, 1e4), draft_prior_ns=(5e5, 5e5))   # 500 us a request's block
+    >>> by_block.per_request = True
+    >>> choose(accs, by_block)   # one draft is not worth a block: each request drafts its bound, or nothing
+    [4, 4, 4, 4, 0, 0, 0, 0]
+    """
     n = len(reqs)
     if n == 0:
         return []
     step = cost.step_fn()
     d0, d1 = cost.draft_line()
+    per_req = cost.per_request
     gains = []
     for i, (acc, bound) in enumerate(reqs):
         run = 1.0
@@ -281,22 +304,47 @@ def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
             gains.append((-run, m, i))  # (largest first; then the request's lower K first)
     gains.sort()
     best, best_m = n / max(step(n), 1.0), 0  # plain: (ns; a free step still ranks the drafts)
-    tokens, last = float(n), 0.0
+    tokens, last, drafting = float(n), 0.0, 0
     bucket = cost.bucket if cost.by_bucket else None  # (a step's time is its bucket's: read once a bucket)
     top, base = -1, 0.0
-    for m, (g, _m, _i) in enumerate(gains, 1):
+    for m, (g, mm, _i) in enumerate(gains, 1):
         tokens -= g
+        drafting += mm == 0  # (a request's first draft comes before its others: its gains shrink)
         if bucket is None:
             base = max(step(n + m), 1.0)
         elif n + m > top:
             top, base = bucket(n + m), max(step(n + m), 1.0)
-        rate = tokens / (base + d0 + d1 * m)
+        rate = tokens / (base + d0 + d1 * (drafting if per_req else m))
         if rate > best * (1 + 1e-9):
             best, best_m = rate, m
-        elif bucket is None and rate < last:
+        elif bucket is None and not per_req and rate < last:
             break  # (a line: the rate rises to one peak and falls after it)
         last = rate
     ks = [0] * n
     for _g, _m, i in gains[:best_m]:
         ks[i] += 1
+    if per_req:
+        whole = _whole_requests(reqs, step, d0, d1, best)
+        if whole is not None:
+            return whole
+    return ks
+
+
+def _whole_requests(reqs: list[tuple[Acceptance, int]], step, d0: float, d1: float, best: float) -> list[int] | None:
+    """The plan of the r requests worth most at their bound (each drafting its bound, the others
+    none), the best r, where it beats `best` (the rate of choose's best plan); else None."""
+    n = len(reqs)
+    worth = sorted(((acc.expected(min(bound, len(acc.p))), min(bound, len(acc.p)), i)
+                    for i, (acc, bound) in enumerate(reqs) if bound > 0), reverse=True)
+    tokens, rows, plan = float(n), n, None
+    for r, (e, k, _i) in enumerate(worth, 1):
+        tokens, rows = tokens + e, rows + k
+        rate = tokens / (max(step(rows), 1.0) + d0 + d1 * r)
+        if rate > best * (1 + 1e-9):
+            best, plan = rate, r
+    if plan is None:
+        return None
+    ks = [0] * n
+    for _e, k, i in worth[:plan]:
+        ks[i] = k
     return ks
