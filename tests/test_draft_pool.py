@@ -275,3 +275,74 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
     both = [(c, d) for c, d in seen if c in solo_at]
     assert len(both) >= 0.5 * len(seen) > 0, (len(both), len(seen))
     assert all(solo_at[c] == d for c, d in both), [(len(c), d, solo_at[c]) for c, d in both if solo_at[c] != d]
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_the_paged_pool_attention_means_the_pooled_attention(block):
+    """The pool graphs' attention on the paged kernel (each slot one block of the flattened
+    pool, each row a query at its limit - 1) equals `pooled_attention` for the same requests:
+    DFlash's whole-block limits and EAGLE-3's causal ones, GQA, a slot's rows past the limits
+    holding garbage it must not read."""
+    from memra_dist.specdec.drafters.draft_pool import paged_pool_attention
+
+    g = torch.Generator().manual_seed(1)
+    S, C, nkv, nh, hd, T = 5, 40, 2, 4, 16, 4
+    kp, vp = torch.randn(S, C, nkv, hd, generator=g), torch.randn(S, C, nkv, hd, generator=g)
+    idx, starts = torch.tensor([4, 0, 2]), [9, 2, 30]
+    q = torch.randn(3, T, nh, hd, generator=g)
+    if block:  # every row reads to its block's end
+        lim = torch.tensor([[s + T] * T for s in starts])
+    else:  # causal
+        lim = torch.tensor([[s + t + 1 for t in range(T)] for s in starts])
+    ref = pooled_attention(q, kp, vp, idx, lim, C)
+    torch.testing.assert_close(paged_pool_attention(q, kp, vp, idx, lim, C), ref, rtol=1e-5, atol=1e-5)
+
+
+class _Rerun:
+    """A CUDA graph's contract on CPU for graphs that launch Triton kernels (the interpreter's
+    launches are not aten ops graph_emulator could record): fn runs at capture (its output the
+    static buffer) and again at every replay, into that buffer."""
+
+    def __init__(self, fn, pool):
+        self.fn = fn
+        self.out = fn().clone()
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+@pytest.mark.slow  # the Triton interpreter: ~10-20 s on 2 cores
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_the_pool_graphs_on_the_paged_kernel_draft_what_each_request_drafts_alone(llama, tmp_path_factory,
+                                                                               monkeypatch, drafter):
+    """The shared draft forwards' graphs with their attention on the paged kernel (`paged=True`:
+    what a GPU's fast path builds, at any capacity): eight requests four at a time get every
+    proposal they get alone, the attention of every replay one paged launch a layer reading each
+    request's slot through its one-block table."""
+    import memra_dist.kernels.paged_attention as pa
+
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs
+    from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
+
+    ddir, reqs, solo, seen, alone = _alone(drafter, llama, tmp_path_factory, monkeypatch)  # dflash: block 4, mask 1
+    made, launches, real = [], [], pa.paged_attention
+    monkeypatch.setattr(pa, "paged_attention", lambda q, kp, *a, **kw: launches.append(a[4].shape) or real(q, kp, *a, **kw))
+
+    def on_open(eng):
+        b = eng._backend
+        if drafter == "dflash":
+            b.draft_pool.alloc(CAP + 4)
+            g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=_Rerun, paged=True)
+        else:
+            b.draft_pool.alloc(CAP)
+            b.batcher.tap_pool.alloc(CAP)
+            net = b.tap_net
+            embed = net.embed_tokens if net.embed_tokens is not None else b.runner.stage.embed_tokens
+            g = PoolChainGraphs(net, embed, b.draft_pool, b.batcher.tap_pool, 3, 4, graph_cls=_Rerun, paged=True)
+        assert g.warm() == 2
+        b.draft_pool.graphs = g
+        made.append(g)
+
+    batched, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
+    assert batched == solo and sorted(seen) == alone
+    assert made[0].replays > 0 and launches and all(t[1] == 1 for t in launches), (made[0].replays, launches[:3])

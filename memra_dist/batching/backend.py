@@ -272,12 +272,13 @@ class BatchedBackend:
             return
         dc = plan.draft
         rows = plan.capacity + dc.block_size  # the drafter's rows (dflash.py alloc)
-        if not pays(rows, max_batch):
+        paged = self._paged_drafts(dc.base.head_dim)
+        if not paged and not pays(rows, max_batch):
             return
         self.tap_net.fuse()
         self.draft_pool.alloc(rows)
         g = PoolBlockGraphs(self.tap_net, self.runner.stage, self.draft_pool, dc.block_size, plan.cfg.k,
-                            dc.mask_token_id, max_batch)
+                            dc.mask_token_id, max_batch, paged=paged)
         t0 = time.perf_counter()
         n = g.warm()
         ing = None
@@ -290,18 +291,24 @@ class BatchedBackend:
         self.draft_pool.graphs, self.draft_pool.ingest_graphs = g, ing  # both captured, or neither used
         self._say_graphs("dflash", n, t0)
 
+    def _paged_drafts(self, head_dim: int) -> bool:
+        """Whether the shared draft forwards' graphs attend on the paged kernel: the target runs
+        our kernels and the drafter's head size suits them (a power of two, >= 16)."""
+        return bool(self.batcher.kernels) and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
     def _chain_graphs(self, plan, max_batch: int) -> None:
         from ..specdec.drafters.dflash_pool_graph import pays  # noqa: PLC0415
         from ..specdec.drafters.eagle3_pool_graph import PoolChainGraphs  # noqa: PLC0415
 
         taps = self.batcher.tap_pool
-        if not pays(plan.capacity, max_batch) or taps is None or taps.layers != tuple(plan.draft.tap_ids):
+        paged = self._paged_drafts(plan.draft.base.head_dim)
+        if (not paged and not pays(plan.capacity, max_batch)) or taps is None or taps.layers != tuple(plan.draft.tap_ids):
             return
         self.draft_pool.alloc(plan.capacity)  # the drafter's rows (eagle3.py alloc)
         taps.alloc(plan.capacity)
         net = self.tap_net
         embed = net.embed_tokens if net.embed_tokens is not None else self.runner.stage.embed_tokens
-        g = PoolChainGraphs(net, embed, self.draft_pool, taps, plan.cfg.k, max_batch)
+        g = PoolChainGraphs(net, embed, self.draft_pool, taps, plan.cfg.k, max_batch, paged=paged)
         t0 = time.perf_counter()
         n = g.warm()
         self.draft_pool.graphs = g

@@ -20,8 +20,11 @@ slots of the batcher's tap pool (model/tap_pool.py): each request's rows padded 
 pads reading the tap pool's spare slot and writing the draft pool's, the tap gather, the
 feature GEMM, each layer's k / v projections and the K/V writes in one replay.
 
-Built by the batched backend where its steps replay graphs (CUDA, graphs on) and each pool slot
-is short enough that reading it whole pays (`pays`); tests replay an emulated capture on the CPU.
+Built by the batched backend where its steps replay graphs (CUDA, graphs on). On our kernels (the
+target's fast path) the attention is the paged kernel over each request's live rows
+(`paged_pool_attention`), whatever the capacity; otherwise it reads each slot whole, so the graphs
+are built only where each pool slot is short enough that this pays (`pays`). Tests replay an
+emulated capture on the CPU.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ...graphs import CapturedGraph
-from .draft_pool import pooled_attention
+from .draft_pool import paged_pool_attention, pooled_attention
 from .host_row import HostRow
 
 __all__ = ["PoolBlockGraphs", "PoolIngestGraphs", "pays", "buckets"]
@@ -98,9 +101,13 @@ class _BucketGraphs:
 
 
 class PoolBlockGraphs(_BucketGraphs):
-    def __init__(self, net, stage, pool, B: int, K: int, mask_id: int, max_n: int, graph_cls=CapturedGraph):
-        """`K` drafts a block (rows 1 .. K), `max_n` requests at most (the engine's --max-batch)."""
+    def __init__(self, net, stage, pool, B: int, K: int, mask_id: int, max_n: int, graph_cls=CapturedGraph,
+                 paged: bool = False):
+        """`K` drafts a block (rows 1 .. K), `max_n` requests at most (the engine's --max-batch);
+        `paged`: the attention on our paged kernel (draft_pool.py `paged_pool_attention`: each
+        request's live rows only), where the target runs our kernels."""
         super().__init__(max_n, graph_cls)
+        self.paged = paged
         self.net, self.stage, self.pool = net, stage, pool
         self.B, self.K, self.mask_id = B, min(K, B - 1), mask_id
         # [ids (n B), pos (n B), each row's slot (n B), each request's slot (n), its limit (n)]
@@ -123,7 +130,8 @@ class PoolBlockGraphs(_BucketGraphs):
             return pool.k[li], pool.v[li]
 
         def attend(q, kp, vp):
-            return pooled_attention(q.view(b, B, *q.shape[1:]), kp, vp, idx, lims, pool.rows).view(b * B, -1)
+            fn = paged_pool_attention if self.paged else pooled_attention
+            return fn(q.view(b, B, *q.shape[1:]), kp, vp, idx, lims, pool.rows).view(b * B, -1)
 
         h = net.block(self.stage.embed_tokens(ids), pos, kv_of, None, attend=attend)  # (b B, H)
         rows = h.view(b, B, -1)[:, 1:K + 1].reshape(b * K, -1)

@@ -25,7 +25,7 @@ from ...cache import KVLayer
 from ...device import to_device
 from ...owner_slots import OwnerSlots
 
-__all__ = ["DraftPool", "pooled_attention", "pool_of"]
+__all__ = ["DraftPool", "pooled_attention", "paged_pool_attention", "pool_of"]
 
 
 class DraftPool:
@@ -110,3 +110,25 @@ def pooled_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, idx: t
     p = torch.softmax(scores, dim=-1).to(vc.dtype)
     o = torch.matmul(p, vc)  # (n, nkv, rep * T, hd)
     return o.view(n, nkv, rep, T, hd).permute(0, 3, 1, 2, 4).reshape(n, T, nh * hd)
+
+
+def paged_pool_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, idx: torch.Tensor, lim: torch.Tensor,
+                         rows: int) -> torch.Tensor:
+    """`pooled_attention` on our paged kernel (kernels/paged_attention.py), for the pool graphs
+    on a GPU's fast path: q (n, T, nh, hd), kp / vp (slots, rows, nkv, hd) one layer of the
+    pool, idx (n,) each request's slot, lim (n, T) each row's limit -> (n, T, nh * hd). Each
+    request's slot is one block of `rows` slots of the flattened pool (its table: its slot), each
+    row a query at position lim - 1, so it reads that request's keys below its limit and no
+    others: the live rows only, where `pooled_attention` gathers and scores every row of each
+    slot (a graph's shapes are static: each slot's whole capacity, 4k rows at --ctx 4096)."""
+    from ...kernels.paged_attention import paged_attention  # noqa: PLC0415 (Triton: only where installed)
+
+    n, T, nh, hd = q.shape
+    nkv = kp.shape[2]
+    lo = torch.arange(0, n * T, T, device=q.device, dtype=torch.int32)
+    nrows = torch.full((n,), T, device=q.device, dtype=torch.int32)
+    table = idx.to(torch.int32).view(n, 1)
+    pos = (lim - 1).reshape(-1)
+    o = paged_attention(q.reshape(n * T, nh, hd), kp.view(-1, nkv, hd), vp.view(-1, nkv, hd), pos, lo, nrows,
+                        table, rows, T, rows)
+    return o.view(n, T, nh * hd)

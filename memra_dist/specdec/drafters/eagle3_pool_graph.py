@@ -21,15 +21,17 @@ import torch
 
 from ...graphs import CapturedGraph
 from .dflash_pool_graph import _BucketGraphs
-from .draft_pool import pooled_attention
+from .draft_pool import paged_pool_attention, pooled_attention
 from .host_row import HostRow
 
 __all__ = ["PoolChainGraphs"]
 
 
 class PoolChainGraphs(_BucketGraphs):
-    def __init__(self, net, embed, pool, taps, K: int, max_n: int, graph_cls=CapturedGraph):
+    def __init__(self, net, embed, pool, taps, K: int, max_n: int, graph_cls=CapturedGraph, paged: bool = False):
+        """`paged`: the attention on our paged kernel (draft_pool.py `paged_pool_attention`)."""
         super().__init__(max_n, graph_cls)
+        self.paged = paged
         self.net, self.embed, self.pool, self.taps, self.K = net, embed, pool, taps, K
         self.R = K + 1
         n = self.max_n
@@ -51,7 +53,8 @@ class PoolChainGraphs(_BucketGraphs):
             return pool.k[0], pool.v[0]
 
         def attend(q, kp, vp):
-            return pooled_attention(q.view(b, T, *q.shape[1:]), kp, vp, idx, lim.view(b, T), pool.rows).view(b * T, -1)
+            fn = paged_pool_attention if self.paged else pooled_attention
+            return fn(q.view(b, T, *q.shape[1:]), kp, vp, idx, lim.view(b, T), pool.rows).view(b * T, -1)
 
         return self.net.step(self.embed(tokens), g, pos, kv_of, None, attend)
 
