@@ -427,3 +427,17 @@ def test_a_drafter_prime_that_fails_ends_its_own_request_only(llama, tmp_path_fa
         assert got[4] == solo[4]
         assert eng._backend.batcher.wait_idle(60)
         assert eng._backend.draft_pool.owners.held == 0  # the failed request's slot came back too
+
+
+def test_a_request_that_ends_at_its_first_token_primes_no_drafter(llama, tmp_path_factory):
+    """Two of four DFlash requests ask for one token: they end at their first token, with no
+    prime and no chain (nothing would draft for them); the other two are primed by the loop, and
+    every request gets its solo ids."""
+    from test_batching import _tap_drafter
+
+    ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    reqs = [(p, 1 if i % 2 else n) for i, (p, n) in enumerate(_prompts(4))]
+    solo = _solo(llama, "dflash", reqs, draft_model=ddir)
+    got, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=ddir)
+    assert got == solo and all(len(got[i]) == 1 for i in (1, 3))
+    assert stats["loop_primes"] == 2, stats["loop_primes"]

@@ -274,11 +274,14 @@ class Batcher(Residency):
         for ch, job in zip(chains, propose_rounds(chains, self.stats)):
             if job is not None:
                 end = job.start + job.n
-                if self.pool.holds(ch.rid) and (self.pool.capacity(ch.rid) >= end or self.pool.grow(ch.rid, end)):
-                    self._queue(job)
-                    continue
-                self.stats.parks += 1
-                ch.park()
+                try:
+                    if self.pool.holds(ch.rid) and (self.pool.capacity(ch.rid) >= end or self.pool.grow(ch.rid, end)):
+                        self._queue(job)
+                        continue
+                    self.stats.parks += 1
+                    ch.park()
+                except BaseException as e:  # noqa: BLE001 (the engine closed meanwhile: its request ends with it)
+                    ch.err, ch.ended = e, True
             self._wakes.append(ch)  # (a failed proposal ended the chain with its error)
 
     def _primes_in(self) -> float:

@@ -161,10 +161,10 @@ class SpecSession:
         if on_loop is not None:  # the loop primes it and proposes its chain's first round (batcher.py `prime`)
             self.tokens = list(prompt) + [first]
             ends = commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
-            self._chain = None if ends else self.target.chain(
-                self.tokens, 1, max_new, capacity, self.eos, self.k, self.drafter, self.sp, self.gen,
-                timed=self.clock is not None, start=False)
-            on_loop(self.drafter, prompt, chunks, capacity, self._chain)  # the engine loop's, with other new requests'
+            if not ends:  # (a request that ends at its first token drafts nothing: no prime)
+                self._chain = self.target.chain(self.tokens, 1, max_new, capacity, self.eos, self.k, self.drafter,
+                                                self.sp, self.gen, timed=self.clock is not None, start=False)
+                on_loop(self.drafter, prompt, chunks, capacity, self._chain)  # the engine loop's, with other new requests'
         else:
             kv_mb = self.drafter.alloc(capacity)
             if pf is not None:
