@@ -259,8 +259,8 @@ def test_a_dflash_request_the_loop_never_drafts_for_costs_the_loop_no_ingest(lla
     up when it drafted again), none as the request ends, no proposal. The prime itself is the
     loop's (primes.py): every request's drafter primed there, none on a request's thread. The
     ids are the solo ids."""
-    import memra_dist.batching.batcher as bm
     import memra_dist.batching.loop_rounds as lr
+    import memra_dist.batching.primes as bm
     from test_batching import _batched, _tap_drafter
 
     from memra_dist.specdec.drafters import dflash, dflash_batch

@@ -48,7 +48,6 @@ from ..errors import UserError
 from .blocks import BlockPool
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
-from .chain_drafts import propose_rounds
 from .loop_rounds import chain_rounds, choose_first_k
 from .job import BatchStep, Job
 from ..specdec.spec_k import EngineAcceptance, StepCost
@@ -56,7 +55,7 @@ from .stats import BatchStats
 from .step_ids import StepIds
 from .paged import PagedKV
 from .prefix_cache import InFlight
-from .primes import Prime, run_primes
+from .primes import Prime, due_in, run_due
 from .residency import Residency
 from .step_forward import launch, wake
 from .take import EAGER_PREFILL_ROWS, PREFILL_TAIL_ROWS, take as take_jobs
@@ -226,7 +225,7 @@ class Batcher(Residency):
         what the allocation did (MB). The request is away meanwhile (no step waits for it).
         `chain`: its rounds (not started), whose first the loop then proposes with the other
         new requests' (one shared draft forward) and queues: no proposal on the request's
-        thread (`_start_chains`)."""
+        thread (primes.py `start_chains`)."""
         p = Prime(rid, drafter, prompt, chunks, capacity, chain)
         with self.cv:
             self._open()
@@ -238,60 +237,6 @@ class Batcher(Residency):
         if p.err is not None:
             raise p.err
         return p.kv_mb
-
-    def _run_primes(self) -> None:
-        """Called holding the lock with no step running: every queued prime run (unlocked,
-        on the loop: primes.py), its request woken."""
-        primes, self.primes = self.primes, []
-        self.priming -= {p.rid for p in primes}
-        t = time.perf_counter_ns()
-        self.cv.release()
-        try:
-            run_primes(primes)
-        finally:
-            self.cv.acquire()
-        self.stats.primes += len(primes)
-        self.stats.prime_runs += 1
-        self.stats.prime_ns += time.perf_counter_ns() - t
-        for p in primes:
-            p.done = True
-        self.cv.notify_all()
-        self._start_chains([p.chain for p in primes if p.chain is not None and p.err is None])
-
-    def _start_chains(self, chains: list[Chain]) -> None:
-        """Called holding the lock (as the rounds after a step are, loop_rounds.py): new
-        requests' chains, their drafters primed: each one's K (--spec-k auto), their first
-        rounds proposed together (chain_drafts.py) and queued for the next step, or a chain
-        parked where its request cannot hold the rows (preempted meanwhile, no free block):
-        its thread runs that round itself."""
-        chains = [ch for ch in chains if not ch.ended and ch.rid in self.admitted]
-        if not chains:
-            return
-        if self.auto_k:
-            for ch in chains:
-                ch.acc = self.acceptance.start(ch.rid, ch.k)
-                choose_first_k(self, ch)
-        for ch, job in zip(chains, propose_rounds(chains, self.stats)):
-            if job is not None:
-                end = job.start + job.n
-                try:
-                    if self.pool.holds(ch.rid) and (self.pool.capacity(ch.rid) >= end or self.pool.grow(ch.rid, end)):
-                        self._queue(job)
-                        continue
-                    self.stats.parks += 1
-                    ch.park()
-                except BaseException as e:  # noqa: BLE001 (the engine closed meanwhile: its request ends with it)
-                    ch.err, ch.ended = e, True
-            self._wakes.append(ch)  # (a failed proposal ended the chain with its error)
-
-    def _primes_in(self) -> float:
-        """Seconds until the queued primes should run (<= 0: now): once every request whose
-        prompt's last chunk ran has queued its prime (they come back from that step one after
-        another: primed together, one forward), or after the batcher's wait without a new one."""
-        if self.priming <= {p.rid for p in self.primes}:
-            return 0.0
-        quiet = max(self.last_prime, self.last_end)
-        return (quiet + self.max_wait_s * 1e9 - time.perf_counter_ns()) / 1e9
 
     def _open(self) -> None:
         if self.closed:
@@ -310,9 +255,9 @@ class Batcher(Residency):
                         self._loop_cv.wait()
                         continue
                     # new requests' drafters first (primes.py), once those of a step are all in
-                    prime_in = self._primes_in() if self.primes else None
+                    prime_in = due_in(self) if self.primes else None
                     if prime_in is not None and prime_in <= 0:
-                        self._run_primes()
+                        run_due(self)
                         continue
                     step_in = self._ready_in() if self.pending else None
                     if step_in is not None and step_in <= 0:

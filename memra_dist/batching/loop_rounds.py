@@ -98,7 +98,7 @@ def chain_rounds(b, jobs: list[Job]) -> None:
 
 def choose_first_k(b, ch) -> None:
     """Called holding the lock as chain `ch` starts (its first round proposed before any step of
-    the loop holds it: by the loop after its drafter's prime, batcher.py `_start_chains`, else on
+    the loop holds it: by the loop after its drafter's prime, primes.py `start_chains`, else on
     its request's thread, `start_chain`): its K as one more request of a step that
     holds the others at K 0 (their rows and tokens), from its acceptance (the engine's, for a
     new request), counted as the loop counts each round's K. A request the engine would not

@@ -18,8 +18,10 @@ import time
 from dataclasses import dataclass, field
 
 from ..specdec.drafters.base import prime_all
+from .chain_drafts import propose_rounds
+from .loop_rounds import choose_first_k
 
-__all__ = ["Prime", "run_primes", "groups"]
+__all__ = ["Prime", "run_primes", "groups", "run_due", "start_chains", "due_in"]
 
 
 @dataclass(eq=False)
@@ -77,3 +79,61 @@ def run_primes(primes: list[Prime]) -> None:
     for p in primes:
         p.done = True
 
+
+
+def due_in(b) -> float:
+    """Seconds until batcher `b`'s queued primes should run (<= 0: now): once every request whose
+    prompt's last chunk ran (`b.priming`) has queued its prime (they come back from that step
+    one after another: primed together, one forward), or after the batcher's wait without a
+    new one."""
+    if b.priming <= {p.rid for p in b.primes}:
+        return 0.0
+    quiet = max(b.last_prime, b.last_end)
+    return (quiet + b.max_wait_s * 1e9 - time.perf_counter_ns()) / 1e9
+
+
+def run_due(b) -> None:
+    """Called by batcher `b`'s loop holding its lock, no step running: every queued prime run
+    (unlocked), its request woken, then the chains handed with them started (`start_chains`)."""
+    primes, b.primes = b.primes, []
+    b.priming -= {p.rid for p in primes}
+    t = time.perf_counter_ns()
+    b.cv.release()
+    try:
+        run_primes(primes)
+    finally:
+        b.cv.acquire()
+    b.stats.primes += len(primes)
+    b.stats.prime_runs += 1
+    b.stats.prime_ns += time.perf_counter_ns() - t
+    for p in primes:
+        p.done = True
+    b.cv.notify_all()
+    start_chains(b, [p.chain for p in primes if p.chain is not None and p.err is None])
+
+
+def start_chains(b, chains: list) -> None:
+    """Called holding batcher `b`'s lock (as the rounds after a step are, loop_rounds.py): new
+    requests' chains, their drafters primed: each one's K (--spec-k auto), their first rounds
+    proposed together (chain_drafts.py) and queued for the next step, or a chain parked where
+    its request cannot hold the rows (preempted meanwhile, no free block): its thread runs that
+    round itself."""
+    chains = [ch for ch in chains if not ch.ended and ch.rid in b.admitted]
+    if not chains:
+        return
+    if b.auto_k:
+        for ch in chains:
+            ch.acc = b.acceptance.start(ch.rid, ch.k)
+            choose_first_k(b, ch)
+    for ch, job in zip(chains, propose_rounds(chains, b.stats)):
+        if job is not None:
+            end = job.start + job.n
+            try:
+                if b.pool.holds(ch.rid) and (b.pool.capacity(ch.rid) >= end or b.pool.grow(ch.rid, end)):
+                    b._queue(job)
+                    continue
+                b.stats.parks += 1
+                ch.park()
+            except BaseException as e:  # noqa: BLE001 (the engine closed meanwhile: its request ends with it)
+                ch.err, ch.ended = e, True
+        b._wakes.append(ch)  # (a failed proposal ended the chain with its error)
