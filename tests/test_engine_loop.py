@@ -441,3 +441,59 @@ def test_a_request_that_ends_at_its_first_token_primes_no_drafter(llama, tmp_pat
     got, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=ddir)
     assert got == solo and all(len(got[i]) == 1 for i in (1, 3))
     assert stats["loop_primes"] == 2, stats["loop_primes"]
+
+
+def test_a_client_gone_at_its_first_token_while_its_drafter_primes_leaks_nothing(llama, tmp_path_factory,
+                                                                                monkeypatch):
+    """The loop primes a new request's drafter while the request streams its first token (the
+    prime does not hold the first token back). A client gone at that token leaves while its
+    prime is queued or running (slowed here to 50 ms): the request ends, its queued prime is
+    dropped or its running one waited for, so its draft-pool slot comes back; the three others
+    get their solo ids."""
+    import time as _time
+
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+
+    from test_batching import _tap_drafter
+
+    ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    reqs = _prompts(4)
+    solo = _solo(llama, "dflash", reqs, draft_model=ddir)
+    real_many, real_one = DFlashDrafter.prime_many, DFlashDrafter.prime
+
+    def slow_many(ds, prompts, chunks):
+        _time.sleep(0.05)
+        real_many(ds, prompts, chunks)
+
+    def slow_one(self, prompt, chunks=None):
+        _time.sleep(0.05)
+        real_one(self, prompt, chunks)
+
+    monkeypatch.setattr(DFlashDrafter, "prime_many", staticmethod(slow_many))
+    monkeypatch.setattr(DFlashDrafter, "prime", slow_one)
+
+    class Gone(Exception):
+        pass
+
+    def gone(_tokens):
+        raise Gone
+
+    with open_engine(_cfg(llama, "dflash", draft_model=ddir), capacity=CAP, max_batch=4) as eng:
+        got, errors = {}, {}
+
+        def run(i):
+            p, n = reqs[i]
+            try:
+                got[i] = eng.generate(p, _cfg(llama, "dflash", draft_model=ddir, max_new_tokens=n),
+                                      stream=gone if i == 1 else None).token_ids
+            except Gone:
+                errors[i] = "gone"
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == {1: "gone"} and all(got[i] == solo[i] for i in (0, 2, 3)), (errors, sorted(got))
+        b = eng._backend
+        assert b.batcher.wait_idle(60) and not b.batcher.primes and not b.batcher.priming_now
+        assert b.draft_pool.owners.held == 0  # every slot back, the departed request's too

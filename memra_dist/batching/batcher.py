@@ -101,6 +101,7 @@ class Batcher(Residency):
         self.pending: list[Job] = []
         self.primes: list[Prime] = []  # new requests' drafters the loop allocates and primes before its next step
         self.priming: set = set()  # requests whose prompt's last chunk has run: each queues a prime soon
+        self.priming_now: set = set()  # requests whose primes the loop is running (unlocked)
         self.last_prime = 0  # perf_counter_ns of the latest prime queued
         self.admitted: dict = {}  # request id -> admission order (the latest is preempted first)
         self.swapped: dict = {}  # request id -> (rows, host K/V per layer): preempted, back before its next forward
@@ -143,6 +144,9 @@ class Batcher(Residency):
             self._fail_pending(RuntimeError("the engine closed"))
             for p in self.primes:
                 p.err, p.done = RuntimeError("the engine closed"), True
+                if p.chain is not None:
+                    p.chain.err, p.chain.ended = p.err, True
+                    p.chain.wake()
             self.primes = []
             loop = self.loop
             self.cv.notify_all()
@@ -221,17 +225,21 @@ class Batcher(Residency):
 
     def prime(self, rid, drafter, prompt: list[int], chunks, capacity: int, chain: Chain | None = None) -> float:
         """Request `rid`'s drafter allocated (`capacity` rows) and primed on its prompt by the
-        engine loop, with the other new requests' (primes.py), before its next step; returns
-        what the allocation did (MB). The request is away meanwhile (no step waits for it).
-        `chain`: its rounds (not started), whose first the loop then proposes with the other
-        new requests' (one shared draft forward) and queues: no proposal on the request's
-        thread (primes.py `start_chains`)."""
+        engine loop, with the other new requests' (primes.py), before its next step. The
+        request is away meanwhile (no step waits for it). `chain`: its rounds (not started),
+        whose first the loop then proposes with the other new requests' (one shared draft
+        forward) and queues (primes.py `start_chains`): the call returns at once (0.0), the
+        request streams its first token meanwhile, and a prime that fails ends the chain with
+        its error (raised from the request's next `take`). Without a chain it waits for the prime
+        and returns what the allocation did (MB), raising the prime's error."""
         p = Prime(rid, drafter, prompt, chunks, capacity, chain)
         with self.cv:
             self._open()
             self.primes.append(p)
             self.last_prime = p.t
             self._wake_loop()
+            if chain is not None:
+                return 0.0
             while not p.done:
                 self.cv.wait()
         if p.err is not None:

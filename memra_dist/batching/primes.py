@@ -97,17 +97,22 @@ def run_due(b) -> None:
     (unlocked), its request woken, then the chains handed with them started (`start_chains`)."""
     primes, b.primes = b.primes, []
     b.priming -= {p.rid for p in primes}
+    b.priming_now = {p.rid for p in primes}  # (a request leaving meanwhile waits: Residency.leave)
     t = time.perf_counter_ns()
     b.cv.release()
     try:
         run_primes(primes)
     finally:
         b.cv.acquire()
+        b.priming_now = set()
     b.stats.primes += len(primes)
     b.stats.prime_runs += 1
     b.stats.prime_ns += time.perf_counter_ns() - t
     for p in primes:
         p.done = True
+        if p.err is not None and p.chain is not None:  # its request raises it from its next take
+            p.chain.err, p.chain.ended = p.err, True
+            b._wakes.append(p.chain)
     b.cv.notify_all()
     start_chains(b, [p.chain for p in primes if p.chain is not None and p.err is None])
 

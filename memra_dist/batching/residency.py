@@ -82,8 +82,13 @@ class Residency:
         """Request `rid` is gone (finished, failed, its client gone), from any thread. Its queued
         rows go and its chain ends at once; its blocks and recurrent states go back only when no
         step in flight holds its rows (the step running unlocked, or the one launched behind it,
-        reads them): until then it is `leaving`, and the step's end frees it (_free_left)."""
+        reads them): until then it is `leaving`, and the step's end frees it (_free_left). Its
+        drafter's prime, still queued, is dropped; one the loop is running is waited for (its
+        drafter's pool slot is given back after this returns: primes.py)."""
         with self.cv:
+            self.primes = [p for p in self.primes if p.rid != rid]
+            while rid in self.priming_now:
+                self.cv.wait()
             for j in self.pending + self.running_jobs:  # a chained request left: its queued rows go, its chain ends
                 if j.rid == rid and j.chain is not None:
                     j.chain.cancel()
