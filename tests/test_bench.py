@@ -524,6 +524,7 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     assert all(len(v) == 4 and v[3] in (3, 5) for v in b["figures"].values())
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_prefix_section_on_cpu_times_both_workloads_and_keeps_the_ids(tmp_path):
     """--sections prefix on the tiny CPU shape: TTFT with the cache off and on for a chat's
     second turn and a shared header, the tokens the engine says it shared, the same ids both

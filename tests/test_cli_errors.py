@@ -149,6 +149,7 @@ def test_bad_input_subprocess(bad_dirs, case):
     _assert_one_line_error(res.returncode, res.stdout, res.stderr, needles)
 
 
+@pytest.mark.slow  # a whole CLI run in a subprocess: ~4 s on 2 cores
 def test_malformed_traceparent_is_only_a_warning(bad_dirs, tmp_path):
     res = _cli(*_gen(bad_dirs["good"], "--json", "--trace-level", "1", "--run-dir", str(tmp_path / "run"),
                      "--traceparent", "00-nothex-zz-01"))

@@ -25,6 +25,7 @@ def _fresh_env():
     environment.cache_clear()
 
 
+@pytest.mark.slow  # trains the tiny models: ~5 s on 2 cores (CI's demo step runs the demo too)
 def test_demo_trains_caches_and_agrees(tmp_path, monkeypatch, capsys, _fresh_env):
     monkeypatch.setenv("MEMRA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # the traced demo run writes ./runs/<time>

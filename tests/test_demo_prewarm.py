@@ -18,6 +18,7 @@ def _args(*extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["demo", *extra])
 
 
+@pytest.mark.slow  # a child process building the demo's kernels: ~4 s on 2 cores
 def test_the_child_runs_the_demos_command_on_the_demos_shapes_and_cleans_up():
     """On the CPU (the child's command is the same there): the untrained checkpoints have the
     demo's shapes, the child's generate exits 0, and its scratch directory is gone after."""

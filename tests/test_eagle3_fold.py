@@ -82,6 +82,7 @@ def test_a_folded_step_equals_the_reference_step_and_writes_the_same_kv(llama, e
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # the Triton interpreter: ~6 s on 2 cores (k 2)
 @pytest.mark.parametrize("k", [2, pytest.param(5, marks=pytest.mark.slow)])
 def test_a_session_drafting_through_the_folded_head_proposes_the_reference_drafts(llama, eagle_dir, k):
     runs = {}

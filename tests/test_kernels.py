@@ -182,6 +182,7 @@ def test_row_kernels_equal_the_reference_norm_residual_and_gating(shape):
         assert silu_mul_rows(gu[:0].reshape(0, 2 * H)).shape == (0, H)  # an empty step launches nothing
 
 
+@pytest.mark.slow  # the Triton interpreter: ~8 s on 2 cores
 def test_a_prefill_past_the_folds_runs_the_row_kernels_and_equals_the_reference(wide_llama, monkeypatch):
     """Prefill chunks longer than the folded rows (16) run the eager block: their norms, residual
     add and gating go through kernels/rows.py, their rotary and K/V writes through

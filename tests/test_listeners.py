@@ -102,6 +102,7 @@ _PROBE_PP = _SCAN + textwrap.dedent("""
 LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
 
 
+@pytest.mark.slow  # a local Ray cluster started: ~9-11 s on 2 cores
 def test_a_cluster_we_start_listens_on_the_loopback_only():
     p = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=_env(), timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
