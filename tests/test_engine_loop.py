@@ -350,10 +350,10 @@ def test_new_requests_drafters_are_primed_together_by_the_loop(llama, tmp_path_f
     shared, threads = [], set()
     real_many, real_one = cls.prime_many, cls.prime
 
-    def many(ds, prompts, chunks):
+    def many(ds, prompts, chunks, rows=0):
         shared.append(len(ds))
         threads.add(threading.current_thread().name)
-        real_many(ds, prompts, chunks)
+        real_many(ds, prompts, chunks, rows)
 
     def one(self, prompt, chunks=None):
         threads.add(threading.current_thread().name)
@@ -373,12 +373,22 @@ def test_new_requests_drafters_are_primed_together_by_the_loop(llama, tmp_path_f
 
     monkeypatch.setattr(cls, "propose", propose)
     monkeypatch.setattr(cls, "propose_many", staticmethod(propose_many))
+    from memra_dist.specdec.drafters import dflash_batch, eagle3_batch
+
+    packs, real_pack = [], dflash_batch.pack_chunks
+    for mod in (dflash_batch, eagle3_batch):  # the shared forwards: several requests' chunks each, within the chunk
+        monkeypatch.setattr(mod, "pack_chunks", lambda lists, rows: packs.append(rows) or [
+            packs.append(p) or p for p in real_pack(lists, rows)])
     assert not hasattr(Drafter, "prime_many")  # (only the classes that share a forward have one)
     got, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=ddir, gate=True)
     assert got == solo and sorted(seen) == alone
     assert threads == {"memra-engine-loop"} and proposers == {"memra-engine-loop"}, (threads, proposers)
     assert stats["loop_primes"] == 4 and shared and max(shared) >= 2, (stats["loop_prime_runs"], shared)
     assert stats["loop_prime_runs"] < 4
+    budgets, passes = [x for x in packs if isinstance(x, int)], [x for x in packs if isinstance(x, list)]
+    assert budgets and min(budgets) >= 40, budgets  # the prefill chunk (40), not one request's rows
+    assert max(len(p) for p in passes) >= 2 and all(sum(hi - lo for _, lo, hi in p) <= 40 for p in passes
+                                                     if len(p) > 1), passes
 
 
 def test_a_drafter_prime_that_fails_ends_its_own_request_only(llama, tmp_path_factory, monkeypatch):
@@ -395,10 +405,10 @@ def test_a_drafter_prime_that_fails_ends_its_own_request_only(llama, tmp_path_fa
     bad = reqs[2][0]
     real_many, real_one = DFlashDrafter.prime_many, DFlashDrafter.prime
 
-    def many(ds, prompts, chunks):
+    def many(ds, prompts, chunks, rows=0):
         if bad in prompts:
             raise RuntimeError("a prime's bug")
-        real_many(ds, prompts, chunks)
+        real_many(ds, prompts, chunks, rows)
 
     def one(self, prompt, chunks=None):
         if prompt == bad:
@@ -461,9 +471,9 @@ def test_a_client_gone_at_its_first_token_while_its_drafter_primes_leaks_nothing
     solo = _solo(llama, "dflash", reqs, draft_model=ddir)
     real_many, real_one = DFlashDrafter.prime_many, DFlashDrafter.prime
 
-    def slow_many(ds, prompts, chunks):
+    def slow_many(ds, prompts, chunks, rows=0):
         _time.sleep(0.05)
-        real_many(ds, prompts, chunks)
+        real_many(ds, prompts, chunks, rows)
 
     def slow_one(self, prompt, chunks=None):
         _time.sleep(0.05)

@@ -223,7 +223,8 @@ class Batcher(Residency):
             ch.wait()
         return ch.rounds.popleft() if ch.rounds else None
 
-    def prime(self, rid, drafter, prompt: list[int], chunks, capacity: int, chain: Chain | None = None) -> float:
+    def prime(self, rid, drafter, prompt: list[int], chunks, capacity: int, chain: Chain | None = None,
+              rows: int = 0) -> float:
         """Request `rid`'s drafter allocated (`capacity` rows) and primed on its prompt by the
         engine loop, with the other new requests' (primes.py), before its next step. The
         request is away meanwhile (no step waits for it). `chain`: its rounds (not started),
@@ -231,8 +232,9 @@ class Batcher(Residency):
         forward) and queues (primes.py `start_chains`): the call returns at once (0.0), the
         request streams its first token meanwhile, and a prime that fails ends the chain with
         its error (raised from the request's next `take`). Without a chain it waits for the prime
-        and returns what the allocation did (MB), raising the prime's error."""
-        p = Prime(rid, drafter, prompt, chunks, capacity, chain)
+        and returns what the allocation did (MB), raising the prime's error. `rows`: its prefill
+        chunk, the most prompt rows a shared prime's forward takes."""
+        p = Prime(rid, drafter, prompt, chunks, capacity, chain, rows)
         with self.cv:
             self._open()
             self.primes.append(p)

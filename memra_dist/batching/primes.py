@@ -31,7 +31,8 @@ class Prime:
     prompt: list[int]
     chunks: list[tuple[int, int]] | None
     capacity: int
-    chain: object = None  # its request's chain (chain.py), whose first round the loop proposes after the prime
+    chain: object = None
+    rows: int = 0  # the prime's shared forwards take at most this many prompt rows (the target's prefill chunk)  # its request's chain (chain.py), whose first round the loop proposes after the prime
     kv_mb: float = 0.0  # what the drafter's allocation returned (the profile's draft_kv_mb)
     err: BaseException | None = None
     done: bool = False
@@ -66,7 +67,7 @@ def run_primes(primes: list[Prime]) -> None:
             p.err = e
     for g in groups([p for p in primes if p.err is None]):
         try:
-            prime_all([p.drafter for p in g], [p.prompt for p in g], [p.chunks for p in g])
+            prime_all([p.drafter for p in g], [p.prompt for p in g], [p.chunks for p in g], min(p.rows for p in g))
         except BaseException as e:  # noqa: BLE001
             if len(g) == 1:
                 g[0].err = e

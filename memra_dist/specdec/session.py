@@ -164,7 +164,7 @@ class SpecSession:
             if not ends:  # (a request that ends at its first token drafts nothing: no prime)
                 self._chain = self.target.chain(self.tokens, 1, max_new, capacity, self.eos, self.k, self.drafter,
                                                 self.sp, self.gen, timed=self.clock is not None, start=False)
-                on_loop(self.drafter, prompt, chunks, capacity, self._chain)  # the engine loop's, with other new requests'
+                on_loop(self.drafter, prompt, chunks, capacity, self._chain, self.prefill_chunk)  # the engine loop's, with other new requests'
         else:
             kv_mb = self.drafter.alloc(capacity)
             if pf is not None:

@@ -95,12 +95,13 @@ class Drafter:
         """Drain the drafter's device stream (a no-op for host-only drafters)."""
 
 
-def prime_all(drafters, prompts: list[list[int]], chunks: list) -> None:
+def prime_all(drafters, prompts: list[list[int]], chunks: list, rows: int = 0) -> None:
     """Drafters of one class and network primed on their prompts (each with its chunks): in
-    shared forwards where the class has `prime_many`, else one after another."""
+    shared forwards of at most `rows` prompt rows (or the largest chunk's, if more) where the
+    class has `prime_many(drafters, prompts, chunks, rows)`, else one after another."""
     many = getattr(type(drafters[0]), "prime_many", None)
     if many is not None and len(drafters) > 1:
-        many(drafters, prompts, chunks)
+        many(drafters, prompts, chunks, rows)
         return
     for d, p, c in zip(drafters, prompts, chunks):
         d.prime(p, c)

@@ -70,14 +70,15 @@ def ingest_many(drafters, uptos: list[int]) -> None:
         d.n = u
 
 
-def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, int]] | None]) -> None:
+def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, int]] | None], rows: int = 0) -> None:
     """Each drafter primed on its prompt (DFlashDrafter.prime: every prompt row ingested), the
-    requests' chunks packed into shared ingests of at most the largest chunk's rows (the
-    engine loop primes a step's new requests together: batching/batcher.py)."""
+    requests' chunks packed into shared ingests of at most `rows` rows (the target's prefill
+    chunk: the working memory one request's prime takes; the largest chunk's, if more), as the
+    engine loop primes a step's new requests together (batching/primes.py)."""
     lists = [cs or [(0, len(p))] for p, cs in zip(prompts, chunks)]
     for d in drafters:
         d.n = 0
-    for pack in pack_chunks(lists, max(hi - lo for cs in lists for lo, hi in cs)):
+    for pack in pack_chunks(lists, max(rows, max(hi - lo for cs in lists for lo, hi in cs))):
         ingest_many([drafters[i] for i, _, _ in pack], [hi for _, _, hi in pack])
 
 

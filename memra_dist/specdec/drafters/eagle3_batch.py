@@ -36,17 +36,18 @@ def maintain_many(drafters, contexts) -> None:
         d.maintain(c)
 
 
-def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, int]] | None]) -> None:
+def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, int]] | None], rows: int = 0) -> None:
     """Each drafter primed on its prompt (Eagle3Drafter.prime: rows 0 .. P - 2, their K/V only),
-    the requests' chunks packed into shared forwards of at most the largest chunk's rows (the
-    engine loop primes a step's new requests together: batching/batcher.py)."""
+    the requests' chunks packed into shared forwards of at most `rows` rows (the target's
+    prefill chunk; the largest chunk's, if more), as the engine loop primes a step's new
+    requests together (batching/primes.py)."""
     lists = []
     for d, p, cs in zip(drafters, prompts, chunks):
         d.n, n = 0, len(p) - 1
         lists.append([(lo, min(hi, n)) for lo, hi in cs or [(0, n)] if lo < min(hi, n)])
     if not any(lists):
         return
-    for pack in pack_chunks(lists, max(hi - lo for cs in lists for lo, hi in cs)):
+    for pack in pack_chunks(lists, max(rows, max(hi - lo for cs in lists for lo, hi in cs))):
         _prime_kv_many([drafters[i] for i, _, _ in pack], [prompts[i] for i, _, _ in pack],
                        [(lo, hi) for _, lo, hi in pack])
 

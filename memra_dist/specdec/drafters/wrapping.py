@@ -66,10 +66,10 @@ class Wrapping(Drafter):
         self.inner.prime(prompt, chunks)
 
     @staticmethod
-    def prime_many(drafters, prompts, chunks) -> None:
+    def prime_many(drafters, prompts, chunks, rows: int = 0) -> None:
         for d in drafters:
             d.reset()
-        prime_all([d.inner for d in drafters], prompts, chunks)
+        prime_all([d.inner for d in drafters], prompts, chunks, rows)
 
     def maintain(self, context) -> None:
         self.inner.maintain(context)
