@@ -6,10 +6,11 @@ pool) and its prime (each prompt row's features and draft K/V) are device work. 
 request's own thread, 64 requests' primes were 64 threads launching small kernels beside the
 loop (an H100 profile of DFlash at 64 concurrent showed the device idle 0.38 of the run, the
 primes' launches on request threads between the steps). Here the request queues a `Prime` and
-waits; the loop, before it leads the next step, takes every queued prime, allocates each
-drafter and primes those of one class and network together (`prime_all`: DFlash's ingests and
-EAGLE-3's K/V rows packed across requests up to the largest chunk's rows, specdec/chunks.py
-`pack_chunks`), then wakes their threads. A prime that fails ends its own request only.
+waits for its rounds (it streams its first token meanwhile); the loop, before it leads the next
+step, takes every queued prime, allocates each drafter and primes those of one class and network
+together (`prime_all`: DFlash's ingests and EAGLE-3's K/V rows packed across requests up to the
+target's prefill chunk of rows, specdec/chunks.py `pack_chunks`), then proposes their chains'
+first rounds together (`start_chains`). A prime that fails ends its own request only.
 """
 
 from __future__ import annotations
