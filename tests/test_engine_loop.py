@@ -27,6 +27,27 @@ def _spy_launches(monkeypatch) -> list[str]:
     return names
 
 
+def _at_once(eng, reqs, cfg, n: int = 4, stream_of=None, catch=RuntimeError):
+    """Requests 0 .. n - 1 of `reqs` on `eng` from n threads at once (`cfg` with each one's
+    max_new_tokens; `stream_of(i)`: request i's stream callback) -> (ids by request, error
+    messages by request, `run(i)`: one more request on the caller's thread)."""
+    got, errors = {}, {}
+
+    def run(i):
+        p, m = reqs[i]
+        try:
+            got[i] = eng.generate(p, cfg.with_(max_new_tokens=m),
+                                  stream=stream_of(i) if stream_of is not None else None).token_ids
+        except catch as e:
+            errors[i] = str(e) or type(e).__name__
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return got, errors, run
+
+
 @pytest.mark.parametrize("trace", [TraceSettings(), TraceSettings(level=2), TraceSettings(prof=True)],
                          ids=["level0-chained", "level2-own-rounds", "first-token-profile"])
 def test_every_step_is_launched_by_the_engine_loop_and_ids_stay_solo(llama, monkeypatch, trace):
@@ -140,19 +161,7 @@ def test_a_drafters_error_ends_its_own_request_and_every_other_goes_on(llama, mo
         return real(self, context, k, sp, gen)
     monkeypatch.setattr(ngram.NgramDrafter, "propose", propose)
     with open_engine(_cfg(llama, "ngram"), capacity=CAP, max_batch=4) as eng:
-        got, errors = {}, {}
-
-        def one(i):
-            p, n = reqs[i]
-            try:
-                got[i] = eng.generate(p, _cfg(llama, "ngram", max_new_tokens=n)).token_ids
-            except RuntimeError as e:
-                errors[i] = str(e)
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        got, errors, one = _at_once(eng, reqs, _cfg(llama, "ngram"))
         assert errors == {1: "a drafter's bug"}, errors
         assert all(got[i] == solo[i] for i in (0, 2, 3))
         one(4)
@@ -418,19 +427,7 @@ def test_a_drafter_prime_that_fails_ends_its_own_request_only(llama, tmp_path_fa
     monkeypatch.setattr(DFlashDrafter, "prime_many", staticmethod(many))
     monkeypatch.setattr(DFlashDrafter, "prime", one)
     with open_engine(_cfg(llama, "dflash", draft_model=ddir), capacity=CAP, max_batch=4) as eng:
-        got, errors = {}, {}
-
-        def run(i):
-            p, n = reqs[i]
-            try:
-                got[i] = eng.generate(p, _cfg(llama, "dflash", draft_model=ddir, max_new_tokens=n)).token_ids
-            except RuntimeError as e:
-                errors[i] = str(e)
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        got, errors, run = _at_once(eng, reqs, _cfg(llama, "dflash", draft_model=ddir))
         assert errors == {2: "a prime's bug"}, errors
         assert all(got[i] == solo[i] for i in (0, 1, 3))
         run(4)
@@ -489,21 +486,9 @@ def test_a_client_gone_at_its_first_token_while_its_drafter_primes_leaks_nothing
         raise Gone
 
     with open_engine(_cfg(llama, "dflash", draft_model=ddir), capacity=CAP, max_batch=4) as eng:
-        got, errors = {}, {}
-
-        def run(i):
-            p, n = reqs[i]
-            try:
-                got[i] = eng.generate(p, _cfg(llama, "dflash", draft_model=ddir, max_new_tokens=n),
-                                      stream=gone if i == 1 else None).token_ids
-            except Gone:
-                errors[i] = "gone"
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert errors == {1: "gone"} and all(got[i] == solo[i] for i in (0, 2, 3)), (errors, sorted(got))
+        got, errors, _ = _at_once(eng, reqs, _cfg(llama, "dflash", draft_model=ddir),
+                                  stream_of=lambda i: gone if i == 1 else None, catch=Gone)
+        assert errors == {1: "Gone"} and all(got[i] == solo[i] for i in (0, 2, 3)), (errors, sorted(got))
         b = eng._backend
         assert b.batcher.wait_idle(60) and not b.batcher.primes and not b.batcher.priming_now
         assert b.draft_pool.owners.held == 0  # every slot back, the departed request's too
