@@ -302,7 +302,8 @@ class BatchedBackend:
 
         taps = self.batcher.tap_pool
         paged = self._paged_drafts(plan.draft.base.head_dim)
-        if (not paged and not pays(plan.capacity, max_batch)) or taps is None or taps.layers != tuple(plan.draft.tap_ids):
+        if ((not paged and not pays(plan.capacity, max_batch)) or taps is None
+                or taps.layers != tuple(plan.draft.tap_ids)):
             return
         self.draft_pool.alloc(plan.capacity)  # the drafter's rows (eagle3.py alloc)
         taps.alloc(plan.capacity)

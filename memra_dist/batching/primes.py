@@ -32,8 +32,8 @@ class Prime:
     prompt: list[int]
     chunks: list[tuple[int, int]] | None
     capacity: int
-    chain: object = None
-    rows: int = 0  # the prime's shared forwards take at most this many prompt rows (the target's prefill chunk)  # its request's chain (chain.py), whose first round the loop proposes after the prime
+    chain: object = None  # its request's chain (chain.py), whose first round the loop proposes after the prime
+    rows: int = 0  # a shared prime's forwards take at most this many prompt rows (the target's prefill chunk)
     kv_mb: float = 0.0  # what the drafter's allocation returned (the profile's draft_kv_mb)
     err: BaseException | None = None
     done: bool = False

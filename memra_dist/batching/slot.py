@@ -124,7 +124,7 @@ class BatchSlot:
 
     def will_prime(self, prompt_len: int) -> None:
         """Its drafter will prime on the loop after the prompt's last chunk (`prime_drafter`): the
-        loop waits for it to prime with the others of that step (batcher.py `_primes_in`)."""
+        loop waits for it to prime with the others of that step (primes.py `due_in`)."""
         self.primes_at = prompt_len
 
     def prime_drafter(self, drafter, prompt: list[int], chunks, capacity: int, chain: Chain | None = None,

@@ -158,13 +158,13 @@ class SpecSession:
         first = self._draw(logits, torch.tensor(prompt[-1:]), len(prompt) - 1)
         if pf is not None:
             t, pf.ms["anchor"] = c.lap_ms(t)
-        if on_loop is not None:  # the loop primes it and proposes its chain's first round (batcher.py `prime`)
-            self.tokens = list(prompt) + [first]
+        if on_loop is not None:  # the engine loop primes it with the other new requests' drafters and proposes
+            self.tokens = list(prompt) + [first]  # its chain's first round (batcher.py `prime`); no wait here
             ends = commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
             if not ends:  # (a request that ends at its first token drafts nothing: no prime)
                 self._chain = self.target.chain(self.tokens, 1, max_new, capacity, self.eos, self.k, self.drafter,
                                                 self.sp, self.gen, timed=self.clock is not None, start=False)
-                on_loop(self.drafter, prompt, chunks, capacity, self._chain, self.prefill_chunk)  # the engine loop's, with other new requests'
+                on_loop(self.drafter, prompt, chunks, capacity, self._chain, self.prefill_chunk)
         else:
             kv_mb = self.drafter.alloc(capacity)
             if pf is not None:
