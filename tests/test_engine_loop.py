@@ -384,17 +384,22 @@ def test_new_requests_drafters_are_primed_together_by_the_loop(llama, tmp_path_f
     monkeypatch.setattr(cls, "propose_many", staticmethod(propose_many))
     from memra_dist.specdec.drafters import dflash_batch, eagle3_batch
 
-    packs, real_pack = [], dflash_batch.pack_chunks
-    for mod in (dflash_batch, eagle3_batch):  # the shared forwards: several requests' chunks each, within the chunk
-        monkeypatch.setattr(mod, "pack_chunks", lambda lists, rows: packs.append(rows) or [
-            packs.append(p) or p for p in real_pack(lists, rows)])
+    budgets, passes, real_pack = [], [], dflash_batch.pack_chunks
+
+    def pack(lists, rows):  # the shared forwards: several requests' chunks each, within the chunk
+        budgets.append(rows)
+        out = real_pack(lists, rows)
+        passes.extend(out)
+        return out
+
+    for mod in (dflash_batch, eagle3_batch):
+        monkeypatch.setattr(mod, "pack_chunks", pack)
     assert not hasattr(Drafter, "prime_many")  # (only the classes that share a forward have one)
     got, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=ddir, gate=True)
     assert got == solo and sorted(seen) == alone
     assert threads == {"memra-engine-loop"} and proposers == {"memra-engine-loop"}, (threads, proposers)
     assert stats["loop_primes"] == 4 and shared and max(shared) >= 2, (stats["loop_prime_runs"], shared)
     assert stats["loop_prime_runs"] < 4
-    budgets, passes = [x for x in packs if isinstance(x, int)], [x for x in packs if isinstance(x, list)]
     assert budgets and min(budgets) >= 40, budgets  # the prefill chunk (40), not one request's rows
     assert max(len(p) for p in passes) >= 2 and all(sum(hi - lo for _, lo, hi in p) <= 40 for p in passes
                                                      if len(p) > 1), passes

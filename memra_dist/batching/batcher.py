@@ -142,11 +142,9 @@ class Batcher(Residency):
                 if j.chain is not None:
                     j.chain.cancel()
             self._fail_pending(RuntimeError("the engine closed"))
-            for p in self.primes:
-                p.err, p.done = RuntimeError("the engine closed"), True
-                if p.chain is not None:
-                    p.chain.err, p.chain.ended = p.err, True
-                    p.chain.wake()
+            for p in self.primes:  # (their requests raise it from their next take)
+                p.chain.err, p.chain.ended = RuntimeError("the engine closed"), True
+                p.chain.wake()
             self.primes = []
             loop = self.loop
             self.cv.notify_all()
@@ -223,16 +221,13 @@ class Batcher(Residency):
             ch.wait()
         return ch.rounds.popleft() if ch.rounds else None
 
-    def prime(self, rid, drafter, prompt: list[int], chunks, capacity: int, chain: Chain | None = None,
-              rows: int = 0) -> float:
+    def prime(self, rid, drafter, prompt: list[int], chunks, capacity: int, chain: Chain, rows: int = 0) -> None:
         """Request `rid`'s drafter allocated (`capacity` rows) and primed on its prompt by the
-        engine loop, with the other new requests' (primes.py), before its next step. The
-        request is away meanwhile (no step waits for it). `chain`: its rounds (not started),
-        whose first the loop then proposes with the other new requests' (one shared draft
-        forward) and queues (primes.py `start_chains`): the call returns at once (0.0), the
-        request streams its first token meanwhile, and a prime that fails ends the chain with
-        its error (raised from the request's next `take`). Without a chain it waits for the prime
-        and returns what the allocation did (MB), raising the prime's error. `rows`: its prefill
+        engine loop, with the other new requests' (primes.py), before its next step; then
+        `chain`'s first round (its rounds, not started) proposed with theirs in one shared draft
+        forward and queued (primes.py `start_chains`). Returns at once: the request streams its
+        first token meanwhile, away (no step waits for it), and a prime that fails ends the
+        chain with its error (raised from the request's next `take`). `rows`: its prefill
         chunk, the most prompt rows a shared prime's forward takes."""
         p = Prime(rid, drafter, prompt, chunks, capacity, chain, rows)
         with self.cv:
@@ -240,13 +235,6 @@ class Batcher(Residency):
             self.primes.append(p)
             self.last_prime = p.t
             self._wake_loop()
-            if chain is not None:
-                return 0.0
-            while not p.done:
-                self.cv.wait()
-        if p.err is not None:
-            raise p.err
-        return p.kv_mb
 
     def _open(self) -> None:
         if self.closed:

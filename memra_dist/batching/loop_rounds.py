@@ -15,7 +15,7 @@ from ..specdec.spec_k import Acceptance, choose
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import Job
 
-__all__ = ["chain_rounds", "choose_k", "choose_first_k", "CHOOSE_SAMPLED", "REMEASURE_STEPS", "REMEASURE_MAX"]
+__all__ = ["chain_rounds", "choose_k", "choose_first_k", "queue_or_park", "CHOOSE_SAMPLED", "REMEASURE_STEPS", "REMEASURE_MAX"]
 
 _NONE = Acceptance(0)  # a request of the step that drafts nothing
 
@@ -83,17 +83,25 @@ def chain_rounds(b, jobs: list[Job]) -> None:
     for ch, nxt in zip(going, proposed):
         if nxt is None:
             continue  # its proposal failed: the chain ended with the error
-        end = nxt.start + nxt.n
-        if b.pool.capacity(ch.rid) >= end or b.pool.grow(ch.rid, end):
-            b.pending.append(nxt)
-        else:
-            b.stats.parks += 1
-            ch.park()  # its thread submits the next round itself (waits for blocks, or preempts)
+        queue_or_park(b, ch, nxt, b.pending.append)
     for ch in touched:
         if ch.inflight is not None and ch.ended:  # its row launched ahead runs past its end: dropped
             ch.inflight.void, ch.inflight = True, None
             b.stats.voids += 1
         b._wakes.append(ch)  # woken once the next step is launched (Batcher._flush_wakes)
+
+
+def queue_or_park(b, ch, job: Job, add) -> None:
+    """Called holding the lock: chain `ch`'s next verify rows `job` handed to `add` where its
+    request's blocks hold them or grow to (never waiting: the loop's own path), else the chain
+    parks: its thread submits that round itself (waits for blocks, or preempts; swaps back in
+    a request preempted meanwhile)."""
+    end = job.start + job.n
+    if b.pool.holds(ch.rid) and (b.pool.capacity(ch.rid) >= end or b.pool.grow(ch.rid, end)):
+        add(job)
+    else:
+        b.stats.parks += 1
+        ch.park()
 
 
 def choose_first_k(b, ch) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..specdec.drafters.base import prime_all
 from .chain_drafts import propose_rounds
-from .loop_rounds import choose_first_k
+from .loop_rounds import choose_first_k, queue_or_park
 
 __all__ = ["Prime", "run_primes", "groups", "run_due", "start_chains", "due_in"]
 
@@ -32,11 +32,9 @@ class Prime:
     prompt: list[int]
     chunks: list[tuple[int, int]] | None
     capacity: int
-    chain: object = None  # its request's chain (chain.py), whose first round the loop proposes after the prime
+    chain: object  # its request's chain (chain.py), whose first round the loop proposes after the prime
     rows: int = 0  # a shared prime's forwards take at most this many prompt rows (the target's prefill chunk)
-    kv_mb: float = 0.0  # what the drafter's allocation returned (the profile's draft_kv_mb)
     err: BaseException | None = None
-    done: bool = False
     t: int = field(default_factory=time.perf_counter_ns)
 
 
@@ -48,7 +46,7 @@ def groups(primes: list[Prime]) -> list[list[Prime]]:
     ...     batch_key = "net"
     >>> class B:
     ...     batch_key = "net"
-    >>> ps = [Prime(i, d, [1], None, 8) for i, d in enumerate([A(), B(), A()])]
+    >>> ps = [Prime(i, d, [1], None, 8, None) for i, d in enumerate([A(), B(), A()])]
     >>> [[p.rid for p in g] for g in groups(ps)]
     [[0, 2], [1]]
     """
@@ -63,7 +61,7 @@ def run_primes(primes: list[Prime]) -> None:
     prime (a group that fails is primed again one by one, so only the one at fault fails)."""
     for p in primes:
         try:
-            p.kv_mb = p.drafter.alloc(p.capacity)
+            p.drafter.alloc(p.capacity)
         except BaseException as e:  # noqa: BLE001 (its own request's error)
             p.err = e
     for g in groups([p for p in primes if p.err is None]):
@@ -78,9 +76,6 @@ def run_primes(primes: list[Prime]) -> None:
                     p.drafter.prime(p.prompt, p.chunks)
                 except BaseException as e:  # noqa: BLE001
                     p.err = e
-    for p in primes:
-        p.done = True
-
 
 
 def due_in(b) -> float:
@@ -111,12 +106,11 @@ def run_due(b) -> None:
     b.stats.prime_runs += 1
     b.stats.prime_ns += time.perf_counter_ns() - t
     for p in primes:
-        p.done = True
-        if p.err is not None and p.chain is not None:  # its request raises it from its next take
+        if p.err is not None:  # its request raises it from its next take
             p.chain.err, p.chain.ended = p.err, True
             b._wakes.append(p.chain)
-    b.cv.notify_all()
-    start_chains(b, [p.chain for p in primes if p.chain is not None and p.err is None])
+    b.cv.notify_all()  # (a request leaving waits for its prime: Residency.leave)
+    start_chains(b, [p.chain for p in primes if p.err is None])
 
 
 def start_chains(b, chains: list) -> None:
@@ -133,14 +127,11 @@ def start_chains(b, chains: list) -> None:
             ch.acc = b.acceptance.start(ch.rid, ch.k)
             choose_first_k(b, ch)
     for ch, job in zip(chains, propose_rounds(chains, b.stats)):
-        if job is not None:
-            end = job.start + job.n
+        if job is not None:  # (else its proposal failed: the chain ended with the error)
             try:
-                if b.pool.holds(ch.rid) and (b.pool.capacity(ch.rid) >= end or b.pool.grow(ch.rid, end)):
-                    b._queue(job)
+                queue_or_park(b, ch, job, b._queue)
+                if not ch.parked:
                     continue
-                b.stats.parks += 1
-                ch.park()
             except BaseException as e:  # noqa: BLE001 (the engine closed meanwhile: its request ends with it)
                 ch.err, ch.ended = e, True
-        b._wakes.append(ch)  # (a failed proposal ended the chain with its error)
+        b._wakes.append(ch)

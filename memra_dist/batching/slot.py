@@ -127,11 +127,10 @@ class BatchSlot:
         loop waits for it to prime with the others of that step (primes.py `due_in`)."""
         self.primes_at = prompt_len
 
-    def prime_drafter(self, drafter, prompt: list[int], chunks, capacity: int, chain: Chain | None = None,
-                      rows: int = 0) -> float:
+    def prime_drafter(self, drafter, prompt: list[int], chunks, capacity: int, chain: Chain, rows: int = 0) -> None:
         """The request's drafter allocated and primed by the engine loop, which then proposes
-        `chain`'s first round (batcher.py `prime`); `rows`: its prefill chunk."""
-        return self.batcher.prime(self.rid, drafter, prompt, chunks, capacity, chain, rows)
+        `chain`'s first round (batcher.py `prime`: it returns at once); `rows`: its prefill chunk."""
+        self.batcher.prime(self.rid, drafter, prompt, chunks, capacity, chain, rows)
 
     def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
               gen, timed: bool = True, start: bool = True) -> Chain:

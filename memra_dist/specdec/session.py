@@ -158,10 +158,10 @@ class SpecSession:
         first = self._draw(logits, torch.tensor(prompt[-1:]), len(prompt) - 1)
         if pf is not None:
             t, pf.ms["anchor"] = c.lap_ms(t)
+        self.tokens = list(prompt) + [first]
+        ends = commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
         if on_loop is not None:  # the engine loop primes it with the other new requests' drafters and proposes
-            self.tokens = list(prompt) + [first]  # its chain's first round (batcher.py `prime`); no wait here
-            ends = commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
-            if not ends:  # (a request that ends at its first token drafts nothing: no prime)
+            if not ends:  # its chain's first round (batcher.py `prime`; no wait here); one that ends drafts nothing
                 self._chain = self.target.chain(self.tokens, 1, max_new, capacity, self.eos, self.k, self.drafter,
                                                 self.sp, self.gen, timed=self.clock is not None, start=False)
                 on_loop(self.drafter, prompt, chunks, capacity, self._chain, self.prefill_chunk)
@@ -178,9 +178,8 @@ class SpecSession:
             pf.kernel_tune_configs = tally["configs"] - tally0["configs"]
             pf.kernel_tune_ms = (tally["tune_s"] - tally0["tune_s"]) * 1e3
             pf.kernel_tune_cached, pf.kernel_keys = tally["cached"] - tally0["cached"], keys_since(keys0)
-        self.tokens = list(prompt) + [first]
         self.stats = SessionStats(tokens=1, t_start=self.stats.t_start, t_first=time.perf_counter(), cached=cached)
-        self.done = self.done or commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
+        self.done = self.done or ends
         return first
 
     def chunks(self, n: int) -> list[tuple[int, int]]:
