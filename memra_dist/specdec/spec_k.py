@@ -185,8 +185,8 @@ class StepCost:
     BUCKET_ALPHA = 0.2
     # drafting's variable part counts drafting requests, not drafted tokens: a block drafter's
     # (DFlash) one forward computes its whole block for each request whatever its K, so a
-    # request's first draft costs a block and its others nothing more (the backend sets it from
-    # `Drafter.cost_per`); `observe_draft` / `calibrate` then take requests as their x
+    # request's first draft costs a block and its others nothing more (batching/backend.py sets it
+    # for --drafter dflash); `observe_draft` / `calibrate` then take requests as their x
     per_request = False
 
     def __init__(self, prior_ns: tuple[float, float] = (1e6, 1e4), prior_steps: float = 4.0, decay: float = 0.98,
