@@ -175,6 +175,78 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
     assert ing.replays > 0, (ing.replays, g.replays)  # the shared maintenance of the chained rounds
 
 
+def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest(llama, tmp_path_factory,
+                                                                                 monkeypatch):
+    """--spec-k auto at K 0 for six steps in eight: a DFlash request skips those rounds'
+    maintenance, so when it drafts again it brings more rows than an entry of the ingest graph
+    takes (K + 1). Its rows go in as several entries (`PoolIngestGraphs.segments`), replayed
+    like a round's, never as an eager ingest; every proposal equals the request's solo one at
+    that context, and the ids are the solo ids."""
+    from graph_emulator import EmulatedCapture
+
+    import memra_dist.batching.loop_rounds as lr
+    import memra_dist.specdec.drafters.dflash_batch as db
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs
+
+    ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)  # block 4, mask id 1
+    made, calls, longest, eager, in_loop = [], [0], [0], [], []
+    real_segments, real_ingest, real_gather = PoolIngestGraphs.segments, DFlashDrafter._ingest, db.gather_rows
+    real_rounds = lr.maintain_rounds
+
+    def segments(self, sinks, slots, ranges):
+        longest[0] = max([longest[0], *(hi - lo for lo, hi in ranges)])
+        return real_segments(self, sinks, slots, ranges)
+
+    def ingest(self, upto, depth=None):  # a drafter's own eager ingest, in the loop's maintenance
+        if in_loop:
+            eager.append(upto - self.n)
+        real_ingest(self, upto, depth)
+
+    def gather(sinks, ranges, dev):  # the shared eager ingest
+        if in_loop:
+            eager.append(max(hi - lo for lo, hi in ranges))
+        return real_gather(sinks, ranges, dev)
+
+    def maintain_rounds(chains):  # (not a prime: the rounds' maintenance and its catch-ups)
+        in_loop.append(1)
+        try:
+            return real_rounds(chains)
+        finally:
+            in_loop.pop()
+
+    def mostly_zero(reqs_, cost):  # each request's bound twice, then K 0 six times
+        calls[0] += 1
+        return [bound if calls[0] % 8 < 2 else 0 for _, bound in reqs_]
+
+    def on_open(eng):
+        b = eng._backend
+        b.batcher.auto_k = True
+        b.draft_pool.alloc(CAP + 4)
+        b.batcher.tap_pool.alloc(CAP)
+        g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture)
+        ing = PoolIngestGraphs(b.tap_net, b.draft_pool, b.batcher.tap_pool, 4, 4, graph_cls=EmulatedCapture)
+        assert g.warm() == 2 and ing.warm() == 2
+        b.draft_pool.graphs, b.draft_pool.ingest_graphs = g, ing
+        made.extend((g, ing))
+
+    monkeypatch.setattr(PoolIngestGraphs, "segments", segments)
+    monkeypatch.setattr(DFlashDrafter, "_ingest", ingest)
+    monkeypatch.setattr(db, "gather_rows", gather)
+    monkeypatch.setattr(lr, "maintain_rounds", maintain_rounds)
+    monkeypatch.setattr(lr, "choose", mostly_zero)
+    batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open,
+                              spec_k="auto")
+    assert batched == solo
+    g, ing = made
+    assert longest[0] > 4 and ing.replays > 0 and g.replays > 0, (longest, ing.replays, g.replays)
+    assert not eager, eager
+    solo_at = dict(alone)
+    both = [(c, d) for c, d in seen if c in solo_at]
+    assert len(both) >= 0.5 * len(seen) > 0, (len(both), len(seen))
+    assert all(solo_at[c] == d for c, d in both), [(len(c), d, solo_at[c]) for c, d in both if solo_at[c] != d]
+
+
 def test_pooled_tap_sinks_scatter_and_gather_as_their_own_sinks():
     """Three requests' sinks in a pool of 3 (+ the spare): one scatter of a step's rows (a
     request without taps among them goes to the spare slot) writes what each request's own
@@ -235,14 +307,15 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
                                                                                       monkeypatch):
     """--spec-k auto at K 0 for six steps in eight: an EAGLE-3 request skips those rounds' drafts,
     so when it drafts again it brings more committed rows than the round's graph takes (K + 1).
-    Those rows' K/V go in first (`_prime_kv`, no output read) and the round still replays the
-    graph, instead of every request of the step running the eager chains (24 ms a step at 16
+    Those rows' K/V go in first (`_prime_kv`, no output read; the step's requests that do so
+    together in one forward) and the round still replays the graph, instead of every request of the step running the eager chains (24 ms a step at 16
     requests on an H200); every proposal equals the request's solo one at that context."""
     import memra_dist.batching.loop_rounds as lr
+    import memra_dist.specdec.drafters.eagle3_batch as eb
     from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
 
     ddir, reqs, solo, seen, alone = _alone("eagle3", llama, tmp_path_factory, monkeypatch)
-    made, caught, calls = [], [], [0]
+    made, caught, calls, together = [], [], [0], []
     real_prime_kv = Eagle3Drafter._prime_kv
 
     def prime_kv(self, context, lo, hi):
@@ -264,13 +337,23 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
         eng._backend.batcher.auto_k = True
         made.append(_chain_graphs(eng._backend))
 
+    real_many = eb._prime_kv_many
+
+    def prime_kv_many(ds, contexts, ranges):  # several requests' catch-ups at once: one forward
+        if len(ds) > 1 and all(getattr(d, "_primed", False) for d in ds):
+            together.append(len(ds))
+            caught.extend(hi - lo for lo, hi in ranges)
+        real_many(ds, contexts, ranges)
+
     monkeypatch.setattr(Eagle3Drafter, "_prime_kv", prime_kv)
     monkeypatch.setattr(Eagle3Drafter, "prime", prime)
+    monkeypatch.setattr(eb, "_prime_kv_many", prime_kv_many)
     monkeypatch.setattr(lr, "choose", mostly_zero)
     batched, stats = _batched(llama, "eagle3", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open,
                               spec_k="auto")
     assert batched == solo
     assert caught and made[0].replays >= stats["draft_batches"] // 2 > 0, (caught, made[0].replays, stats)
+    assert together, caught  # requests back from K 0 in one step caught up in one forward
     solo_at = dict(alone)
     both = [(c, d) for c, d in seen if c in solo_at]
     assert len(both) >= 0.5 * len(seen) > 0, (len(both), len(seen))

@@ -44,7 +44,7 @@ import torch
 from ..specdec.accept import accept_sampled, commit_rows
 from ..specdec.sampling import probs
 from ..specdec.drafters.none import NoDrafter
-from ..specdec.spec_k import Acceptance
+from ..specdec.spec_k import SHADOW_ALPHA, Acceptance
 from ..specdec.stop import commit_tokens
 from .job import BatchStep, Job
 
@@ -159,7 +159,7 @@ class Chain:
             j += 1
         if j < len(got) or j == len(drafts):
             self._shadow = None
-            self.acc.update(len(drafts), j)
+            self.acc.update(len(drafts), j, SHADOW_ALPHA)
 
     def next_job(self, prop=None, t0: int | None = None, shared: int = 0) -> Job:
         """The next round's verify rows (the pending token, then this round's drafts), proposed

@@ -25,7 +25,7 @@ rarely accepted, or a step whose rows cost more than their tokens bring, stays a
 >>> a = Acceptance(4)
 >>> round(a.expected(4), 3)   # the optimistic start: 0.8 per position
 2.362
->>> for _ in range(30): a.update(4, 0)   # never accepted
+>>> for _ in range(60): a.update(4, 0)   # never accepted
 >>> round(a.expected(4), 3) < 0.01
 True
 >>> c = StepCost(prior_ns=(1e6, 1e4))   # 1 ms a step + 10 us a row: rows are cheap
@@ -38,28 +38,43 @@ True
 
 from __future__ import annotations
 
-__all__ = ["Acceptance", "EngineAcceptance", "StepCost", "choose", "PROBE_EVERY"]
+__all__ = ["Acceptance", "EngineAcceptance", "StepCost", "choose", "PROBE_EVERY", "ALPHA", "SHADOW_ALPHA"]
 
 PROBE_EVERY = 32  # every 32nd new request starts from the optimistic prior, whatever the engine learned
+
+# A request's own average moves this much a round. Its K-0 rounds measure nothing, so a request
+# that a few unlucky rounds put below what a draft costs stays at K 0 for good: at 0.3, 64 requests
+# whose every draft position is accepted 0.8 of the time ran ~40 % of their rounds at K 0 on an
+# H100 (DFlash replay: 6,164 steady tok/s against 8,175 at a fixed K of 4; EAGLE-3: 9,433 against
+# 10,873), and the step-cost model, fed the same figures on the CPU, left 24 % of such rounds at
+# K 0 (0 % at 0.1). A drafter that never pays is learned by the engine's average
+# (EngineAcceptance), which every later request starts from, so the slower step costs little there.
+ALPHA = 0.1
+# ... except the scores of a host drafter's K-0 rounds (batching/chain.py `shadow`): they come only
+# while the request sits at K 0, one a round at no device cost, so they move it at the old rate
+# and a request whose drafts start paying (a continuation that begins to repeat) drafts again
+# within a few rounds.
+SHADOW_ALPHA = 0.3
 
 
 class Acceptance:
     """A request's running chance that its draft at position i is accepted, given the ones
-    before it were: an exponential average per position (`alpha`), from `prior` (one chance
+    before it were: an exponential average per position (`alpha`, ALPHA), from `prior` (one chance
     for every position, or one per position). `parent`: the engine's average
     (EngineAcceptance), which every update feeds too."""
 
-    def __init__(self, kmax: int, alpha: float = 0.3, prior: float | list[float] = 0.8, parent=None):
+    def __init__(self, kmax: int, alpha: float = ALPHA, prior: float | list[float] = 0.8, parent=None):
         n = max(kmax, 0)
         self.p = list(prior[:n]) if isinstance(prior, list) else [prior] * n
         assert len(self.p) == n, "a prior per position covers every position"
         self.alpha = alpha
         self.parent = parent
 
-    def update(self, k: int, j: int) -> None:
+    def update(self, k: int, j: int, alpha: float | None = None) -> None:
         """A round verified k drafts and accepted the first j: positions 0 .. j - 1 were
-        accepted, position j (when j < k) rejected; later ones were not reached."""
-        _ema(self.p, self.alpha, k, j)
+        accepted, position j (when j < k) rejected; later ones were not reached. `alpha`: this
+        update's own rate (a K-0 round's unverified score, SHADOW_ALPHA)."""
+        _ema(self.p, self.alpha if alpha is None else alpha, k, j)
         if self.parent is not None and k > 0:
             self.parent.update(k, j)
 

@@ -40,10 +40,10 @@ def ingest_many(drafters, uptos: list[int]) -> None:
         return
     pool = pool_of([d for d, _ in todo])
     g = pool.ingest_graphs if pool is not None else None
-    if g is not None:  # one replay (dflash_pool_graph.py)
-        sinks, ranges = [d._taps() for d, _ in todo], [(d.n, u) for d, u in todo]
-        if g.fits(sinks, ranges):
-            g.ingest([s.pool_slot for s in sinks], [d.pool_slot for d, _ in todo], ranges)
+    if g is not None:  # replayed (dflash_pool_graph.py): one replay a step, a catch-up's few more
+        segs = g.segments([d._taps() for d, _ in todo], [d.pool_slot for d, _ in todo], [(d.n, u) for d, u in todo])
+        if segs is not None:
+            g.ingest(segs)
             for d, u in todo:
                 d.n = u
             return

@@ -159,10 +159,12 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     pool = pool_of(ds)
     graphs = pool.graphs if pool is not None else None
     if graphs is not None and all(sps[i].greedy for i, *_ in live):  # one replay (eagle3_pool_graph.py)
-        for r, ((_, d, c, _), N) in enumerate(zip(live, Ns)):
-            if N - 1 - los[r] > graphs.R:  # it skipped rounds at K 0 (--spec-k auto): the rows the
-                d._prime_kv(c, los[r], N - 1 - graphs.R)  # graph cannot take, their K/V alone
-                los[r], lens[r] = d.n, graphs.R  # (no output of theirs is read), then the replay
+        behind = [r for r, N in enumerate(Ns) if N - 1 - los[r] > graphs.R]
+        if behind:  # they skipped rounds at K 0 (--spec-k auto): the rows the graph cannot take,
+            _prime_kv_many([ds[r] for r in behind], [live[r][2] for r in behind],  # their K/V
+                           [(los[r], Ns[r] - 1 - graphs.R) for r in behind])  # only, in one forward
+            for r in behind:  # (no output of theirs is read), then the replay
+                los[r], lens[r] = ds[r].n, graphs.R
         sinks = [d._taps() for d in ds]
         if graphs.fits(ds, sinks, los, Ns, [k for *_, k in live]):
             toks = graphs.greedy([(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)])
