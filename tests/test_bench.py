@@ -552,6 +552,9 @@ def test_prefix_section_on_cpu_times_both_workloads_and_keeps_the_ids(tmp_path):
         assert 0 < st["busy"] <= 1
     # nothing shared: the cache finds nothing to reuse (the warm-up's prompt shares no block either)
     assert r["unshared_cached_tokens_on"] == [0] and r["unshared_on_over_off"] > 0
+    pairs = r["unshared_pairs"]  # off then on, twice: the ratio is their median
+    assert len(pairs) == 2 and all(x > 0 for x in pairs)
+    assert r["unshared_on_over_off"] == pytest.approx(sum(pairs) / 2, abs=1e-3)
     md = markdown(json.loads(out.read_text()))
     assert "prefix cache, chat turn 2" in md and "prefix cache, shared header x5" in md
     assert "prefix cache, one header, 5 arriving together" in md

@@ -354,7 +354,8 @@ def _prefix_rows(res: dict) -> list[tuple[str, str]]:
     if j and p.get("unshared_on_over_off") is not None:
         rows.append(("prefix cache, the same job with nothing shared",
                      f"{p['unshared_tok_s_off']:.1f} -> {p['unshared_tok_s_on']:.1f} generated tok/s "
-                     f"(on / off x{p['unshared_on_over_off']}; bound >= 0.98), cached tokens "
+                     f"(on / off x{p['unshared_on_over_off']}, the median of the pairs' "
+                     f"{p.get('unshared_pairs', [])}; bound >= 0.98), cached tokens "
                      f"{p.get('unshared_cached_tokens_on')}"))
     return rows
 
