@@ -47,8 +47,9 @@ PROBE_EVERY = 32  # every 32nd new request starts from the optimistic prior, wha
 # whose every draft position is accepted 0.8 of the time ran ~40 % of their rounds at K 0 on an
 # H100 (DFlash replay: 6,164 steady tok/s against 8,175 at a fixed K of 4; EAGLE-3: 9,433 against
 # 10,873), and the step-cost model, fed the same figures on the CPU, left 24 % of such rounds at
-# K 0 (0 % at 0.1). A drafter that never pays is learned by the engine's average
-# (EngineAcceptance), which every later request starts from, so the slower step costs little there.
+# K 0 (none at 0.1: tests/test_spec_k.py). A drafter that never pays is learned by the engine's
+# average (EngineAcceptance), which every later request starts from, so learning it more slowly
+# per request costs little there.
 ALPHA = 0.1
 # ... except the scores of a host drafter's K-0 rounds (batching/chain.py `shadow`): they come only
 # while the request sits at K 0, one a round at no device cost, so they move it at the old rate
