@@ -71,34 +71,45 @@ def _profiled(path: Path):
 
 
 @contextlib.contextmanager
-def _loop_profiled(path: Path):
-    """cProfile over every engine loop thread started in the block (batching/batcher.py `_run`,
-    from its first submission to the engine's close): its calls by cumulative and own time."""
-    import cProfile
-    import io
-    import pstats
+def _loop_idents(idents: list[int]):
+    """Every engine loop thread started in the block (batching/batcher.py `_run`) appends its
+    thread's ident to `idents`."""
+    import threading
 
     from memra_dist.batching.batcher import Batcher
 
-    orig, profs = Batcher._run, []
+    orig = Batcher._run
 
     def run(self):
-        p = cProfile.Profile()
-        profs.append(p)
-        p.runcall(orig, self)
+        idents.append(threading.get_ident())
+        orig(self)
 
     Batcher._run = run
     try:
         yield
     finally:
         Batcher._run = orig
-        text = io.StringIO()
-        for i, p in enumerate(profs):
-            text.write(f"==== engine loop {i}\n")
-            st = pstats.Stats(p, stream=text)
-            st.sort_stats("cumulative").print_stats(50)
-            st.sort_stats("tottime").print_stats(30)
-        path.write_text(text.getvalue())
+
+
+@contextlib.contextmanager
+def _loop_sampled(path: Path, idents: list[int]):
+    """The latest engine loop thread's stack sampled over the block (memra_dist/bench/loop_sampler.py):
+    where its time went, on the CPU or waiting (the device, a lock, the interpreter), to `path`."""
+    from memra_dist.bench.loop_sampler import Sampler, format_summary, summarize
+
+    s = Sampler(idents[-1]).start()
+    try:
+        yield
+    finally:
+        path.write_text(format_summary(summarize(s.stop(), top=40)))
+
+
+@contextlib.contextmanager
+def _each(factories):
+    with contextlib.ExitStack() as stack:
+        for f in factories:
+            stack.enter_context(f())
+        yield
 
 
 def main() -> int:
@@ -138,8 +149,10 @@ def main() -> int:
                     "torch.profiler: OUT/profile-N-SPECK.txt, the ops by host time and by device time, its "
                     "timeline beside it (.trace.json.gz) and where the device idled, with the host work in those "
                     "gaps by thread (.idle.txt: memra_dist/bench/idle.py; a diagnostic: it slows the run)")
-    ap.add_argument("--loop-profile", action="store_true", help="each drafter row's engine loop thread under "
-                    "cProfile (warm-up and repeats): OUT/loop-N-SPECK.txt (a diagnostic: it slows the loop)")
+    ap.add_argument("--loop-profile", action="store_true", help="each drafter row's engine loop thread's stack "
+                    "sampled every ms over its last timed run: OUT/loop-N-SPECK.txt, where its time went by "
+                    "function and stack, on the CPU or waiting (for the device, a lock, or the interpreter shared "
+                    "with the request threads: memra_dist/bench/loop_sampler.py)")
     ap.add_argument("--stub-device-ms", type=float, default=None, help="CPU diagnostic: each batched step also "
                     "sleeps this long (the GIL released), standing in for a GPU's step, so the loop's host work "
                     "between steps contends with the streaming request threads as on a GPU's host (the loop's "
@@ -190,7 +203,7 @@ def main() -> int:
         ensure = {"dflash-replay": tc.ensure_dflash, "eagle3-replay": tc.ensure_eagle3}[a.drafter]
         draft = str(ensure(a.shape, bench_cache_dir(), torch.device(a.device),
                            lambda s: print(f"[batching] {s}", file=sys.stderr))[1])
-    rows = []
+    rows, idents = [], []
     for n in (int(x) for x in a.concurrency.split(",")):
         sizes = (1,) if n == 1 else (min(a.max_batch, n),) if a.only_batched else (1, min(a.max_batch, n))
         if tap and n == 1 and a.max_batch > 1:  # the replay drafters run batched only: one request on a
@@ -211,10 +224,15 @@ def main() -> int:
                 tag = f"{n}-{spec_k}" + (f"-c{corrupt:g}" if len(corrupts) > 1 else "")
                 if corrupt is not None:
                     kw["corrupt"] = corrupt
+                prof = []  # around the row's last timed run
                 if a.torch_profile:
-                    kw["profile"] = lambda p=out / f"profile-{tag}.txt": _profiled(p)
-                looped = _loop_profiled(out / f"loop-{tag}.txt") if a.loop_profile else contextlib.nullcontext()
-                with looped:
+                    prof.append(lambda p=out / f"profile-{tag}.txt": _profiled(p))
+                if a.loop_profile:
+                    prof.append(lambda p=out / f"loop-{tag}.txt": _loop_sampled(p, idents))
+                kw.pop("profile", None)
+                if prof:
+                    kw["profile"] = lambda fs=tuple(prof): _each(fs)
+                with _loop_idents(idents) if a.loop_profile else contextlib.nullcontext():
                     r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
                                    spans_on=not a.no_spans, spec_k=spec_k, **kw)
                 if corrupt is not None:
