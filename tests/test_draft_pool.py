@@ -47,6 +47,25 @@ def _chain_graphs(b):
     return g
 
 
+def _mostly_zero():
+    """A stand-in for --spec-k auto's choice: each request's bound for two steps, then K 0 for six."""
+    calls = [0]
+
+    def choose(reqs_, cost):
+        calls[0] += 1
+        return [bound if calls[0] % 8 < 2 else 0 for _, bound in reqs_]
+    return choose
+
+
+def _proposals_as_alone(seen, alone) -> None:
+    """Most batched proposals were made at a context the request also had alone (most are), and
+    each of those equals its solo proposal there."""
+    solo_at = dict(alone)
+    both = [(c, d) for c, d in seen if c in solo_at]
+    assert len(both) >= 0.5 * len(seen) > 0, (len(both), len(seen))
+    assert all(solo_at[c] == d for c, d in both), [(len(c), d, solo_at[c]) for c, d in both if solo_at[c] != d]
+
+
 @pytest.mark.parametrize("block", [False, True])
 def test_pooled_attention_is_each_requests_own_masked_attention(block):
     """Three requests in slots 4, 0, 2 of a pool of capacity 24, GQA (4 query heads over 2 KV
@@ -190,7 +209,7 @@ def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest
     from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs
 
     ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)  # block 4, mask id 1
-    made, calls, longest, eager, in_loop = [], [0], [0], [], []
+    made, longest, eager, in_loop = [], [0], [], []
     real_segments, real_ingest, real_gather = PoolIngestGraphs.segments, DFlashDrafter._ingest, db.gather_rows
     real_rounds = lr.maintain_rounds
 
@@ -215,10 +234,6 @@ def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest
         finally:
             in_loop.pop()
 
-    def mostly_zero(reqs_, cost):  # each request's bound twice, then K 0 six times
-        calls[0] += 1
-        return [bound if calls[0] % 8 < 2 else 0 for _, bound in reqs_]
-
     def on_open(eng):
         b = eng._backend
         b.batcher.auto_k = True
@@ -234,17 +249,14 @@ def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest
     monkeypatch.setattr(DFlashDrafter, "_ingest", ingest)
     monkeypatch.setattr(db, "gather_rows", gather)
     monkeypatch.setattr(lr, "maintain_rounds", maintain_rounds)
-    monkeypatch.setattr(lr, "choose", mostly_zero)
+    monkeypatch.setattr(lr, "choose", _mostly_zero())
     batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open,
                               spec_k="auto")
     assert batched == solo
     g, ing = made
     assert longest[0] > 4 and ing.replays > 0 and g.replays > 0, (longest, ing.replays, g.replays)
     assert not eager, eager
-    solo_at = dict(alone)
-    both = [(c, d) for c, d in seen if c in solo_at]
-    assert len(both) >= 0.5 * len(seen) > 0, (len(both), len(seen))
-    assert all(solo_at[c] == d for c, d in both), [(len(c), d, solo_at[c]) for c, d in both if solo_at[c] != d]
+    _proposals_as_alone(seen, alone)
 
 
 def test_pooled_tap_sinks_scatter_and_gather_as_their_own_sinks():
@@ -315,7 +327,7 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
     from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
 
     ddir, reqs, solo, seen, alone = _alone("eagle3", llama, tmp_path_factory, monkeypatch)
-    made, caught, calls, together = [], [], [0], []
+    made, caught, together = [], [], []
     real_prime_kv = Eagle3Drafter._prime_kv
 
     def prime_kv(self, context, lo, hi):
@@ -328,10 +340,6 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
     def prime(self, prompt, chunks=None):
         real_prime(self, prompt, chunks)
         self._primed = True
-
-    def mostly_zero(reqs_, cost):  # each request's bound twice, then K 0 six times
-        calls[0] += 1
-        return [bound if calls[0] % 8 < 2 else 0 for _, bound in reqs_]
 
     def on_open(eng):
         eng._backend.batcher.auto_k = True
@@ -348,16 +356,13 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
     monkeypatch.setattr(Eagle3Drafter, "_prime_kv", prime_kv)
     monkeypatch.setattr(Eagle3Drafter, "prime", prime)
     monkeypatch.setattr(eb, "_prime_kv_many", prime_kv_many)
-    monkeypatch.setattr(lr, "choose", mostly_zero)
+    monkeypatch.setattr(lr, "choose", _mostly_zero())
     batched, stats = _batched(llama, "eagle3", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open,
                               spec_k="auto")
     assert batched == solo
     assert caught and made[0].replays >= stats["draft_batches"] // 2 > 0, (caught, made[0].replays, stats)
     assert together, caught  # requests back from K 0 in one step caught up in one forward
-    solo_at = dict(alone)
-    both = [(c, d) for c, d in seen if c in solo_at]
-    assert len(both) >= 0.5 * len(seen) > 0, (len(both), len(seen))
-    assert all(solo_at[c] == d for c, d in both), [(len(c), d, solo_at[c]) for c, d in both if solo_at[c] != d]
+    _proposals_as_alone(seen, alone)
 
 
 @pytest.mark.parametrize("block", [False, True])
