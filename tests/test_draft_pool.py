@@ -47,14 +47,19 @@ def _chain_graphs(b):
     return g
 
 
-def _mostly_zero():
-    """A stand-in for --spec-k auto's choice: each request's bound for two steps, then K 0 for six."""
+def _mostly_k_0(monkeypatch, llama, drafter: str, reqs, ddir, on_open):
+    """`reqs` batched four at a time under --spec-k auto whose choice is stood in for: each
+    request's bound for two steps, then K 0 for six -> (ids, stats)."""
+    import memra_dist.batching.loop_rounds as lr
+
     calls = [0]
 
     def choose(reqs_, cost):
         calls[0] += 1
         return [bound if calls[0] % 8 < 2 else 0 for _, bound in reqs_]
-    return choose
+
+    monkeypatch.setattr(lr, "choose", choose)
+    return _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir), on_open=on_open, spec_k="auto")
 
 
 def _proposals_as_alone(seen, alone) -> None:
@@ -249,9 +254,7 @@ def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest
     monkeypatch.setattr(DFlashDrafter, "_ingest", ingest)
     monkeypatch.setattr(db, "gather_rows", gather)
     monkeypatch.setattr(lr, "maintain_rounds", maintain_rounds)
-    monkeypatch.setattr(lr, "choose", _mostly_zero())
-    batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open,
-                              spec_k="auto")
+    batched, stats = _mostly_k_0(monkeypatch, llama, "dflash", reqs, ddir, on_open)
     assert batched == solo
     g, ing = made
     assert longest[0] > 4 and ing.replays > 0 and g.replays > 0, (longest, ing.replays, g.replays)
@@ -322,7 +325,6 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
     Those rows' K/V go in first (`_prime_kv`, no output read; the step's requests that do so
     together in one forward) and the round still replays the graph, instead of every request of the step running the eager chains (24 ms a step at 16
     requests on an H200); every proposal equals the request's solo one at that context."""
-    import memra_dist.batching.loop_rounds as lr
     import memra_dist.specdec.drafters.eagle3_batch as eb
     from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
 
@@ -356,9 +358,7 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
     monkeypatch.setattr(Eagle3Drafter, "_prime_kv", prime_kv)
     monkeypatch.setattr(Eagle3Drafter, "prime", prime)
     monkeypatch.setattr(eb, "_prime_kv_many", prime_kv_many)
-    monkeypatch.setattr(lr, "choose", _mostly_zero())
-    batched, stats = _batched(llama, "eagle3", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open,
-                              spec_k="auto")
+    batched, stats = _mostly_k_0(monkeypatch, llama, "eagle3", reqs, ddir, on_open)
     assert batched == solo
     assert caught and made[0].replays >= stats["draft_batches"] // 2 > 0, (caught, made[0].replays, stats)
     assert together, caught  # requests back from K 0 in one step caught up in one forward
