@@ -323,8 +323,9 @@ def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the
     """--spec-k auto at K 0 for six steps in eight: an EAGLE-3 request skips those rounds' drafts,
     so when it drafts again it brings more committed rows than the round's graph takes (K + 1).
     Those rows' K/V go in first (`_prime_kv`, no output read; the step's requests that do so
-    together in one forward) and the round still replays the graph, instead of every request of the step running the eager chains (24 ms a step at 16
-    requests on an H200); every proposal equals the request's solo one at that context."""
+    together in one forward) and the round still replays the graph, instead of every request of
+    the step running the eager chains (24 ms a step at 16 requests on an H200); every proposal
+    equals the request's solo one at that context."""
     import memra_dist.specdec.drafters.eagle3_batch as eb
     from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
 
