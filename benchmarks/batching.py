@@ -97,6 +97,10 @@ def _loop_sampled(path: Path, idents: list[int]):
     where its time went, on the CPU or waiting (the device, a lock, the interpreter), to `path`."""
     from memra_dist.bench.loop_sampler import Sampler, format_summary, summarize
 
+    if not idents:  # (a one-at-a-time engine: its requests run on their own threads)
+        path.write_text("no engine loop ran in this row\n")
+        yield
+        return
     s = Sampler(idents[-1]).start()
     try:
         yield
@@ -232,6 +236,7 @@ def main() -> int:
                 kw.pop("profile", None)
                 if prof:
                     kw["profile"] = lambda fs=tuple(prof): _each(fs)
+                idents.clear()  # (this row's engine loop only)
                 with _loop_idents(idents) if a.loop_profile else contextlib.nullcontext():
                     r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
                                    spans_on=not a.no_spans, spec_k=spec_k, **kw)
