@@ -52,3 +52,21 @@ def test_the_sampling_stops_by_itself_once_the_thread_ends():
     s._thread.join(timeout=2)
     samples = s.stop()
     assert not s._thread.is_alive() and samples and not any(run for _, run in samples[-5:])  # (asleep)
+
+
+@pytest.mark.slow  # a tiny batched run in a subprocess
+def test_the_batching_bench_samples_each_rows_engine_loop(tmp_path):
+    """`benchmarks/batching.py --loop-profile` on the CPU: the batched row's file is its engine
+    loop's samples over its last timed run (the batcher's `_run` on the stacks)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "batching.py"), str(tmp_path), "--concurrency", "4",
+                        "--max-batch", "4", "--only-batched", "--drafter", "ngram", "--prompt", "32", "--new", "24",
+                        "--loop-profile"], capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = (tmp_path / "loop-4-fixed.txt").read_text()
+    assert text.startswith("==== engine loop:") and "batcher.py:_run" in text, text[:2000]
+    n = int(text.split("engine loop: ")[1].split(" samples")[0])
+    assert n > 0, text[:500]
