@@ -202,18 +202,17 @@ def prefix(s) -> dict:
         s.say(f"  prefix cache {'on' if cache else 'off'}: a batch job of {job['prompts']} prompts "
               f"({job['header']}-token header + {job['own']} own), {job['inflight']} in flight")
         jobs[cache] = batch_job(model, str(s.device), cache, vocab, **job)
-    alone, pairs = {}, []
-    for rep in range(UNSHARED_PAIRS):  # off then on, again: each pair's ratio, fresh engines each
+    runs_of = {False: [], True: []}  # the nothing-shared job: each way's runs, off then on, UNSHARED_PAIRS times
+    for rep in range(UNSHARED_PAIRS):
         for cache in (False, True):
             s.say(f"  prefix cache {'on' if cache else 'off'}: the same job with nothing shared "
                   f"({rep + 1} of {UNSHARED_PAIRS})")
-            run = batch_job(model, str(s.device), cache, vocab, **job, shared=False)
-            if cache in alone and alone[cache]["ids"] != run["ids"]:
-                raise RuntimeError("the unshared job's ids changed between two runs of it")
-            alone.setdefault(cache, run).setdefault("runs", []).append(run["s"])
-        pairs.append(alone[False]["runs"][-1] / alone[True]["runs"][-1])
-    for cache in (False, True):  # each way's wall: the median of its runs
-        alone[cache]["s"] = statistics.median(alone[cache]["runs"])
+            runs_of[cache].append(batch_job(model, str(s.device), cache, vocab, **job, shared=False))
+    if any(r["ids"] != rs[0]["ids"] for rs in runs_of.values() for r in rs):
+        raise RuntimeError("the unshared job's ids changed between two runs of it")
+    pairs = [off["s"] / on["s"] for off, on in zip(runs_of[False], runs_of[True])]
+    # each way: its first run's ids, tokens and steps, the median of its runs' walls
+    alone = {c: dict(rs[0], s=statistics.median(r["s"] for r in rs)) for c, rs in runs_of.items()}
     out["job"] = job
     out["ids_equal"] = (out["ids_equal"] and jobs[True]["ids"] == jobs[False]["ids"]
                         and alone[True]["ids"] == alone[False]["ids"])
