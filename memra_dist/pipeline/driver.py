@@ -222,6 +222,8 @@ class Pipeline:
             reports.append({"name": name, "made": made, "lost": made, "why": f"its flush did not finish within {bound:.0f} s"})
         for a in actors:
             ray.kill(a)
+        if self.run_dir:  # a killed writer may still be running for a moment: let it end first
+            _wait_dead(ray, actors, KILL_WAIT_S)
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
 
@@ -234,6 +236,29 @@ class Pipeline:
 
 
 CONTROL = "control"
+KILL_WAIT_S = 5.0  # how long close waits for killed actors to be gone before sweeping temp files
+
+
+def _wait_dead(ray, actors, bound_s: float) -> None:
+    """Wait (at most `bound_s`) until every killed actor answers a call with its death:
+    `ray.kill` only asks, and a writer still alive could leave a temp file after the sweep."""
+    import time  # noqa: PLC0415
+
+    from ray.exceptions import GetTimeoutError, RayActorError  # noqa: PLC0415
+
+    end = time.monotonic() + bound_s
+    for a in actors:
+        while time.monotonic() < end:
+            try:
+                ray.get(a.span_count.options(concurrency_group=CONTROL).remote(),
+                        timeout=max(0.01, min(0.5, end - time.monotonic())))
+            except RayActorError:
+                break
+            except GetTimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 (any other answer: not dead yet)
+                pass
+            time.sleep(0.02)
 STOP_WAIT_S = 5.0  # how long an actor's close waits for the work in flight before flushing
 
 
