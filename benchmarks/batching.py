@@ -257,15 +257,17 @@ def main() -> int:
                 (out / "speedup.svg").write_text(svg(speedups(rows), f"steady decode over plain, {a.shape} on "
                                                                      f"{a.device} (batching.json beside)"))
     print("| drafter (K, corrupt) | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s "
-          "| ITL p50 / p99 ms | TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward "
+          "| ITL p50 / p99 ms | gap p50 / p99 ms | first gap p50 / p99 ms | TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward "
           "| step ms | graphed step ms | busy | idle ms a step: all / rounds / held | ids = alone |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bs = r["batcher"] or {}
         name = r["drafter"] + (f" {r['spec_k']}" if r["drafter"] != "none" and r.get("spec_k") else "") + (
             f" c{r['corrupt']:g}" if "corrupt" in r else "")
         print(f"| {name} | {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['steady_tok_s'] or '-'} "
-              f"| {r['aggregate_tok_s']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
+              f"| {r['aggregate_tok_s']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} "
+              f"| {r.get('gap_ms_p50', '-')} / {r.get('gap_ms_p99', '-')} "
+              f"| {r.get('first_gap_ms_p50', '-')} / {r.get('first_gap_ms_p99', '-')} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
               f"| {r.get('tokens_per_round') or '-'} | {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} "
               f"| {bs.get('mean_draft_batch') or '-'} | {bs.get('mean_step_ms', '-')} "
               f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'gap_ms')} / {per_step(bs, 'leader_rounds_ms')} "

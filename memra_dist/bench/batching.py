@@ -10,6 +10,7 @@ receives it. Per setting:
                      request's first token to the first request's last): the batch's decode
                      rate with no prefill step and no request already done
     ITL p50 / p99    gaps between a request's stream callbacks, over the tokens each delivered
+    gap p50 / p99    the gaps themselves, each request's first (the ramp-up: first gap) apart
     TTFT p50 / p99   from the callers' start to each request's first token
     KV MB / request  the paged pool's bytes for one request's rows (prompt + new + K + 1, in
                      whole blocks)
@@ -207,19 +208,44 @@ def _phases_ms(tables) -> dict:
 
 
 def _timed(stamps: list[list[tuple[float, int]]], t0: float) -> dict:
-    """One timed run's figures from each request's (time, tokens) stream stamps."""
+    """One timed run's figures from each request's (time, tokens) stream stamps.
+
+    Three views of the gaps between a request's deliveries: `itl` divides each gap by the
+    tokens it delivered (a speculative round that accepted nothing gives one token after a
+    whole step, the rounds that accepted more give a share of one: its p99 over p50 grows with
+    the tokens a round, whatever the engine does); `gap` is the gap itself (vLLM's serving
+    benchmark's ITL: one entry a streamed chunk, what a reader of the stream waits);
+    `first_gap` is the gap after each request's first token (the steps it waited while the
+    requests that came with it were prefilled: the ramp-up), left out of `gap`.
+
+    >>> s = [[(0.010, 1), (0.020, 1), (0.030, 4)], [(0.012, 1), (0.040, 2), (0.050, 1)]]
+    >>> r = _timed(s, 0.0)
+    >>> r["itl_ms_p50"], r["itl_ms_p99"]       # 10/1, 10/4, 28/2, 10/1 ms over their tokens
+    (10.0, 14.0)
+    >>> r["gap_ms_p50"], r["gap_ms_p99"]       # the later gaps: 10 and 10 ms
+    (10.0, 10.0)
+    >>> r["first_gap_ms_p50"], r["first_gap_ms_p99"]
+    (28.0, 28.0)
+    """
     end = max(s[-1][0] for s in stamps)
     after_first = sum(sum(c for _, c in s[1:]) for s in stamps)
     itl = [(b[0] - a[0]) * 1e3 / b[1] for s in stamps for a, b in zip(s, s[1:])]
+    gap = [(b[0] - a[0]) * 1e3 for s in stamps for a, b in zip(s[1:], s[2:])]
+    first_gap = [(s[1][0] - s[0][0]) * 1e3 for s in stamps if len(s) > 1]
     ttft = [(s[0][0] - t0) * 1e3 for s in stamps]
     lo, hi = max(s[0][0] for s in stamps), min(s[-1][0] for s in stamps)
     steady = sum(c for s in stamps for t, c in s[1:] if lo < t <= hi)
+
+    def pct(xs, q):
+        return round(_pct(xs, q), 3) if xs else None
+
     return {"tokens": sum(sum(c for _, c in s) for s in stamps),
             "aggregate_tok_s": round(after_first / (end - t0), 1),
             "decode_tok_s": round(after_first / (end - min(s[0][0] for s in stamps)), 1),
             "steady_tok_s": round(steady / (hi - lo), 1) if hi > lo else None,
-            "itl_ms_p50": round(_pct(itl, 0.5), 3) if itl else None,
-            "itl_ms_p99": round(_pct(itl, 0.99), 3) if itl else None,
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
+            "gap_ms_p50": pct(gap, 0.5), "gap_ms_p99": pct(gap, 0.99),
+            "first_gap_ms_p50": pct(first_gap, 0.5), "first_gap_ms_p99": pct(first_gap, 0.99),
             "ttft_ms_p50": round(statistics.median(ttft), 1), "ttft_ms_p99": round(_pct(ttft, 0.99), 1)}
 
 
@@ -383,6 +409,8 @@ def rows(res: dict) -> list[tuple[str, str]]:
                 kv += f", K chosen {r['batcher']['k_chosen']}"
             out.append((f"{name}, {n} concurrent " + ("batched" if n != "1" else "(one request)"),
                         f"steady {r['steady_tok_s'] or '-'} tok/s, decode {r['decode_tok_s']} tok/s, ITL p50 / p99 "
-                        f"{r['itl_ms_p50']} / {r['itl_ms_p99']} ms, TTFT p50 {r['ttft_ms_p50']} ms{kv} "
+                        f"{r['itl_ms_p50']} / {r['itl_ms_p99']} ms, gap p50 / p99 {r.get('gap_ms_p50', '-')} / "
+                        f"{r.get('gap_ms_p99', '-')} ms (first gap p99 {r.get('first_gap_ms_p99', '-')} ms), "
+                        f"TTFT p50 {r['ttft_ms_p50']} ms{kv} "
                         f"(median of {r.get('repeats', 1)} runs)"))
     return out
