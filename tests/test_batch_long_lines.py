@@ -173,6 +173,7 @@ sys.stderr.write(p.stderr)
 """
 
 
+@pytest.mark.slow  # ~2-4 s on 2 cores: the quick tier keeps its margin under 5 minutes
 def test_a_24mb_line_is_an_error_record_and_the_job_stays_small(llama, tmp_path):
     """The job runs in a fresh process (its peak RSS measured by a parent of its own, so no
     other test's child counts): the lines before and after the 24 MB one run, it gets its

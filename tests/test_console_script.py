@@ -70,6 +70,7 @@ def test_generate_sigterm_exits_130_and_flushes(llama, tmp_path, pp):
     assert names.count("memra.request") == 1
 
 
+@pytest.mark.slow  # ~2-4 s on 2 cores: the quick tier keeps its margin under 5 minutes
 def test_batch_sigterm_exits_130_with_its_summary(llama, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"line {i} of the job"}) + "\n" for i in range(40)))

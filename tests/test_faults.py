@@ -432,6 +432,7 @@ def test_write_atomic_failure_leaves_old_file_and_no_temp(tmp_path, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spans.otlp.json"]
 
 
+@pytest.mark.slow  # ~2-4 s on 2 cores: the quick tier keeps its margin under 5 minutes
 def test_kill9_during_write_never_leaves_a_truncated_file(tmp_path):
     """A child writes a ~40 MB JSON through write_atomic once, then rewrites it in a loop;
     kill -9 lands mid-rewrite (the loop does nothing else). The visible file is the complete

@@ -252,6 +252,7 @@ def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, m
     assert 5 in fused  # a verify of K + 1 rows ran folded too (the row GEMMs)
 
 
+@pytest.mark.slow  # ~2-4 s on 2 cores: the quick tier keeps its margin under 5 minutes
 def test_partial_rotary_keeps_the_reference_rotary_on_the_kernels(tmp_path):
     """glm4_moe rotates only part of each head: its layers keep the reference rotary and cache
     write (and no folded block), and decode on the kernels identically."""

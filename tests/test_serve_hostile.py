@@ -293,6 +293,7 @@ def test_long_prompts_are_refused_without_stalling_health(quiet_log, llama):
 # ---- stalled and slow clients -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~2-4 s on 2 cores: the quick tier keeps its margin under 5 minutes
 def test_stalled_uploads_and_heads_are_dropped_and_counted(quiet_log):
     with _server(read_timeout_s=1.0, header_timeout_s=1.0) as s:
         t = time.monotonic()
@@ -334,6 +335,7 @@ def test_open_request_and_connection_caps_answer_503_and_health_still_answers(qu
         assert s.stream_text("after", 5)[1] == "length"
 
 
+@pytest.mark.slow  # ~2-4 s on 2 cores: the quick tier keeps its margin under 5 minutes
 def test_a_slow_reader_is_dropped_and_frees_its_session(quiet_log):
     with _server(sessions=1, delay=0.002, write_timeout_s=1.0, sndbuf=4096) as s:
         body = json.dumps({"prompt": "slow", "max_tokens": 4000, "stream": True}).encode()

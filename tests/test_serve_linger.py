@@ -93,6 +93,7 @@ def test_http_client_reads_the_503_at_the_open_request_cap(quiet_log):
         stalled.close()
 
 
+@pytest.mark.slow  # ~2-4 s on 2 cores: the quick tier keeps its margin under 5 minutes
 def test_http_client_reads_the_503_at_the_connection_cap_and_the_431(quiet_log):
     with _server(max_connections=2) as s:
         held = [_raw(s.port) for _ in range(2)]
