@@ -39,17 +39,29 @@ def save_hf(path, arch: str, seed: int = 0, **kw):
     return path, model
 
 
+def pytest_addoption(parser):
+    parser.addoption("--recipes", action="store_true",
+                     help="also run the `recipe` tests: a training recipe no shipped path uses, measured (minutes each)")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "slow: Ray, job-submit, hypothesis and other tests over ~5 s; the quick tier is "
-        "`pytest -m \"not slow\"` (about 4 minutes on 2 cores), CI runs everything")
+        "slow: Ray, job-submit, hypothesis and other tests over ~2-5 s; the quick tier is "
+        "`pytest -m \"not slow\"` (about 4 minutes on 2 cores), CI runs everything but `recipe`")
+    config.addinivalue_line(
+        "markers",
+        "recipe: measures a training recipe that no shipped path uses (the demo trains its own); skipped "
+        "unless `--recipes` is given")
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests that start the module's local Ray (the `ray_local` fixture) and hypothesis
     property tests (hundreds of examples each) are slow wherever they are."""
+    skip = pytest.mark.skip(reason="a recipe no shipped path uses, minutes to train: `pytest --recipes` runs it")
     for item in items:
+        if "recipe" in item.keywords and not config.getoption("--recipes"):
+            item.add_marker(skip)
         ray = "ray_local" in getattr(item, "fixturenames", ())
         prop = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
         if ray or prop:

@@ -115,7 +115,8 @@ def test_self_distilled_mtp_follows_the_target_off_its_corpus(tiny_mtp, tmp_path
     assert got["corpus", 1, "withheld"] < 0.3, got
 
 
-@pytest.mark.slow  # the session's `tiny_mtp` target (~45 s once) and a DFlash drafter by the distilled recipe
+@pytest.mark.slow
+@pytest.mark.recipe  # ~5.5 min on 2 cores (3,000 steps over 2,048 distilled sequences); `pytest --recipes` runs it
 def test_self_distilled_dflash_drafts_off_its_corpus(tiny_mtp, tmp_path):
     """The DFlash drafter by its distilled recipe (demo/tiny_dflash.py DISTILLED: the target's
     own continuations, the loss leaning on the block's first rows) over the better-trained
