@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from contextlib import contextmanager
 
@@ -242,8 +243,6 @@ KILL_WAIT_S = 5.0  # how long close waits for killed actors to be gone before sw
 def _wait_dead(ray, actors, bound_s: float) -> None:
     """Wait (at most `bound_s`) until every killed actor answers a call with its death:
     `ray.kill` only asks, and a writer still alive could leave a temp file after the sweep."""
-    import time  # noqa: PLC0415
-
     from ray.exceptions import GetTimeoutError, RayActorError  # noqa: PLC0415
 
     end = time.monotonic() + bound_s
@@ -259,6 +258,8 @@ def _wait_dead(ray, actors, bound_s: float) -> None:
             except Exception:  # noqa: BLE001 (any other answer: not dead yet)
                 pass
             time.sleep(0.02)
+
+
 STOP_WAIT_S = 5.0  # how long an actor's close waits for the work in flight before flushing
 
 
