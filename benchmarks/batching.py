@@ -266,8 +266,7 @@ def main() -> int:
             f" c{r['corrupt']:g}" if "corrupt" in r else "")
         print(f"| {name} | {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['steady_tok_s'] or '-'} "
               f"| {r['aggregate_tok_s']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} "
-              f"| {r.get('gap_ms_p50', '-')} / {r.get('gap_ms_p99', '-')} "
-              f"| {r.get('first_gap_ms_p50', '-')} / {r.get('first_gap_ms_p99', '-')} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
+              f"| {r['gap_ms_p50']} / {r['gap_ms_p99']} | {r['first_gap_ms_p50']} / {r['first_gap_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "
               f"| {r.get('tokens_per_round') or '-'} | {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} "
               f"| {bs.get('mean_draft_batch') or '-'} | {bs.get('mean_step_ms', '-')} "
               f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'gap_ms')} / {per_step(bs, 'leader_rounds_ms')} "

@@ -223,8 +223,6 @@ class Pipeline:
             reports.append({"name": name, "made": made, "lost": made, "why": f"its flush did not finish within {bound:.0f} s"})
         for a in actors:
             ray.kill(a)
-        if self.run_dir:  # a killed writer may still be running for a moment: let it end first
-            _wait_dead(ray, actors, KILL_WAIT_S)
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
 
@@ -232,6 +230,7 @@ class Pipeline:
         if self.run_dir:
             from ..tracing.files import remove_partial  # noqa: PLC0415
 
+            _wait_dead(ray, actors, KILL_WAIT_S)  # a killed writer runs on for a moment: let it end first
             remove_partial(self.run_dir)  # a writer killed at the bound leaves no temp file behind
         return reports
 
@@ -243,7 +242,7 @@ KILL_WAIT_S = 5.0  # how long close waits for killed actors to be gone before sw
 def _wait_dead(ray, actors, bound_s: float) -> None:
     """Wait (at most `bound_s`) until every killed actor answers a call with its death:
     `ray.kill` only asks, and a writer still alive could leave a temp file after the sweep."""
-    from ray.exceptions import GetTimeoutError, RayActorError  # noqa: PLC0415
+    from ray.exceptions import ActorDiedError, GetTimeoutError  # noqa: PLC0415
 
     end = time.monotonic() + bound_s
     for a in actors:
@@ -251,7 +250,7 @@ def _wait_dead(ray, actors, bound_s: float) -> None:
             try:
                 ray.get(a.span_count.options(concurrency_group=CONTROL).remote(),
                         timeout=max(0.01, min(0.5, end - time.monotonic())))
-            except RayActorError:
+            except ActorDiedError:  # (not ActorUnavailableError, its sibling: that one may come back)
                 break
             except GetTimeoutError:
                 continue
