@@ -36,10 +36,12 @@ def test_every_round_of_a_greedy_host_drafted_request_is_the_leaders(llama, draf
     assert stats["chain_parks"] == 0 and stats["kv_blocks_used"] == 0, stats
 
 
-def test_a_stream_that_blocks_does_not_stop_the_rounds(llama):
-    """Every request's stream blocks on its first decoded tokens; the leader still runs every
-    round of every request to its end (the steps wait for no request's thread), and once the
-    streams go on each request receives its solo ids."""
+@pytest.mark.parametrize("blocks_at", [1, 2])
+def test_a_stream_that_blocks_does_not_stop_the_rounds(llama, blocks_at):
+    """Every request's stream blocks on its first token (1: its first round was queued before
+    the caller received that token, not after) or its first decoded token (2); the leader still
+    runs every round of every request to its end (the steps wait for no request's thread), and
+    once the streams go on each request receives its solo ids."""
     reqs = _prompts(4)
     solo = _solo(llama, "none", reqs)
     rounds = sum(s["rounds"] for s in _solo_stats(llama, "none", reqs))
@@ -53,7 +55,7 @@ def test_a_stream_that_blocks_does_not_stop_the_rounds(llama):
 
             def stream(toks):
                 calls.append(toks)
-                if len(calls) == 2:  # the anchor went through; the first decoded token blocks
+                if len(calls) == blocks_at:
                     assert gate.wait(60)
 
             got[i] = eng.generate(p, _cfg(llama, "none", max_new_tokens=n), stream=stream).token_ids

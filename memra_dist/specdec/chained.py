@@ -33,8 +33,7 @@ def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | N
         if s.done:
             break
         if s._chain is None:
-            s._chain = s.target.chain(s.tokens, s.stats.tokens, s.max_new, s.capacity, s.eos, s.k, s.drafter,
-                                      s.sp, s.gen, timed=rec is not None)
+            s._chain = s._new_chain(s.stats.tokens)
         if pump is not None:
             pump()  # deferred span work while the steps run
         rnd = s.target.take(s._chain)

@@ -162,8 +162,7 @@ class SpecSession:
         ends = commit_tokens([first], 0, max_new, len(prompt), capacity, self.eos)[2]
         if on_loop is not None:  # the engine loop primes it with the other new requests' drafters and proposes
             if not ends:  # its chain's first round (batcher.py `prime`; no wait here); one that ends drafts nothing
-                self._chain = self.target.chain(self.tokens, 1, max_new, capacity, self.eos, self.k, self.drafter,
-                                                self.sp, self.gen, timed=self.clock is not None, start=False)
+                self._chain = self._new_chain(1, start=False)
                 on_loop(self.drafter, prompt, chunks, capacity, self._chain, self.prefill_chunk)
         else:
             kv_mb = self.drafter.alloc(capacity)
@@ -172,6 +171,8 @@ class SpecSession:
                 pf.draft_kv_mb, pf.free_mb_after = kv_mb, self._free_mb()
             with lend(self.drafter, depth):
                 self.drafter.prime(prompt, chunks)
+            if self._chains and not ends:  # its first round queued for the loop's next step before the caller
+                self._chain = self._new_chain(1)  # streams the first token (not one step later)
         if pf is not None:
             t, pf.ms["draft_prime"] = c.lap_ms(t)
             tally = tuning_tally()
@@ -181,6 +182,13 @@ class SpecSession:
         self.stats = SessionStats(tokens=1, t_start=self.stats.t_start, t_first=time.perf_counter(), cached=cached)
         self.done = self.done or ends
         return first
+
+    def _new_chain(self, produced: int, start: bool = True):
+        """Its rounds handed to the batched target's engine loop from its state now (its last
+        token pending; batching/chain.py), recorded where the clock runs; `start`: its first
+        verify rows queued at once (else the loop starts it after its drafter's prime)."""
+        return self.target.chain(self.tokens, produced, self.max_new, self.capacity, self.eos, self.k, self.drafter,
+                                 self.sp, self.gen, timed=self.clock is not None, start=start)
 
     def chunks(self, n: int) -> list[tuple[int, int]]:
         """The prompt's prefill chunks (specdec/chunks.py): fixed `prefill_chunk` rows on one
