@@ -261,3 +261,50 @@ def test_draft_span_says_one_forward(llama, dflash_dir):
     drafts = [s for s in exp.get_finished_spans() if s.name == "spec.draft"]
     assert drafts and all(s.attributes["memra.draft_forwards"] == (1 if s.attributes["memra.k"] else 0)
                           for s in drafts)
+
+
+def test_a_block_forward_keeping_the_drafted_rows_computes_them_as_the_whole_block(dflash_dir):
+    """`DFlashNet.block(keep=(B, lo, hi))`, as the batched draft forward runs it: every row's
+    K/V still written in the last layer (the kept rows read the whole block), that layer's
+    attention, o_proj and FFN on rows lo .. hi - 1 of each block only, each equal to the same
+    row of the whole forward."""
+    from memra_dist.model.attention import cached_attention
+    from memra_dist.model.dflash import load_dflash
+
+    net = load_dflash(dflash_dir, load_dflash_config(dflash_dir), CPU, F32)
+    B, n, ctx = 4, 3, 6
+    H, last = net.layers[0].self_attn, net.layers[-1]
+    torch.manual_seed(0)
+    x = torch.randn(n * B, net.dc.base.hidden_size)
+    pos = (torch.arange(B)[None, :] + torch.tensor([ctx, ctx + 2, ctx + 5])[:, None]).reshape(-1)
+    ctx_kv = [(torch.randn(n, 16, H.nkv, H.hd), torch.randn(n, 16, H.nkv, H.hd)) for _ in net.layers]
+
+    def run(keep):
+        written = []
+
+        def kv_of(li, kb, vb):  # each request's context rows, then its block's rows at their positions
+            written.append((li, kb.shape[0]))
+            K, V = (t.clone() for t in ctx_kv[li])
+            K[torch.arange(n).repeat_interleave(B), pos] = kb
+            V[torch.arange(n).repeat_interleave(B), pos] = vb
+            return K, V
+
+        def attend(q, K, V):
+            R = q.shape[0] // n
+            lim = pos.view(n, B)[:, -1] + 1  # context and the whole block
+            return torch.cat([cached_attention(q[r * R:(r + 1) * R], K[r], V[r],
+                                               (torch.arange(16) < lim[r])[None, :], H.nkv) for r in range(n)])
+
+        ffn_rows = []
+        hook = last.mlp.register_forward_hook(lambda m, a, o: ffn_rows.append(a[0].shape[0]))
+        try:
+            with torch.no_grad():
+                return net.block(x, pos, kv_of, None, attend=attend, keep=keep), written, ffn_rows
+        finally:
+            hook.remove()
+
+    whole, w_all, f_all = run(None)
+    kept, w_kept, f_kept = run((B, 1, 3))
+    assert w_kept == w_all == [(li, n * B) for li in range(len(net.layers))]  # every row's K/V, every layer
+    assert f_all == [n * B] and f_kept == [n * 2]  # the last layer's FFN on the kept rows only
+    torch.testing.assert_close(kept, whole.view(n, B, -1)[:, 1:3].reshape(n * 2, -1), rtol=1e-5, atol=1e-5)

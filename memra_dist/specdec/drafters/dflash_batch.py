@@ -105,6 +105,8 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
         for (i, _, _, kk), t in zip(live, toks):
             out[i] = Proposal(ids=t[:kk])
         return out
+    kmax = max(kk for *_, kk in live)
+    keep = (B, 1, 1 + kmax)  # rows 1 .. kmax of each block past the last layer's K/V (DFlashNet.block)
     ids = torch.full((n * B,), d0.dc.mask_token_id, dtype=torch.long)
     ids[::B] = torch.tensor([c[-1] for _, _, c, _ in live])
     base = torch.tensor(starts)
@@ -112,8 +114,8 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     ids = to_device(ids, dev)
     if pool is not None:
         kv_of, attend = _pooled(pool, [d for _, d, _, _ in live], pos, starts, B)
-        h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend)  # (n * B, H)
-        return _picks(out, live, h, B, stage, sps, gens, dev)
+        h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend, keep=keep)  # (n * kmax, H)
+        return _picks(out, live, h, kmax, stage, sps, gens, dev)
     blocks = [slice(r * B, (r + 1) * B) for r in range(n)]
     masks = [(d.slots < s + B)[None, :] for (_, d, _, _), s in zip(live, starts)]  # context rows and the block
     nkv = net.layers[0].self_attn.nkv
@@ -125,10 +127,12 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
         return [d.states[li].k for _, d, _, _ in live], [d.states[li].v for _, d, _, _ in live]
 
     def attend(q, Ks, Vs):  # per request, over its own K/V and mask (as its solo block)
-        return torch.cat([cached_attention(q[sl], K, V, m, nkv) for sl, K, V, m in zip(blocks, Ks, Vs, masks)])
+        R = q.shape[0] // n  # B, or in the last layer the kmax kept rows
+        return torch.cat([cached_attention(q[r * R:(r + 1) * R], K, V, m, nkv)
+                          for r, (K, V, m) in enumerate(zip(Ks, Vs, masks))])
 
-    h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend)  # (n * B, H)
-    return _picks(out, live, h, B, stage, sps, gens, dev)
+    h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend, keep=keep)  # (n * kmax, H)
+    return _picks(out, live, h, kmax, stage, sps, gens, dev)
 
 
 def _pooled(pool, ds, pos: torch.Tensor, starts: list[int], B: int):
@@ -146,17 +150,19 @@ def _pooled(pool, ds, pos: torch.Tensor, starts: list[int], B: int):
         pool.v[li].index_put_(at, vb)
         return pool.k[li], pool.v[li]
 
-    def attend(q, kp, vp):
-        return pooled_attention(q.view(n, B, *q.shape[1:]), kp, vp, idx, lim, L).view(n * B, -1)
+    def attend(q, kp, vp):  # B rows a request, or in the last layer its kept ones (every row: one limit)
+        R = q.shape[0] // n
+        return pooled_attention(q.view(n, R, *q.shape[1:]), kp, vp, idx, lim[:, :R], L).view(n * R, -1)
 
     return kv_of, attend
 
 
-def _picks(out, live, h, B: int, stage, sps, gens, dev) -> list[Proposal]:
-    """Each live request's drafts from the block outputs h (n * B, H): its rows 1 .. k through
-    the lm_head at once; greedy the argmax (one readback), sampled drawn with its generator."""
-    rows = [r * B + 1 + i for r, (_, _, _, kk) in enumerate(live) for i in range(kk)]
-    logits = stage.lm_head(h[to_device(rows, dev)]).float()  # (rows, V)
+def _picks(out, live, h, per: int, stage, sps, gens, dev) -> list[Proposal]:
+    """Each live request's drafts from the kept block outputs h (n * per, H: rows 1 .. per of
+    each block): its first k through the lm_head at once; greedy the argmax (one readback),
+    sampled drawn with its generator."""
+    rows = [r * per + i for r, (_, _, _, kk) in enumerate(live) for i in range(kk)]
+    logits = stage.lm_head(h if len(rows) == h.shape[0] else h[to_device(rows, dev)]).float()  # (rows, V)
     toks = logits.argmax(-1).tolist()
     lo = 0
     for i, d, _, kk in live:

@@ -127,20 +127,20 @@ class PoolBlockGraphs(_BucketGraphs):
         ids, pos, row_slot, idx, lim = self._views(b)
         net, pool, B, K = self.net, self.pool, self.B, self.K
         at = (row_slot, pos)
-        lims = lim[:, None].expand(b, B)
 
         def kv_of(li, kb, vb):
             pool.k[li].index_put_(at, kb)
             pool.v[li].index_put_(at, vb)
             return pool.k[li], pool.v[li]
 
-        def attend(q, kp, vp):
+        def attend(q, kp, vp):  # a request's B block rows, or in the last layer its K drafted ones
+            R = q.shape[0] // b
             fn = paged_pool_attention if self.paged else pooled_attention
-            return fn(q.view(b, B, *q.shape[1:]), kp, vp, idx, lims, pool.rows).view(b * B, -1)
+            return fn(q.view(b, R, *q.shape[1:]), kp, vp, idx, lim[:, None].expand(b, R), pool.rows).view(b * R, -1)
 
-        h = net.block(self.stage.embed_tokens(ids), pos, kv_of, None, attend=attend)  # (b B, H)
-        rows = h.view(b, B, -1)[:, 1:K + 1].reshape(b * K, -1)
-        return self.stage.lm_head(rows).float().argmax(-1).view(b, K)
+        # rows 1 .. K of each block only, past the last layer's K/V (DFlashNet.block `keep`)
+        h = net.block(self.stage.embed_tokens(ids), pos, kv_of, None, attend=attend, keep=(B, 1, K + 1))  # (b K, H)
+        return self.stage.lm_head(h).float().argmax(-1).view(b, K)
 
     def _load(self, reqs: list[tuple[int, int, int]], b: int) -> None:
         """`reqs`: (slot, start, last token) a request."""
