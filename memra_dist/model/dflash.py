@@ -248,9 +248,10 @@ class DFlashNet(nn.Module):
         `keep` (B, lo, hi): x holds blocks of B rows and only rows lo .. hi - 1 of each are wanted
         (the drafted ones): the last layer still writes every row's K/V (the kept rows read the
         whole block), but its attention, o_proj and FFN run on the kept rows only, and the
-        result is (T / B * (hi - lo), H). Each kept row's math is the whole block's: at 64
-        requests of a 16-row block drafting 4, that is 3/4 of the last layer's o_proj and FFN
-        (~13 % of a 5-layer block forward) not computed."""
+        result is (T / B * (hi - lo), H). Each kept row's math is the whole block's. A 16-row
+        block drafting 4 skips 3/4 of its last layer's o_proj and FFN (~12 % of a five-layer
+        block forward's FLOPs; on an H100 at 64 requests the draft's time moved inside the runs'
+        spread: BENCHMARKS.md)."""
         rope = self.rope(pos)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -13,7 +13,8 @@ outputs nobody reads. The attention reads each request's whole slot (every row o
 under its limit, so no length of a round is baked in. The graph leaves the argmax of rows
 1 .. K of every block (K = the engine's k, at most B - 1): one readback gives every request's
 greedy drafts. Past the last layer's K/V only those rows run (its attention, o_proj and FFN:
-`DFlashNet.block` `keep`), since nothing reads the others' outputs. Sampled requests and steps of more requests than the largest bucket stay eager.
+`DFlashNet.block` `keep`), since nothing reads the others' outputs. Sampled requests and steps
+of more requests than the largest bucket stay eager.
 
 The maintenance (dflash_batch.py `ingest_many`: each request's newly verified rows, a + 1 <=
 K + 1 of them) is graphed the same way (`PoolIngestGraphs`) where the requests' tap sinks are
