@@ -296,10 +296,15 @@ def test_the_engine_chooses_k_per_request_and_step_and_stays_lossless(llama, mon
     steps = [ch for ch in steps if ch]  # (a step's choice among no drafting chain: none to make)
     late = [k for ch in steps[len(steps) // 2:] for k in ch]
     assert len(late) >= 20, steps
+    # the rounds the engine cut below their bound, apart from a request's last ones (fewer tokens left)
+    cut, cut_drafts = stats["k_cut_rounds"], stats["k_cut_drafts"]
+    assert cut <= sum(ks.values()) and cut <= cut_drafts <= 4 * cut, stats
     if expect == "zero":
         assert late.count(0) >= 0.9 * len(late), steps
+        assert cut >= ks.get(0, 0) - len(reqs), stats  # every K 0 but a request's last round's
     else:  # (each request's last rounds are bounded by the tokens it has left)
         assert sum(n for k, n in ks.items() if k >= 3) >= 0.7 * sum(ks.values()), ks
+        assert cut <= 0.3 * sum(ks.values()), stats  # K 0 or short at the ends, not cut
 
 
 @pytest.mark.parametrize("drafter,ahead", [("dflash", False), ("eagle3", False), ("dflash", True)])

@@ -67,14 +67,13 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             ch.adopt(ch.inflight)
             ch.inflight = None
             if b.auto_k and not ch.never_drafts:  # a K-0 round (counted now: its K is the one it runs)
-                b.stats.k_chosen[0] = b.stats.k_chosen.get(0, 0) + 1
+                count_k(b, ch, 0)
         else:
             going.append(ch)
     if b.auto_k:  # each round counted once, under the K it drafts with (a K chosen while the
         for ch in going:  # round before ran ahead was chosen again once that round came in)
             if ch.k_step is not None:
-                k = max(ch.draft_k(), 0)
-                b.stats.k_chosen[k] = b.stats.k_chosen.get(k, 0) + 1
+                count_k(b, ch, max(ch.draft_k(), 0))
     proposed = propose_rounds(going, b.stats)
     t3 = time.perf_counter_ns()
     b.stats.draft_ns += t3 - t2
@@ -115,7 +114,18 @@ def choose_first_k(b, ch) -> None:
         return
     others = [(_NONE, 0)] * max(len(b.admitted) - 1, 0)
     ch.k_step = k = choose([(ch.acc, max(ch.draft_k(), 0)), *others], b.cost)[0]
+    count_k(b, ch, k)
+
+
+def count_k(b, ch, k: int) -> None:
+    """A round's K counted as it starts (--spec-k auto), and apart, where the engine cut it below
+    the round's bound (-k within the request's room): the engine's own choice, where a request's
+    last rounds draft less because fewer tokens are left (`k_cut_rounds`, `k_cut_drafts`)."""
     b.stats.k_chosen[k] = b.stats.k_chosen.get(k, 0) + 1
+    cut = max(ch.bound(), 0) - k
+    if cut > 0:
+        b.stats.k_cut += 1
+        b.stats.k_cut_drafts += cut
 
 
 # After this many steps in a row whose every chosen K was 0 (a network drafter's requests among

@@ -17,6 +17,8 @@ class BatchStats:
     max_requests: int = 0  # the most requests one step held
     waits: int = 0  # admissions that waited for blocks
     k_chosen: dict = field(default_factory=dict)  # --spec-k auto: chained rounds by the K chosen for them
+    k_cut: int = 0  # ... of them, rounds the engine gave fewer drafts than their bound (loop_rounds.py count_k)
+    k_cut_drafts: int = 0  # ... and the drafts it cut from them
     shadows: int = 0  # --spec-k auto: host drafters' K-0 rounds that proposed unverified drafts to score (chain.py shadow)
     remeasures: int = 0  # --spec-k auto: steps that drafted every request after a long run at K 0 (loop_rounds.py)
     prefix_waits: int = 0  # admissions that waited for another request to compute their prompt's shared blocks
@@ -60,5 +62,6 @@ class BatchStats:
                 "loop_prime_ms": round(self.prime_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
                 "eager_steps": self.eager, "eager_step_ms": round(self.eager_ns / 1e6, 1),
                 "admission_waits": self.waits, "prefix_waits": self.prefix_waits,
-                "k_chosen": {str(k): n for k, n in sorted(self.k_chosen.items())}, "k_remeasures": self.remeasures, "k_shadows": self.shadows,
+                "k_chosen": {str(k): n for k, n in sorted(self.k_chosen.items())}, "k_cut_rounds": self.k_cut,
+                "k_cut_drafts": self.k_cut_drafts, "k_remeasures": self.remeasures, "k_shadows": self.shadows,
                 "preemptions": self.preemptions}

@@ -406,7 +406,8 @@ def rows(res: dict) -> list[tuple[str, str]]:
                     "dflash_replay_auto": f"DFlash replay --spec-k auto (corrupt {b.get('replay_corrupt')})"}.get(
                 drafter, drafter)
             if r.get("batcher") and r["batcher"].get("k_chosen"):
-                kv += f", K chosen {r['batcher']['k_chosen']}"
+                kv += (f", K chosen {r['batcher']['k_chosen']} ({r['batcher'].get('k_cut_rounds', 0)} rounds cut "
+                       f"below their bound)")
             out.append((f"{name}, {n} concurrent " + ("batched" if n != "1" else "(one request)"),
                         f"steady {r['steady_tok_s'] or '-'} tok/s, decode {r['decode_tok_s']} tok/s, ITL p50 / p99 "
                         f"{r['itl_ms_p50']} / {r['itl_ms_p99']} ms, gap p50 / p99 {r.get('gap_ms_p50', '-')} / "
