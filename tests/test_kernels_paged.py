@@ -273,8 +273,10 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
     every DFlash proposal equals the request's solo one. Plain greedy requests go one step
     ahead: a step launched behind the one before, its ids that step's argmax copied over the
     graph's packed input (batching/ahead.py)."""
+    import memra_dist.batching.calibrate as calibrate
     from memra_dist.batching.graphs import PREFILL_TAIL_ROWS, StepGraphs, pieces
 
+    monkeypatch.setattr(calibrate, "REPS", 1)  # one timed replay a bucket: in Triton's interpreter each takes seconds
     kw, seen = {}, []
     if drafter == "dflash":
         from memra_dist.demo.tiny_dflash import random_dflash

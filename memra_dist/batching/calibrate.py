@@ -25,11 +25,11 @@ __all__ = ["best_ns", "calibrate", "draft_points", "say", "REPS"]
 REPS = 3  # replays a timing takes the best of (the first after a capture pays its lazy setup)
 
 
-def best_ns(fn, device, reps: int = REPS) -> float:
-    """The fastest of `reps` runs of `fn` (ns), each from an idle device to an idle device."""
+def best_ns(fn, device, reps: int | None = None) -> float:
+    """The fastest of `reps` (default REPS) runs of `fn` (ns), each from an idle device to an idle device."""
     cuda = device.type == "cuda"
     best = float("inf")
-    for _ in range(reps):
+    for _ in range(REPS if reps is None else reps):
         if cuda:
             torch.cuda.synchronize(device)
         t = time.perf_counter_ns()
