@@ -118,9 +118,9 @@ def choose_first_k(b, ch) -> None:
 
 
 def count_k(b, ch, k: int) -> None:
-    """A round's K counted as it starts (--spec-k auto), and apart, where the engine cut it below
-    the round's bound (-k within the request's room): the engine's own choice, where a request's
-    last rounds draft less because fewer tokens are left (`k_cut_rounds`, `k_cut_drafts`)."""
+    """A round's K counted as it starts (--spec-k auto); apart, a round the engine cut below its
+    bound (-k within the request's room: `k_cut_rounds`, `k_cut_drafts`), its own choice, unlike
+    a request's last rounds, which draft less because fewer tokens are left."""
     b.stats.k_chosen[k] = b.stats.k_chosen.get(k, 0) + 1
     cut = max(ch.bound(), 0) - k
     if cut > 0:
