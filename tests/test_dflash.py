@@ -308,3 +308,19 @@ def test_a_block_forward_keeping_the_drafted_rows_computes_them_as_the_whole_blo
     assert w_kept == w_all == [(li, n * B) for li in range(len(net.layers))]  # every row's K/V, every layer
     assert f_all == [n * B] and f_kept == [n * 2]  # the last layer's FFN on the kept rows only
     torch.testing.assert_close(kept, whole.view(n, B, -1)[:, 1:3].reshape(n * 2, -1), rtol=1e-5, atol=1e-5)
+
+    # the reference attention (no `attend`) under a mask of a row each: the kept rows' rows of it
+    K0, V0 = (torch.randn(16, H.nkv, H.hd) for _ in range(2))
+    lim = int(pos[B - 1]) + 1
+
+    def one(keep):
+        def kv_of(li, kb, vb):
+            K, V = K0.clone(), V0.clone()
+            K[pos[:B]], V[pos[:B]] = kb, vb
+            return K, V
+
+        mask = (torch.arange(16)[None, :] < lim) & (torch.arange(B)[:, None] >= 0)  # (B, 16)
+        with torch.no_grad():
+            return net.block(x[:B], pos[:B], kv_of, mask, keep=keep)
+
+    torch.testing.assert_close(one((B, 1, 3)), one(None)[1:3], rtol=1e-5, atol=1e-5)

@@ -57,9 +57,9 @@ DFLASH_VERSION = "1"  # bump when the recipe changes: the demo cache key
 TINY_DFLASH = dict(layers=2, block_size=8, taps=(1, 3), mask_token_id=0, heads=4, kv_heads=2, head_dim=32,
                    intermediate_size=256)
 RECIPE = dict(steps=500, lr=5e-3, seq=160, anchors=24, seed=5, distill=0, corpus_every=1, row_decay=0.8)  # ~18 s
-# (no shipped path trains it: tests/test_heldout_acceptance.py measures it under `pytest --recipes`)
 # the recipe that drafts off the corpus: against the better-trained glm4_moe target (demo/tiny_mtp.py),
-# mostly on the target's own continuations of 2048 prompts, the loss leaning on the first rows
+# mostly on the target's own continuations of 2048 prompts, the loss leaning on the first rows (no shipped
+# path trains it: tests/test_heldout_acceptance.py measures it under `pytest --recipes`)
 DISTILLED = dict(steps=3000, lr=3e-3, seq=160, anchors=64, seed=5, distill=2048, corpus_every=4, row_decay=0.3)
 
 
