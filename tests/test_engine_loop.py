@@ -299,7 +299,7 @@ def test_a_dflash_request_the_loop_never_drafts_for_costs_the_loop_no_ingest(lla
     monkeypatch.setattr(dflash_batch, "ingest_many",
                         lambda ds, uptos: [note(u - d.n) for d, u in zip(ds, uptos)] and real_many(ds, uptos))
     monkeypatch.setattr(bm, "run_primes", primes)
-    monkeypatch.setattr(lr, "choose", lambda reqs_, cost: [0] * len(reqs_))
+    monkeypatch.setattr(lr, "choose", lambda reqs_, cost, others=None: [0] * len(reqs_))
     got, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=ddir, spec_k="auto")
     assert got == solo
     assert stats["k_chosen"] and set(stats["k_chosen"]) == {"0"}, stats["k_chosen"]
@@ -439,6 +439,36 @@ def test_a_drafter_prime_that_fails_ends_its_own_request_only(llama, tmp_path_fa
         assert got[4] == solo[4]
         assert eng._backend.batcher.wait_idle(60)
         assert eng._backend.draft_pool.owners.held == 0  # the failed request's slot came back too
+
+
+def test_a_bug_starting_new_chains_ends_those_requests_and_the_engine_goes_on(llama, tmp_path_factory, monkeypatch):
+    """The loop's start of new requests' chains (their K under --spec-k auto, their first
+    proposals) raises once: the requests it was starting end with that error instead of waiting
+    for rounds that never come, and the engine serves the next request its solo ids."""
+    import memra_dist.batching.primes as primes
+
+    from test_batching import _tap_drafter
+
+    ddir = str(_tap_drafter("dflash", llama, tmp_path_factory))
+    reqs = _prompts(3)
+    solo = _solo(llama, "dflash", reqs, draft_model=ddir)
+    real, calls = primes.choose_first_k, []
+
+    def broken(b, chains):
+        calls.append(len(chains))
+        if len(calls) == 1:
+            raise RuntimeError("a bug choosing K")
+        real(b, chains)
+
+    monkeypatch.setattr(primes, "choose_first_k", broken)
+    cfg = _cfg(llama, "dflash", draft_model=ddir, spec_k="auto")
+    with open_engine(cfg, capacity=CAP, max_batch=4) as eng:
+        got, errors, run = _at_once(eng, reqs, cfg, n=2)
+        assert calls and set(errors.values()) == {"a bug choosing K"} and len(errors) == calls[0], (errors, calls)
+        assert all(got[i] == solo[i] for i in got)
+        run(2)
+        assert got[2] == solo[2]
+        assert eng._backend.batcher.wait_idle(60)
 
 
 def test_a_request_that_ends_at_its_first_token_primes_no_drafter(llama, tmp_path_factory):

@@ -287,7 +287,7 @@ def test_the_engine_chooses_k_per_request_and_step_and_stays_lossless(llama, mon
     solo = _solo(llama, "replay", reqs, replay_corrupt=corrupt)
     cost = StepCost(prior_ns=(1e6, 1e4), prior_steps=1e9, draft_prior_ns=(1e5, 1e4))
     steps, real = [], lr.choose
-    monkeypatch.setattr(lr, "choose", lambda r, c: steps.append(real(r, c)) or steps[-1])
+    monkeypatch.setattr(lr, "choose", lambda r, c, o=None: steps.append(real(r, c, o)) or steps[-1])
     got, stats = _batched(llama, "replay", reqs, max_batch=4, on_open=lambda e: _auto(e, cost),
                           replay_corrupt=corrupt, spec_k="auto")
     assert got == solo
@@ -348,7 +348,7 @@ def test_a_tap_drafter_at_k_0_skips_its_maintenance_and_catches_up_when_it_draft
         finally:
             calls["in_loop"] = False
 
-    def every_third(reqs_, cost):  # K 0 twice, then each request's bound twice
+    def every_third(reqs_, cost, others=None):  # K 0 twice, then each request's bound twice
         calls["choose"] += 1
         out = [bound if calls["choose"] % 4 < 2 else 0 for _, bound in reqs_]
         calls["drafting"] += sum(k > 0 for k in out)
@@ -441,7 +441,7 @@ def test_k_0_rounds_run_one_step_ahead_are_counted_in_the_share_table(llama, mon
 
     from memra_dist.phase.share import JobShare
 
-    monkeypatch.setattr(lr, "choose", lambda reqs_, cost: [0] * len(reqs_))
+    monkeypatch.setattr(lr, "choose", lambda reqs_, cost, others=None: [0] * len(reqs_))
 
     def ahead(eng):
         _auto(eng)
@@ -647,3 +647,38 @@ def test_after_a_long_run_at_k_0_a_network_drafters_requests_draft_together_at_t
     assert sum(n for k, n in ks.items() if k > 0) >= each * stats["k_remeasures"], ks
     assert sum(1 for n in shared if n >= each) >= stats["k_remeasures"] and max(shared) <= most, shared
     assert len(drafted_by) == len(reqs), drafted_by
+
+
+def test_a_request_starting_beside_drafting_requests_drafts_its_first_round():
+    """A new request's first K is chosen as it joins the step of the requests running now
+    (loop_rounds.py `choose_first_k`): beside 63 DFlash requests that draft, its drafts cost its
+    own block only, so it takes its bound; beside 63 plain rows the whole drafting step would
+    be its own, and it starts at K 0. New requests starting together are weighed together. (It
+    was weighed against the others at K 0 whatever they ran: every first round of 64 DFlash
+    requests went plain, ~2 % of their tokens a round.)"""
+    from types import SimpleNamespace as NS
+
+    from memra_dist.batching.loop_rounds import choose_first_k
+    from memra_dist.batching.stats import BatchStats
+
+    def chain(rid, k_next=None):
+        return NS(rid=rid, never_drafts=False, greedy=True, acc=Acceptance(4, prior=0.8), k_step=k_next,
+                  draft_k=lambda: 4, bound=lambda: 4)
+
+    def engine(others_k: int, new: int):
+        cost = StepCost(prior_ns=(6e6, 1.3e4), draft_prior_ns=(2.25e6, 5e4))  # an H100's DFlash at 64
+        cost.per_request = True
+        others = [chain(i, others_k) for i in range(64 - new)]
+        pending = [NS(rid=ch.rid, n=1 + others_k, chain=ch) for ch in others]
+        return NS(pending=pending, running_jobs=[], admitted={i: i for i in range(64)}, cost=cost,
+                  stats=BatchStats())
+
+    for others_k, want in ((4, 4), (0, 0)):
+        b, ch = engine(others_k, 1), chain(63)
+        choose_first_k(b, [ch])
+        assert ch.k_step == want, (others_k, ch.k_step)
+        assert b.stats.k_chosen == {want: 1} and b.stats.k_cut == (want == 0)
+    b = engine(0, 32)  # half the engine starting at once: their drafting step pays for itself
+    new = [chain(i) for i in range(32, 64)]
+    choose_first_k(b, new)
+    assert [ch.k_step for ch in new] == [4] * 32

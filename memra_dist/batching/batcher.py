@@ -207,7 +207,7 @@ class Batcher(Residency):
         if self.auto_k:
             with self.cv:  # (the engine's average is the loop's to update)
                 ch.acc = self.acceptance.start(ch.rid, ch.k)  # (a request chained again keeps its own)
-                choose_first_k(self, ch)
+                choose_first_k(self, [ch])
         job = ch.next_job()
         with self.cv:
             self._open()

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import time
 
-from ..specdec.spec_k import Acceptance, choose
+from ..specdec.spec_k import Others, choose
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import Job
 
 __all__ = ["chain_rounds", "choose_k", "choose_first_k", "queue_or_park", "CHOOSE_SAMPLED", "REMEASURE_STEPS", "REMEASURE_MAX"]
-
-_NONE = Acceptance(0)  # a request of the step that drafts nothing
 
 # A sampled request's draws depend on its K (each draft and each acceptance takes its generator's
 # next numbers), so a K chosen by the step's load would make its seeded output depend on what
@@ -103,18 +101,44 @@ def queue_or_park(b, ch, job: Job, add) -> None:
         ch.park()
 
 
-def choose_first_k(b, ch) -> None:
-    """Called holding the lock as chain `ch` starts (its first round proposed before any step of
-    the loop holds it: by the loop after its drafter's prime, primes.py `start_chains`, else on
-    its request's thread, `start_chain`): its K as one more request of a step that
-    holds the others at K 0 (their rows and tokens), from its acceptance (the engine's, for a
-    new request), counted as the loop counts each round's K. A request the engine would not
-    draft for starts plainly (its first verify is its pending token alone)."""
-    if ch.never_drafts or not (ch.greedy or CHOOSE_SAMPLED):
+def choose_first_k(b, chains: list) -> None:
+    """Called holding the lock as new chains start (their first rounds proposed before any step
+    of the loop holds them: by the loop after their drafters' prime, primes.py `start_chains`,
+    else on the request's thread, `start_chain`): their K chosen together, as requests joining
+    the step of the others as those run now (`_others`: their queued rows, their drafting), from
+    each one's acceptance (the engine's, for a new request), counted as the loop counts each
+    round's K. A request the engine would not draft for starts plainly (its first verify is its
+    pending token alone). Weighed against the others at K 0 instead, one new request's drafts
+    had to pay the whole drafting step alone: at 64 DFlash requests every request's first round
+    went plain."""
+    new = [ch for ch in chains if not ch.never_drafts and (ch.greedy or CHOOSE_SAMPLED)]
+    if not new:
         return
-    others = [(_NONE, 0)] * max(len(b.admitted) - 1, 0)
-    ch.k_step = k = choose([(ch.acc, max(ch.draft_k(), 0)), *others], b.cost)[0]
-    count_k(b, ch, k)
+    ks = choose([(ch.acc, max(ch.draft_k(), 0)) for ch in new], b.cost, _others(b, {ch.rid for ch in new}))
+    for ch, k in zip(new, ks):
+        ch.k_step = k
+        count_k(b, ch, k)
+
+
+def _others(b, mine: set) -> Others:
+    """The step the new requests `mine` join: every other admitted request's rows queued for the
+    next step (else running now; else one decode row), the tokens they are expected to give
+    and drafting's x for them (StepCost.per_request: the drafting requests, else the drafts)."""
+    rows, tokens, drafting = 0, 0.0, 0
+    seen = set(mine)
+    for j in (*b.pending, *b.running_jobs):
+        if j.rid in seen:
+            continue
+        seen.add(j.rid)
+        ch, k = j.chain, j.n - 1
+        rows += j.n
+        if ch is None or ch.never_drafts or ch.acc is None or k <= 0:
+            tokens += 1.0
+            continue
+        tokens += 1.0 + ch.acc.expected(k)
+        drafting += 1 if b.cost.per_request else k
+    n = sum(1 for rid in b.admitted if rid not in seen)  # (prefilling, or between submissions)
+    return Others(rows + n, tokens + n, drafting)
 
 
 def count_k(b, ch, k: int) -> None:

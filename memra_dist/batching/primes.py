@@ -118,15 +118,23 @@ def start_chains(b, chains: list) -> None:
     requests' chains, their drafters primed: each one's K (--spec-k auto), their first rounds
     proposed together (chain_drafts.py) and queued for the next step, or a chain parked where
     its request cannot hold the rows (preempted meanwhile, no free block): its thread runs that
-    round itself."""
+    round itself. A bug on the way (their K, their proposals) ends these requests with it: their
+    rounds are in no queue the loop's own failure path reaches, so they would wait for good."""
     chains = [ch for ch in chains if not ch.ended and ch.rid in b.admitted]
     if not chains:
         return
-    if b.auto_k:
+    try:
+        if b.auto_k:
+            for ch in chains:
+                ch.acc = b.acceptance.start(ch.rid, ch.k)
+            choose_first_k(b, chains)
+        jobs = propose_rounds(chains, b.stats)
+    except BaseException as e:  # noqa: BLE001 (ends these requests only)
         for ch in chains:
-            ch.acc = b.acceptance.start(ch.rid, ch.k)
-            choose_first_k(b, ch)
-    for ch, job in zip(chains, propose_rounds(chains, b.stats)):
+            ch.err, ch.ended = e, True
+            b._wakes.append(ch)
+        return
+    for ch, job in zip(chains, jobs):
         if job is not None:  # (else its proposal failed: the chain ended with the error)
             try:
                 queue_or_park(b, ch, job, b._queue)

@@ -38,7 +38,9 @@ True
 
 from __future__ import annotations
 
-__all__ = ["Acceptance", "EngineAcceptance", "StepCost", "choose", "PROBE_EVERY", "ALPHA", "SHADOW_ALPHA"]
+from dataclasses import dataclass
+
+__all__ = ["Acceptance", "EngineAcceptance", "StepCost", "Others", "choose", "PROBE_EVERY", "ALPHA", "SHADOW_ALPHA"]
 
 PROBE_EVERY = 32  # every 32nd new request starts from the optimistic prior, whatever the engine learned
 
@@ -284,7 +286,18 @@ class StepCost:
         return self.step_fn()(rows) + (d0 + d1 * x if drafted > 0 else 0.0)
 
 
-def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
+@dataclass(frozen=True)
+class Others:
+    """The requests of a step whose K is set already (`choose`'s `others`): their rows, their
+    expected tokens, and drafting's x for them (drafting requests where `StepCost.per_request`,
+    else drafted tokens; 0: none of them drafts)."""
+
+    rows: int = 0
+    tokens: float = 0.0
+    drafting: int = 0
+
+
+def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost, others: Others | None = None) -> list[int]:
     """Each request's K for the next step (0 .. its bound), for the step's best expected tokens
     per ns (the module doc). A request's gains shrink with its K (each is a product of one more
     chance), so the best plan of m drafts takes the m largest gains; every m is weighed (each
@@ -305,10 +318,25 @@ def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
     >>> by_block.per_request = True
     >>> choose(accs, by_block)   # one draft is not worth a block: each request drafts its bound, or nothing
     [4, 4, 4, 4, 0, 0, 0, 0]
+
+    `others`: the step's requests whose K is set already (a request starting while the others
+    run: its first round joins their step). Their rows and tokens count, and where they draft,
+    drafting's fixed part is paid whatever the new ones choose:
+
+    >>> h100 = StepCost(prior_ns=(6e6, 1.3e4), draft_prior_ns=(2.25e6, 5e4))   # DFlash at 64 on an H100
+    >>> h100.per_request = True
+    >>> one = [(Acceptance(4, prior=0.8), 4)]
+    >>> choose(one, h100)   # alone: 2.4 more tokens for 2.3 ms of drafting on a 6 ms step
+    [4]
+    >>> choose(one, h100, Others(rows=63, tokens=63.0))   # beside 63 plain rows, that 2.3 ms does not pay
+    [0]
+    >>> choose(one, h100, Others(rows=315, tokens=212.0, drafting=63))   # they draft: it adds its block, 0.05 ms
+    [4]
     """
     n = len(reqs)
     if n == 0:
         return []
+    o = others or Others()
     step = cost.step_fn()
     d0, d1 = cost.draft_line()
     per_req = cost.per_request
@@ -319,18 +347,20 @@ def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
             run *= acc.p[m]
             gains.append((-run, m, i))  # (largest first; then the request's lower K first)
     gains.sort()
-    best, best_m = n / max(step(n), 1.0), 0  # plain: (ns; a free step still ranks the drafts)
-    tokens, last, drafting = float(n), 0.0, 0
+    rows0 = n + o.rows
+    sunk = d0 + d1 * o.drafting if o.drafting else 0.0  # (the others' drafting: paid whatever these choose)
+    best, best_m = (n + o.tokens) / max(step(rows0) + sunk, 1.0), 0  # plain: (ns; a free step still ranks the drafts)
+    tokens, last, drafting = float(n) + o.tokens, 0.0, 0
     bucket = cost.bucket if cost.by_bucket else None  # (a step's time is its bucket's: read once a bucket)
     top, base = -1, 0.0
     for m, (g, mm, _i) in enumerate(gains, 1):
         tokens -= g
         drafting += mm == 0  # (a request's first draft comes before its others: its gains shrink)
         if bucket is None:
-            base = max(step(n + m), 1.0)
-        elif n + m > top:
-            top, base = bucket(n + m), max(step(n + m), 1.0)
-        rate = tokens / (base + d0 + d1 * (drafting if per_req else m))
+            base = max(step(rows0 + m), 1.0)
+        elif rows0 + m > top:
+            top, base = bucket(rows0 + m), max(step(rows0 + m), 1.0)
+        rate = tokens / (base + d0 + d1 * (o.drafting + (drafting if per_req else m)))
         if rate > best * (1 + 1e-9):
             best, best_m = rate, m
         elif bucket is None and not per_req and rate < last:
@@ -340,22 +370,23 @@ def choose(reqs: list[tuple[Acceptance, int]], cost: StepCost) -> list[int]:
     for _g, _m, i in gains[:best_m]:
         ks[i] += 1
     if per_req:
-        whole = _whole_requests(reqs, step, d0, d1, best)
+        whole = _whole_requests(reqs, step, d0, d1, best, o)
         if whole is not None:
             return whole
     return ks
 
 
-def _whole_requests(reqs: list[tuple[Acceptance, int]], step, d0: float, d1: float, best: float) -> list[int] | None:
+def _whole_requests(reqs: list[tuple[Acceptance, int]], step, d0: float, d1: float, best: float,
+                    o: Others) -> list[int] | None:
     """The plan of the r requests worth most at their bound (each drafting its bound, the others
     none), the best r, where it beats `best` (the rate of choose's best plan); else None."""
     n = len(reqs)
     worth = sorted(((acc.expected(min(bound, len(acc.p))), min(bound, len(acc.p)), i)
                     for i, (acc, bound) in enumerate(reqs) if bound > 0), reverse=True)
-    tokens, rows, plan = float(n), n, None
+    tokens, rows, plan = float(n) + o.tokens, n + o.rows, None
     for r, (e, k, _i) in enumerate(worth, 1):
         tokens, rows = tokens + e, rows + k
-        rate = tokens / (max(step(rows), 1.0) + d0 + d1 * r)
+        rate = tokens / (max(step(rows), 1.0) + d0 + d1 * (o.drafting + r))
         if rate > best * (1 + 1e-9):
             best, plan = rate, r
     if plan is None:
