@@ -199,6 +199,55 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
     assert ing.replays > 0, (ing.replays, g.replays)  # the shared maintenance of the chained rounds
 
 
+@pytest.mark.parametrize("broken", [pytest.param(False, marks=pytest.mark.slow, id="compiled"),  # (inductor on CPU: ~16 s)
+                                    pytest.param(True, id="compile-fails")])
+def test_the_shared_dflash_block_graphs_capture_the_compiled_pieces(llama, tmp_path_factory, monkeypatch, capsys,
+                                                                     broken):
+    """Where --compile compiles the dflash path, the loop's shared block forward is captured with
+    the network's compiled pieces (one compile, its rows dynamic, for every bucket): each request
+    still gets every proposal it gets alone, and its solo ids. A piece that fails to compile
+    leaves those graphs on the eager forward with one warning line, proposals unchanged."""
+    from contextlib import contextmanager
+
+    from graph_emulator import EmulatedCapture
+
+    import memra_dist.specdec.drafters.dflash_pool_graph as dpg
+
+    if not broken:
+        pytest.importorskip("torch._inductor")
+    ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)
+    used, real = [], dpg.compiled_pieces
+
+    @contextmanager
+    def pieces(net, on=True, dynamic=False):
+        used.append(dynamic)
+        if broken:
+            raise RuntimeError("inductor: no C++ compiler\nmore lines")
+        with real(net, on, dynamic):
+            yield
+
+    monkeypatch.setattr(dpg, "compiled_pieces", pieces)
+    made = []
+
+    def on_open(eng):
+        b = eng._backend
+        b.draft_pool.alloc(CAP + 4)
+        g = dpg.PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture,
+                                compiled=True)
+        assert g.warm() == 2
+        b.draft_pool.graphs = g
+        made.append(g)
+
+    batched, _ = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
+    assert batched == solo and sorted(seen) == alone
+    g = made[0]
+    assert g.replays > 0 and used and all(used)  # every bucket's capture, its pieces compiled for any rows
+    assert g.compiled is (not broken) and len(used) == (1 if broken else 2)
+    err = [x for x in capsys.readouterr().err.splitlines() if "compiled pieces" in x]
+    assert err == (["memra-dist: warning: the DFlash drafter's compiled pieces failed to build (inductor: no C++ "
+                    "compiler); its graphs capture the eager forward"] if broken else [])
+
+
 def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest(llama, tmp_path_factory,
                                                                                  monkeypatch):
     """--spec-k auto at K 0 for six steps in eight: a DFlash request skips those rounds'

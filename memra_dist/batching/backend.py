@@ -265,6 +265,7 @@ class BatchedBackend:
         before the first request, where each slot is short enough to read whole: DFlash's block
         forward and maintenance (specdec/drafters/dflash_pool_graph.py; the network fused as the
         solo drafter's graphs run it), EAGLE-3's round of chains (eagle3_pool_graph.py)."""
+        from ..specdec.drafters.dflash_compile import target_compiles  # noqa: PLC0415
         from ..specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs, pays  # noqa: PLC0415
 
         if plan.cfg.drafter == "eagle3":
@@ -278,7 +279,7 @@ class BatchedBackend:
         self.tap_net.fuse()
         self.draft_pool.alloc(rows)
         g = PoolBlockGraphs(self.tap_net, self.runner.stage, self.draft_pool, dc.block_size, plan.cfg.k,
-                            dc.mask_token_id, max_batch, paged=paged)
+                            dc.mask_token_id, max_batch, paged=paged, compiled=target_compiles(self.runner))
         t0 = time.perf_counter()
         n = g.warm()
         ing = None

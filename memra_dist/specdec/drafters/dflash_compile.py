@@ -4,7 +4,8 @@ The block forward runs its norms (fp32), q / k norms and rotary as small eager k
 16 rows of an 8B-wide drafter they cost more than its weight reads (BENCHMARKS.md: 1.9 ms a
 block forward against ~0.8 ms of reads). As `graphs.compile_blocks` does for the target, each
 piece is one compiled function shared by every layer (parameters are inputs), used only while
-a block graph is captured (the replays run its kernels): the input norm, `DFlashAttention.qkv`
+a block graph is captured (the replays run its kernels; the step leader's shared block forward
+over the draft pool too, dflash_pool_graph.py, its pieces compiled once for every bucket's rows): the input norm, `DFlashAttention.qkv`
 (projection, head norms, rotary) or, folded, `qkv_folded` (our GEMM with the input norm, then
 the head norms and rotary fused), and `DFlashLayer.finish` (o_proj, residual, post-norm,
 SwiGLU, residual; its folded twin is three of our kernels, nothing to fuse). `DFlashNet.block`
@@ -31,12 +32,14 @@ __all__ = ["compiled_pieces", "target_compiles", "warn_fallback"]
 
 
 @functools.cache
-def _fns() -> dict[str, object]:
-    """Each piece compiled with grad off (graphs.compile_inference: no backward is traced)."""
-    return {"norm": compile_inference(RMSNorm.forward, dynamic=False),
-            "qkv": compile_inference(DFlashAttention.qkv, dynamic=False),
-            "qkv_folded": compile_inference(DFlashAttention.qkv_folded, dynamic=False),
-            "finish": compile_inference(DFlashLayer.finish, dynamic=False)}
+def _fns(dynamic: bool = False) -> dict[str, object]:
+    """Each piece compiled with grad off (graphs.compile_inference: no backward is traced);
+    `dynamic`: one compile for every row count (the shared block forward's buckets of requests,
+    dflash_pool_graph.py: 6 buckets x 2 row counts would pass dynamo's recompile limit)."""
+    return {"norm": compile_inference(RMSNorm.forward, dynamic=dynamic),
+            "qkv": compile_inference(DFlashAttention.qkv, dynamic=dynamic),
+            "qkv_folded": compile_inference(DFlashAttention.qkv_folded, dynamic=dynamic),
+            "finish": compile_inference(DFlashLayer.finish, dynamic=dynamic)}
 
 
 def target_compiles(target) -> bool:
@@ -51,14 +54,15 @@ def target_compiles(target) -> bool:
 
 
 @contextmanager
-def compiled_pieces(net: DFlashNet, on: bool = True):
+def compiled_pieces(net: DFlashNet, on: bool = True, dynamic: bool = False):
     """While inside: every layer's input norm, qkv and finish (and the final norm and the
     context norm) call the shared compiled functions; restored on exit (the block graphs swap
-    them in; `on=False` leaves the eager methods)."""
+    them in; `on=False` leaves the eager methods; `dynamic`: the functions compiled for any
+    row count)."""
     if not on:
         yield
         return
-    f = _fns()
+    f = _fns(dynamic)
     swapped = []
     for layer in net.layers:
         for obj, name, fn in ((layer.input_layernorm, "forward", f["norm"]), (layer.self_attn, "qkv", f["qkv"]),
