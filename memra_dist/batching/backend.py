@@ -159,7 +159,8 @@ class BatchedBackend:
 
         def load(path, mcfg):  # the weights (a runner's own cache is never allocated: the pools replace it)
             return ModelRunner(path, self.device, self.dtype, cfg=mcfg, max_pos=plan.capacity,
-                               progress=LoadProgress(Path(path).name), graphs=fast["graphs"], kernels=fast["kernels"])
+                               progress=LoadProgress(Path(path).name), graphs=fast["graphs"], kernels=fast["kernels"],
+                               compile_drafter=fast["compile_drafter"])  # (the tap drafters' shared graphs read it)
 
         self.runner = runner if runner is not None else load(cfg.model, plan.model)
         budget = max_tokens if max_tokens is not None else max(cfg.prefill_chunk, max_batch * (cfg.k + 1))
