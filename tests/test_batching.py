@@ -603,9 +603,12 @@ def spy_proposals(monkeypatch, cls) -> list[tuple[tuple[int, ...], tuple[int, ..
         seen.append((tuple(context), tuple(prop.tokens[:k].tolist())))
         return prop
 
-    def spy_many(drafters, contexts, ks, sps, gens):
-        out = many(drafters, contexts, ks, sps, gens)
-        seen.extend((tuple(c), tuple(p.tokens[:k].tolist())) for c, k, p in zip(contexts, ks, out) if k > 0)
+    def drafts(p, k):  # (drafts left on the device, Proposal.dev: read without taking them to the host)
+        return p.dev[0].rows()[p.dev[1]][:k] if p.ids is None and p.dev is not None else p.tokens[:k].tolist()
+
+    def spy_many(drafters, contexts, ks, sps, gens, **kw):
+        out = many(drafters, contexts, ks, sps, gens, **kw)
+        seen.extend((tuple(c), tuple(drafts(p, k))) for c, k, p in zip(contexts, ks, out) if k > 0)
         return out
 
     monkeypatch.setattr(cls, "propose", spy)

@@ -254,10 +254,10 @@ def test_a_step_that_fails_fails_each_chained_request_it_held(llama, monkeypatch
         b = eng._backend.batcher
         real = step_forward.eager
 
-        def eager(batcher, jobs, ids_dev=None, timer=None):
+        def eager(batcher, jobs, ids_dev=None, timer=None, patch=None):
             if not any(j.last for j in jobs) and b.stats.chained >= 6:
                 raise RuntimeError("device lost")
-            return real(batcher, jobs, ids_dev, timer)
+            return real(batcher, jobs, ids_dev, timer, patch)
 
         monkeypatch.setattr(step_forward, "eager", eager)
 
@@ -369,11 +369,11 @@ def test_a_shared_draft_forward_that_fails_fails_the_requests_in_it_and_the_engi
     solo = _solo(llama, "dflash", reqs, draft_model=ddir)
     real, calls = DFlashDrafter.propose_many, [0]
 
-    def failing(drafters, contexts, ks, sps, gens):
+    def failing(drafters, contexts, ks, sps, gens, **kw):
         calls[0] += 1
         if calls[0] >= 3 and len(drafters) > 1:
             raise RuntimeError("draft device lost")
-        return real(drafters, contexts, ks, sps, gens)
+        return real(drafters, contexts, ks, sps, gens, **kw)
 
     errs: dict[int, BaseException] = {}
     with open_engine(_cfg(llama, "dflash", draft_model=ddir), capacity=CAP, max_batch=3) as eng:

@@ -248,6 +248,40 @@ def test_the_shared_dflash_block_graphs_capture_the_compiled_pieces(llama, tmp_p
                     "compiler); its graphs capture the eager forward"] if broken else [])
 
 
+@pytest.mark.parametrize("level", [0, 1])
+def test_untraced_dflash_drafts_reach_the_verify_on_the_device(llama, tmp_path_factory, monkeypatch, level):
+    """The shared block forward's greedy drafts stay on the device (graphed over the pool): the
+    next verify's ids take them there (step_forward.py DraftPatch) and the rounds read them back
+    at their accept, so the loop packs and launches the verify while the draft runs. Each
+    request gets every proposal it gets alone and its solo ids. Traced (level 1), a round's
+    drafts are read back before its verify is queued (its draft phase ends with them on the
+    host): nothing is patched."""
+    from graph_emulator import EmulatedCapture
+
+    import memra_dist.batching.step_forward as sf
+    from memra_dist.phase.levels import TraceSettings
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs
+
+    ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)
+    patched, real = [], sf.DraftPatch.apply
+    monkeypatch.setattr(sf.DraftPatch, "apply", lambda self, ids: patched.append(len(self.parts)) or real(self, ids))
+
+    def on_open(eng):
+        b = eng._backend
+        b.draft_pool.alloc(CAP + 4)
+        g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture)
+        g.warm()
+        b.draft_pool.graphs = g
+
+    batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open,
+                              trace=TraceSettings(level=level))
+    assert batched == solo and sorted(seen) == alone
+    if level == 0:
+        assert stats["draft_batches"] > 0 and len(patched) >= stats["draft_batches"] // 2, (patched, stats)
+    else:
+        assert patched == []
+
+
 def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest(llama, tmp_path_factory,
                                                                                  monkeypatch):
     """--spec-k auto at K 0 for six steps in eight: a DFlash request skips those rounds'
@@ -484,3 +518,23 @@ def test_the_pool_graphs_on_the_paged_kernel_draft_what_each_request_drafts_alon
     batched, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
     assert batched == solo and sorted(seen) == alone
     assert made[0].replays > 0 and launches and all(t[1] == 1 for t in launches), (made[0].replays, launches[:3])
+
+
+def test_a_draft_patch_writes_each_jobs_device_drafts_over_its_rows():
+    """DraftPatch (step_forward.py): a step's jobs whose drafts are still on the device, from two
+    shared draft forwards, beside jobs with host ids: each such job's rows 1 .. n - 1 take its
+    own drafts, the others' rows are left as packed; `host_ids` reads them back the same."""
+    from memra_dist.batching.job import Job
+    from memra_dist.batching.step_forward import DraftPatch
+    from memra_dist.specdec.drafters.dflash_pool_graph import DeviceDrafts
+
+    a = DeviceDrafts(torch.tensor([[11, 12, 13], [21, 22, 23], [31, 32, 33]]))
+    b = DeviceDrafts(torch.tensor([[41, 42, 43]]))
+    jobs = [Job(0, [7, 0, 0, 0], 5, 64, False, dev=(a, 1)), Job(1, [8, 9], 3, 64, False),
+            Job(2, [6, 0, 0], 2, 64, False, dev=(b, 0)), Job(3, [5, 0], 9, 64, False, dev=(a, 2)),
+            Job(4, list(range(40, 45)), 0, 64, True)]
+    ids = torch.tensor([x for j in jobs for x in j.ids])
+    DraftPatch.of(jobs).apply(ids)
+    assert ids.tolist() == [7, 21, 22, 23, 8, 9, 6, 41, 42, 5, 31, 40, 41, 42, 43, 44]
+    assert [j.host_ids() for j in jobs][:4] == [[7, 21, 22, 23], [8, 9], [6, 41, 42], [5, 31]]
+    assert all(j.dev is None for j in jobs) and DraftPatch.of(jobs) is None

@@ -376,9 +376,9 @@ def test_new_requests_drafters_are_primed_together_by_the_loop(llama, tmp_path_f
         proposers.add(threading.current_thread().name)
         return spied_one(self, *a)
 
-    def propose_many(*a):
+    def propose_many(*a, **kw):
         proposers.add(threading.current_thread().name)
-        return spied_many(*a)
+        return spied_many(*a, **kw)
 
     monkeypatch.setattr(cls, "propose", propose)
     monkeypatch.setattr(cls, "propose_many", staticmethod(propose_many))

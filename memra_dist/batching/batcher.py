@@ -129,6 +129,7 @@ class Batcher(Residency):
         self.cost = StepCost(bucket=_bucket_rows() if self.graphs is not None else None)
         self.acceptance = EngineAcceptance()  # ... and each request's acceptance, started from the engine's
         self.k0_steps = 0  # steps in a row whose every K chosen was 0 (loop_rounds.py choose_k)
+        self.draft_seen = None  # a drafting left on the device, its cost observed after the next step (loop_rounds.py)
         self._held_since = 0  # ns the loop held steps back since the latest step ended
         self._rounds_last = 0  # ns of the chained rounds after the latest step
 

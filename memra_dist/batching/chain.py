@@ -172,13 +172,18 @@ class Chain:
         n, k = len(self.tokens), self.draft_k()
         if prop is None and k > 0:
             prop = self.drafter.propose(self.tokens, k, self.sp, self.gen)
-        self._drafts = prop.host(k) if prop is not None and k > 0 else []
-        if self._drafts:
+        dev = prop.dev if prop is not None and k > 0 and prop.ids is None else None
+        if dev is not None:  # left on the device (a shared forward's): read back at the accept
+            kk = min(k, prop.count())
+            self._drafts, ids = None, [self.tokens[-1]] + [0] * kk
+        else:
+            self._drafts = prop.host(k) if prop is not None and k > 0 else []
+            kk, ids = len(self._drafts), [self.tokens[-1], *self._drafts]
+        if kk:
             self._shadow, self.remeasure = None, False  # (measured by its own round now)
-        self._expected = self.acc.expected(len(self._drafts)) if self.k_step is not None else -1.0
-        self._q = prop.q[:len(self._drafts)] if prop is not None and prop.q is not None else None
-        return Job(self.rid, [self.tokens[-1], *self._drafts], n - 1, self.capacity, False, chain=self,
-                   taps=self.slot.cache.taps)
+        self._expected = self.acc.expected(kk) if self.k_step is not None else -1.0
+        self._q = prop.q[:kk] if prop is not None and prop.q is not None else None
+        return Job(self.rid, ids, n - 1, self.capacity, False, chain=self, taps=self.slot.cache.taps, dev=dev)
 
     def adopt(self, job: Job) -> None:
         """Its next round is `job`, already launched one step ahead with the token just
@@ -196,6 +201,8 @@ class Chain:
         blocks to them; the rows it wrote when every draft was accepted); None when the round
         failed (`err` set)."""
         t2 = time.perf_counter_ns()
+        if self._drafts is None:  # left on the device: the step ran behind their draft, read now
+            self._drafts = job.host_ids()[1:]
         kk, n = len(self._drafts), len(self.tokens)
         if job.err is not None:
             self._fail(job.err, None)

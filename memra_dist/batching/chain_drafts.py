@@ -101,9 +101,14 @@ def propose_rounds(chains, stats=None) -> list:
         try:
             if shared:
                 t0 = time.perf_counter_ns()
-                props = type(group[0].drafter).propose_many(
+                cls = type(group[0].drafter)
+                # untraced rounds leave their greedy drafts on the device for the next verify: the
+                # loop then packs and launches it while the draft runs (a traced round reads them
+                # back first: its draft phase ends with its drafts on the host)
+                kw = {"defer": True} if cls.defers and not any(ch.timed for ch in group) else {}
+                props = cls.propose_many(
                     [ch.drafter for ch in group], [ch.tokens for ch in group], [ch.draft_k() for ch in group],
-                    [ch.sp for ch in group], [ch.gen for ch in group])
+                    [ch.sp for ch in group], [ch.gen for ch in group], **kw)
                 for ch, prop in zip(group, props):
                     jobs[id(ch)] = ch.next_job(prop, t0, len(group))
                 if stats is not None:

@@ -240,12 +240,15 @@ class StepGraphs:
         return (bucket_rows(rows), row_class(min(max(j.n for j in jobs), PAGED_MAX_ROWS)), width,
                 max(j.width for j in jobs), False)
 
-    def run(self, jobs, launched=None, ids_dev: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor | None:
+    def run(self, jobs, launched=None, ids_dev: torch.Tensor | None = None, copy: bool = True,
+            patch=None) -> torch.Tensor | None:
         """The logits of every job's rows (a `last` job's last row only), in job order, from a
         replay; None when the bucket cannot be captured (the caller runs the step eager).
         `launched()`: called once the replay is launched (before anything waits on it). `ids_dev`:
         the rows' ids already on the device (copied over the packed ones: a step launched ahead).
-        `copy=False`: the rows of the shared logits buffer itself, valid until the next replay."""
+        `copy=False`: the rows of the shared logits buffer itself, valid until the next replay.
+        `patch`: rows whose drafts are still on the device, written over the packed ids
+        (step_forward.py DraftPatch)."""
         key = self._key(jobs)
         if key in self.failed:
             return None
@@ -258,6 +261,8 @@ class StepGraphs:
             self._load(st, jobs)
         if ids_dev is not None:
             st.views()[0][:ids_dev.shape[0]].copy_(ids_dev)
+        if patch is not None:
+            patch.apply(st.views()[0])
         st.graph.replay()
         if launched is not None:
             launched()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from ..specdec.drafters.dflash_pool_graph import device_mark
 from ..specdec.spec_k import Others, choose
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import Job
@@ -31,6 +32,8 @@ def chain_rounds(b, jobs: list[Job]) -> None:
     next verify rows proposed (chain_drafts.py: the step's DFlash requests in one forward
     each) and queued for the next step, or the chain parked where its blocks cannot grow
     (chain.py)."""
+    if b.draft_seen is not None:  # the drafting before this step, left on the device: its cost now
+        _observe_deferred(b)
     settled, touched = [], []
     for j in jobs:
         ch = j.chain
@@ -54,6 +57,7 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             if ch.k_step == 0 and ch.shadow():
                 b.stats.shadows += 1
     t = time.perf_counter_ns()
+    mark = device_mark() if b.auto_k and settled else None  # (where the drafting's device work begins)
     maintained = maintain_rounds(settled)
     t2 = time.perf_counter_ns()
     b.stats.maint_ns += t2 - t
@@ -76,7 +80,12 @@ def chain_rounds(b, jobs: list[Job]) -> None:
     t3 = time.perf_counter_ns()
     b.stats.draft_ns += t3 - t2
     if b.auto_k:  # drafting's time: the maintenance (skipped at K 0) and the proposals
-        b.cost.observe_draft(sum(ch.k_step or 0 for ch in going), t3 - t, sum(bool(ch.k_step) for ch in going))
+        seen = (sum(ch.k_step or 0 for ch in going), t3 - t, sum(bool(ch.k_step) for ch in going))
+        left = {id(j.dev[0]): j.dev[0] for j in proposed if j is not None and j.dev is not None}
+        if left and mark is not None:  # drafts left on the device: their time is the device's, read
+            b.draft_seen = (*seen, mark, list(left.values()))  # after the next step (nothing waits now)
+        else:
+            b.cost.observe_draft(*seen)
     for ch, nxt in zip(going, proposed):
         if nxt is None:
             continue  # its proposal failed: the chain ended with the error
@@ -86,6 +95,17 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             ch.inflight.void, ch.inflight = True, None
             b.stats.voids += 1
         b._wakes.append(ch)  # woken once the next step is launched (Batcher._flush_wakes)
+
+
+def _observe_deferred(b) -> None:
+    """--spec-k auto: the drafting after the step before left its drafts on the device, so the
+    loop's host time did not wait for it; its cost is the longer of that host time and the
+    device's, from the maintenance's start to the drafts' copy (their events are done: the step
+    just read back ran behind them)."""
+    tokens, host_ns, reqs, mark, left = b.draft_seen
+    b.draft_seen = None
+    dev = [ns for ns in (dd.ns_since(mark) for dd in left) if ns is not None]
+    b.cost.observe_draft(tokens, max([host_ns, *dev]), reqs)
 
 
 def queue_or_park(b, ch, job: Job, add) -> None:

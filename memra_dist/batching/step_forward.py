@@ -49,20 +49,54 @@ def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -
     step's logits are copied out of the graphs' shared buffer only when a job reads them: a
     greedy chained round reads only its greedy rows, computed before any replay."""
     try:
+        if b.remote is not None or any(j.timer is not None for j in jobs):  # (the ring's plan and level
+            for j in jobs:  # 2's eager step take host ids: drafts on the device read back first)
+                j.host_ids()
+        patch = DraftPatch.of(jobs)
         if any(j.timer is not None for j in jobs):  # level 2: the step's own sub-split (laps.py)
             return timed_step(b, jobs, ids_dev, eager)
         if b.graphs is not None and b.graphs.eligible(jobs):
             out = b.graphs.run(jobs, lambda: wake(wakes), ids_dev,
-                               any(j.chain is None or not j.chain.greedy for j in jobs))
+                               any(j.chain is None or not j.chain.greedy for j in jobs), patch)
             if out is not None:
                 return out
-        return eager(b, jobs, ids_dev)
+        return eager(b, jobs, ids_dev, patch=patch)
     finally:
         wake(wakes)  # again (a no-op once woken): also when the step failed before its launch
 
 
-def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None) -> torch.Tensor:
-    """The step launched kernel by kernel (prefill chunks, CPU, a bucket without a graph)."""
+class DraftPatch:
+    """The step's rows whose ids are drafts still on the device (`Job.dev`: a shared draft
+    forward's, dflash_pool_graph.py DeviceDrafts): written into the step's ids on the device,
+    behind the ids copied from the host, so the step is packed and launched while the draft
+    runs and nothing waits for its readback; the rounds read the drafts back at their accept.
+    `of(jobs)`: None where no row is on the device."""
+
+    def __init__(self, parts: list):
+        self.parts = parts  # (DeviceDrafts, the step's rows, their flat indices into its ids)
+
+    @staticmethod
+    def of(jobs) -> "DraftPatch | None":
+        by, r = {}, 0
+        for j in jobs:
+            if j.dev is not None:
+                dd, row = j.dev
+                rows, src = by.setdefault(id(dd), (dd, [], []))[1:]
+                rows.extend(range(r + 1, r + j.n))
+                src.extend(range(row * dd.k, row * dd.k + j.n - 1))
+            r += j.n
+        return DraftPatch(list(by.values())) if by else None
+
+    def apply(self, ids: torch.Tensor) -> None:
+        """Into the step's ids on the device (one gather and one scatter a draft forward)."""
+        for dd, rows, src in self.parts:
+            ids.index_copy_(0, to_device(rows, ids.device), dd.ids.view(-1)[to_device(src, ids.device)])
+
+
+
+def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None, patch=None) -> torch.Tensor:
+    """The step launched kernel by kernel (prefill chunks, CPU, a bucket without a graph);
+    `patch`: rows whose drafts are on the device (DraftPatch)."""
     dev = b.device
     view = BatchView.build(b.pool, [(j.rid, j.start, j.n, j.width) for j in jobs], dev, kernels=b.kernels)
     pos = torch.cat([torch.arange(j.start, j.start + j.n) for j in jobs]).to(dev)
@@ -73,6 +107,9 @@ def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None) -
     else:
         x = ids_dev if ids_dev is not None else torch.cat([torch.as_tensor(j.ids, dtype=torch.long)
                                                            for j in jobs]).to(dev)
+        if patch is not None:
+            x = x.clone() if ids_dev is not None else x  # (never into the step before's argmax)
+            patch.apply(x)
         h, tapped = layers(b, x, pos, view, timer)
     scatter_taps(jobs, tapped, pos)
     keep, lo = [], 0

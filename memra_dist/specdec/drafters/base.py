@@ -24,24 +24,32 @@ class Proposal:
     ([5, 6], 3, [5, 6, 7])
     """
 
-    __slots__ = ("_tokens", "q", "ids")
+    __slots__ = ("_tokens", "q", "ids", "dev")
 
     def __init__(self, tokens: torch.Tensor | None = None, q: torch.Tensor | None = None,
-                 ids: list[int] | None = None):
-        assert tokens is not None or ids is not None, "a proposal has its drafts"
-        self._tokens, self.q, self.ids = tokens, q, ids
+                 ids: list[int] | None = None, dev=None):
+        """`dev`: (DeviceDrafts, row): greedy drafts a shared draft forward left on the device
+        (dflash_pool_graph.py), read back when `host` asks; the loop's next verify takes them on
+        the device meanwhile (batching/step_forward.py `DraftPatch`)."""
+        assert tokens is not None or ids is not None or dev is not None, "a proposal has its drafts"
+        self._tokens, self.q, self.ids, self.dev = tokens, q, ids, dev
 
     @property
     def tokens(self) -> torch.Tensor:
         if self._tokens is None:
-            self._tokens = torch.tensor(self.ids, dtype=torch.long)
+            self._tokens = torch.tensor(self.host(self.count()), dtype=torch.long)
         return self._tokens
 
     def host(self, k: int) -> list[int]:
         """The first k drafts as a host list (a readback where they are on the device)."""
+        if self.ids is None and self.dev is not None:
+            dd, row = self.dev
+            self.ids = dd.rows()[row]
         return self.ids[:k] if self.ids is not None else self._tokens[:k].tolist()
 
     def count(self) -> int:
+        if self.ids is None and self.dev is not None:
+            return self.dev[0].k
         return len(self.ids) if self.ids is not None else int(self._tokens.numel())
 
 
@@ -55,6 +63,7 @@ class Drafter:
     name = "base"
     device: torch.device | None = None  # device the drafter's state lives on (None: host only)
     host_only = False  # propose / maintain touch nothing but host lists (batching/chain.py may run them)
+    defers = False  # propose_many(..., defer=True) may leave greedy drafts on the device (Proposal.dev)
     # the step leader may run a batched greedy request's rounds (batching/chain.py): host drafters,
     # and device drafters that draft many requests in one forward (`batched`)
     chains = False

@@ -49,6 +49,7 @@ class DFlashDrafter(Drafter):
     # batched greedy requests: the step leader drafts the step's requests in one forward (dflash_batch.py)
     chains = True
     batched = True
+    defers = True  # the shared forward's graphed greedy drafts may stay on the device until the verify
     catches_up = True  # propose commits the rows from its n on (base.py)
     loop_prime = True  # a batched engine's loop allocates and primes it (base.py)
     maintain_many = staticmethod(ingest_many_of_contexts)

@@ -83,11 +83,13 @@ def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, 
 
 
 @torch.inference_mode()
-def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]:
+def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = False) -> list[Proposal]:
     """Each drafter's Proposal (min(k, B - 1) drafts, on the host; EMPTY where k <= 0) for its
     context: one block forward of every drafting request's block. Greedy: the argmax rows (one
     readback for all); sampled (`sps[i]` not greedy): drawn from its own rows' distribution
-    with its generator `gens[i]`, as its solo proposal draws them (DFlashDrafter.propose)."""
+    with its generator `gens[i]`, as its solo proposal draws them (DFlashDrafter.propose).
+    `defer`: where the forward replays the pool's graph, its greedy drafts stay on the device
+    (`Proposal.dev`; read back when a caller asks for them)."""
     out: list[Proposal] = [EMPTY for _ in drafters]
     live = [(i, d, c, min(k, d.B - 1)) for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)) if k > 0]
     if not live:
@@ -101,9 +103,9 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     g = pool.graphs if pool is not None else None
     if (g is not None and n <= g.max_n and all(sps[i].greedy for i, *_ in live)
             and max(kk for *_, kk in live) <= g.K):  # one replay (dflash_pool_graph.py)
-        toks = g.greedy([d.pool_slot for _, d, _, _ in live], starts, [c[-1] for _, _, c, _ in live])
-        for (i, _, _, kk), t in zip(live, toks):
-            out[i] = Proposal(ids=t[:kk])
+        toks = g.greedy([d.pool_slot for _, d, _, _ in live], starts, [c[-1] for _, _, c, _ in live], defer)
+        for r, (i, _, _, kk) in enumerate(live):
+            out[i] = Proposal(dev=(toks, r)) if defer else Proposal(ids=toks[r][:kk])
         return out
     kmax = max(kk for *_, kk in live)
     keep = (B, 1, 1 + kmax)  # rows 1 .. kmax of each block past the last layer's K/V (DFlashNet.block)

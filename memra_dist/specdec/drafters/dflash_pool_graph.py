@@ -45,7 +45,7 @@ from .dflash_compile import compiled_pieces, warn_fallback
 from .draft_pool import paged_pool_attention, pooled_attention
 from .host_row import HostRow
 
-__all__ = ["PoolBlockGraphs", "PoolIngestGraphs", "pays", "buckets"]
+__all__ = ["PoolBlockGraphs", "PoolIngestGraphs", "DeviceDrafts", "device_mark", "pays", "buckets"]
 
 CATCHUP_REPLAYS = 4  # ingest replays a step's maintenance may take (PoolIngestGraphs.segments)
 MAX_GATHER_ROWS = 1 << 17  # slot rows x requests a layer's attention may gather whole (~0.5 GB at 8 x 128 bf16)
@@ -176,15 +176,66 @@ class PoolBlockGraphs(_BucketGraphs):
                 + [s + B for s in starts] + [B] * pad)
         self.row.load(vals, 0)
 
-    def greedy(self, slots: list[int], starts: list[int], lasts: list[int]) -> list[list[int]]:
+    def greedy(self, slots: list[int], starts: list[int], lasts: list[int], defer: bool = False):
         """Each request's K greedy drafts (host lists): its block [lasts[r], mask ...] at
-        starts[r] over its slot slots[r], in one replay and one readback."""
+        starts[r] over its slot slots[r], in one replay and one readback. `defer`: no readback
+        now; the drafts stay on the device (`DeviceDrafts`), their copy to the host enqueued."""
         b = self.bucket(len(slots))
         self._load(list(zip(slots, starts, lasts)), b)
         g = self._graph(b)
         g.replay()
         self.replays += 1
+        if defer:
+            return DeviceDrafts(g.out[:len(slots)])
         return g.out[:len(slots)].tolist()
+
+
+def device_mark():
+    """A timing event recorded now on the current CUDA stream (None off CUDA): where a drafting
+    left on the device began, for its cost (`DeviceDrafts.ns_since`)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+class DeviceDrafts:
+    """A shared draft forward's greedy drafts left on the device: `ids` (n, K), a copy of the
+    graph's static output made behind the replay (the next replay of that bucket, a new
+    request's first proposal before the step, rewrites the output), and its copy to pinned host
+    memory enqueued behind it with an event, so `rows()` waits for the draft alone. The engine
+    loop queues the next verify with these drafts still on the device and launches it while the
+    draft runs (batching/step_forward.py `DraftPatch`); the rounds read them at their accept."""
+
+    def __init__(self, out: torch.Tensor):
+        self.ids = out.clone()  # (n, K) int64, stream-ordered behind the replay
+        self.k = int(out.shape[1])
+        self._rows: list[list[int]] | None = None
+        self.event = None
+        if self.ids.device.type == "cuda":
+            self.host = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
+            self.host.copy_(self.ids, non_blocking=True)
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self.host = self.ids
+
+    def ns_since(self, mark) -> float | None:
+        """Device ns from event `mark` (device_mark) to these drafts on the host side of their
+        copy; None where either is not a CUDA event. Waits for them."""
+        if mark is None or self.event is None:
+            return None
+        self.event.synchronize()
+        return mark.elapsed_time(self.event) * 1e6
+
+    def rows(self) -> list[list[int]]:
+        """Every request's drafts as host lists (waits for the draft's copy, once)."""
+        if self._rows is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self._rows = self.host.tolist()
+        return self._rows
 
 
 class PoolIngestGraphs(_BucketGraphs):
