@@ -172,7 +172,7 @@ class Chain:
         n, k = len(self.tokens), self.draft_k()
         if prop is None and k > 0:
             prop = self.drafter.propose(self.tokens, k, self.sp, self.gen)
-        dev = prop.dev if prop is not None and k > 0 and prop.ids is None else None
+        dev = prop.dev[:2] if prop is not None and k > 0 and prop.ids is None and prop.dev is not None else None
         if dev is not None:  # left on the device (a shared forward's): read back at the accept
             kk = min(k, prop.count())
             self._drafts, ids = None, [self.tokens[-1]] + [0] * kk

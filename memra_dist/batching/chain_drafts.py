@@ -105,7 +105,7 @@ def propose_rounds(chains, stats=None) -> list:
                 # untraced rounds leave their greedy drafts on the device for the next verify: the
                 # loop then packs and launches it while the draft runs (a traced round reads them
                 # back first: its draft phase ends with its drafts on the host)
-                kw = {"defer": True} if cls.defers and not any(ch.timed for ch in group) else {}
+                kw = {"defer": True} if group[0].drafter.defers and not any(ch.timed for ch in group) else {}
                 props = cls.propose_many(
                     [ch.drafter for ch in group], [ch.tokens for ch in group], [ch.draft_k() for ch in group],
                     [ch.sp for ch in group], [ch.gen for ch in group], **kw)

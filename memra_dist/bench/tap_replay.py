@@ -26,9 +26,17 @@ class TapReplay(Wrapping):
 
     # in a batched engine, a greedy request's rounds are the step leader's when the real drafter's
     # are, and it drafts with the other requests' real drafters in one forward (batching/chain_drafts.py)
+    @property
+    def defers(self) -> bool:
+        """Where the real drafter leaves its drafts on the device, so does its forward here: the
+        loop then launches the verify while it runs, as it does for the real drafts (the replayed
+        ones are on the host already)."""
+        return getattr(self.inner, "defers", False)
+
     @staticmethod
-    def propose_many(drafters, contexts, ks, sps, gens) -> list[Proposal]:
-        real = Wrapping.inner_many(drafters, contexts, ks, sps, gens)  # paid in full
+    def propose_many(drafters, contexts, ks, sps, gens, defer: bool = False) -> list[Proposal]:
+        kw = {"defer": True} if defer else {}
+        real = Wrapping.inner_many(drafters, contexts, ks, sps, gens, **kw)  # paid in full
         return [d.replay.propose(c, r.count(), sp, g) for d, c, r, sp, g in zip(drafters, contexts, real, sps, gens)]
 
     def propose(self, context, k, sp, gen) -> Proposal:

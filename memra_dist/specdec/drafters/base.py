@@ -28,7 +28,7 @@ class Proposal:
 
     def __init__(self, tokens: torch.Tensor | None = None, q: torch.Tensor | None = None,
                  ids: list[int] | None = None, dev=None):
-        """`dev`: (DeviceDrafts, row): greedy drafts a shared draft forward left on the device
+        """`dev`: (DeviceDrafts, row, count): greedy drafts a shared draft forward left on the device
         (dflash_pool_graph.py), read back when `host` asks; the loop's next verify takes them on
         the device meanwhile (batching/step_forward.py `DraftPatch`)."""
         assert tokens is not None or ids is not None or dev is not None, "a proposal has its drafts"
@@ -43,13 +43,13 @@ class Proposal:
     def host(self, k: int) -> list[int]:
         """The first k drafts as a host list (a readback where they are on the device)."""
         if self.ids is None and self.dev is not None:
-            dd, row = self.dev
-            self.ids = dd.rows()[row]
+            dd, row, n = self.dev
+            self.ids = dd.rows()[row][:n]
         return self.ids[:k] if self.ids is not None else self._tokens[:k].tolist()
 
     def count(self) -> int:
         if self.ids is None and self.dev is not None:
-            return self.dev[0].k
+            return self.dev[2]
         return len(self.ids) if self.ids is not None else int(self._tokens.numel())
 
 

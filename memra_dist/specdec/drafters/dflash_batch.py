@@ -105,7 +105,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
             and max(kk for *_, kk in live) <= g.K):  # one replay (dflash_pool_graph.py)
         toks = g.greedy([d.pool_slot for _, d, _, _ in live], starts, [c[-1] for _, _, c, _ in live], defer)
         for r, (i, _, _, kk) in enumerate(live):
-            out[i] = Proposal(dev=(toks, r)) if defer else Proposal(ids=toks[r][:kk])
+            out[i] = Proposal(dev=(toks, r, kk)) if defer else Proposal(ids=toks[r][:kk])
         return out
     kmax = max(kk for *_, kk in live)
     keep = (B, 1, 1 + kmax)  # rows 1 .. kmax of each block past the last layer's K/V (DFlashNet.block)

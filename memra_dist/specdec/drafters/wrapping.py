@@ -82,6 +82,6 @@ class Wrapping(Drafter):
         type(drafters[0].inner).maintain_many([d.inner for d in drafters], contexts)
 
     @staticmethod
-    def inner_many(drafters, contexts, ks, sps, gens):
+    def inner_many(drafters, contexts, ks, sps, gens, **kw):
         """The inner network's shared forward for `drafters` (each one's Proposal)."""
-        return type(drafters[0].inner).propose_many([d.inner for d in drafters], contexts, ks, sps, gens)
+        return type(drafters[0].inner).propose_many([d.inner for d in drafters], contexts, ks, sps, gens, **kw)
