@@ -93,7 +93,6 @@ class DraftPatch:
             ids.index_copy_(0, to_device(rows, ids.device), dd.ids.view(-1)[to_device(src, ids.device)])
 
 
-
 def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None, patch=None) -> torch.Tensor:
     """The step launched kernel by kernel (prefill chunks, CPU, a bucket without a graph);
     `patch`: rows whose drafts are on the device (DraftPatch)."""
