@@ -57,7 +57,8 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             if ch.k_step == 0 and ch.shadow():
                 b.stats.shadows += 1
     t = time.perf_counter_ns()
-    mark = device_mark() if b.auto_k and settled else None  # (where the drafting's device work begins)
+    # where the drafting's device work begins, for a drafter that may leave its drafts there
+    mark = device_mark() if b.auto_k and any(ch.drafter.defers for ch in settled) else None
     maintained = maintain_rounds(settled)
     t2 = time.perf_counter_ns()
     b.stats.maint_ns += t2 - t
