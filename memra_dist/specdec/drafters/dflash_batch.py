@@ -10,18 +10,16 @@ its own mask, exactly as its solo block does (DFlashDrafter.block_logits), so ea
 drafts what it drafts alone. One readback of every request's drafts.
 
 Eager: the draft's layers are few (one to five), so a step of n requests launches each GEMM
-once instead of n times. Where every request's draft cache is a slot of the engine's pool
-(draft_pool.py: a batched engine's drafters), each layer's K/V write is one launch for all of
+once instead of n times. Every request's draft cache is a slot of the engine's pool
+(draft_pool.py: a batched engine's drafters), so each layer's K/V write is one launch for all of
 them and the attention one gather and two batched GEMMs (`pooled_attention`), each request's
-rows under its own mask; otherwise (drafters with caches of their own) the attention is n
-small launches a layer.
+rows under its own mask.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...model.attention import cached_attention
 from ...model.tap_pool import gather_rows
 from ..chunks import pack_chunks
 from ..sampling import draw_drafts, probs
@@ -50,22 +48,14 @@ def ingest_many(drafters, uptos: list[int]) -> None:
     if len(todo) == 1:
         todo[0][0]._ingest(todo[0][1])
         return
+    assert pool is not None, "a batched engine's DFlash drafters are slots of one draft pool"
     net, dev = todo[0][0].net, todo[0][0].device
-    lens = [u - d.n for d, u in todo]
     pos = to_device([p for d, u in todo for p in range(d.n, u)], dev)
     C = net.features(gather_rows([d._taps() for d, _ in todo], [(d.n, u) for d, u in todo], dev))
-    if pool is not None:  # every request's rows written into its own slot in one launch a layer
-        at = (to_device([d.pool_slot for d, u in todo for _ in range(d.n, u)], dev), pos)
-        for li, (k, v) in enumerate(net.context_kv(C, pos)):
-            pool.k[li].index_put_(at, k)
-            pool.v[li].index_put_(at, v)
-        for d, u in todo:
-            d.n = u
-        return
-    for li, (k, v) in enumerate(net.context_kv(C, pos)):
-        for (d, _), kr, vr, p in zip(todo, k.split(lens), v.split(lens), pos.split(lens)):
-            d.states[li].k.index_copy_(0, p, kr)
-            d.states[li].v.index_copy_(0, p, vr)
+    at = (to_device([d.pool_slot for d, u in todo for _ in range(d.n, u)], dev), pos)
+    for li, (k, v) in enumerate(net.context_kv(C, pos)):  # every request's rows into its own slot, one launch a layer
+        pool.k[li].index_put_(at, k)
+        pool.v[li].index_put_(at, v)
     for d, u in todo:
         d.n = u
 
@@ -114,25 +104,8 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
     base = torch.tensor(starts)
     pos = to_device((torch.arange(B)[None, :] + base[:, None]).reshape(-1), dev)
     ids = to_device(ids, dev)
-    if pool is not None:
-        kv_of, attend = _pooled(pool, [d for _, d, _, _ in live], pos, starts, B)
-        h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend, keep=keep)  # (n * kmax, H)
-        return _picks(out, live, h, kmax, stage, sps, gens, dev)
-    blocks = [slice(r * B, (r + 1) * B) for r in range(n)]
-    masks = [(d.slots < s + B)[None, :] for (_, d, _, _), s in zip(live, starts)]  # context rows and the block
-    nkv = net.layers[0].self_attn.nkv
-
-    def kv_of(li, kb, vb):  # each block's K/V into its own request's draft cache (dropped by the next ingest)
-        for (_, d, _, _), sl in zip(live, blocks):
-            d.states[li].k.index_copy_(0, pos[sl], kb[sl])
-            d.states[li].v.index_copy_(0, pos[sl], vb[sl])
-        return [d.states[li].k for _, d, _, _ in live], [d.states[li].v for _, d, _, _ in live]
-
-    def attend(q, Ks, Vs):  # per request, over its own K/V and mask (as its solo block)
-        R = q.shape[0] // n  # B, or in the last layer the kmax kept rows
-        return torch.cat([cached_attention(q[r * R:(r + 1) * R], K, V, m, nkv)
-                          for r, (K, V, m) in enumerate(zip(Ks, Vs, masks))])
-
+    assert pool is not None, "a batched engine's DFlash drafters are slots of one draft pool"
+    kv_of, attend = _pooled(pool, [d for _, d, _, _ in live], pos, starts, B)
     h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend, keep=keep)  # (n * kmax, H)
     return _picks(out, live, h, kmax, stage, sps, gens, dev)
 
