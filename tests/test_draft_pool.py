@@ -538,3 +538,23 @@ def test_a_draft_patch_writes_each_jobs_device_drafts_over_its_rows():
     assert ids.tolist() == [7, 21, 22, 23, 8, 9, 6, 41, 42, 5, 31, 40, 41, 42, 43, 44]
     assert [j.host_ids() for j in jobs][:4] == [[7, 21, 22, 23], [8, 9], [6, 41, 42], [5, 31]]
     assert all(j.dev is None for j in jobs) and DraftPatch.of(jobs) is None
+
+
+def test_a_dflash_drafter_without_a_pool_slot_drafts_alone_beside_the_pooled_ones(llama, tmp_path_factory,
+                                                                                     monkeypatch):
+    """A batched engine's DFlash drafter that finds no slot in the draft pool (draft_pool.py
+    `take`: None) keeps caches of its own; the step leader's shared forwards then ingest and
+    propose for its group one by one (dflash_batch.py), and every request still gets every
+    proposal it gets alone and its solo ids."""
+    ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)
+    real, calls = DraftPool.take, [0]
+
+    def take(self, drafter, rows):
+        calls[0] += 1
+        return None if calls[0] % 3 == 2 else real(self, drafter, rows)  # every third drafter: no slot
+
+    monkeypatch.setattr(DraftPool, "take", take)
+    batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir))
+    assert batched == solo
+    assert set(seen) == set(alone)  # (a proposal made alone inside a shared one is seen twice: once each)
+    assert calls[0] >= 3 and stats["draft_batches"] > 0, (calls, stats)

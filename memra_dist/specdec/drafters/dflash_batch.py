@@ -13,7 +13,8 @@ Eager: the draft's layers are few (one to five), so a step of n requests launche
 once instead of n times. Every request's draft cache is a slot of the engine's pool
 (draft_pool.py: a batched engine's drafters), so each layer's K/V write is one launch for all of
 them and the attention one gather and two batched GEMMs (`pooled_attention`), each request's
-rows under its own mask.
+rows under its own mask. Drafters that found no slot (draft_pool.py `take`: not seen in any
+engine path) ingest and propose one by one, as alone.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ def ingest_many(drafters, uptos: list[int]) -> None:
             for d, u in todo:
                 d.n = u
             return
-    if len(todo) == 1:
-        todo[0][0]._ingest(todo[0][1])
+    if len(todo) == 1 or pool is None:  # (a drafter that found no pool slot keeps caches of its own: alone)
+        for d, u in todo:
+            d._ingest(u)
         return
-    assert pool is not None, "a batched engine's DFlash drafters are slots of one draft pool"
     net, dev = todo[0][0].net, todo[0][0].device
     pos = to_device([p for d, u in todo for p in range(d.n, u)], dev)
     C = net.features(gather_rows([d._taps() for d, _ in todo], [(d.n, u) for d, u in todo], dev))
@@ -90,7 +91,11 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
     ingest_many([d for _, d, _, _ in live], starts)  # normally a no-op: maintenance ingested every committed row
     n = len(live)
     pool = pool_of([d for _, d, _, _ in live])
-    g = pool.graphs if pool is not None else None
+    if pool is None:  # a drafter that found no pool slot (draft_pool.py take) drafts alone, as it would solo
+        for i, d, c, _ in live:
+            out[i] = d.propose(c, ks[i], sps[i], gens[i])
+        return out
+    g = pool.graphs
     if (g is not None and n <= g.max_n and all(sps[i].greedy for i, *_ in live)
             and max(kk for *_, kk in live) <= g.K):  # one replay (dflash_pool_graph.py)
         toks = g.greedy([d.pool_slot for _, d, _, _ in live], starts, [c[-1] for _, _, c, _ in live], defer)
@@ -104,7 +109,6 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
     base = torch.tensor(starts)
     pos = to_device((torch.arange(B)[None, :] + base[:, None]).reshape(-1), dev)
     ids = to_device(ids, dev)
-    assert pool is not None, "a batched engine's DFlash drafters are slots of one draft pool"
     kv_of, attend = _pooled(pool, [d for _, d, _, _ in live], pos, starts, B)
     h = net.block(stage.embed_tokens(ids), pos, kv_of, None, attend=attend, keep=keep)  # (n * kmax, H)
     return _picks(out, live, h, kmax, stage, sps, gens, dev)
