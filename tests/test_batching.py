@@ -604,7 +604,7 @@ def spy_proposals(monkeypatch, cls) -> list[tuple[tuple[int, ...], tuple[int, ..
         return prop
 
     def drafts(p, k):  # (drafts left on the device, Proposal.dev: read without taking them to the host)
-        return p.dev[0].rows()[p.dev[1]][:min(k, p.dev[2])] if p.ids is None and p.dev is not None else p.tokens[:k].tolist()
+        return p.dev[0].rows()[p.dev[1]][:min(k, p.dev[2])] if p.on_device else p.tokens[:k].tolist()
 
     def spy_many(drafters, contexts, ks, sps, gens, **kw):
         out = many(drafters, contexts, ks, sps, gens, **kw)

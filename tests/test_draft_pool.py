@@ -526,18 +526,20 @@ def test_a_draft_patch_writes_each_jobs_device_drafts_over_its_rows():
     own drafts, the others' rows are left as packed; `host_ids` reads them back the same."""
     from memra_dist.batching.job import Job
     from memra_dist.batching.step_forward import DraftPatch
+    from memra_dist.specdec.drafters.base import Proposal
     from memra_dist.specdec.drafters.dflash_pool_graph import DeviceDrafts
 
     a = DeviceDrafts(torch.tensor([[11, 12, 13], [21, 22, 23], [31, 32, 33]]))
     b = DeviceDrafts(torch.tensor([[41, 42, 43]]))
-    jobs = [Job(0, [7, 0, 0, 0], 5, 64, False, dev=(a, 1)), Job(1, [8, 9], 3, 64, False),
-            Job(2, [6, 0, 0], 2, 64, False, dev=(b, 0)), Job(3, [5, 0], 9, 64, False, dev=(a, 2)),
+    jobs = [Job(0, [7, 0, 0, 0], 5, 64, False, drafts=Proposal(dev=(a, 1, 3))), Job(1, [8, 9], 3, 64, False),
+            Job(2, [6, 0, 0], 2, 64, False, drafts=Proposal(dev=(b, 0, 2))),
+            Job(3, [5, 0], 9, 64, False, drafts=Proposal(dev=(a, 2, 1))),
             Job(4, list(range(40, 45)), 0, 64, True)]
     ids = torch.tensor([x for j in jobs for x in j.ids])
     DraftPatch.of(jobs).apply(ids)
     assert ids.tolist() == [7, 21, 22, 23, 8, 9, 6, 41, 42, 5, 31, 40, 41, 42, 43, 44]
     assert [j.host_ids() for j in jobs][:4] == [[7, 21, 22, 23], [8, 9], [6, 41, 42], [5, 31]]
-    assert all(j.dev is None for j in jobs) and DraftPatch.of(jobs) is None
+    assert all(j.drafts is None for j in jobs) and DraftPatch.of(jobs) is None
 
 
 def test_a_dflash_drafter_without_a_pool_slot_drafts_alone_beside_the_pooled_ones(llama, tmp_path_factory,

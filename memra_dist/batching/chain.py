@@ -172,7 +172,7 @@ class Chain:
         n, k = len(self.tokens), self.draft_k()
         if prop is None and k > 0:
             prop = self.drafter.propose(self.tokens, k, self.sp, self.gen)
-        dev = prop.dev[:2] if prop is not None and k > 0 and prop.ids is None and prop.dev is not None else None
+        dev = prop if prop is not None and k > 0 and prop.on_device else None
         if dev is not None:  # left on the device (a shared forward's): read back at the accept
             kk = min(k, prop.count())
             self._drafts, ids = None, [self.tokens[-1]] + [0] * kk
@@ -183,7 +183,7 @@ class Chain:
             self._shadow, self.remeasure = None, False  # (measured by its own round now)
         self._expected = self.acc.expected(kk) if self.k_step is not None else -1.0
         self._q = prop.q[:kk] if prop is not None and prop.q is not None else None
-        return Job(self.rid, ids, n - 1, self.capacity, False, chain=self, taps=self.slot.cache.taps, dev=dev)
+        return Job(self.rid, ids, n - 1, self.capacity, False, chain=self, taps=self.slot.cache.taps, drafts=dev)
 
     def adopt(self, job: Job) -> None:
         """Its next round is `job`, already launched one step ahead with the token just

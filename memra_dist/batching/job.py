@@ -55,19 +55,18 @@ class Job:
     void: bool = False  # a row launched ahead past its request's end (ahead.py): its output is dropped
     timer: object = None  # a level-2 request's SubsplitTimer: its step runs eager, drained by layer (laps.py)
     primes: bool = False  # its prompt's last chunk, and its drafter primes on the loop after it (primes.py)
-    # its drafts (rows 1 ..) still on the device: (DeviceDrafts, row); `ids` holds placeholders
-    # there until `host_ids` (the step writes them on the device: step_forward.py DraftPatch)
-    dev: tuple | None = None
+    # its drafts (rows 1 ..) as a Proposal still on the device (`Proposal.dev`); `ids` holds
+    # placeholders there until `host_ids` (the step writes them on the device: step_forward.py DraftPatch)
+    drafts: object = None
 
     def __post_init__(self):
         self.n = len(self.ids)  # its rows
 
     def host_ids(self) -> list:
         """Its ids with its drafts read back (a wait for their draft forward, where on the device)."""
-        if self.dev is not None:
-            dd, row = self.dev
-            self.ids[1:] = dd.rows()[row][:self.n - 1]
-            self.dev = None
+        if self.drafts is not None:
+            self.ids[1:] = self.drafts.host(self.n - 1)
+            self.drafts = None
         return self.ids
 
 

@@ -82,7 +82,7 @@ def chain_rounds(b, jobs: list[Job]) -> None:
     b.stats.draft_ns += t3 - t2
     if b.auto_k:  # drafting's time: the maintenance (skipped at K 0) and the proposals
         seen = (sum(ch.k_step or 0 for ch in going), t3 - t, sum(bool(ch.k_step) for ch in going))
-        left = {id(j.dev[0]): j.dev[0] for j in proposed if j is not None and j.dev is not None}
+        left = {id(j.drafts.dev[0]): j.drafts.dev[0] for j in proposed if j is not None and j.drafts is not None}
         if left and mark is not None:  # drafts left on the device: their time is the device's, read
             b.draft_seen = (*seen, mark, list(left.values()))  # after the next step (nothing waits now)
         else:

@@ -66,7 +66,7 @@ def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -
 
 
 class DraftPatch:
-    """The step's rows whose ids are drafts still on the device (`Job.dev`: a shared draft
+    """The step's rows whose ids are drafts still on the device (`Job.drafts`: a shared draft
     forward's, dflash_pool_graph.py DeviceDrafts): written into the step's ids on the device,
     behind the ids copied from the host, so the step is packed and launched while the draft
     runs and nothing waits for its readback; the rounds read the drafts back at their accept.
@@ -79,8 +79,8 @@ class DraftPatch:
     def of(jobs) -> "DraftPatch | None":
         by, r = {}, 0
         for j in jobs:
-            if j.dev is not None:
-                dd, row = j.dev
+            if j.drafts is not None:
+                dd, row, _ = j.drafts.dev
                 rows, src = by.setdefault(id(dd), (dd, [], []))[1:]
                 rows.extend(range(r + 1, r + j.n))
                 src.extend(range(row * dd.k, row * dd.k + j.n - 1))
@@ -90,7 +90,8 @@ class DraftPatch:
     def apply(self, ids: torch.Tensor) -> None:
         """Into the step's ids on the device (one gather and one scatter a draft forward)."""
         for dd, rows, src in self.parts:
-            ids.index_copy_(0, to_device(rows, ids.device), dd.ids.view(-1)[to_device(src, ids.device)])
+            at = to_device(rows + src, ids.device)  # (one copy of both index rows)
+            ids.index_copy_(0, at[:len(rows)], dd.ids.view(-1)[at[len(rows):]])
 
 
 def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None, patch=None) -> torch.Tensor:

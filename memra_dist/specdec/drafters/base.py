@@ -42,13 +42,18 @@ class Proposal:
 
     def host(self, k: int) -> list[int]:
         """The first k drafts as a host list (a readback where they are on the device)."""
-        if self.ids is None and self.dev is not None:
+        if self.on_device:
             dd, row, n = self.dev
             self.ids = dd.rows()[row][:n]
         return self.ids[:k] if self.ids is not None else self._tokens[:k].tolist()
 
+    @property
+    def on_device(self) -> bool:
+        """Its drafts are still on the device only (`dev`, not read back yet)."""
+        return self.ids is None and self.dev is not None
+
     def count(self) -> int:
-        if self.ids is None and self.dev is not None:
+        if self.on_device:
             return self.dev[2]
         return len(self.ids) if self.ids is not None else int(self._tokens.numel())
 
