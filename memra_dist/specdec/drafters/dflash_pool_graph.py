@@ -38,6 +38,7 @@ emulated capture on the CPU.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...graphs import CapturedGraph
@@ -165,16 +166,25 @@ class PoolBlockGraphs(_BucketGraphs):
         return self.stage.lm_head(h).float().argmax(-1).view(b, K)
 
     def _load(self, reqs: list[tuple[int, int, int]], b: int) -> None:
-        """`reqs`: (slot, start, last token) a request."""
-        n, B, pad = self.max_n, self.B, b - len(reqs)
-        slots, starts, lasts = (list(x) for x in zip(*reqs)) if reqs else ([], [], [])
-        ids = [x for last in lasts for x in (last, *[self.mask_id] * (B - 1))] + [self.mask_id] * (pad * B)
-        pos = [s + i for s in starts for i in range(B)] + list(range(B)) * pad
-        row_slot = [s for s in slots for _ in range(B)] + [self.pool.scratch] * (pad * B)
-        fill = [0] * ((n - b) * B)
-        vals = (ids + fill + pos + fill + row_slot + fill + slots + [self.pool.scratch] * pad + [0] * (n - b)
-                + [s + B for s in starts] + [B] * pad)
-        self.row.load(vals, 0)
+        """`reqs`: (slot, start, last token) a request; the bucket's rows past them pads. Filled
+        by array ops in the pinned row (64 requests' 16-row blocks: ~3k entries a round, which
+        Python lists built on the loop's path between two steps)."""
+        n, B, r = self.max_n, self.B, len(reqs)
+        slots, starts, lasts = (np.array(x, dtype=np.int64) for x in zip(*reqs)) if reqs else (np.zeros(0, np.int64),) * 3
+        a = self.row.writable()
+        ids, pos, row_slot = (a[i * n * B:(i + 1) * n * B].reshape(n, B)[:b] for i in range(3))
+        idx, lim = a[3 * n * B:3 * n * B + b], a[3 * n * B + n:3 * n * B + n + b]
+        block = np.arange(B)
+        ids[:] = self.mask_id
+        ids[:r, 0] = lasts
+        pos[:r] = np.add.outer(starts, block)
+        pos[r:] = block
+        row_slot[:r] = slots[:, None]
+        row_slot[r:] = idx[r:] = self.pool.scratch
+        idx[:r] = slots
+        lim[:r] = starts + B
+        lim[r:] = B
+        self.row.send()
 
     def greedy(self, slots: list[int], starts: list[int], lasts: list[int], defer: bool = False):
         """Each request's K greedy drafts (host lists): its block [lasts[r], mask ...] at
@@ -273,20 +283,20 @@ class PoolIngestGraphs(_BucketGraphs):
         return segs if len(segs) <= CATCHUP_REPLAYS * self.max_n else None
 
     def _load(self, reqs: list, b: int) -> None:
-        """`reqs`: (tap slot, draft slot, (lo, hi)) an entry, hi - lo <= R."""
-        R, N = self.R, self.max_n * self.R
-        ts, ds, ps = [], [], []
-        for t, s, (lo, hi) in reqs:
-            pad = R - (hi - lo)
-            ts += [t] * (hi - lo) + [self.taps.scratch] * pad
-            ds += [s] * (hi - lo) + [self.pool.scratch] * pad
-            ps += list(range(lo, hi)) + [0] * pad
-        pad = (b - len(reqs)) * R
-        ts += [self.taps.scratch] * pad
-        ds += [self.pool.scratch] * pad
-        ps += [0] * pad
-        fill = [0] * (N - b * R)
-        self.row.load(ts + fill + ds + fill + ps, 0)
+        """`reqs`: (tap slot, draft slot, (lo, hi)) an entry, hi - lo <= R; each entry's rows
+        past hi and the bucket's entries past them pads (array ops in the pinned row)."""
+        R, N, m = self.R, self.max_n * self.R, len(reqs)
+        a = self.row.writable()
+        ts, ds, ps = (a[i * N:i * N + b * R].reshape(b, R) for i in range(3))
+        ts[m:], ds[m:], ps[m:] = self.taps.scratch, self.pool.scratch, 0
+        if m:
+            t, d, lo, hi = np.array([(e[0], e[1], *e[2]) for e in reqs], dtype=np.int64).T
+            rows = np.add.outer(lo, np.arange(R))
+            live = rows < hi[:, None]
+            ts[:m] = np.where(live, t[:, None], self.taps.scratch)
+            ds[:m] = np.where(live, d[:, None], self.pool.scratch)
+            ps[:m] = np.where(live, rows, 0)
+        self.row.send()
 
     def ingest(self, segs: list[tuple]) -> None:
         """Every entry's rows from its tap slot into its draft slot (`segments`), max_n entries

@@ -29,9 +29,19 @@ class HostRow:
     def load(self, ids, start: int) -> None:
         """ids[0 .. len(ids)) and the start written (the other ids keep their values), the row
         copied to the device."""
+        self.writable()[:len(ids)] = ids
+        self.send(start)
+
+    def writable(self):
+        """The pinned row as a numpy array to write in place (a graph's inputs filled by array
+        ops, not from Python lists), once the last copy has read it; `send` copies it."""
         if self._pending:
             self._copied.synchronize()  # the last copy has read the row
-        self._np[:len(ids)] = ids
+            self._pending = False
+        return self._np
+
+    def send(self, start: int = 0) -> None:
+        """The start written and the whole row copied to the device (asynchronously)."""
         self._np[self.n] = start
         self.dev.copy_(self.host, non_blocking=True)
         if self._copied is not None:
