@@ -1,0 +1,111 @@
+"""Batched DFlash on the GPU against solo: the shared draft forward's drafts left on the device for
+the next verify (batching/step_forward.py `DraftPatch`, in the graphed step) give every request
+its solo ids.
+
+The demo's trained tiny target and DFlash drafter (real acceptance: ~0.93 of the drafts on
+average, so a wrong draft reaching the verify would change the ids), twelve corpus prompts of different
+lengths and budgets, K 15, fixed. For fp32 and bf16: each request alone on a solo engine, then
+all twelve at once on engines of --max-batch 4 and 16, with the drafts left on the device
+(`DFlashDrafter.defers`, the default) and read back before the verify (defers off). Every
+batched run must give each request its solo ids (exit 1 otherwise); on CUDA the deferred runs
+must have patched drafts into a step (else the check checked nothing: exit 1).
+
+    python benchmarks/batched_drafts_check.py OUT_DIR [--device cuda|cpu]
+Writes OUT_DIR/batched_drafts_check.json and prints a line a run (~3 min on one H200, most of
+it the first compiles; the demo's checkpoints are trained first where the cache lacks them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    import torch
+    from tokenizers import Tokenizer
+
+    import memra_dist.batching.step_forward as sf
+    from memra_dist.app import open_engine
+    from memra_dist.config import RunConfig
+    from memra_dist.demo.corpus import CORPUS
+    from memra_dist.demo.tiny import demo_checkpoints
+    from memra_dist.demo.tiny_dflash import demo_dflash_dir
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("batched_drafts_check: no CUDA device", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    target, _ = demo_checkpoints(lambda s: print(f"[check] {s}", file=sys.stderr))
+    ddir = demo_dflash_dir(target)
+    tok = Tokenizer.from_file(str(target / "tokenizer.json"))
+    paras = [p for p in CORPUS.split("\n\n") if len(p) > 80]
+    reqs = []
+    for i in range(12):
+        ids = tok.encode(paras[i % len(paras)]).ids
+        reqs.append((ids[:8 + (i * 7) % max(1, len(ids) // 2)], 24 + (i * 5) % 40))
+    patched = [0]
+    real = sf.DraftPatch.apply
+
+    def counted(self, ids):
+        patched[0] += 1
+        return real(self, ids)
+
+    sf.DraftPatch.apply = counted
+
+    def cfg(dtype, **kw):
+        return RunConfig(model=str(target), drafter="dflash", draft_model=str(ddir), device=a.device, dtype=dtype,
+                         spec_k="fixed", k=15, **kw)
+
+    def batched(dtype, mb):
+        got, errs = {}, []
+        with open_engine(cfg(dtype), max_batch=mb) as eng:
+            def one(i, p, n):
+                try:
+                    got[i] = eng.generate(p, cfg(dtype, max_new_tokens=n)).token_ids
+                except BaseException as e:  # noqa: BLE001
+                    errs.append(repr(e))
+            ts = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(600)
+        return [got.get(i) for i in range(len(reqs))], errs
+
+    rows, ok = [], True
+    for dtype in ("fp32", "bf16"):
+        with open_engine(cfg(dtype)) as eng:
+            solo, acc = [], []
+            for p, n in reqs:
+                r = eng.generate(p, cfg(dtype, max_new_tokens=n))
+                solo.append(r.token_ids)
+                acc.append(r.stats.get("acceptance", 0.0))
+        for defers in (True, False):
+            DFlashDrafter.defers = defers
+            for mb in (4, 16):
+                patched[0] = 0
+                t0 = time.perf_counter()
+                got, errs = batched(dtype, mb)
+                same = sum(g == s for g, s in zip(got, solo))
+                row = dict(dtype=dtype, defers=defers, max_batch=mb, same=same, requests=len(reqs),
+                           steps_patched=patched[0], errors=errs[:2], solo_acceptance=round(sum(acc) / len(acc), 3),
+                           seconds=round(time.perf_counter() - t0, 1))
+                bad = same != len(reqs) or errs or (defers and a.device == "cuda" and not patched[0])
+                ok = ok and not bad
+                rows.append(row)
+                print(("ok  " if not bad else "BAD ") + json.dumps(row), flush=True)
+    DFlashDrafter.defers = True
+    (a.out / "batched_drafts_check.json").write_text(json.dumps({"ok": ok, "runs": rows}, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
