@@ -8,7 +8,7 @@ import torch
 
 from .errors import UserError
 
-__all__ = ["DTYPES", "resolve_device", "actor_device", "resolve_dtype", "Drainer", "device_label", "free_mb", "room_mb", "CudaMarks", "stream_marks",
+__all__ = ["DTYPES", "device_mark", "resolve_device", "actor_device", "resolve_dtype", "Drainer", "device_label", "free_mb", "room_mb", "CudaMarks", "stream_marks",
            "to_device"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -137,3 +137,14 @@ def to_device(values, device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def device_mark():
+    """A timing event recorded now on the current CUDA stream (None off CUDA): where a drafting
+    left on the device began, for its cost (`DeviceDrafts.ns_since`), or where the device's wait
+    for the engine loop ended (batching/device_idle.py)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev

@@ -60,7 +60,7 @@ def stage_readback(pv: torch.Tensor):
         return pv, None
     buf = torch.empty(pv.shape, dtype=pv.dtype, pin_memory=True)
     buf.copy_(pv, non_blocking=True)
-    ev = torch.cuda.Event()
+    ev = torch.cuda.Event(enable_timing=True)  # (also where the step's device work ends: device_idle.py)
     ev.record()
     return buf, ev
 

@@ -385,7 +385,7 @@ class BatchedBackend:
 
     def stats(self) -> dict:
         b = self.batcher
-        out = {**b.stats.as_dict(), "kv_rows": b.pool.rows, "block": BLOCK, "admitted_ahead": self.admission.ahead,
+        out = {**b.stats.as_dict(), **b.idle.as_dict(), "kv_rows": b.pool.rows, "block": BLOCK, "admitted_ahead": self.admission.ahead,
                "kv_blocks_used": b.pool.used_blocks, "kv_blocks_free": b.pool.free_blocks}
         if b.pool.cache:
             out["prefix_cache"] = b.pool.cache_stats()

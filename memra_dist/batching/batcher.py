@@ -46,6 +46,7 @@ import torch
 
 from ..errors import UserError
 from .blocks import BlockPool
+from .device_idle import DeviceIdle
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
 from .loop_rounds import chain_rounds, choose_first_k
@@ -122,6 +123,7 @@ class Batcher(Residency):
         self.ahead_rids: set = set()  # the requests of the step launched behind the running one (ahead.py)
         self._wakes: list[Chain] = []  # chains with a new round (or ended), their threads not yet woken
         self.stats = BatchStats()
+        self.idle = DeviceIdle()  # the device's waits for the loop between steps, by CUDA events
         self.step_ids = StepIds()
         self.inflight = InFlight()  # prompt blocks admitted requests compute and have not published (prefix_cache.py)
         self.auto_k = False  # --spec-k auto: each chained request's K chosen every step by goodput (specdec/spec_k.py)
@@ -360,6 +362,8 @@ class Batcher(Residency):
                 t_next = time.perf_counter_ns()
                 ahead = (launch(self, nxt, (), ids_dev=out.pred), t_next)  # its ids: this step's argmax
         self._hand_out(take, out, staged)
+        self.idle.fold()  # (the readback passed every event recorded before it)
+        self.idle.ready(staged[1] if staged is not None and nxt is None else None)
         return out, nxt, ahead, t0, time.perf_counter_ns()
 
     @staticmethod

@@ -44,7 +44,7 @@ from ..graphs import CapturedGraph
 from .calibrate import best_ns
 from .job import Job
 from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
-from .step_forward import layers, scatter_taps
+from .step_forward import layers, mark_launch, scatter_taps
 from .take import PREFILL_TAIL_ROWS
 
 __all__ = ["StepGraphs", "bucket_rows", "graph_rows", "row_class", "tail_bucket", "PREFILL_TAIL_ROWS"]
@@ -263,6 +263,7 @@ class StepGraphs:
             st.views()[0][:ids_dev.shape[0]].copy_(ids_dev)
         if patch is not None:
             patch.apply(st.views()[0])
+        mark_launch(self.b)
         st.graph.replay()
         if launched is not None:
             launched()

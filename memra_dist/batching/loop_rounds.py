@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from ..specdec.drafters.dflash_pool_graph import device_mark
+from ..device import device_mark
 from ..specdec.spec_k import Others, choose
 from .chain_drafts import maintain_rounds, propose_rounds
 from .job import Job
@@ -57,8 +57,10 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             if ch.k_step == 0 and ch.shadow():
                 b.stats.shadows += 1
     t = time.perf_counter_ns()
-    # where the drafting's device work begins, for a drafter that may leave its drafts there
-    mark = device_mark() if b.auto_k and any(ch.drafter.defers for ch in settled) else None
+    # where the drafting's device work begins (the device's wait for the loop ends: device_idle.py;
+    # --spec-k auto: the cost of a drafting whose drafts stay on the device)
+    mark = device_mark() if any(not ch.drafter.host_only for ch in settled) else None
+    b.idle.drafting(mark)
     maintained = maintain_rounds(settled)
     t2 = time.perf_counter_ns()
     b.stats.maint_ns += t2 - t
@@ -78,6 +80,8 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             if ch.k_step is not None:
                 count_k(b, ch, max(ch.draft_k(), 0))
     proposed = propose_rounds(going, b.stats)
+    if mark is not None:
+        b.idle.drafted(device_mark())  # (on the device: fires as the drafting's last kernel is done)
     t3 = time.perf_counter_ns()
     b.stats.draft_ns += t3 - t2
     if b.auto_k:  # drafting's time: the maintenance (skipped at K 0) and the proposals

@@ -15,7 +15,7 @@ import torch
 from ..model.layers import rope_rows
 from ..model.tap_pool import pooled
 from ..model.taps import FINAL
-from ..device import to_device
+from ..device import device_mark, to_device
 from ..model.transformer import StepCtx
 from .job import Job, Launched
 from .laps import timed_step
@@ -54,12 +54,14 @@ def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -
                 j.host_ids()
         patch = DraftPatch.of(jobs)
         if any(j.timer is not None for j in jobs):  # level 2: the step's own sub-split (laps.py)
+            mark_launch(b)
             return timed_step(b, jobs, ids_dev, eager)
         if b.graphs is not None and b.graphs.eligible(jobs):
             out = b.graphs.run(jobs, lambda: wake(wakes), ids_dev,
                                any(j.chain is None or not j.chain.greedy for j in jobs), patch)
             if out is not None:
                 return out
+        mark_launch(b)
         return eager(b, jobs, ids_dev, patch=patch)
     finally:
         wake(wakes)  # again (a no-op once woken): also when the step failed before its launch
@@ -92,6 +94,14 @@ class DraftPatch:
         for dd, rows, src in self.parts:
             at = to_device(rows + src, ids.device)  # (one copy of both index rows)
             ids.index_copy_(0, at[:len(rows)], dd.ids.view(-1)[at[len(rows):]])
+
+
+def mark_launch(b) -> None:
+    """The step's first launch comes now: the device's wait for the loop since the step before
+    ends here (device_idle.py; graphs.py marks it right before its replay)."""
+    idle = getattr(b, "idle", None)
+    if idle is not None:
+        idle.verify(device_mark())
 
 
 def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None, patch=None) -> torch.Tensor:

@@ -46,7 +46,7 @@ from .dflash_compile import compiled_pieces, warn_fallback
 from .draft_pool import paged_pool_attention, pooled_attention
 from .host_row import HostRow
 
-__all__ = ["PoolBlockGraphs", "PoolIngestGraphs", "DeviceDrafts", "device_mark", "pays", "buckets"]
+__all__ = ["PoolBlockGraphs", "PoolIngestGraphs", "DeviceDrafts", "pays", "buckets"]
 
 CATCHUP_REPLAYS = 4  # ingest replays a step's maintenance may take (PoolIngestGraphs.segments)
 MAX_GATHER_ROWS = 1 << 17  # slot rows x requests a layer's attention may gather whole (~0.5 GB at 8 x 128 bf16)
@@ -198,16 +198,6 @@ class PoolBlockGraphs(_BucketGraphs):
         if defer:
             return DeviceDrafts(g.out[:len(slots)])
         return g.out[:len(slots)].tolist()
-
-
-def device_mark():
-    """A timing event recorded now on the current CUDA stream (None off CUDA): where a drafting
-    left on the device began, for its cost (`DeviceDrafts.ns_since`)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
 
 
 class DeviceDrafts:
