@@ -75,13 +75,16 @@ class DeviceIdle:
         >>> d.ready(None); d.verify(Ev(50.0)); d.fold(); d.steps  # launched ahead: nothing between
         3
         """
-        for ready, drafting, drafted, verify in self._closed:
-            first = drafting if drafting is not None else verify
-            self.after_ns += max(0.0, ready.elapsed_time(first) * 1e6)
-            if drafted is not None:
-                self.before_verify_ns += max(0.0, drafted.elapsed_time(verify) * 1e6)
+        closed, self._closed = self._closed, []
+        for ready, drafting, drafted, verify in closed:
+            try:  # (a diagnostic: an event it cannot read skips the record, never the step)
+                after = ready.elapsed_time(drafting if drafting is not None else verify)
+                before = drafted.elapsed_time(verify) if drafted is not None else 0.0
+            except RuntimeError:
+                continue
+            self.after_ns += max(0.0, after * 1e6)
+            self.before_verify_ns += max(0.0, before * 1e6)
             self.steps += 1
-        self._closed = []
 
     def as_dict(self) -> dict:
         """Per step measured (ms), and the steps."""
