@@ -49,6 +49,7 @@ from .blocks import BlockPool
 from .device_idle import DeviceIdle
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
+from .chain_drafts import pre_maintain
 from .loop_rounds import chain_rounds, choose_first_k
 from .job import BatchStep, Job
 from ..specdec.spec_k import EngineAcceptance, StepCost
@@ -352,6 +353,7 @@ class Batcher(Residency):
         nxt = staged = ahead = None
         if not isinstance(out, BaseException):
             staged = stage_readback(out.pv)  # before anything is launched behind it
+            self.stats.pre_maintained += pre_maintain(take)  # (behind the readback's copy: it waits for the step alone)
             try:  # (queued primes run before the next step: none is launched behind this one)
                 nxt = plan_ahead(self, take) if not self.primes else None
             except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)

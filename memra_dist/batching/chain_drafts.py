@@ -15,9 +15,10 @@ forward ends the chains that took part in it (each session raises it as it would
 
 from __future__ import annotations
 
+import sys
 import time
 
-__all__ = ["maintain_rounds", "propose_rounds"]
+__all__ = ["maintain_rounds", "pre_maintain", "propose_rounds"]
 
 
 def _groups(chains, proposing: bool) -> list[tuple[list, bool]]:
@@ -53,6 +54,44 @@ def _alone(chains) -> bool:
     return not any(ch.drafter.batched for ch in chains)
 
 
+def pre_maintain(jobs) -> int:
+    """Right behind a step, before its readback: the untraced chained rounds whose drafter
+    maintains ahead (`pre_maintains`: DFlash, dflash_batch.py pre_ingest_many) have their verify
+    rows ingested now, whatever the acceptance, one shared forward a drafter class; their
+    maintenance after the accept then finds its rows done. (A traced round's maintenance keeps
+    its own phase.) An error here leaves the rounds to their usual maintenance (one warning).
+    Returns the rounds pre-maintained."""
+    groups: dict[type, list] = {}
+    for j in jobs:
+        ch = j.chain
+        if ch is None or ch.ended or j.void or ch.timed or j.n < 2 or not ch.drafter.pre_maintains:
+            continue
+        groups.setdefault(type(ch.drafter), []).append((ch.drafter, (j.start, j.start + j.n)))
+    done = 0
+    for cls, items in groups.items():
+        try:
+            done += cls.pre_maintain_many([d for d, _ in items], [r for _, r in items])
+        except Exception as e:  # noqa: BLE001 (an optimisation: the maintenance after the accept still runs)
+            _clear_pre([d for d, _ in items])
+            if not _WARNED:
+                _WARNED.append(True)
+                print(f"[memra] pre-maintenance failed ({type(e).__name__}: {e}); rounds maintained after "
+                      "their accept", file=sys.stderr, flush=True)
+    return done
+
+
+_WARNED: list = []
+
+
+def _clear_pre(drafters) -> None:
+    """What pre_maintain ingested is for the maintenance right after that step only: a round
+    that skipped it (K 0 next) later catches up on its rows as committed then."""
+    for d in drafters:
+        d = getattr(d, "inner", d)
+        if getattr(d, "pre", None) is not None:
+            d.pre = None
+
+
 def maintain_rounds(chains) -> list:
     """Each settled chain's drafter maintained and its round handed over (chain.Chain.maintained);
     returns the chains whose maintenance did not fail."""
@@ -80,6 +119,7 @@ def maintain_rounds(chains) -> list:
             ok.extend(group)
         except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own requests only)
             _fail(group, e)
+    _clear_pre([ch.drafter for ch in chains])
     return ok
 
 

@@ -69,6 +69,7 @@ class Drafter:
     device: torch.device | None = None  # device the drafter's state lives on (None: host only)
     host_only = False  # propose / maintain touch nothing but host lists (batching/chain.py may run them)
     defers = False  # propose_many(..., defer=True) may leave greedy drafts on the device (Proposal.dev)
+    pre_maintains = False  # pre_maintain_many(drafters, rows): a round's maintenance ingested behind its verify
     # the step leader may run a batched greedy request's rounds (batching/chain.py): host drafters,
     # and device drafters that draft many requests in one forward (`batched`)
     chains = False

@@ -32,7 +32,7 @@ from ...cache import KVLayer
 from ...model.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
-from .dflash_batch import ingest_many, prime_many, propose_many
+from .dflash_batch import ingest_many, pre_ingest_many, prime_many, propose_many
 from .dflash_graph import block_graphs
 
 
@@ -50,9 +50,14 @@ class DFlashDrafter(Drafter):
     chains = True
     batched = True
     defers = True  # the shared forward's graphed greedy drafts may stay on the device until the verify
+    pre_maintains = True  # (False: each round's maintenance after its accept, as before)
     catches_up = True  # propose commits the rows from its n on (base.py)
     loop_prime = True  # a batched engine's loop allocates and primes it (base.py)
     maintain_many = staticmethod(ingest_many_of_contexts)
+    # a batched engine's untraced rounds ingest their verify rows right behind the verify, before
+    # its readback (dflash_batch.py pre_ingest_many; batching/chain_drafts.py pre_maintain)
+    pre_maintain_many = staticmethod(pre_ingest_many)
+    pre = None  # (lo, hi): rows pre_ingest_many ingested for the next maintenance
     propose_many = staticmethod(propose_many)
     prime_many = staticmethod(prime_many)  # a batched engine's loop primes its new requests together
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
@@ -91,7 +96,7 @@ class DFlashDrafter(Drafter):
             self.graph = block_graphs(self)
             if self.graph is not None:
                 self.graph.warm()  # every row count captured here, none inside a round
-        self.n = 0
+        self.n, self.pre = 0, None
         return sum(s.nbytes() for s in self.states) / 2**20
 
     def _taps(self):
@@ -121,12 +126,13 @@ class DFlashDrafter(Drafter):
         self.n = upto
 
     def prime(self, prompt: list[int], chunks: list[tuple[int, int]] | None = None) -> None:
-        self.n = 0
+        self.n, self.pre = 0, None
         for _lo, hi in chunks or [(0, len(prompt))]:  # one ingest per target chunk: bounded feature rows
             self._ingest(hi, self.ttft_depth)
 
     def maintain(self, context) -> None:
         upto = len(context) - 1
+        self.pre = None
         if self.graph is not None and self.graph.ingests_rows(upto - self.n):
             self.graph.ingest(self.n, upto)  # the round's a + 1 rows, replayed (dflash_graph.py)
             self.n = upto

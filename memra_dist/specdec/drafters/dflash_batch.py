@@ -28,12 +28,17 @@ from .base import EMPTY, Proposal
 from ...device import to_device
 from .draft_pool import pool_of, pooled_attention
 
-__all__ = ["ingest_many", "propose_many", "prime_many"]
+__all__ = ["ingest_many", "pre_ingest_many", "propose_many", "prime_many"]
 
 
 @torch.inference_mode()
 def ingest_many(drafters, uptos: list[int]) -> None:
-    """Each drafter's context rows [its n, upto) ingested, all in one forward."""
+    """Each drafter's context rows [its n, upto) ingested, all in one forward (none for a drafter
+    whose rows the step's `pre_ingest_many` already ingested)."""
+    for d, u in zip(drafters, uptos):
+        if d.pre is not None and d.pre[0] == d.n < u <= d.pre[1]:
+            d.n = u
+        d.pre = None
     todo = [(d, u) for d, u in zip(drafters, uptos) if u > d.n]
     if not todo:
         return
@@ -61,6 +66,32 @@ def ingest_many(drafters, uptos: list[int]) -> None:
         d.n = u
 
 
+@torch.inference_mode()
+def pre_ingest_many(drafters, rows: list[tuple[int, int]]) -> int:
+    """Right behind a verify step, before its readback: each drafter's verify rows [lo, hi) (its
+    pending token's and its drafts', `lo` its n) from the step's taps into its draft slot, in the
+    ingest graphs' replays, whatever the acceptance. The maintenance after the accept then finds
+    its rows done (`pre`: ingest_many) and the draft forward is the first launch after the
+    readback; the device ingests while the loop reads the step back and accepts. The rows past
+    the accepted ones are scratch: the next block forward writes its K/V at start .. start + B - 1
+    (start: the committed rows, >= lo + 1; hi - lo <= K + 1 <= B) before its attention reads them,
+    as it writes over a solo drafter's last block (dflash.py `block_logits`). Only drafters in the
+    pool's ingest graphs, their rows one entry each; the others are maintained as usual. Returns
+    how many were ingested."""
+    todo = [(d, lo, hi) for d, (lo, hi) in zip(drafters, rows) if d.n == lo < hi]
+    pool = pool_of([d for d, _, _ in todo]) if todo else None
+    g = pool.ingest_graphs if pool is not None else None
+    if g is None:
+        return 0
+    segs = g.segments([d._taps() for d, _, _ in todo], [d.pool_slot for d, _, _ in todo], [(lo, hi) for _, lo, hi in todo])
+    if segs is None or len(segs) != len(todo):  # (a row range past the graphs' entry: the usual maintenance)
+        return 0
+    g.ingest(segs)
+    for d, lo, hi in todo:
+        d.pre = (lo, hi)
+    return len(todo)
+
+
 def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, int]] | None], rows: int = 0) -> None:
     """Each drafter primed on its prompt (DFlashDrafter.prime: every prompt row ingested), the
     requests' chunks packed into shared ingests of at most `rows` rows (the target's prefill
@@ -68,7 +99,7 @@ def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, 
     engine loop primes a step's new requests together (batching/primes.py)."""
     lists = [cs or [(0, len(p))] for p, cs in zip(prompts, chunks)]
     for d in drafters:
-        d.n = 0
+        d.n, d.pre = 0, None
     for pack in pack_chunks(lists, max(rows, max(hi - lo for cs in lists for lo, hi in cs))):
         ingest_many([drafters[i] for i, _, _ in pack], [hi for _, _, hi in pack])
 

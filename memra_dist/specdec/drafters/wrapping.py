@@ -34,6 +34,14 @@ class Wrapping(Drafter):
         return getattr(self.inner, "catches_up", False)
 
     @property
+    def pre_maintains(self) -> bool:
+        return getattr(self.inner, "pre_maintains", False)
+
+    @staticmethod
+    def pre_maintain_many(drafters, rows) -> int:
+        return type(drafters[0].inner).pre_maintain_many([d.inner for d in drafters], rows)
+
+    @property
     def loop_prime(self) -> bool:
         return getattr(self.inner, "loop_prime", False)
 
