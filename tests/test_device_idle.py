@@ -33,6 +33,7 @@ def _fake_events(monkeypatch, seen: list):
     real_stage = bt.stage_readback
     monkeypatch.setattr(bt, "stage_readback", lambda pv: (real_stage(pv)[0], _Ev()))
     monkeypatch.setattr(lr, "device_mark", _Ev)
+    monkeypatch.setattr(bt, "device_mark", _Ev)
     monkeypatch.setattr(sf, "device_mark", _Ev)
     real_fold = DeviceIdle.fold
 

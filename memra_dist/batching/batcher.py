@@ -47,6 +47,7 @@ import torch
 from ..errors import UserError
 from .blocks import BlockPool
 from .device_idle import DeviceIdle
+from ..device import device_mark
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
 from .chain_drafts import pre_maintain
@@ -350,10 +351,13 @@ class Batcher(Residency):
             out = launch(self, take, wakes)
         else:
             out, t0 = behind
-        nxt = staged = ahead = None
+        nxt = staged = ahead = busy = None
         if not isinstance(out, BaseException):
             staged = stage_readback(out.pv)  # before anything is launched behind it
-            self.stats.pre_maintained += pre_maintain(take)  # (behind the readback's copy: it waits for the step alone)
+            pre = pre_maintain(take)  # (behind the readback's copy: that waits for the step alone)
+            if pre:
+                self.stats.pre_maintained += pre
+                busy = device_mark()  # the device's work for this step ends with that ingest (device_idle.py)
             try:  # (queued primes run before the next step: none is launched behind this one)
                 nxt = plan_ahead(self, take) if not self.primes else None
             except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
@@ -365,7 +369,7 @@ class Batcher(Residency):
                 ahead = (launch(self, nxt, (), ids_dev=out.pred), t_next)  # its ids: this step's argmax
         self._hand_out(take, out, staged)
         self.idle.fold()  # (the readback passed every event recorded before it)
-        self.idle.ready(staged[1] if staged is not None and nxt is None else None)
+        self.idle.ready((busy or staged[1]) if staged is not None and nxt is None else None)
         return out, nxt, ahead, t0, time.perf_counter_ns()
 
     @staticmethod

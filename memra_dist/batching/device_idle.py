@@ -4,7 +4,9 @@ The loop's `gap_ms` (stats.py) is host time, from a step's end to the next one's
 not the device's idle: a shared draft forward left on the device (dflash_pool_graph.py
 DeviceDrafts) runs inside it. Here each step read back opens a record, and its events say what
 the device did after it:
-  ready     the step's readback copy done (the device's last work for it: ahead.py stage_readback)
+  ready     the step's readback copy done (the device's last work for it: ahead.py stage_readback),
+            or, where rounds' maintenance was queued behind it (chain_drafts.py pre_maintain), that
+            maintenance done
   drafting  recorded just before the next drafting's first launch (its maintenance), where the
             settled rounds draft on the device (loop_rounds.py)
   drafted   recorded behind the drafting's last launch: on the device it fires when the drafts are
