@@ -47,6 +47,23 @@ def _chain_graphs(b):
     return g
 
 
+def _dflash_pool_graphs(b):
+    """DFlash's shared block forward and maintenance over the backend's pools as graphs of an
+    emulated capture (block 4, K 3, up to 4 requests: buckets 2 and 4), installed as the
+    engine's GPU path installs them -> (block graphs, ingest graphs)."""
+    from graph_emulator import EmulatedCapture
+
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs
+
+    b.draft_pool.alloc(CAP + 4)
+    b.batcher.tap_pool.alloc(CAP)
+    g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture)
+    ing = PoolIngestGraphs(b.tap_net, b.draft_pool, b.batcher.tap_pool, 4, 4, graph_cls=EmulatedCapture)
+    assert g.warm() == 2 and ing.warm() == 2
+    b.draft_pool.graphs, b.draft_pool.ingest_graphs = g, ing
+    return g, ing
+
+
 def _mostly_k_0(monkeypatch, llama, drafter: str, reqs, ddir, on_open):
     """`reqs` batched four at a time under --spec-k auto whose choice is stood in for: each
     request's bound for two steps, then K 0 for six -> (ids, stats)."""
@@ -289,12 +306,10 @@ def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest
     takes (K + 1). Its rows go in as several entries (`PoolIngestGraphs.segments`), replayed
     like a round's, never as an eager ingest; every proposal equals the request's solo one at
     that context, and the ids are the solo ids."""
-    from graph_emulator import EmulatedCapture
-
     import memra_dist.batching.loop_rounds as lr
     import memra_dist.specdec.drafters.dflash_batch as db
     from memra_dist.specdec.drafters.dflash import DFlashDrafter
-    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolIngestGraphs
 
     ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)  # block 4, mask id 1
     made, longest, eager, in_loop = [], [0], [], []
@@ -323,15 +338,8 @@ def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest
             in_loop.pop()
 
     def on_open(eng):
-        b = eng._backend
-        b.batcher.auto_k = True
-        b.draft_pool.alloc(CAP + 4)
-        b.batcher.tap_pool.alloc(CAP)
-        g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture)
-        ing = PoolIngestGraphs(b.tap_net, b.draft_pool, b.batcher.tap_pool, 4, 4, graph_cls=EmulatedCapture)
-        assert g.warm() == 2 and ing.warm() == 2
-        b.draft_pool.graphs, b.draft_pool.ingest_graphs = g, ing
-        made.extend((g, ing))
+        eng._backend.batcher.auto_k = True
+        made.extend(_dflash_pool_graphs(eng._backend))
 
     monkeypatch.setattr(PoolIngestGraphs, "segments", segments)
     monkeypatch.setattr(DFlashDrafter, "_ingest", ingest)
@@ -354,11 +362,9 @@ def test_a_dflash_rounds_verify_rows_are_ingested_behind_the_verify(llama, tmp_p
     nothing, since the rows past the accepted ones are written again by the next block forward
     before it reads them. Every proposal equals the request's solo proposal and the ids are the
     solo ids, with the pre-maintenance on and off (`DFlashDrafter.pre_maintains`)."""
-    from graph_emulator import EmulatedCapture
-
     import memra_dist.batching.loop_rounds as lr
     from memra_dist.specdec.drafters.dflash import DFlashDrafter
-    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolIngestGraphs
 
     monkeypatch.setattr(DFlashDrafter, "pre_maintains", pre)
     ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)
@@ -377,14 +383,7 @@ def test_a_dflash_rounds_verify_rows_are_ingested_behind_the_verify(llama, tmp_p
         return real_ingest(self, segs)
 
     def on_open(eng):
-        b = eng._backend
-        b.draft_pool.alloc(CAP + 4)
-        b.batcher.tap_pool.alloc(CAP)
-        g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture)
-        ing = PoolIngestGraphs(b.tap_net, b.draft_pool, b.batcher.tap_pool, 4, 4, graph_cls=EmulatedCapture)
-        assert g.warm() == 2 and ing.warm() == 2
-        b.draft_pool.graphs, b.draft_pool.ingest_graphs = g, ing
-        made.extend((g, ing))
+        made.extend(_dflash_pool_graphs(eng._backend))
 
     monkeypatch.setattr(lr, "maintain_rounds", maintain_rounds)
     monkeypatch.setattr(PoolIngestGraphs, "ingest", ingest)
