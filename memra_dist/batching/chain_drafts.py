@@ -72,7 +72,8 @@ def pre_maintain(jobs) -> int:
         try:
             done += cls.pre_maintain_many([d for d, _ in items], [r for _, r in items])
         except Exception as e:  # noqa: BLE001 (an optimisation: the maintenance after the accept still runs)
-            _clear_pre([d for d, _ in items])
+            for d, _ in items:
+                d.drop_pre()
             if not _WARNED:
                 _WARNED.append(True)
                 print(f"[memra] pre-maintenance failed ({type(e).__name__}: {e}); rounds maintained after "
@@ -81,15 +82,6 @@ def pre_maintain(jobs) -> int:
 
 
 _WARNED: list = []
-
-
-def _clear_pre(drafters) -> None:
-    """What pre_maintain ingested is for the maintenance right after that step only: a round
-    that skipped it (K 0 next) later catches up on its rows as committed then."""
-    for d in drafters:
-        d = getattr(d, "inner", d)
-        if getattr(d, "pre", None) is not None:
-            d.pre = None
 
 
 def maintain_rounds(chains) -> list:
@@ -119,7 +111,9 @@ def maintain_rounds(chains) -> list:
             ok.extend(group)
         except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own requests only)
             _fail(group, e)
-    _clear_pre([ch.drafter for ch in chains])
+    for ch in chains:  # (what pre_maintain ingested served this maintenance only: a round that
+        if ch.drafter.pre_maintains:  # skipped it, K 0 next, catches up later on its rows as committed then)
+            ch.drafter.drop_pre()
     return ok
 
 

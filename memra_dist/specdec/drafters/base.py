@@ -70,6 +70,7 @@ class Drafter:
     host_only = False  # propose / maintain touch nothing but host lists (batching/chain.py may run them)
     defers = False  # propose_many(..., defer=True) may leave greedy drafts on the device (Proposal.dev)
     pre_maintains = False  # pre_maintain_many(drafters, rows): a round's maintenance ingested behind its verify
+
     # the step leader may run a batched greedy request's rounds (batching/chain.py): host drafters,
     # and device drafters that draft many requests in one forward (`batched`)
     chains = False
@@ -84,6 +85,10 @@ class Drafter:
     # device): the request's thread only waits (batching/batcher.py `prime`); the class's
     # `prime_many(drafters, prompts, chunks)`, where it has one, primes many in shared forwards
     loop_prime = False
+
+    def drop_pre(self) -> None:
+        """Forget what `pre_maintain_many` ingested ahead: it serves the maintenance right after
+        its step only (batching/chain_drafts.py)."""
 
     @property
     def batch_key(self):

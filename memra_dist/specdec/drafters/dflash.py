@@ -58,6 +58,9 @@ class DFlashDrafter(Drafter):
     # its readback (dflash_batch.py pre_ingest_many; batching/chain_drafts.py pre_maintain)
     pre_maintain_many = staticmethod(pre_ingest_many)
     pre = None  # (lo, hi): rows pre_ingest_many ingested for the next maintenance
+
+    def drop_pre(self) -> None:
+        self.pre = None
     propose_many = staticmethod(propose_many)
     prime_many = staticmethod(prime_many)  # a batched engine's loop primes its new requests together
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)

@@ -41,6 +41,9 @@ class Wrapping(Drafter):
     def pre_maintain_many(drafters, rows) -> int:
         return type(drafters[0].inner).pre_maintain_many([d.inner for d in drafters], rows)
 
+    def drop_pre(self) -> None:
+        self.inner.drop_pre()
+
     @property
     def loop_prime(self) -> bool:
         return getattr(self.inner, "loop_prime", False)
