@@ -176,7 +176,12 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
 
     from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs, buckets
 
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+
     assert buckets(4) == [2, 4] and buckets(6) == [2, 4, 6] and buckets(1) == []
+    # (each proposal's forward after its step's readback, one replay a shared forward, counted
+    # below; drafted before the readback: test_a_dflash_rounds_verify_rows_are_ingested_behind_the_verify)
+    monkeypatch.setattr(DFlashDrafter, "drafts_early", False)
     ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)  # block 4, mask id 1
     made = []
 
@@ -354,19 +359,31 @@ def test_a_dflash_request_back_from_k_0_rounds_catches_up_in_the_replayed_ingest
     _proposals_as_alone(seen, alone)
 
 
-@pytest.mark.parametrize("pre", [True, False])
-def test_a_dflash_rounds_verify_rows_are_ingested_behind_the_verify(llama, tmp_path_factory, monkeypatch, pre):
+@pytest.mark.parametrize("pre,early", [(True, True), (True, False), (False, False)])
+def test_a_dflash_rounds_verify_rows_are_ingested_behind_the_verify(llama, tmp_path_factory, monkeypatch, pre, early):
     """Untraced DFlash rounds over the pool's graphs: right behind each verify, before its
     readback, every verify row's taps go into the request's draft slot, the rejected drafts'
     too (dflash_batch.py pre_ingest_many); the maintenance after the accept then ingests
     nothing, since the rows past the accepted ones are written again by the next block forward
-    before it reads them. Every proposal equals the request's solo proposal and the ids are the
-    solo ids, with the pre-maintenance on and off (`DFlashDrafter.pre_maintains`)."""
+    before it reads them. `early`: the next round's drafts are made there too, the acceptance
+    found on the device (draft_early_many), and the proposal after the accept takes them: the
+    block graphs replay after the readback only for the rounds not drafted early. Every
+    proposal equals the request's solo proposal and the ids are the solo ids, with each of
+    these on and off (`DFlashDrafter.pre_maintains`, `drafts_early`)."""
     import memra_dist.batching.loop_rounds as lr
     from memra_dist.specdec.drafters.dflash import DFlashDrafter
-    from memra_dist.specdec.drafters.dflash_pool_graph import PoolIngestGraphs
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs
 
     monkeypatch.setattr(DFlashDrafter, "pre_maintains", pre)
+    monkeypatch.setattr(DFlashDrafter, "drafts_early", early)
+    late = [0]  # block forwards replayed after a readback (the proposals' own)
+    real_greedy = PoolBlockGraphs.greedy
+
+    def greedy(self, *a, **k):
+        late[0] += 1
+        return real_greedy(self, *a, **k)
+
+    monkeypatch.setattr(PoolBlockGraphs, "greedy", greedy)
     ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)
     made, in_maint, maint_replays = [], [], [0]
     real_rounds, real_ingest = lr.maintain_rounds, PoolIngestGraphs.ingest
@@ -396,6 +413,11 @@ def test_a_dflash_rounds_verify_rows_are_ingested_behind_the_verify(llama, tmp_p
         assert maint_replays[0] < 0.2 * stats["draft_batches"], (maint_replays, stats)
     else:
         assert stats["pre_maintained_rounds"] == 0 and maint_replays[0] > 0.5 * stats["draft_batches"], (maint_replays, stats)
+    if early:  # most proposals were drafted before the readback; those after it are new requests' and the odd rest
+        assert stats["early_drafted_rounds"] > 0.5 * stats["chained_rounds"], stats
+        assert late[0] < 0.5 * stats["draft_batches"], (late, stats)
+    else:
+        assert stats["early_drafted_rounds"] == 0 and late[0] >= stats["draft_batches"] > 0, (late, stats)
 
 
 def test_pooled_tap_sinks_scatter_and_gather_as_their_own_sinks():

@@ -50,7 +50,7 @@ from .device_idle import DeviceIdle
 from ..device import device_mark
 from .ahead import plan_ahead, stage_readback, take_readback
 from .chain import Chain
-from .chain_drafts import pre_maintain
+from .chain_drafts import draft_early, pre_maintain
 from .loop_rounds import chain_rounds, choose_first_k
 from .job import BatchStep, Job
 from ..specdec.spec_k import EngineAcceptance, StepCost
@@ -127,6 +127,7 @@ class Batcher(Residency):
         self.stats = BatchStats()
         self.idle = DeviceIdle()  # the device's waits for the loop between steps, by CUDA events
         self.step_ids = StepIds()
+        self.launch_ids = None  # the ids of the step last launched, on the device (step_forward.py)
         self.inflight = InFlight()  # prompt blocks admitted requests compute and have not published (prefix_cache.py)
         self.auto_k = False  # --spec-k auto: each chained request's K chosen every step by goodput (specdec/spec_k.py)
         # ... from this fit of the steps' time by their rows (by bucket where steps replay graphs)
@@ -357,6 +358,7 @@ class Batcher(Residency):
             pre = pre_maintain(take)  # (behind the readback's copy: that waits for the step alone)
             if pre:
                 self.stats.pre_maintained += pre
+                self.stats.early_drafted += draft_early(take, out.pred, out.ids)  # (their next drafts)
                 busy = device_mark()  # the device's work for this step ends with that ingest (device_idle.py)
             try:  # (queued primes run before the next step: none is launched behind this one)
                 nxt = plan_ahead(self, take) if not self.primes else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["maintain_rounds", "pre_maintain", "propose_rounds"]
+__all__ = ["maintain_rounds", "pre_maintain", "draft_early", "propose_rounds", "drop_pre"]
 
 
 def _groups(chains, proposing: bool) -> list[tuple[list, bool]]:
@@ -84,6 +84,49 @@ def pre_maintain(jobs) -> int:
 _WARNED: list = []
 
 
+def draft_early(jobs, pred, ids) -> int:
+    """Right behind `pre_maintain`, before the step's readback: the pre-maintained greedy rounds
+    whose drafter drafts early (`drafts_early`: DFlash, dflash_batch.py draft_early_many) have
+    their next round's drafts made now, the acceptance found on the device from the step's
+    argmax rows `pred` and input ids `ids`, one shared forward a drafter class; the proposal
+    after the accept takes them where the request goes on as the device accepted (an ended
+    request's are dropped). The device then drafts while the loop reads back and accepts. An
+    error here leaves the rounds to their usual proposal (one warning). Returns the rounds
+    drafted."""
+    if ids is None:
+        return 0
+    groups: dict[type, list] = {}
+    p = i = 0
+    for j in jobs:
+        ch = j.chain
+        if (ch is not None and not ch.ended and not j.void and ch.greedy and not ch.timed and j.n >= 2
+                and ch.drafter.drafts_early):
+            groups.setdefault(type(ch.drafter), []).append((ch.drafter, (j.start, p, i, j.n - 1)))
+        p += 1 if j.last else j.n
+        i += j.n
+    done = 0
+    for cls, items in groups.items():
+        try:
+            done += cls.draft_early_many([d for d, _ in items], [v for _, v in items], pred, ids)
+        except Exception as e:  # noqa: BLE001 (an optimisation: the proposal after the accept still runs)
+            for d, _ in items:
+                d.drop_pre()
+            if not _WARNED:
+                _WARNED.append(True)
+                print(f"[memra] early drafting failed ({type(e).__name__}: {e}); rounds drafted after "
+                      "their accept", file=sys.stderr, flush=True)
+    return done
+
+
+def drop_pre(chains) -> None:
+    """What `pre_maintain` and `draft_early` made for these chains' drafters served this step's
+    maintenance and proposals only (a round that skipped them, K 0 next, catches up later on its
+    rows as committed then)."""
+    for ch in chains:
+        if ch.drafter.pre_maintains:
+            ch.drafter.drop_pre()
+
+
 def maintain_rounds(chains) -> list:
     """Each settled chain's drafter maintained and its round handed over (chain.Chain.maintained);
     returns the chains whose maintenance did not fail."""
@@ -111,9 +154,6 @@ def maintain_rounds(chains) -> list:
             ok.extend(group)
         except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own requests only)
             _fail(group, e)
-    for ch in chains:  # (what pre_maintain ingested served this maintenance only: a round that
-        if ch.drafter.pre_maintains:  # skipped it, K 0 next, catches up later on its rows as committed then)
-            ch.drafter.drop_pre()
     return ok
 
 

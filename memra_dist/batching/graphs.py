@@ -160,6 +160,7 @@ class StepGraphs:
         self.tail_top = 0  # ... in steps of up to this many rows (the largest tail bucket warm captured)
         self.timings: list[tuple[int, float]] = []  # (rows, ns) of the buckets timed at warm-up
         self.timing_s = 0.0  # ... and the seconds their timing took
+        self.last_ids: torch.Tensor | None = None  # the ids of the step last replayed (padded)
 
     def eligible(self, jobs) -> bool:
         """Decode / verify rows up to the largest bucket's rows, in no more segments than the
@@ -265,6 +266,7 @@ class StepGraphs:
             patch.apply(st.views()[0])
         mark_launch(self.b)
         st.graph.replay()
+        self.last_ids = st.views()[0]  # (the step's ids on the device, until the next load of its bucket)
         if launched is not None:
             launched()
         rows = sum(j.n for j in jobs)

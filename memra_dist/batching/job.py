@@ -76,9 +76,10 @@ class Job:
 class Launched:
     """A step launched: its logits, its rows' argmax and the logit at it as one float64 row
     (the readback), the argmax on the device (the ids of a step launched behind it), and
-    whether it replayed a graph."""
+    whether it replayed a graph, and its rows' input ids on the device (None: not kept)."""
 
     logits: torch.Tensor
     pv: torch.Tensor
     pred: torch.Tensor
     graphed: bool
+    ids: torch.Tensor | None = None

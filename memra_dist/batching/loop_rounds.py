@@ -13,7 +13,7 @@ import time
 
 from ..device import device_mark
 from ..specdec.spec_k import Others, choose
-from .chain_drafts import maintain_rounds, propose_rounds
+from .chain_drafts import drop_pre, maintain_rounds, propose_rounds
 from .job import Job
 
 __all__ = ["chain_rounds", "choose_k", "choose_first_k", "queue_or_park", "CHOOSE_SAMPLED", "REMEASURE_STEPS", "REMEASURE_MAX"]
@@ -80,6 +80,7 @@ def chain_rounds(b, jobs: list[Job]) -> None:
             if ch.k_step is not None:
                 count_k(b, ch, max(ch.draft_k(), 0))
     proposed = propose_rounds(going, b.stats)
+    drop_pre(settled)
     if mark is not None:
         b.idle.drafted(device_mark())  # (on the device: fires as the drafting's last kernel is done)
     t3 = time.perf_counter_ns()

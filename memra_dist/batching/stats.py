@@ -43,6 +43,7 @@ class BatchStats:
     draft_batches: int = 0  # draft forwards the leader ran for several chained requests at once (chain_drafts.py)
     draft_batched: int = 0  # the proposals made in them
     pre_maintained: int = 0  # rounds whose drafter ingested their verify rows behind the step, before its readback
+    early_drafted: int = 0  # ... and drafted their next round there too, the acceptance found on the device
     primes: int = 0  # new requests' drafters the loop allocated and primed (primes.py)
     prime_runs: int = 0  # ... in this many passes between steps
     prime_ns: int = 0  # the loop's time in them (launch, and what the device made it wait for)
@@ -57,7 +58,7 @@ class BatchStats:
                 "holds": self.holds, "held_ms": round(self.held_ns / 1e6, 1), "chained_rounds": self.chained, "chain_parks": self.parks,
                 "draft_batches": self.draft_batches,
                 "mean_draft_batch": round(self.draft_batched / self.draft_batches, 3) if self.draft_batches else 0.0,
-                "pre_maintained_rounds": self.pre_maintained,
+                "pre_maintained_rounds": self.pre_maintained, "early_drafted_rounds": self.early_drafted,
                 "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "leader_maint_ms": round(self.maint_ns / 1e6, 1),
                 "leader_draft_ms": round(self.draft_ns / 1e6, 1),
                 "loop_primes": self.primes, "loop_prime_runs": self.prime_runs,

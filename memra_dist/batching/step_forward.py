@@ -28,6 +28,7 @@ def launch(b, jobs: list[Job], wakes, ids_dev=None):
     """The step's forward launched -> its `Launched`, or the exception that stopped it."""
     try:
         replays = b.graphs.replays if b.graphs is not None else 0
+        b.launch_ids = None
         logits = forward(b, jobs, wakes, ids_dev)
         # every row's argmax and the logit at it in ONE readback, which is also where the
         # step ends on a GPU (its device work done; the wait releases the GIL): the
@@ -35,7 +36,7 @@ def launch(b, jobs: list[Job], wakes, ids_dev=None):
         pred = logits.argmax(-1)
         val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
         graphed = b.graphs is not None and b.graphs.replays > replays
-        return Launched(logits, torch.cat((pred.double(), val.double())), pred, graphed)
+        return Launched(logits, torch.cat((pred.double(), val.double())), pred, graphed, b.launch_ids)
     except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
         return e
 
@@ -60,6 +61,7 @@ def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -
             out = b.graphs.run(jobs, lambda: wake(wakes), ids_dev,
                                any(j.chain is None or not j.chain.greedy for j in jobs), patch)
             if out is not None:
+                b.launch_ids = b.graphs.last_ids
                 return out
         mark_launch(b)
         return eager(b, jobs, ids_dev, patch=patch)
@@ -120,6 +122,7 @@ def eager(b, jobs: list[Job], ids_dev: torch.Tensor | None = None, timer=None, p
         if patch is not None:
             x = x.clone() if ids_dev is not None else x  # (never into the step before's argmax)
             patch.apply(x)
+        b.launch_ids = x  # (what rounds drafting before the readback read: chain_drafts.py draft_early)
         h, tapped = layers(b, x, pos, view, timer)
     scatter_taps(jobs, tapped, pos)
     keep, lo = [], 0

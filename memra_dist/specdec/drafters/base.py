@@ -70,6 +70,9 @@ class Drafter:
     host_only = False  # propose / maintain touch nothing but host lists (batching/chain.py may run them)
     defers = False  # propose_many(..., defer=True) may leave greedy drafts on the device (Proposal.dev)
     pre_maintains = False  # pre_maintain_many(drafters, rows): a round's maintenance ingested behind its verify
+    # draft_early_many(drafters, verify, pred, ids): ... and its next drafts made there too (the
+    # acceptance found on the device), for its next proposal (needs pre_maintains)
+    drafts_early = False
 
     # the step leader may run a batched greedy request's rounds (batching/chain.py): host drafters,
     # and device drafters that draft many requests in one forward (`batched`)
@@ -87,8 +90,8 @@ class Drafter:
     loop_prime = False
 
     def drop_pre(self) -> None:
-        """Forget what `pre_maintain_many` ingested ahead: it serves the maintenance right after
-        its step only (batching/chain_drafts.py)."""
+        """Forget what `pre_maintain_many` ingested ahead and `draft_early_many` drafted: they
+        serve the maintenance and the proposal right after their step only (batching/chain_drafts.py)."""
 
     @property
     def batch_key(self):

@@ -32,7 +32,7 @@ from ...cache import KVLayer
 from ...model.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
-from .dflash_batch import ingest_many, pre_ingest_many, prime_many, propose_many
+from .dflash_batch import draft_early_many, ingest_many, pre_ingest_many, prime_many, propose_many
 from .dflash_graph import block_graphs
 
 
@@ -58,9 +58,15 @@ class DFlashDrafter(Drafter):
     # its readback (dflash_batch.py pre_ingest_many; batching/chain_drafts.py pre_maintain)
     pre_maintain_many = staticmethod(pre_ingest_many)
     pre = None  # (lo, hi): rows pre_ingest_many ingested for the next maintenance
+    # ... and their next drafts made behind that ingest, the acceptance found on the device
+    # (dflash_batch.py draft_early_many), taken by the next proposal where it fits
+    drafts_early = True  # (False: drafted after the accept, as before)
+    draft_early_many = staticmethod(draft_early_many)
+    early = None  # (DeviceDrafts, row, lo, k): draft_early_many's drafts for the next proposal
 
     def drop_pre(self) -> None:
-        self.pre = None
+        self.pre = self.early = None
+
     propose_many = staticmethod(propose_many)
     prime_many = staticmethod(prime_many)  # a batched engine's loop primes its new requests together
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)

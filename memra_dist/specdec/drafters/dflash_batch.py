@@ -26,9 +26,10 @@ from ..chunks import pack_chunks
 from ..sampling import draw_drafts, probs
 from .base import EMPTY, Proposal
 from ...device import to_device
+from .dflash_pool_graph import DeviceDrafts
 from .draft_pool import pool_of, pooled_attention
 
-__all__ = ["ingest_many", "pre_ingest_many", "propose_many", "prime_many"]
+__all__ = ["ingest_many", "pre_ingest_many", "draft_early_many", "propose_many", "prime_many"]
 
 
 @torch.inference_mode()
@@ -92,6 +93,37 @@ def pre_ingest_many(drafters, rows: list[tuple[int, int]]) -> int:
     return len(todo)
 
 
+@torch.inference_mode()
+def draft_early_many(drafters, verify: list[tuple[int, int, int, int]], pred: torch.Tensor, ids: torch.Tensor) -> int:
+    """Right behind `pre_ingest_many`, still before the step's readback: the next round's drafts
+    of each drafter whose verify rows it ingested, in one replay of the pool's block graphs
+    (PoolBlockGraphs.greedy_after: the acceptance found on the device). `verify[i]`: drafter i's
+    (lo, its first argmax row in `pred`, its first row in the step's `ids`, its drafts). Each
+    drafter keeps them (`early`) for its next proposal, which takes them where its context is
+    the one the device accepted (propose_many); so the device drafts while the loop reads the
+    step back and accepts, and the next verify is launched with those drafts still on the
+    device. Returns how many drafted."""
+    todo = [(d, v) for d, v in zip(drafters, verify) if d.pre == (v[0], v[0] + v[3] + 1)]
+    pool = pool_of([d for d, _ in todo]) if todo else None
+    g = pool.graphs if pool is not None else None
+    if g is None or len(todo) > g.max_n:
+        return 0
+    dd = g.greedy_after([d.pool_slot for d, _ in todo], [v for _, v in todo], pred, ids)
+    for r, (d, v) in enumerate(todo):
+        d.early = (dd, r, v[0], v[3])
+    return len(todo)
+
+
+def _early(d, start: int, k: int):
+    """Drafter d's drafts from `draft_early_many`, where its context now ends where the device's
+    acceptance ended it (its last token at `start`, k drafts at most): (DeviceDrafts, row), else None."""
+    e, d.early = d.early, None
+    if e is None:
+        return None
+    dd, row, lo, kv = e
+    return (dd, row) if 0 <= start - lo - 1 <= kv and k <= dd.k and d.n == start else None
+
+
 def prime_many(drafters, prompts: list[list[int]], chunks: list[list[tuple[int, int]] | None], rows: int = 0) -> None:
     """Each drafter primed on its prompt (DFlashDrafter.prime: every prompt row ingested), the
     requests' chunks packed into shared ingests of at most `rows` rows (the target's prefill
@@ -129,9 +161,18 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
     g = pool.graphs
     if (g is not None and n <= g.max_n and all(sps[i].greedy for i, *_ in live)
             and max(kk for *_, kk in live) <= g.K):  # one replay (dflash_pool_graph.py)
-        toks = g.greedy([d.pool_slot for _, d, _, _ in live], starts, [c[-1] for _, _, c, _ in live], defer)
-        for r, (i, _, _, kk) in enumerate(live):
-            out[i] = Proposal(dev=(toks, r, kk)) if defer else Proposal(ids=toks[r][:kk])
+        early = [_early(d, s, kk) for (_, d, _, kk), s in zip(live, starts)]
+        rest = [r for r, e in enumerate(early) if e is None]  # (drafted early: already on the device)
+        if rest:
+            toks = g.greedy([live[r][1].pool_slot for r in rest], [starts[r] for r in rest],
+                            [live[r][2][-1] for r in rest], defer)
+            for at, r in enumerate(rest):
+                early[r] = (toks, at)
+        for (i, _, _, kk), (toks, at) in zip(live, early):
+            if defer:
+                out[i] = Proposal(dev=(toks, at, kk))
+            else:
+                out[i] = Proposal(ids=(toks.rows() if isinstance(toks, DeviceDrafts) else toks)[at][:kk])
         return out
     kmax = max(kk for *_, kk in live)
     keep = (B, 1, 1 + kmax)  # rows 1 .. kmax of each block past the last layer's K/V (DFlashNet.block)

@@ -46,7 +46,7 @@ from .dflash_compile import compiled_pieces, warn_fallback
 from .draft_pool import paged_pool_attention, pooled_attention
 from .host_row import HostRow
 
-__all__ = ["PoolBlockGraphs", "PoolIngestGraphs", "DeviceDrafts", "pays", "buckets"]
+__all__ = ["PoolBlockGraphs", "PoolIngestGraphs", "DeviceDrafts", "pays", "buckets", "accepted_on_device"]
 
 CATCHUP_REPLAYS = 4  # ingest replays a step's maintenance may take (PoolIngestGraphs.segments)
 MAX_GATHER_ROWS = 1 << 17  # slot rows x requests a layer's attention may gather whole (~0.5 GB at 8 x 128 bf16)
@@ -140,6 +140,9 @@ class PoolBlockGraphs(_BucketGraphs):
         self.B, self.K, self.mask_id = B, min(K, B - 1), mask_id
         # [ids (n B), pos (n B), each row's slot (n B), each request's slot (n), its limit (n)]
         self.row = HostRow(3 * self.max_n * B + 2 * self.max_n, pool.device)
+        # `greedy_after`'s verify layout: [each request's pred row, its ids row, its drafts, its lo] (n each)
+        self.after = HostRow(4 * self.max_n, pool.device)
+        self._block = torch.arange(B, device=pool.device)
 
     def _views(self, b: int):
         n, B, d = self.max_n, self.B, self.row.ids
@@ -198,6 +201,60 @@ class PoolBlockGraphs(_BucketGraphs):
         if defer:
             return DeviceDrafts(g.out[:len(slots)])
         return g.out[:len(slots)].tolist()
+
+
+    def greedy_after(self, slots: list[int], verify: list[tuple[int, int, int, int]], pred: torch.Tensor,
+                     ids: torch.Tensor) -> "DeviceDrafts":
+        """Each request's K greedy drafts for the round after its verify, launched before that
+        verify is read back: `verify[r]` = (lo, its first row in `pred`, its first row in `ids`,
+        its drafts k) of request r's rows in the step just launched (`pred`: the step's argmax
+        rows, `ids`: its input ids, both on the device). Its acceptance is found on the device
+        (`accepted_on_device`, the greedy rule the loop applies after the readback), so its
+        block is [the bonus token, mask ...] at lo + 1 + accepted, as `greedy` would be asked
+        after the accept (its context rows: the verify's, ingested behind it by the ingest
+        graphs: dflash_batch.py pre_ingest_many). The drafts stay on the device."""
+        n, B = len(slots), self.B
+        b = self.bucket(n)
+        los = [v[0] for v in verify]
+        self._load(list(zip(slots, los, [self.mask_id] * n)), b)  # the start and the first id: rewritten below
+        a = self.after.writable()
+        m = self.max_n
+        for i, col in enumerate(zip(*verify)):
+            a[i * m:i * m + n] = col
+        self.after.send()
+        lo, prow, irow, ks = (self.after.ids[i * m:i * m + n] for i in (0, 1, 2, 3))
+        kmax = max(v[3] for v in verify)
+        acc, bonus = accepted_on_device(pred, ids, prow, irow, ks, kmax)
+        start = lo + 1 + acc
+        vid, vpos, _, _, vlim = self._views(b)
+        vid.view(b, B)[:n, 0] = bonus
+        vpos.view(b, B)[:n] = start[:, None] + self._block
+        vlim[:n] = start + B
+        g = self._graph(b)
+        g.replay()
+        self.replays += 1
+        return DeviceDrafts(g.out[:n])
+
+
+def accepted_on_device(pred: torch.Tensor, ids: torch.Tensor, prow: torch.Tensor, irow: torch.Tensor,
+                       ks: torch.Tensor, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of n verify rounds on the device: round r's target argmax rows are
+    pred[prow[r] .. + ks[r]], its drafts ids[irow[r] + 1 .. + ks[r]] -> (the drafts accepted:
+    the longest prefix equal to the argmax, the bonus: the argmax row after them), as
+    accept.py / chain.py accept them on the host.
+
+    >>> pred = torch.tensor([7, 8, 9, 4, 5, 6])   # two rounds: rows 0-2 and 3-5
+    >>> ids = torch.tensor([1, 7, 3, 2, 4, 5])    # round 0 drafts [7, 3]; round 1 drafts [4, 5]
+    >>> acc, bonus = accepted_on_device(pred, ids, torch.tensor([0, 3]), torch.tensor([0, 3]), torch.tensor([2, 2]), 2)
+    >>> acc.tolist(), bonus.tolist()
+    ([1, 2], [8, 6])
+    """
+    ar = torch.arange(kmax + 1, device=pred.device)
+    p = pred[(prow[:, None] + ar).clamp(max=pred.shape[0] - 1)]  # (n, kmax + 1)
+    d = ids[(irow[:, None] + 1 + ar[:kmax]).clamp(max=ids.shape[0] - 1)]  # (n, kmax)
+    ok = (p[:, :kmax] == d) & (ar[:kmax] < ks[:, None])
+    acc = ok.long().cumprod(1).sum(1)
+    return acc, p.gather(1, acc[:, None]).squeeze(1)
 
 
 class DeviceDrafts:

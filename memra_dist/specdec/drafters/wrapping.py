@@ -41,6 +41,14 @@ class Wrapping(Drafter):
     def pre_maintain_many(drafters, rows) -> int:
         return type(drafters[0].inner).pre_maintain_many([d.inner for d in drafters], rows)
 
+    @property
+    def drafts_early(self) -> bool:
+        return getattr(self.inner, "drafts_early", False)
+
+    @staticmethod
+    def draft_early_many(drafters, verify, pred, ids) -> int:
+        return type(drafters[0].inner).draft_early_many([d.inner for d in drafters], verify, pred, ids)
+
     def drop_pre(self) -> None:
         self.inner.drop_pre()
 
