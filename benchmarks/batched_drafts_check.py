@@ -1,16 +1,19 @@
 """Batched DFlash on the GPU against solo: the shared draft forward's drafts left on the device for
 the next verify (batching/step_forward.py `DraftPatch`, in the graphed step) give every request
-its solo ids.
+its solo ids, and so do the next drafts made before the verify's readback (the acceptance found
+on the device: chain_drafts.py `draft_early`).
 
 The demo's trained tiny target and DFlash drafter (real acceptance: ~0.93 of the drafts on
 average, so a wrong draft reaching the verify would change the ids), twelve corpus prompts of different
 lengths and budgets, K 15, fixed. For fp32 and bf16: each request alone on a solo engine, then
-all twelve at once on engines of --max-batch 4 and 16, with the drafts left on the device
-(`DFlashDrafter.defers`, the default) and read back before the verify (defers off). Every
+all twelve at once on engines of --max-batch 4 and 16, with the drafts made before the readback
+and left on the device (`DFlashDrafter.drafts_early`, `defers`: the default), made after it
+and left on the device (drafts_early off), and read back before the verify (both off). Every
 batched run must give each request its solo ids (exit 1 otherwise); on CUDA the deferred runs
-must have patched drafts into a step (else the check checked nothing: exit 1).
+must have patched drafts into a step and the early ones drafted rounds early (else the check
+checked nothing: exit 1).
 
-    python benchmarks/batched_drafts_check.py OUT_DIR [--device cuda|cpu]
+    python benchmarks/batched_drafts_check.py OUT_DIR [--device cuda|cpu] [--dtypes fp32,bf16] [--max-batch 4,16]
 Writes OUT_DIR/batched_drafts_check.json and prints a line a run (~3 min on one H200, most of
 it the first compiles; the demo's checkpoints are trained first where the cache lacks them)."""
 
@@ -28,6 +31,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated dtypes to check (default fp32,bf16)")
+    ap.add_argument("--max-batch", default="4,16", help="comma-separated engine sizes to check (default 4,16)")
     a = ap.parse_args()
     import torch
     from tokenizers import Tokenizer
@@ -66,7 +71,7 @@ def main() -> int:
                          spec_k="fixed", k=15, **kw)
 
     def batched(dtype, mb):
-        got, errs = {}, []
+        got, errs, st = {}, [], {}
         with open_engine(cfg(dtype), max_batch=mb) as eng:
             def one(i, p, n):
                 try:
@@ -78,31 +83,35 @@ def main() -> int:
                 t.start()
             for t in ts:
                 t.join(600)
-        return [got.get(i) for i in range(len(reqs))], errs
+            st = eng.batch_stats() or {}
+        return [got.get(i) for i in range(len(reqs))], errs, st
 
     rows, ok = [], True
-    for dtype in ("fp32", "bf16"):
+    for dtype in a.dtypes.split(","):
         with open_engine(cfg(dtype)) as eng:
             solo, acc = [], []
             for p, n in reqs:
                 r = eng.generate(p, cfg(dtype, max_new_tokens=n))
                 solo.append(r.token_ids)
                 acc.append(r.stats.get("acceptance", 0.0))
-        for defers in (True, False):
-            DFlashDrafter.defers = defers
-            for mb in (4, 16):
+        for defers, early in ((True, True), (True, False), (False, False)):
+            DFlashDrafter.defers, DFlashDrafter.drafts_early = defers, early
+            for mb in (int(x) for x in a.max_batch.split(",")):
                 patched[0] = 0
                 t0 = time.perf_counter()
-                got, errs = batched(dtype, mb)
+                got, errs, st = batched(dtype, mb)
                 same = sum(g == s for g, s in zip(got, solo))
-                row = dict(dtype=dtype, defers=defers, max_batch=mb, same=same, requests=len(reqs),
-                           steps_patched=patched[0], errors=errs[:2], solo_acceptance=round(sum(acc) / len(acc), 3),
-                           seconds=round(time.perf_counter() - t0, 1))
-                bad = same != len(reqs) or errs or (defers and a.device == "cuda" and not patched[0])
+                drafted_early = st.get("early_drafted_rounds", 0)
+                row = dict(dtype=dtype, defers=defers, early=early, max_batch=mb, same=same, requests=len(reqs),
+                           steps_patched=patched[0], early_drafted_rounds=drafted_early, errors=errs[:2],
+                           solo_acceptance=round(sum(acc) / len(acc), 3), seconds=round(time.perf_counter() - t0, 1))
+                cuda = a.device == "cuda"
+                bad = (same != len(reqs) or errs or (defers and cuda and not patched[0])
+                       or (early and cuda and not drafted_early) or (not early and drafted_early))
                 ok = ok and not bad
                 rows.append(row)
                 print(("ok  " if not bad else "BAD ") + json.dumps(row), flush=True)
-    DFlashDrafter.defers = True
+    DFlashDrafter.defers = DFlashDrafter.drafts_early = True
     (a.out / "batched_drafts_check.json").write_text(json.dumps({"ok": ok, "runs": rows}, indent=1))
     return 0 if ok else 1
 
