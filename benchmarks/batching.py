@@ -258,7 +258,7 @@ def main() -> int:
                                                                      f"{a.device} (batching.json beside)"))
     print("| drafter (K, corrupt) | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s "
           "| ITL p50 / p99 ms | gap p50 / p99 ms | first gap p50 / p99 ms | TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward "
-          "| step ms | graphed step ms | busy | idle ms a step: all / rounds / held | device idle ms a step: after / before verify "
+          "| step ms | graphed step ms | busy | idle ms a step: all / rounds / held | device idle ms a step (median): after / before verify "
           "| ids = alone |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -271,8 +271,8 @@ def main() -> int:
               f"| {r.get('tokens_per_round') or '-'} | {bs.get('mean_requests', 1.0)} / {bs.get('mean_rows', '-')} "
               f"| {bs.get('mean_draft_batch') or '-'} | {bs.get('mean_step_ms', '-')} "
               f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'gap_ms')} / {per_step(bs, 'leader_rounds_ms')} "
-              f"/ {per_step(bs, 'held_ms')} | {bs.get('device_idle_after_step_ms') or '-'} / "
-              f"{bs.get('device_idle_before_verify_ms') if bs.get('device_idle_steps') else '-'} "
+              f"/ {per_step(bs, 'held_ms')} | {bs.get('device_idle_after_step_p50_ms') or '-'} / "
+              f"{bs.get('device_idle_before_verify_p50_ms') if bs.get('device_idle_steps') else '-'} "
               f"| {r.get('ids_equal_alone', '-')} |")
     return 0
 

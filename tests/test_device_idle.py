@@ -61,15 +61,19 @@ def test_each_step_read_back_is_timed_to_the_next_launch(llama, tmp_path_factory
     assert got == solo
     assert seen and stats["device_idle_steps"] == len(seen) <= stats["steps"] - stats["ahead_steps"], stats
     after = before = 0.0
+    each = []
     for ready, drafting, drafted, verify in seen:
         assert ready.ms <= verify.ms
         if drafter == "ngram":
             assert drafting is None and drafted is None
         else:
             assert drafting is None or ready.ms <= drafting.ms <= drafted.ms
-        after += (drafting or verify).ms - ready.ms
-        before += max(0.0, verify.ms - drafted.ms) if drafted is not None else 0.0
+        each.append(((drafting or verify).ms - ready.ms, max(0.0, verify.ms - drafted.ms) if drafted is not None else 0.0))
+        after += each[-1][0]
+        before += each[-1][1]
     n = len(seen)
+    assert stats["device_idle_after_step_p50_ms"] == pytest.approx(sorted(a for a, _ in each)[n // 2], abs=1e-3)
+    assert stats["device_idle_before_verify_p50_ms"] == pytest.approx(sorted(b for _, b in each)[n // 2], abs=1e-3)
     assert stats["device_idle_after_step_ms"] == pytest.approx(after / n, abs=1e-3)
     assert stats["device_idle_before_verify_ms"] == pytest.approx(before / n, abs=1e-3)
     if drafter == "dflash":

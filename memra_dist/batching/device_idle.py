@@ -25,16 +25,23 @@ counted.
 
 from __future__ import annotations
 
+from collections import deque
+
 __all__ = ["DeviceIdle"]
 
 
 class DeviceIdle:
     """The counters (ns, and the steps they cover) and the record of the step last read back."""
 
+    KEEP = 4096  # each step's own intervals kept for the medians (the last ones)
+
     def __init__(self):
         self.after_ns = 0.0
         self.before_verify_ns = 0.0
         self.steps = 0
+        # each step's (after, before the verify), ns: a run's first steps (admissions, primes)
+        # weigh on the means; the medians are a step of the steady run
+        self.each: deque = deque(maxlen=self.KEEP)
         self._open: list | None = None  # [ready, drafting, drafted]
         self._closed: list = []  # [ready, drafting, drafted, verify]: read at the next readback
 
@@ -76,6 +83,8 @@ class DeviceIdle:
         (2750000.0, 500000.0, 3)
         >>> d.ready(None); d.verify(Ev(50.0)); d.fold(); d.steps  # launched ahead: nothing between
         3
+        >>> d.as_dict()["device_idle_after_step_p50_ms"], d.as_dict()["device_idle_before_verify_p50_ms"]
+        (1.0, 0.0)
         """
         closed, self._closed = self._closed, []
         for ready, drafting, drafted, verify in closed:
@@ -84,13 +93,18 @@ class DeviceIdle:
                 before = drafted.elapsed_time(verify) if drafted is not None else 0.0
             except RuntimeError:
                 continue
-            self.after_ns += max(0.0, after * 1e6)
-            self.before_verify_ns += max(0.0, before * 1e6)
+            after, before = max(0.0, after * 1e6), max(0.0, before * 1e6)
+            self.after_ns += after
+            self.before_verify_ns += before
             self.steps += 1
+            self.each.append((after, before))
 
     def as_dict(self) -> dict:
         """Per step measured (ms), and the steps."""
         n = self.steps
+        mid = [sorted(x)[len(x) // 2] / 1e6 for x in zip(*self.each)] if self.each else [None, None]
         return {"device_idle_steps": n,
                 "device_idle_after_step_ms": round(self.after_ns / n / 1e6, 3) if n else None,
-                "device_idle_before_verify_ms": round(self.before_verify_ns / n / 1e6, 3) if n else None}
+                "device_idle_before_verify_ms": round(self.before_verify_ns / n / 1e6, 3) if n else None,
+                "device_idle_after_step_p50_ms": round(mid[0], 3) if mid[0] is not None else None,
+                "device_idle_before_verify_p50_ms": round(mid[1], 3) if mid[1] is not None else None}
