@@ -635,3 +635,25 @@ def test_a_dflash_drafter_without_a_pool_slot_drafts_alone_beside_the_pooled_one
     assert batched == solo
     assert set(seen) == set(alone)  # (a proposal made alone inside a shared one is seen twice: once each)
     assert calls[0] >= 3 and stats["draft_batches"] > 0, (calls, stats)
+
+
+def test_a_failing_early_draft_leaves_the_rounds_to_their_usual_proposal(llama, tmp_path_factory, monkeypatch, capfd):
+    """The next drafts made before the readback are an optimisation: where that shared forward
+    raises, its drafters forget what was made ahead, each round is proposed after its accept as
+    before (the ids still solo's), and one warning line says so, once."""
+    import memra_dist.batching.chain_drafts as cd
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+
+    def broken(drafters, verify, pred, ids):
+        raise RuntimeError("no early drafts today")
+
+    monkeypatch.setattr(cd, "_WARNED", set())
+    monkeypatch.setattr(DFlashDrafter, "draft_early_many", staticmethod(broken))
+    ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)
+    batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir),
+                              on_open=lambda eng: _dflash_pool_graphs(eng._backend))
+    assert batched == solo and sorted(seen) == alone
+    assert stats["early_drafted_rounds"] == 0 and stats["pre_maintained_rounds"] > 0, stats
+    err = capfd.readouterr().err
+    assert err.count("[memra] early drafting failed (RuntimeError: no early drafts today); rounds drafted after "
+                     "their accept") == 1, err

@@ -67,21 +67,29 @@ def pre_maintain(jobs) -> int:
         if ch is None or ch.ended or j.void or ch.timed or j.n < 2 or not ch.drafter.pre_maintains:
             continue
         groups.setdefault(type(ch.drafter), []).append((ch.drafter, (j.start, j.start + j.n)))
+    return _ahead(groups, lambda cls, ds, rows: cls.pre_maintain_many(ds, rows), "pre-maintenance",
+                  "maintained")
+
+
+def _ahead(groups: dict, run, what: str, after: str) -> int:
+    """`run(cls, drafters, their items)` for each drafter class's group of work done ahead of the
+    readback -> how many it did. A failure is an optimisation lost: the group's drafters forget
+    what was made ahead, and their rounds are `after` their accept as usual (one warning a kind)."""
     done = 0
     for cls, items in groups.items():
         try:
-            done += cls.pre_maintain_many([d for d, _ in items], [r for _, r in items])
-        except Exception as e:  # noqa: BLE001 (an optimisation: the maintenance after the accept still runs)
+            done += run(cls, [d for d, _ in items], [v for _, v in items])
+        except Exception as e:  # noqa: BLE001 (the maintenance / proposal after the accept still runs)
             for d, _ in items:
                 d.drop_pre()
-            if not _WARNED:
-                _WARNED.append(True)
-                print(f"[memra] pre-maintenance failed ({type(e).__name__}: {e}); rounds maintained after "
-                      "their accept", file=sys.stderr, flush=True)
+            if what not in _WARNED:
+                _WARNED.add(what)
+                print(f"[memra] {what} failed ({type(e).__name__}: {e}); rounds {after} after their accept",
+                      file=sys.stderr, flush=True)
     return done
 
 
-_WARNED: list = []
+_WARNED: set = set()
 
 
 def draft_early(jobs, pred, ids) -> int:
@@ -104,18 +112,8 @@ def draft_early(jobs, pred, ids) -> int:
             groups.setdefault(type(ch.drafter), []).append((ch.drafter, (j.start, p, i, j.n - 1)))
         p += 1 if j.last else j.n
         i += j.n
-    done = 0
-    for cls, items in groups.items():
-        try:
-            done += cls.draft_early_many([d for d, _ in items], [v for _, v in items], pred, ids)
-        except Exception as e:  # noqa: BLE001 (an optimisation: the proposal after the accept still runs)
-            for d, _ in items:
-                d.drop_pre()
-            if not _WARNED:
-                _WARNED.append(True)
-                print(f"[memra] early drafting failed ({type(e).__name__}: {e}); rounds drafted after "
-                      "their accept", file=sys.stderr, flush=True)
-    return done
+    return _ahead(groups, lambda cls, ds, verify: cls.draft_early_many(ds, verify, pred, ids), "early drafting",
+                  "drafted")
 
 
 def drop_pre(chains) -> None:
