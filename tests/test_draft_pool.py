@@ -455,13 +455,28 @@ def test_pooled_tap_sinks_scatter_and_gather_as_their_own_sinks():
     assert pool.sink(object(), C).pool_slot == 0
 
 
+@pytest.mark.parametrize("early", [False, True])
 def test_the_batched_eagle3_chains_replayed_draft_what_each_request_drafts_alone(llama, tmp_path_factory,
-                                                                               monkeypatch):
+                                                                               monkeypatch, early):
     """A step's EAGLE-3 chains as one graph over the draft and tap pools (eagle3_pool_graph.py),
     replayed from an emulated capture: the first forward over every request's new rows (padded
     to K + 1) and K chained steps; eight requests four at a time get every proposal they get
     alone, most rounds from a replay (near its end a request asks for fewer drafts than its
-    chain would run past its cache: those rounds run the eager chains)."""
+    chain would run past its cache: those rounds run the eager chains). `early`
+    (`Eagle3Drafter.drafts_early`): most rounds are drafted right behind their verify, before its
+    readback, the acceptance found on the device (eagle3_batch.py draft_early_many), and the
+    proposal after the accept takes them: few replays are left after the readback."""
+    from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
+    from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
+
+    monkeypatch.setattr(Eagle3Drafter, "drafts_early", early)
+    late, real_greedy = [0], PoolChainGraphs.greedy
+
+    def greedy(self, reqs_):
+        late[0] += 1
+        return real_greedy(self, reqs_)
+
+    monkeypatch.setattr(PoolChainGraphs, "greedy", greedy)
     ddir, reqs, solo, seen, alone = _alone("eagle3", llama, tmp_path_factory, monkeypatch)
     made = []
 
@@ -471,9 +486,15 @@ def test_the_batched_eagle3_chains_replayed_draft_what_each_request_drafts_alone
         pts = draft_points(b.draft_pool, 3, None, b.device)  # (timed: calibrate.py)
         assert [x for x, _ in pts] == [2 * 3, 4 * 3] and all(ns > 0 for _, ns in pts), pts
 
+    late[0] = 0
     batched, stats = _batched(llama, "eagle3", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
     assert batched == solo and sorted(seen) == alone
-    assert stats["draft_batches"] >= made[0].replays > stats["draft_batches"] // 2, (made[0].replays, stats)
+    if not early:
+        assert stats["early_drafted_rounds"] == 0, stats
+        assert stats["draft_batches"] >= made[0].replays == late[0] > stats["draft_batches"] // 2, (made[0].replays, stats)
+    else:
+        assert stats["early_drafted_rounds"] > 0.5 * stats["chained_rounds"], stats
+        assert late[0] < 0.5 * stats["draft_batches"] and made[0].replays > late[0], (late, made[0].replays, stats)
 
 
 def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the_round(llama, tmp_path_factory,

@@ -356,9 +356,10 @@ class Batcher(Residency):
         if not isinstance(out, BaseException):
             staged = stage_readback(out.pv)  # before anything is launched behind it
             pre = pre_maintain(take)  # (behind the readback's copy: that waits for the step alone)
-            if pre:
+            early = draft_early(take, out.pred, out.ids)  # (the next rounds' drafts)
+            if pre or early:
                 self.stats.pre_maintained += pre
-                self.stats.early_drafted += draft_early(take, out.pred, out.ids)  # (their next drafts)
+                self.stats.early_drafted += early
                 busy = device_mark()  # the device's work for this step ends with that ingest (device_idle.py)
             try:  # (queued primes run before the next step: none is launched behind this one)
                 nxt = plan_ahead(self, take) if not self.primes else None

@@ -93,8 +93,9 @@ _WARNED: set = set()
 
 
 def draft_early(jobs, pred, ids) -> int:
-    """Right behind `pre_maintain`, before the step's readback: the pre-maintained greedy rounds
-    whose drafter drafts early (`drafts_early`: DFlash, dflash_batch.py draft_early_many) have
+    """Right behind `pre_maintain`, before the step's readback: the untraced greedy rounds whose
+    drafter drafts early (`drafts_early`: DFlash, whose verify rows pre_maintain ingested,
+    dflash_batch.py draft_early_many; EAGLE-3, eagle3_batch.py) have
     their next round's drafts made now, the acceptance found on the device from the step's
     argmax rows `pred` and input ids `ids`, one shared forward a drafter class; the proposal
     after the accept takes them where the request goes on as the device accepted (an ended
@@ -121,7 +122,7 @@ def drop_pre(chains) -> None:
     maintenance and proposals only (a round that skipped them, K 0 next, catches up later on its
     rows as committed then)."""
     for ch in chains:
-        if ch.drafter.pre_maintains:
+        if ch.drafter.pre_maintains or ch.drafter.drafts_early:
             ch.drafter.drop_pre()
 
 

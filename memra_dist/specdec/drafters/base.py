@@ -71,7 +71,7 @@ class Drafter:
     defers = False  # propose_many(..., defer=True) may leave greedy drafts on the device (Proposal.dev)
     pre_maintains = False  # pre_maintain_many(drafters, rows): a round's maintenance ingested behind its verify
     # draft_early_many(drafters, verify, pred, ids): ... and its next drafts made there too (the
-    # acceptance found on the device), for its next proposal (needs pre_maintains)
+    # acceptance found on the device), for its next proposal (DFlash after its pre_maintain)
     drafts_early = False
 
     # the step leader may run a batched greedy request's rounds (batching/chain.py): host drafters,

@@ -34,7 +34,7 @@ from ...model.eagle3 import Eagle3Net, load_eagle3
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
-from .eagle3_batch import maintain_many, prime_many, propose_many
+from .eagle3_batch import draft_early_many, maintain_many, prime_many, propose_many
 from .eagle3_graph import eagle3_graphs
 
 __all__ = ["Eagle3Drafter", "FOLD_ROWS"]
@@ -52,6 +52,16 @@ class Eagle3Drafter(Drafter):
     maintain_many = staticmethod(maintain_many)
     propose_many = staticmethod(propose_many)
     prime_many = staticmethod(prime_many)  # a batched engine's loop primes its new requests together
+    # a batched engine's untraced greedy rounds are drafted right behind their verify, before its
+    # readback, the acceptance found on the device (eagle3_batch.py draft_early_many); those drafts
+    # stay on the device for the next verify (`defers`)
+    drafts_early = True
+    defers = True
+    draft_early_many = staticmethod(draft_early_many)
+    early = None  # (DeviceDrafts, row, lo, k): draft_early_many's drafts for the next proposal
+
+    def drop_pre(self) -> None:
+        self.early = None
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, net: Eagle3Net, target):

@@ -28,7 +28,7 @@ from .chain_picks import ChainPicks
 from ...device import to_device
 from .draft_pool import pool_of, pooled_attention
 
-__all__ = ["maintain_many", "propose_many", "prime_many"]
+__all__ = ["maintain_many", "propose_many", "prime_many", "draft_early_many"]
 
 
 def maintain_many(drafters, contexts) -> None:
@@ -140,14 +140,59 @@ def _step_pooled(net, pool, ds, los: list[int], lens: list[int], tokens: torch.T
 
 
 @torch.inference_mode()
-def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]:
+@torch.inference_mode()
+def draft_early_many(drafters, verify: list[tuple[int, int, int, int]], pred: torch.Tensor, ids: torch.Tensor) -> int:
+    """Before the step's readback (batching/chain_drafts.py draft_early): the next round of each
+    drafter whose cache ends where its verify began (`verify[i]`: (lo, its first argmax row in
+    `pred`, its first row in `ids`, its drafts)), in one replay of the pool's chain graphs with
+    the acceptance found on the device (PoolChainGraphs.greedy_after). Each keeps them
+    (`early`) for its next proposal, which takes them where its context is the one the device
+    accepted. Returns how many drafted."""
+    todo = [(d, v) for d, v in zip(drafters, verify) if d.n == v[0]]
+    pool = pool_of([d for d, _ in todo]) if todo else None
+    g = pool.graphs if pool is not None else None
+    if g is None or len(todo) > g.max_n or any(v[3] > g.K or v[0] + v[3] + g.K >= g.pool.rows for _, v in todo):
+        return 0
+    sinks = [d._taps() for d, _ in todo]
+    if not all(getattr(s, "pool", None) is g.taps for s in sinks):
+        return 0
+    dd = g.greedy_after([(v[0], s.pool_slot, d.pool_slot) for (d, v), s in zip(todo, sinks)], [v for _, v in todo],
+                        pred, ids)
+    for r, (d, v) in enumerate(todo):
+        d.early = (dd, r, v[0], v[3])
+    return len(todo)
+
+
+def _early(d, N: int, k: int):
+    """Drafter d's drafts from `draft_early_many` where its context (N tokens) ends where the
+    device's acceptance ended it and its cache is as it was then: (DeviceDrafts, row), its
+    committed rows then N - 1 (the replay wrote their K/V); else None."""
+    e, d.early = d.early, None
+    if e is None:
+        return None
+    dd, row, lo, kv = e
+    if not (0 <= N - 2 - lo <= kv and k <= dd.k and d.n == lo):
+        return None
+    d.n = N - 1
+    return dd, row
+
+
+def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = False) -> list[Proposal]:
     """Each drafter's Proposal (k drafts, on the host; EMPTY where k <= 0) after its context:
     the round's first forward and each chain step shared by every request still drafting.
     Greedy: each step's argmax mapped to target ids (one readback at the end); sampled: each
     step's draft drawn from its target-vocabulary distribution with the request's generator
-    and fed to the next step, as its solo proposal draws it (Eagle3Drafter.propose)."""
+    and fed to the next step, as its solo proposal draws it (Eagle3Drafter.propose). A round
+    drafted before the readback (`draft_early_many`) is taken as it is; `defer`: its drafts
+    stay on the device (`Proposal.dev`)."""
     out: list[Proposal] = [EMPTY for _ in drafters]
-    live = [(i, d, c, k) for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)) if k > 0]
+    live = []
+    for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)):
+        e = _early(d, len(c), k) if k > 0 and d.early is not None else None
+        if e is not None:
+            out[i] = Proposal(dev=(*e, k)) if defer else Proposal(ids=e[0].rows()[e[1]][:k])
+        elif k > 0:
+            live.append((i, d, c, k))
     if not live:
         return out
     d0 = live[0][1]

@@ -23,6 +23,7 @@ from ...graphs import CapturedGraph
 from .dflash_pool_graph import _BucketGraphs
 from .draft_pool import paged_pool_attention, pooled_attention
 from .host_row import HostRow
+from ...device import to_device
 
 __all__ = ["PoolChainGraphs"]
 
@@ -107,6 +108,43 @@ class PoolChainGraphs(_BucketGraphs):
         fill, tail = [0] * (N - b * R), [0] * (n - b)
         vals = [x for col in cols for x in col + fill] + last + tail + idx + tail + cpos + tail
         self.row.load(vals, 0)
+
+    def greedy_after(self, reqs: list[tuple[int, int, int]], verify: list[tuple[int, int, int, int]],
+                     pred: torch.Tensor, ids: torch.Tensor):
+        """Each request's K greedy drafts for the round after its verify, launched before that
+        verify is read back (batching/chain_drafts.py draft_early): `reqs[r]` = (its cache's
+        committed rows n, tap slot, draft slot), `verify[r]` = (lo, its first row in `pred`, its
+        first row in `ids`, its drafts k) of its rows in the step just launched (lo == n: the
+        verify's first row is the round's first row), `pred` / `ids` the step's argmax rows and
+        input ids on the device. Its acceptance a
+        (accepted_on_device) sets the round's rows on the device as `_load` would from the
+        committed context: a + 1 rows at lo .. lo + a whose tokens are the argmax rows 0 .. a
+        (the accepted drafts equal them, the last is the bonus), the chain from lo + a + 1.
+        The drafts stay on the device (DeviceDrafts)."""
+        from .dflash_pool_graph import DeviceDrafts, accepted_on_device  # noqa: PLC0415
+
+        n, R = len(reqs), self.R
+        b = self.bucket(n)
+        # placeholders where the acceptance decides: one row each, at lo (rewritten below)
+        self._load([(range(lo + 2), lo, ts, ds) for (lo, ts, ds) in reqs], b)
+        v = torch.tensor([[x[1], x[2], x[3], lo, ts, ds] for x, (lo, ts, ds) in zip(verify, reqs)], dtype=torch.long)
+        prow, irow, ks, lo, ts, ds = to_device(v.T.contiguous(), pred.device)
+        acc, _ = accepted_on_device(pred, ids, prow, irow, ks, max(x[3] for x in verify))
+        tok, pos, tslot, slot, lim, last_row, idx, cpos = self._views(b)
+        j = torch.arange(R, device=pred.device)
+        live = j[None, :] <= acc[:, None]  # (n, R): the round's rows
+        rows = lambda t: t[:n * R].view(n, R)  # noqa: E731
+        rows(tok).copy_(torch.where(live, pred[(prow[:, None] + j).clamp(max=pred.shape[0] - 1)], 0))
+        rows(pos).copy_(torch.where(live, lo[:, None] + j, 0))
+        rows(tslot).copy_(torch.where(live, ts[:, None], self.taps.scratch))
+        rows(slot).copy_(torch.where(live, ds[:, None], self.pool.scratch))
+        rows(lim).copy_(torch.where(live, lo[:, None] + 1 + j, 1))
+        last_row[:n] = torch.arange(n, device=pred.device) * R + acc
+        cpos[:n] = lo + 1 + acc
+        g = self._graph(b)
+        g.replay()
+        self.replays += 1
+        return DeviceDrafts(g.out[:n])
 
     def greedy(self, reqs: list) -> list[list[int]]:
         """Each request's K greedy drafts (host lists) after its context: `reqs` as `_load`'s."""
