@@ -360,7 +360,7 @@ class Batcher(Residency):
             if pre or early:
                 self.stats.pre_maintained += pre
                 self.stats.early_drafted += early
-                busy = device_mark()  # the device's work for this step ends with that ingest (device_idle.py)
+                busy = device_mark()  # the device's work for this step ends with that ingest and drafting (device_idle.py)
             try:  # (queued primes run before the next step: none is launched behind this one)
                 nxt = plan_ahead(self, take) if not self.primes else None
             except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
