@@ -48,7 +48,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "slow: Ray, job-submit, hypothesis and other tests over ~2-5 s; the quick tier is "
-        "`pytest -m \"not slow\"` (about 4 minutes on 2 cores), CI runs everything but `recipe`")
+        "`pytest -m \"not slow\"` (about 3 minutes on 2 cores), CI runs everything but `recipe`")
     config.addinivalue_line(
         "markers",
         "recipe: measures a training recipe that no shipped path uses (the demo trains its own); skipped "
