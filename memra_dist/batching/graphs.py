@@ -127,10 +127,15 @@ class _Step:
     copied: object = None  # event after the last host -> device copy (before `host` is rewritten)
     np: object = None  # `host`'s memory as a numpy array (the packing writes it without a torch op)
     tail: bool = False  # a prefill chunk rides it (its grid: StepGraphs.segments)
+    _views: tuple | None = None
 
     def views(self):
-        T, W, d = self.rows, self.width, self.dev
-        return d[:T], d[T:2 * T], d[2 * T:3 * T], d[3 * T:4 * T], d[4 * T:5 * T], d[5 * T:].view(T, W)
+        """The device row's fields (made once: `dev` never moves, and a step reads them up to
+        three times on the loop's path)."""
+        if self._views is None:
+            T, W, d = self.rows, self.width, self.dev
+            self._views = (d[:T], d[T:2 * T], d[2 * T:3 * T], d[3 * T:4 * T], d[4 * T:5 * T], d[5 * T:].view(T, W))
+        return self._views
 
 
 class StepGraphs:
