@@ -165,12 +165,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The `memra-dist` program: SIGTERM (`kill`, `ray job stop`) unwinds through the same
-    flush-and-teardown path as Ctrl-C; the previous handler is put back before exiting."""
-    prev = signal.signal(signal.SIGTERM, _on_sigterm)
+    flush-and-teardown path as Ctrl-C. Once the command has returned, its output is complete and
+    the process only exits: a SIGTERM or SIGINT then is ignored, so it cannot kill the
+    interpreter's teardown and turn the command's exit code into -15 / -2 (a batch job done just
+    as it was stopped)."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = main()
     finally:
-        signal.signal(signal.SIGTERM, prev)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(code)
 
 
