@@ -1,21 +1,24 @@
-"""Batched DFlash on the GPU against solo: the shared draft forward's drafts left on the device for
-the next verify (batching/step_forward.py `DraftPatch`, in the graphed step) give every request
-its solo ids, and so do the next drafts made before the verify's readback (the acceptance found
-on the device: chain_drafts.py `draft_early`).
+"""Batched DFlash and EAGLE-3 on the GPU against solo: the shared draft forward's drafts left on
+the device for the next verify (batching/step_forward.py `DraftPatch`, in the graphed step) give
+every request its solo ids, and so do the next drafts made before the verify's readback (the
+acceptance found on the device: chain_drafts.py `draft_early`).
 
-The demo's trained tiny target and DFlash drafter (real acceptance: ~0.93 of the drafts on
-average, so a wrong draft reaching the verify would change the ids), twelve corpus prompts of different
-lengths and budgets, K 15, fixed. For fp32 and bf16: each request alone on a solo engine, then
-all twelve at once on engines of --max-batch 4 and 16, with the drafts made before the readback
-and left on the device (`DFlashDrafter.drafts_early`, `defers`: the default), made after it
-and left on the device (drafts_early off), and read back before the verify (both off). Every
-batched run must give each request its solo ids (exit 1 otherwise); on CUDA the deferred runs
-must have patched drafts into a step and the early ones drafted rounds early (else the check
-checked nothing: exit 1).
+The demo's trained tiny target and its trained drafters (real acceptance: DFlash ~0.93 of the
+drafts on average, so a wrong draft reaching the verify, or a host that accepts drafts other
+than those the device verified, would change the ids), twelve corpus prompts of different
+lengths and budgets, K 15 for DFlash and 4 for EAGLE-3, fixed. For each drafter and dtype: each
+request alone on a solo engine, then all twelve at once on engines of --max-batch 4 and 16,
+with the drafts made before the readback and left on the device (the drafter's `drafts_early`
+and `defers`: the default), made after it and left on the device (drafts_early off), and read
+back before the verify (both off). Every batched run must give each request its solo ids (exit
+1 otherwise); on CUDA the deferred runs must have patched drafts into a step and the early ones
+drafted rounds early (else the check checked nothing: exit 1).
 
-    python benchmarks/batched_drafts_check.py OUT_DIR [--device cuda|cpu] [--dtypes fp32,bf16] [--max-batch 4,16]
-Writes OUT_DIR/batched_drafts_check.json and prints a line a run (~3 min on one H200, most of
-it the first compiles; the demo's checkpoints are trained first where the cache lacks them)."""
+    python benchmarks/batched_drafts_check.py OUT_DIR [--device cuda|cpu] [--drafters dflash,eagle3]
+        [--dtypes fp32,bf16] [--max-batch 4,16]
+Writes OUT_DIR/batched_drafts_check.json and prints a line a run (~3 min a drafter on one H200,
+most of it the first compiles; the demo's checkpoints are trained first where the cache lacks
+them)."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--drafters", default="dflash,eagle3", help="comma-separated drafters to check (default dflash,eagle3)")
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated dtypes to check (default fp32,bf16)")
     ap.add_argument("--max-batch", default="4,16", help="comma-separated engine sizes to check (default 4,16)")
     a = ap.parse_args()
@@ -43,14 +47,21 @@ def main() -> int:
     from memra_dist.demo.corpus import CORPUS
     from memra_dist.demo.tiny import demo_checkpoints
     from memra_dist.demo.tiny_dflash import demo_dflash_dir
+    from memra_dist.demo.tiny_eagle3 import demo_eagle3_dir
     from memra_dist.specdec.drafters.dflash import DFlashDrafter
+    from memra_dist.specdec.drafters.eagle3 import Eagle3Drafter
 
     if a.device == "cuda" and not torch.cuda.is_available():
         print("batched_drafts_check: no CUDA device", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
-    target, _ = demo_checkpoints(lambda s: print(f"[check] {s}", file=sys.stderr))
-    ddir = demo_dflash_dir(target)
+    say = lambda s: print(f"[check] {s}", file=sys.stderr)  # noqa: E731
+    target, _ = demo_checkpoints(say)
+    kinds = {"dflash": (DFlashDrafter, demo_dflash_dir, 15), "eagle3": (Eagle3Drafter, demo_eagle3_dir, 4)}
+    wanted = a.drafters.split(",")
+    if any(d not in kinds for d in wanted):
+        print(f"batched_drafts_check: --drafters takes {', '.join(kinds)} (got {a.drafters})", file=sys.stderr)
+        return 2
     tok = Tokenizer.from_file(str(target / "tokenizer.json"))
     paras = [p for p in CORPUS.split("\n\n") if len(p) > 80]
     reqs = []
@@ -67,8 +78,9 @@ def main() -> int:
     sf.DraftPatch.apply = counted
 
     def cfg(dtype, **kw):
-        return RunConfig(model=str(target), drafter="dflash", draft_model=str(ddir), device=a.device, dtype=dtype,
-                         spec_k="fixed", k=15, **kw)
+        cls, ddir, k = kinds[drafter]
+        return RunConfig(model=str(target), drafter=drafter, draft_model=str(ddir(target, say)), device=a.device,
+                         dtype=dtype, spec_k="fixed", k=k, **kw)
 
     def batched(dtype, mb):
         got, errs, st = {}, [], {}
@@ -87,7 +99,8 @@ def main() -> int:
         return [got.get(i) for i in range(len(reqs))], errs, st
 
     rows, ok = [], True
-    for dtype in a.dtypes.split(","):
+    for drafter, dtype in ((d, t) for d in wanted for t in a.dtypes.split(",")):
+        cls = kinds[drafter][0]
         with open_engine(cfg(dtype)) as eng:
             solo, acc = [], []
             for p, n in reqs:
@@ -95,14 +108,14 @@ def main() -> int:
                 solo.append(r.token_ids)
                 acc.append(r.stats.get("acceptance", 0.0))
         for defers, early in ((True, True), (True, False), (False, False)):
-            DFlashDrafter.defers, DFlashDrafter.drafts_early = defers, early
+            cls.defers, cls.drafts_early = defers, early
             for mb in (int(x) for x in a.max_batch.split(",")):
                 patched[0] = 0
                 t0 = time.perf_counter()
                 got, errs, st = batched(dtype, mb)
                 same = sum(g == s for g, s in zip(got, solo))
                 drafted_early = st.get("early_drafted_rounds", 0)
-                row = dict(dtype=dtype, defers=defers, early=early, max_batch=mb, same=same, requests=len(reqs),
+                row = dict(drafter=drafter, dtype=dtype, defers=defers, early=early, max_batch=mb, same=same, requests=len(reqs),
                            steps_patched=patched[0], early_drafted_rounds=drafted_early, errors=errs[:2],
                            solo_acceptance=round(sum(acc) / len(acc), 3), seconds=round(time.perf_counter() - t0, 1))
                 cuda = a.device == "cuda"
@@ -111,7 +124,7 @@ def main() -> int:
                 ok = ok and not bad
                 rows.append(row)
                 print(("ok  " if not bad else "BAD ") + json.dumps(row), flush=True)
-    DFlashDrafter.defers = DFlashDrafter.drafts_early = True
+        cls.defers = cls.drafts_early = True
     (a.out / "batched_drafts_check.json").write_text(json.dumps({"ok": ok, "runs": rows}, indent=1))
     return 0 if ok else 1
 
