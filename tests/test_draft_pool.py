@@ -678,3 +678,54 @@ def test_a_failing_early_draft_leaves_the_rounds_to_their_usual_proposal(llama, 
     err = capfd.readouterr().err
     assert err.count("[memra] early drafting failed (RuntimeError: no early drafts today); rounds drafted after "
                      "their accept") == 1, err
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_verifies_launched_before_the_round_before_is_read_back_get_solo_proposals_and_ids(
+        llama, tmp_path_factory, monkeypatch, drafter):
+    """Untraced greedy rounds drafted early over the pool's graphs, each next verify launched
+    right behind the verify before, before its readback (batching/verify_ahead.py: its rows
+    packed from lo + 1, moved by the acceptance found on the device; on the CPU read on the
+    host, the eager step's path): eight requests four at a time get every proposal and every
+    id they get alone; most steps went ahead, every round adopted the verify launched for it
+    (a request that ended left its row void), and the pool gets every block back."""
+    import memra_dist.batching.verify_ahead as va
+    from memra_dist.batching.chain import Chain
+
+    adopted = []
+    real_plan = va.plan_verify_ahead
+
+    def plan(b, take):
+        nxt = real_plan(b, take)
+        if nxt is not None:
+            adopted.append(len(nxt))
+        return nxt
+
+    monkeypatch.setattr(va, "plan_verify_ahead", plan)
+    monkeypatch.setattr("memra_dist.batching.batcher.plan_verify_ahead", plan)
+    ddir, reqs, solo, seen, alone = _alone(drafter, llama, tmp_path_factory, monkeypatch)
+    real_adopt = Chain.adopt_ahead
+
+    def adopt_ahead(self, job):  # a round that adopted its verify: its proposal, as the spy records one
+        context = tuple(self.tokens)
+        want = self.draft_k()  # (what the round's own proposal would ask for: near its end, fewer)
+        ok = real_adopt(self, job)
+        if ok and want > 0:
+            seen.append((context, tuple(job.drafts.host(min(job.n - 1, want)))))
+        return ok
+
+    monkeypatch.setattr(Chain, "adopt_ahead", adopt_ahead)
+
+    def on_open(eng):
+        b = eng._backend
+        if drafter == "dflash":
+            _dflash_pool_graphs(b)
+        else:
+            _chain_graphs(b)
+        b.batcher.verify_ahead = True
+
+    batched, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
+    assert batched == solo
+    assert sorted(seen) == alone
+    assert stats["ahead_verify_steps"] == len(adopted) > 0.3 * stats["steps"], (len(adopted), stats)
+    assert stats["kv_blocks_used"] == 0, stats

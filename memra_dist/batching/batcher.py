@@ -61,6 +61,7 @@ from .prefix_cache import InFlight
 from .primes import Prime, due_in, run_due
 from .residency import Residency
 from .step_forward import launch, wake
+from .verify_ahead import Advance, plan_verify_ahead
 from .take import EAGER_PREFILL_ROWS, PREFILL_TAIL_ROWS, take as take_jobs
 
 __all__ = ["Batcher", "BatchStats", "BatchStep"]
@@ -118,6 +119,7 @@ class Batcher(Residency):
         self.finished: set = set()  # requests whose chain ended with them: no step waits for their rows
         self.away: set = set()  # requests on the host between submissions for a while (step_away): no step waits
         self.ahead = self.graphs is not None  # plain greedy chains one step ahead (ahead.py): the GPU's graphed steps
+        self.verify_ahead = self.graphs is not None  # ... and early-drafted verifies (verify_ahead.py)
         self.remote = None  # pp > 1: the earlier stages down the ring (pipeline/batch_head.py RingWalk)
         self.loop: threading.Thread | None = None  # the engine loop: leads every step (started at the first submission)
         self.closed = False
@@ -339,7 +341,7 @@ class Batcher(Residency):
             if nxt is None:
                 return
             self._flush_wakes()  # their rounds are in: the device runs the next step meanwhile
-            take, rows, behind, wakes = nxt, len(nxt), (ahead[0], max(ahead[1], t1)), ()
+            take, rows, behind, wakes = nxt, sum(j.n for j in nxt), (ahead[0], max(ahead[1], t1)), ()
             self.ahead_rids = set()  # the step behind is now the running one (running_rids)
 
     def _step(self, take: list[Job], wakes, behind):
@@ -361,15 +363,21 @@ class Batcher(Residency):
                 self.stats.pre_maintained += pre
                 self.stats.early_drafted += early
                 busy = device_mark()  # the device's work for this step ends with that ingest and drafting (device_idle.py)
+            adv = None
             try:  # (queued primes run before the next step: none is launched behind this one)
                 nxt = plan_ahead(self, take) if not self.primes else None
+                if nxt is None and early and not self.primes:  # the next verifies (verify_ahead.py)
+                    nxt = plan_verify_ahead(self, take)
+                    adv = Advance(nxt) if nxt is not None else None
             except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
-                nxt = None
+                nxt = adv = None
             if nxt is not None:
                 self.ahead_rids = {j.rid for j in nxt}
                 self.stats.ahead += 1
+                self.stats.ahead_verifies += adv is not None
                 t_next = time.perf_counter_ns()
-                ahead = (launch(self, nxt, (), ids_dev=out.pred), t_next)  # its ids: this step's argmax
+                # its ids: this step's argmax; a verify's: its bonus token and early drafts
+                ahead = (launch(self, nxt, (), ids_dev=out.pred if adv is None else None, advance=adv), t_next)
         self._hand_out(take, out, staged)
         self.idle.fold()  # (the readback passed every event recorded before it)
         self.idle.ready((busy or staged[1]) if staged is not None and nxt is None else None)

@@ -194,6 +194,25 @@ class Chain:
         self._expected = 0.0 if self.k_step is not None else -1.0
         job.ids[0] = self.tokens[-1]  # what the device read from the argmax (the error path's ids)
 
+    def adopt_ahead(self, job: Job) -> bool:
+        """Its next round is `job`, a verify already launched one step ahead (verify_ahead.py)
+        from its early drafts, its rows moved on the device by the acceptance found there; the
+        round its drafter's early drafts, taken as its proposal would take them. False (the chain
+        failed) where the host's acceptance differs from the device's: that verify's rows were
+        written at positions the host did not accept."""
+        dd, row, packed = job.ahead
+        n = len(self.tokens)
+        got = self.drafter.take_early(self.tokens, job.n - 1)
+        if got is None or got[0] is not dd or got[1] != row or packed + dd.accepted(row) != n - 1:
+            self._fail(RuntimeError("a verify launched ahead does not start where its round before was accepted"),
+                       None)
+            return False
+        job.start, job.ids[0] = n - 1, self.tokens[-1]
+        self._t0, self._drafts, self._shared, self._q = job.t, None, 0, None  # (its drafts: read at the accept)
+        self._expected = self.acc.expected(job.n - 1) if self.k_step is not None else -1.0
+        self._shadow, self.remeasure = None, False
+        return True
+
     def settle(self, job: Job) -> int | None:
         """After the step `job` rode in (its greedy rows read back; a sampled round's logits):
         accept (greedy, or by rejection sampling with the request's generator, as the session

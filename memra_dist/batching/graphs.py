@@ -247,14 +247,15 @@ class StepGraphs:
                 max(j.width for j in jobs), False)
 
     def run(self, jobs, launched=None, ids_dev: torch.Tensor | None = None, copy: bool = True,
-            patch=None) -> torch.Tensor | None:
+            patch=None, advance=None) -> torch.Tensor | None:
         """The logits of every job's rows (a `last` job's last row only), in job order, from a
         replay; None when the bucket cannot be captured (the caller runs the step eager).
         `launched()`: called once the replay is launched (before anything waits on it). `ids_dev`:
         the rows' ids already on the device (copied over the packed ones: a step launched ahead).
         `copy=False`: the rows of the shared logits buffer itself, valid until the next replay.
         `patch`: rows whose drafts are still on the device, written over the packed ids
-        (step_forward.py DraftPatch)."""
+        (step_forward.py DraftPatch). `advance`: a verify launched ahead, its rows moved by the
+        acceptance the device found (verify_ahead.py Advance; its bucket is captured)."""
         key = self._key(jobs)
         if key in self.failed:
             return None
@@ -269,6 +270,9 @@ class StepGraphs:
             st.views()[0][:ids_dev.shape[0]].copy_(ids_dev)
         if patch is not None:
             patch.apply(st.views()[0])
+        if advance is not None:
+            ids, pos, slots, _, _, table = st.views()
+            advance.apply(ids, pos, slots, table, self.b.pool.block)
         mark_launch(self.b)
         st.graph.replay()
         self.last_ids = st.views()[0]  # (the step's ids on the device, until the next load of its bucket)

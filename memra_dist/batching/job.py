@@ -60,6 +60,9 @@ class Job:
     # its drafts (rows 1 ..) as a Proposal still on the device (`Proposal.dev`); `ids` holds
     # placeholders there until `host_ids` (the step writes them on the device: step_forward.py DraftPatch)
     drafts: object = None
+    # a verify launched before the round it follows was read back (verify_ahead.py): (DeviceDrafts,
+    # row, the start it was packed at), moved on the device by the acceptance found there
+    ahead: object = None
 
     def __post_init__(self):
         self.n = len(self.ids)  # its rows

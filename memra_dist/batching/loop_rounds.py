@@ -69,8 +69,15 @@ def chain_rounds(b, jobs: list[Job]) -> None:
         if ch.ended:
             b.finished.add(ch.rid)
         elif ch.inflight is not None:  # its next round already runs, one step ahead (ahead.py)
-            ch.adopt(ch.inflight)
-            ch.inflight = None
+            job, ch.inflight = ch.inflight, None
+            if job.ahead is not None:  # ... a verify (verify_ahead.py)
+                if not ch.adopt_ahead(job):  # (the device accepted otherwise: the request fails)
+                    job.void = True
+                    b.stats.voids += 1
+                elif b.auto_k:
+                    count_k(b, ch, job.n - 1)
+                continue
+            ch.adopt(job)
             if b.auto_k and not ch.never_drafts:  # a K-0 round (counted now: its K is the one it runs)
                 count_k(b, ch, 0)
         else:

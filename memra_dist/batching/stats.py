@@ -36,6 +36,7 @@ class BatchStats:
     maint_ns: int = 0  # ... of it, the drafters' maintenance (chain_drafts.py maintain_rounds)
     draft_ns: int = 0  # ... and the next proposals (propose_rounds); the rest: acceptance, commit, trim
     ahead: int = 0  # steps launched one step ahead (ahead.py)
+    ahead_verifies: int = 0  # ... of them, speculative rounds' verifies (verify_ahead.py)
     eager: int = 0  # steps not replayed as a graph (prefill chunks, or no graphs: the CPU)
     eager_ns: int = 0  # their share of forward_ns
     voids: int = 0  # rows of those past their request's end (an EOS), dropped
@@ -62,7 +63,8 @@ class BatchStats:
                 "leader_rounds_ms": round(self.rounds_ns / 1e6, 1), "leader_maint_ms": round(self.maint_ns / 1e6, 1),
                 "leader_draft_ms": round(self.draft_ns / 1e6, 1),
                 "loop_primes": self.primes, "loop_prime_runs": self.prime_runs,
-                "loop_prime_ms": round(self.prime_ns / 1e6, 1), "ahead_steps": self.ahead, "void_rows": self.voids,
+                "loop_prime_ms": round(self.prime_ns / 1e6, 1), "ahead_steps": self.ahead,
+                "ahead_verify_steps": self.ahead_verifies, "void_rows": self.voids,
                 "eager_steps": self.eager, "eager_step_ms": round(self.eager_ns / 1e6, 1),
                 "admission_waits": self.waits, "prefix_waits": self.prefix_waits,
                 "k_chosen": {str(k): n for k, n in sorted(self.k_chosen.items())}, "k_cut_rounds": self.k_cut,

@@ -24,12 +24,13 @@ from .paged import BatchView
 __all__ = ["launch", "forward", "eager", "layers", "stage_layers", "scatter_taps", "wake"]
 
 
-def launch(b, jobs: list[Job], wakes, ids_dev=None):
-    """The step's forward launched -> its `Launched`, or the exception that stopped it."""
+def launch(b, jobs: list[Job], wakes, ids_dev=None, advance=None):
+    """The step's forward launched -> its `Launched`, or the exception that stopped it.
+    `advance`: a verify launched ahead (verify_ahead.py Advance)."""
     try:
         replays = b.graphs.replays if b.graphs is not None else 0
         b.launch_ids = None
-        logits = forward(b, jobs, wakes, ids_dev)
+        logits = forward(b, jobs, wakes, ids_dev, advance)
         # every row's argmax and the logit at it in ONE readback, which is also where the
         # step ends on a GPU (its device work done; the wait releases the GIL): the
         # requests' greedy accepts then need no device op and no readback of their own
@@ -42,14 +43,20 @@ def launch(b, jobs: list[Job], wakes, ids_dev=None):
 
 
 @torch.inference_mode()
-def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -> torch.Tensor:
+def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None, advance=None) -> torch.Tensor:
     """The step's forward -> fp32 logits of the rows used, in job order: every row of a job,
     or its last with `last` (one lm_head over them). `wakes`: chains whose threads are woken
     once the step is launched (before the readback; batcher._flush_wakes). `ids_dev`: the
     rows' ids on the device (a step launched ahead: the previous step's argmax). A graphed
     step's logits are copied out of the graphs' shared buffer only when a job reads them: a
-    greedy chained round reads only its greedy rows, computed before any replay."""
+    greedy chained round reads only its greedy rows, computed before any replay. `advance`: a
+    verify launched ahead, its rows moved by the device's acceptance (verify_ahead.py): on the
+    device in a graphed step, else read on the host first."""
     try:
+        graphed = b.graphs is not None and b.graphs.eligible(jobs)
+        if advance is not None and not (graphed and b.device.type == "cuda"):
+            advance.resolve()  # (eager: the rows' starts and first ids on the host)
+            advance = None
         if b.remote is not None or any(j.timer is not None for j in jobs):  # (the ring's plan and level
             for j in jobs:  # 2's eager step take host ids: drafts on the device read back first)
                 j.host_ids()
@@ -57,12 +64,14 @@ def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None) -
         if any(j.timer is not None for j in jobs):  # level 2: the step's own sub-split (laps.py)
             mark_launch(b)
             return timed_step(b, jobs, ids_dev, eager)
-        if b.graphs is not None and b.graphs.eligible(jobs):
+        if graphed:
             out = b.graphs.run(jobs, lambda: wake(wakes), ids_dev,
-                               any(j.chain is None or not j.chain.greedy for j in jobs), patch)
+                               any(j.chain is None or not j.chain.greedy for j in jobs), patch, advance)
             if out is not None:
                 b.launch_ids = b.graphs.last_ids
                 return out
+        if advance is not None:
+            advance.resolve()
         mark_launch(b)
         return eager(b, jobs, ids_dev, patch=patch)
     finally:
@@ -87,7 +96,8 @@ class DraftPatch:
                 dd, row, _ = j.drafts.dev
                 rows, src = by.setdefault(id(dd), (dd, [], []))[1:]
                 rows.extend(range(r + 1, r + j.n))
-                src.extend(range(row * dd.k, row * dd.k + j.n - 1))
+                w = dd.ids.shape[1]  # (its K drafts, and the acceptance where made after a verify)
+                src.extend(range(row * w, row * w + j.n - 1))
             r += j.n
         return DraftPatch(list(by.values())) if by else None
 

@@ -73,6 +73,15 @@ class Drafter:
     # draft_early_many(drafters, verify, pred, ids): ... and its next drafts made there too (the
     # acceptance found on the device), for its next proposal (DFlash after its pre_maintain)
     drafts_early = False
+    # ... and those drafts may feed the round's verify launched before the readback too
+    # (batching/verify_ahead.py): `take_early(context, k)` then takes them as its proposal would
+    verifies_ahead = False
+
+    def take_early(self, context, k: int):
+        """Its early drafts for the round after `context` (k of them), as its next proposal would
+        take them, its state moved as that proposal moves it: (DeviceDrafts, row), or None where
+        they do not fit that context."""
+        return None
 
     # the step leader may run a batched greedy request's rounds (batching/chain.py): host drafters,
     # and device drafters that draft many requests in one forward (`batched`)

@@ -32,7 +32,7 @@ from ...cache import KVLayer
 from ...model.dflash import DFlashNet, load_dflash
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
-from .dflash_batch import draft_early_many, ingest_many, pre_ingest_many, prime_many, propose_many
+from .dflash_batch import _early, draft_early_many, ingest_many, pre_ingest_many, prime_many, propose_many
 from .dflash_graph import block_graphs
 
 
@@ -64,8 +64,13 @@ class DFlashDrafter(Drafter):
     draft_early_many = staticmethod(draft_early_many)
     early = None  # (DeviceDrafts, row, lo, k): draft_early_many's drafts for the next proposal
 
+    verifies_ahead = True  # (batching/verify_ahead.py)
+
     def drop_pre(self) -> None:
         self.pre = self.early = None
+
+    def take_early(self, context, k: int):
+        return _early(self, len(context) - 1, k)
 
     propose_many = staticmethod(propose_many)
     prime_many = staticmethod(prime_many)  # a batched engine's loop primes its new requests together

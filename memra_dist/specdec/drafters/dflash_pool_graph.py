@@ -233,7 +233,7 @@ class PoolBlockGraphs(_BucketGraphs):
         g = self._graph(b)
         g.replay()
         self.replays += 1
-        return DeviceDrafts(g.out[:n])
+        return DeviceDrafts(g.out[:n], acc, bonus)
 
 
 def accepted_on_device(pred: torch.Tensor, ids: torch.Tensor, prow: torch.Tensor, irow: torch.Tensor,
@@ -265,8 +265,15 @@ class DeviceDrafts:
     loop queues the next verify with these drafts still on the device and launches it while the
     draft runs (batching/step_forward.py `DraftPatch`); the rounds read them at their accept."""
 
-    def __init__(self, out: torch.Tensor):
+    def __init__(self, out: torch.Tensor, acc: torch.Tensor | None = None, bonus: torch.Tensor | None = None):
+        """`acc`, `bonus` (n,): where the drafts were made before their verify's readback
+        (`greedy_after`), the acceptance the device found for each request's verify and its
+        bonus token, the input of the round the drafts are for (a verify launched ahead:
+        batching/verify_ahead.py); `acc` comes back to the host with the drafts."""
         self.ids = out.clone()  # (n, K) int64, stream-ordered behind the replay
+        if acc is not None:
+            self.ids = torch.cat((self.ids, acc[:, None]), 1)  # (one copy back: the drafts and the acceptance)
+        self.acc, self.bonus = acc, bonus
         self.k = int(out.shape[1])
         self._rows: list[list[int]] | None = None
         self.event = None
@@ -287,12 +294,17 @@ class DeviceDrafts:
         return mark.elapsed_time(self.event) * 1e6
 
     def rows(self) -> list[list[int]]:
-        """Every request's drafts as host lists (waits for the draft's copy, once)."""
+        """Every request's drafts as host lists (waits for the draft's copy, once); with `acc`,
+        each row's last entry is its acceptance (`accepted`)."""
         if self._rows is None:
             if self.event is not None:
                 self.event.synchronize()
             self._rows = self.host.tolist()
         return self._rows
+
+    def accepted(self, row: int) -> int | None:
+        """The acceptance the device found for request `row`'s verify (None: not made after one)."""
+        return self.rows()[row][self.k] if self.acc is not None else None
 
 
 class PoolIngestGraphs(_BucketGraphs):

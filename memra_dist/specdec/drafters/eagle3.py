@@ -34,7 +34,7 @@ from ...model.eagle3 import Eagle3Net, load_eagle3
 from ...model.prefix_attention import PREFIX_MIN_ROWS, prefix_attention
 from ..sampling import SamplingParams, draw_drafts, probs
 from .base import EMPTY, Drafter, Proposal
-from .eagle3_batch import draft_early_many, maintain_many, prime_many, propose_many
+from .eagle3_batch import _early, draft_early_many, maintain_many, prime_many, propose_many
 from .eagle3_graph import eagle3_graphs
 
 __all__ = ["Eagle3Drafter", "FOLD_ROWS"]
@@ -60,8 +60,13 @@ class Eagle3Drafter(Drafter):
     draft_early_many = staticmethod(draft_early_many)
     early = None  # (DeviceDrafts, row, lo, k): draft_early_many's drafts for the next proposal
 
+    verifies_ahead = True  # (batching/verify_ahead.py)
+
     def drop_pre(self) -> None:
         self.early = None
+
+    def take_early(self, context, k: int):
+        return _early(self, len(context), k)
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, net: Eagle3Net, target):

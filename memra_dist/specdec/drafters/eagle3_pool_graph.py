@@ -129,7 +129,7 @@ class PoolChainGraphs(_BucketGraphs):
         self._load([(range(lo + 2), lo, ts, ds) for (lo, ts, ds) in reqs], b)
         v = torch.tensor([[x[1], x[2], x[3], lo, ts, ds] for x, (lo, ts, ds) in zip(verify, reqs)], dtype=torch.long)
         prow, irow, ks, lo, ts, ds = to_device(v.T.contiguous(), pred.device)
-        acc, _ = accepted_on_device(pred, ids, prow, irow, ks, max(x[3] for x in verify))
+        acc, bonus = accepted_on_device(pred, ids, prow, irow, ks, max(x[3] for x in verify))
         tok, pos, tslot, slot, lim, last_row, idx, cpos = self._views(b)
         j = torch.arange(R, device=pred.device)
         live = j[None, :] <= acc[:, None]  # (n, R): the round's rows
@@ -144,7 +144,7 @@ class PoolChainGraphs(_BucketGraphs):
         g = self._graph(b)
         g.replay()
         self.replays += 1
-        return DeviceDrafts(g.out[:n])
+        return DeviceDrafts(g.out[:n], acc, bonus)
 
     def greedy(self, reqs: list) -> list[list[int]]:
         """Each request's K greedy drafts (host lists) after its context: `reqs` as `_load`'s."""

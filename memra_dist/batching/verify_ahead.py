@@ -1,0 +1,146 @@
+"""Speculative rounds one step ahead of the host: the next verify launched before this one is
+read back.
+
+Right behind an untraced greedy verify of a tap drafter that drafts early (DFlash, EAGLE-3:
+chain_drafts.py `draft_early`), the device already knows each request's next round: its
+acceptance (`accepted_on_device`, the loop's own rule), so the round's first input (the bonus
+token, the argmax row after the accepted drafts) and where the round starts (lo + 1 + accepted);
+and its drafts (the early drafts, made from that acceptance). Only the host does not, until the
+readback. So where every row of the step is such a round, the leader launches the next verify
+right behind it, before reading it back, as plain greedy chains go one step ahead (ahead.py):
+its rows are packed as if nothing were accepted (positions from lo + 1, the K/V slots through
+each request's block table, grown first for the most the round can reach), and the device
+moves them by its acceptance (`advance_rows`: the positions, the slots, the first id; the
+drafts go in as `DraftPatch` puts them). The leader then reads step N back and settles its
+rounds while the device runs N + 1, and N + 1's verify rows are ingested and its next drafts
+made behind it before the leader settles it: the device's wait for the host between steps
+(the readback, the rounds, packing and launching the next verify) leaves the critical path.
+
+After the readback the leader settles N; each request's round then adopts the verify already
+running (`Chain.adopt_ahead`) where the host's acceptance equals the device's (it does, by the
+same rule on the same rows: a difference fails the request rather than keep rows written at
+positions the host did not accept). A request that ends at N (an EOS, the count and room rules
+are checked first) leaves its N + 1 rows void, as ahead.py does. The leader goes ahead only on
+graphed steps whose bucket is captured (its rows run as packed, then moved; a capture would run
+them unmoved) or, on the CPU, with the acceptance read on the host (the tests' path), and
+not when a submission waits, a prime is queued, a request may end by count or room, or the
+round's K is larger than the drafts made early (--spec-k auto's K for the round after N + 1 is
+chosen after N: one step late, as for plain rounds ahead).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..device import to_device
+from ..specdec.drafters.base import Proposal
+from .job import Job
+
+__all__ = ["plan_verify_ahead", "Advance", "advance_rows"]
+
+
+def plan_verify_ahead(b, take: list[Job]) -> list[Job] | None:
+    """Called without the batcher's lock while step `take` runs, right behind its early drafts:
+    the same requests' next verify rows (their drafts and first id left to the device), their
+    blocks grown; None when the step cannot go ahead."""
+    if not b.verify_ahead:
+        return None
+    plan = []
+    for j in take:
+        ch = j.chain
+        if ch is None or not ch.greedy or ch.ended or ch.timed or j.void or j.last or j.n < 2:
+            return None
+        if ch.inflight is not None or not ch.drafter.verifies_ahead or ch.k_step == 0:
+            return None
+        e = ch.drafter.early
+        if e is None or e[2] != j.start or e[3] != j.n - 1:
+            return None  # (not drafted behind this verify)
+        dd, row, lo, _ = e
+        # its next round's K (--spec-k auto's choice: one step late), its rows within its capacity
+        # however many of this round's drafts are accepted (a round near the request's end may
+        # draft more than the host would ask there: the ids are the same, the tokens past the
+        # request's budget dropped at the commit, as ever)
+        kk = min(ch.draft_k(), dd.k, ch.capacity - len(ch.tokens) - j.n)
+        if kk < 1 or dd.acc is None:
+            return None
+        plan.append((j, dd, row, kk))
+    if not plan:
+        return None
+    g = b.graphs
+    with b.cv:
+        if b.pending or b.primes:
+            return None  # someone waits to join: the next step takes them
+        nxt = []
+        for j, dd, row, kk in plan:
+            end = j.start + j.n + kk + 1  # past the next round's last row, where all of this one's is accepted
+            if j.chain.ended or not b.pool.holds(j.rid):
+                return None  # left meanwhile
+            if b.pool.capacity(j.rid) < end and not b.pool.grow(j.rid, end):
+                return None
+            nxt.append(Job(j.rid, [0] * (kk + 1), j.start + 1, j.width, False, chain=j.chain, taps=j.taps,
+                           drafts=Proposal(dev=(dd, row, kk))))
+        if b.device.type == "cuda" and (g is None or not g.eligible(nxt) or g._key(nxt) not in g.steps):
+            return None  # (eager, or a capture: the rows would run unmoved)
+        for j, (_, dd, row, _) in zip(nxt, plan):
+            j.ahead = (dd, row, j.start)  # moved by the device's acceptance (Advance) from that start
+            j.chain.inflight = j
+    return nxt
+
+
+class Advance:
+    """A verify launched ahead: each job's rows moved by the acceptance the device found for the
+    round before (`Job.ahead` = (DeviceDrafts, row, the start it was packed at)). Graphed, on the device (`apply`, into the
+    step's packed inputs behind their copy); eager (the CPU), on the host first (`resolve`)."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+
+    def resolve(self) -> None:
+        """Each job's start and first id as the device's acceptance sets them, read on the host
+        (a wait for the round's early drafts: the eager path's, which the CPU's tests take)."""
+        for j in self.jobs:
+            dd, row, _ = j.ahead
+            a = dd.accepted(row)
+            j.start += a
+            j.ids[0] = int(dd.bonus[row])
+
+    def apply(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+              block: int) -> None:
+        """Into a graphed step's packed inputs on the device (`table`: (segments, width), a job a
+        segment), for each DeviceDrafts the jobs read: one index copy, then `advance_rows`."""
+        by: dict[int, tuple] = {}
+        r = 0
+        for s, j in enumerate(self.jobs):
+            dd, row, _ = j.ahead
+            rows, seg, src = by.setdefault(id(dd), (dd, [], [], []))[1:]
+            rows.extend(range(r, r + j.n))
+            seg.extend([s] * j.n)
+            src.extend([row] * j.n)
+            r += j.n
+        for dd, rows, seg, src in by.values():
+            n = len(rows)
+            at = to_device(rows + seg + src, ids.device)
+            advance_rows(ids, pos, slots, table, block, at[:n], at[n:2 * n], dd.acc[at[2 * n:]],
+                         dd.bonus[at[2 * n:]])
+
+
+def advance_rows(ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, block: int,
+                 rows: torch.Tensor, seg: torch.Tensor, acc: torch.Tensor, bonus: torch.Tensor) -> None:
+    """Rows `rows` of a step, packed at positions as if nothing were accepted, moved by their
+    request's acceptance `acc` (one entry a row): each position + acc, its K/V slot again
+    through its segment's block table (`seg`: the row's segment), and each request's first
+    row's id (the row whose position was the lowest of its segment's) the bonus token.
+
+    >>> ids, pos = torch.tensor([0, 9, 9, 0, 9]), torch.tensor([5, 6, 7, 2, 3])
+    >>> slots, table = torch.zeros(5, dtype=torch.long), torch.tensor([[3, 1, 5], [2, 0, 0]])
+    >>> advance_rows(ids, pos, slots, table, 4, torch.arange(5), torch.tensor([0, 0, 0, 1, 1]),
+    ...              torch.tensor([2, 2, 2, 0, 0]), torch.tensor([7, 7, 7, 8, 8]))
+    >>> ids.tolist(), pos.tolist(), slots.tolist()   # rows 0-2 moved to 7..9 (blocks 1, 5, 5); 3-4 stay
+    ([7, 9, 9, 8, 9], [7, 8, 9, 2, 3], [7, 20, 21, 10, 11])
+    """
+    p = pos[rows] + acc
+    first = torch.ones_like(rows, dtype=torch.bool)
+    first[1:] = seg[1:] != seg[:-1]
+    pos[rows] = p
+    slots[rows] = table[seg, p // block] * block + p % block
+    ids[rows] = torch.where(first, bonus, ids[rows])
