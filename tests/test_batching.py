@@ -536,7 +536,7 @@ def _stubbed_rounds(llama, monkeypatch, n: int, rounds: int, forward_s: float, b
 
         b = eng._backend.batcher
         monkeypatch.setattr(step_forward, "forward",
-                            lambda b, jobs, wakes=(), ids_dev=None: time.sleep(forward_s) or torch.zeros(len(jobs), 8))
+                            lambda b, jobs, wakes=(), ids_dev=None, advance=None: time.sleep(forward_s) or torch.zeros(len(jobs), 8))
         for r in range(n):
             b.admit(("stub", r), 8)
 

@@ -680,29 +680,40 @@ def test_a_failing_early_draft_leaves_the_rounds_to_their_usual_proposal(llama, 
                      "their accept") == 1, err
 
 
-@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+@pytest.mark.parametrize("drafter,auto", [("dflash", False), ("eagle3", False), ("dflash", True), ("eagle3", True)])
 def test_verifies_launched_before_the_round_before_is_read_back_get_solo_proposals_and_ids(
-        llama, tmp_path_factory, monkeypatch, drafter):
+        llama, tmp_path_factory, monkeypatch, drafter, auto):
     """Untraced greedy rounds drafted early over the pool's graphs, each next verify launched
     right behind the verify before, before its readback (batching/verify_ahead.py: its rows
     packed from lo + 1, moved by the acceptance found on the device; on the CPU read on the
-    host, the eager step's path): eight requests four at a time get every proposal and every
-    id they get alone; most steps went ahead, every round adopted the verify launched for it
-    (a request that ended left its row void), and the pool gets every block back."""
+    host, the eager step's path): eight requests four at a time get every id they get alone and
+    every proposal (fixed K: all of them; `auto`: --spec-k auto's choice stood in for, K 0 for
+    some requests in most steps, whose plain rows ride the steps launched ahead beside the
+    verifies: those made at a context the request also had alone); most steps went ahead, and
+    the pool gets every block back."""
+    import memra_dist.batching.loop_rounds as lr
     import memra_dist.batching.verify_ahead as va
     from memra_dist.batching.chain import Chain
 
-    adopted = []
+    adopted, plain = [], [0]
     real_plan = va.plan_verify_ahead
 
     def plan(b, take):
         nxt = real_plan(b, take)
         if nxt is not None:
             adopted.append(len(nxt))
+            plain[0] += sum(j.ahead is None for j in nxt)
         return nxt
 
-    monkeypatch.setattr(va, "plan_verify_ahead", plan)
     monkeypatch.setattr("memra_dist.batching.batcher.plan_verify_ahead", plan)
+    if auto:
+        calls = [0]
+
+        def choose(reqs_, cost, others=None):  # K 0 for one request in three, in turn
+            calls[0] += 1
+            return [0 if (calls[0] + i) % 3 == 0 else bound for i, (_, bound) in enumerate(reqs_)]
+
+        monkeypatch.setattr(lr, "choose", choose)
     ddir, reqs, solo, seen, alone = _alone(drafter, llama, tmp_path_factory, monkeypatch)
     real_adopt = Chain.adopt_ahead
 
@@ -710,7 +721,7 @@ def test_verifies_launched_before_the_round_before_is_read_back_get_solo_proposa
         context = tuple(self.tokens)
         want = self.draft_k()  # (what the round's own proposal would ask for: near its end, fewer)
         ok = real_adopt(self, job)
-        if ok and want > 0:
+        if ok and want > 0 and job.n > 1:
             seen.append((context, tuple(job.drafts.host(min(job.n - 1, want)))))
         return ok
 
@@ -724,8 +735,13 @@ def test_verifies_launched_before_the_round_before_is_read_back_get_solo_proposa
             _chain_graphs(b)
         b.batcher.verify_ahead = True
 
-    batched, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
+    batched, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir), on_open=on_open,
+                              **({"spec_k": "auto"} if auto else {}))
     assert batched == solo
-    assert sorted(seen) == alone
+    if auto:
+        _proposals_as_alone(seen, alone)
+        assert plain[0] > 0 and stats["k_chosen"].get("0", 0) > 0, (plain, stats)
+    else:
+        assert sorted(seen) == alone
     assert stats["ahead_verify_steps"] == len(adopted) > 0.3 * stats["steps"], (len(adopted), stats)
     assert stats["kv_blocks_used"] == 0, stats

@@ -368,7 +368,7 @@ class Batcher(Residency):
                 nxt = plan_ahead(self, take) if not self.primes else None
                 if nxt is None and early and not self.primes:  # the next verifies (verify_ahead.py)
                     nxt = plan_verify_ahead(self, take)
-                    adv = Advance(nxt) if nxt is not None else None
+                    adv = Advance(nxt, out.pred) if nxt is not None else None
             except Exception:  # noqa: BLE001 (going ahead is an optimisation: the step goes on)
                 nxt = adv = None
             if nxt is not None:

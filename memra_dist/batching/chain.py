@@ -114,6 +114,8 @@ class Chain:
         (base.py `catches_up`): no maintenance now, plain decoding's cost."""
         if not self.drafter.catches_up:
             return False
+        if self.inflight is not None and self.inflight.ahead is not None and not self.done:
+            return False  # its next verify already runs, drafted from this round's maintenance (verify_ahead.py)
         if self.done:  # the request ended: its drafter is primed afresh before it drafts again
             return True
         return self.k_step == 0 or self.host_round()

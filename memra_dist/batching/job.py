@@ -63,6 +63,7 @@ class Job:
     # a verify launched before the round it follows was read back (verify_ahead.py): (DeviceDrafts,
     # row, the start it was packed at), moved on the device by the acceptance found there
     ahead: object = None
+    argmax: int = -1  # ... a plain row launched beside such verifies: its input's row of the step's argmax
 
     def __post_init__(self):
         self.n = len(self.ids)  # its rows

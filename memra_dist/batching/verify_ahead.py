@@ -41,31 +41,39 @@ __all__ = ["plan_verify_ahead", "Advance", "advance_rows"]
 
 def plan_verify_ahead(b, take: list[Job]) -> list[Job] | None:
     """Called without the batcher's lock while step `take` runs, right behind its early drafts:
-    the same requests' next verify rows (their drafts and first id left to the device), their
-    blocks grown; None when the step cannot go ahead."""
+    the same requests' next rows, their blocks grown; None when the step cannot go ahead. A
+    verify's next round: its first id and drafts left to the device, its rows moved there
+    (`Job.ahead`); a plain round's (K 0 under --spec-k auto, drafter none) next row: its argmax,
+    at the next position (`Job.argmax`: its row of the step's argmax)."""
     if not b.verify_ahead:
         return None
-    plan = []
+    plan, p, drafted = [], 0, False
     for j in take:
         ch = j.chain
-        if ch is None or not ch.greedy or ch.ended or ch.timed or j.void or j.last or j.n < 2:
+        if ch is None or not ch.greedy or ch.ended or ch.timed or j.void or j.last or ch.inflight is not None:
             return None
-        if ch.inflight is not None or not ch.drafter.verifies_ahead or ch.k_step == 0:
-            return None
-        e = ch.drafter.early
-        if e is None or e[2] != j.start or e[3] != j.n - 1:
+        if j.n == 1:  # a plain round: its next row is its argmax (as ahead.py's)
+            if not ch.plain or len(ch.tokens) + 1 >= ch.capacity:
+                return None  # (it drafts next: nothing drafted early for it)
+            plan.append((j, None, p, 0))
+            p += 1
+            continue
+        e = ch.drafter.early if ch.drafter.verifies_ahead else None
+        if e is None or e[2] != j.start or e[3] != j.n - 1 or e[0].acc is None:
             return None  # (not drafted behind this verify)
-        dd, row, lo, _ = e
-        # its next round's K (--spec-k auto's choice: one step late), its rows within its capacity
-        # however many of this round's drafts are accepted (a round near the request's end may
-        # draft more than the host would ask there: the ids are the same, the tokens past the
-        # request's budget dropped at the commit, as ever)
+        dd, row = e[0], e[1]
+        # its next round's K (--spec-k auto's choice: one step late; 0: a plain row), its rows
+        # within its capacity however many of this round's drafts are accepted (a round near the
+        # request's end may draft more than the host would ask there: the ids are the same, the
+        # tokens past the request's budget dropped at the commit, as ever)
         kk = min(ch.draft_k(), dd.k, ch.capacity - len(ch.tokens) - j.n)
-        if kk < 1 or dd.acc is None:
+        if kk < 0:
             return None
         plan.append((j, dd, row, kk))
-    if not plan:
-        return None
+        drafted = True
+        p += j.n
+    if not drafted:
+        return None  # (plain rows alone: ahead.py's)
     g = b.graphs
     with b.cv:
         if b.pending or b.primes:
@@ -77,46 +85,63 @@ def plan_verify_ahead(b, take: list[Job]) -> list[Job] | None:
                 return None  # left meanwhile
             if b.pool.capacity(j.rid) < end and not b.pool.grow(j.rid, end):
                 return None
-            nxt.append(Job(j.rid, [0] * (kk + 1), j.start + 1, j.width, False, chain=j.chain, taps=j.taps,
-                           drafts=Proposal(dev=(dd, row, kk))))
+            drafts = Proposal(dev=(dd, row, kk)) if kk else None
+            nxt.append(Job(j.rid, [0] * (kk + 1), j.start + (1 if dd is not None else j.n), j.width, False,
+                           chain=j.chain, taps=j.taps, drafts=drafts))
         if b.device.type == "cuda" and (g is None or not g.eligible(nxt) or g._key(nxt) not in g.steps):
             return None  # (eager, or a capture: the rows would run unmoved)
         for j, (_, dd, row, _) in zip(nxt, plan):
-            j.ahead = (dd, row, j.start)  # moved by the device's acceptance (Advance) from that start
+            if dd is not None:
+                j.ahead = (dd, row, j.start)  # moved by the device's acceptance (Advance) from that start
+            else:
+                j.argmax = row  # (its row of the step's argmax)
             j.chain.inflight = j
     return nxt
 
 
 class Advance:
-    """A verify launched ahead: each job's rows moved by the acceptance the device found for the
-    round before (`Job.ahead` = (DeviceDrafts, row, the start it was packed at)). Graphed, on the device (`apply`, into the
-    step's packed inputs behind their copy); eager (the CPU), on the host first (`resolve`)."""
+    """A step launched ahead with verifies among it: each verify's rows moved by the acceptance
+    the device found for the round before (`Job.ahead` = (DeviceDrafts, row, the start it was
+    packed at)), each plain row's id the step's argmax at its row (`Job.argmax`; `pred`).
+    Graphed, on the device (`apply`, into the step's packed inputs behind their copy); eager (the
+    CPU), on the host first (`resolve`)."""
 
-    def __init__(self, jobs: list[Job]):
-        self.jobs = jobs
+    def __init__(self, jobs: list[Job], pred: torch.Tensor):
+        self.jobs, self.pred = jobs, pred
 
     def resolve(self) -> None:
         """Each job's start and first id as the device's acceptance sets them, read on the host
         (a wait for the round's early drafts: the eager path's, which the CPU's tests take)."""
         for j in self.jobs:
+            if j.ahead is None:
+                j.ids[0] = int(self.pred[j.argmax])
+                continue
             dd, row, _ = j.ahead
-            a = dd.accepted(row)
-            j.start += a
+            j.start += dd.accepted(row)
             j.ids[0] = int(dd.bonus[row])
 
     def apply(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
               block: int) -> None:
         """Into a graphed step's packed inputs on the device (`table`: (segments, width), a job a
-        segment), for each DeviceDrafts the jobs read: one index copy, then `advance_rows`."""
+        segment): the plain rows' ids in one gather, then for each DeviceDrafts the verifies
+        read, one index copy and `advance_rows`."""
         by: dict[int, tuple] = {}
+        plain: list[int] = []
         r = 0
         for s, j in enumerate(self.jobs):
+            if j.ahead is None:
+                plain.extend((r, j.argmax))
+                r += 1
+                continue
             dd, row, _ = j.ahead
             rows, seg, src = by.setdefault(id(dd), (dd, [], [], []))[1:]
             rows.extend(range(r, r + j.n))
             seg.extend([s] * j.n)
             src.extend([row] * j.n)
             r += j.n
+        if plain:
+            at = to_device(plain, ids.device).view(-1, 2)
+            ids[at[:, 0]] = self.pred[at[:, 1]]
         for dd, rows, seg, src in by.values():
             n = len(rows)
             at = to_device(rows + seg + src, ids.device)
