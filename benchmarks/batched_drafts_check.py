@@ -1,18 +1,21 @@
 """Batched DFlash and EAGLE-3 on the GPU against solo: the shared draft forward's drafts left on
 the device for the next verify (batching/step_forward.py `DraftPatch`, in the graphed step) give
 every request its solo ids, and so do the next drafts made before the verify's readback (the
-acceptance found on the device: chain_drafts.py `draft_early`).
+acceptance found on the device: chain_drafts.py `draft_early`) and the next verify launched
+then, its rows moved on the device by that acceptance (batching/verify_ahead.py).
 
 The demo's trained tiny target and its trained drafters (real acceptance: DFlash ~0.93 of the
 drafts on average, so a wrong draft reaching the verify, or a host that accepts drafts other
 than those the device verified, would change the ids), twelve corpus prompts of different
 lengths and budgets, K 15 for DFlash and 4 for EAGLE-3, fixed. For each drafter and dtype: each
 request alone on a solo engine, then all twelve at once on engines of --max-batch 4 and 16,
-with the drafts made before the readback and left on the device (the drafter's `drafts_early`
-and `defers`: the default), made after it and left on the device (drafts_early off), and read
-back before the verify (both off). Every batched run must give each request its solo ids (exit
-1 otherwise); on CUDA the deferred runs must have patched drafts into a step and the early ones
-drafted rounds early (else the check checked nothing: exit 1).
+with the drafts made before the readback, left on the device, and the next verify launched
+before the readback too (the drafter's `drafts_early`, `defers` and `verifies_ahead`: the
+default; batching/verify_ahead.py), the same without the verify ahead, the drafts made after
+the readback and left on the device (drafts_early off), and read back before the verify (all
+off). Every batched run must give each request its solo ids (exit 1 otherwise); on CUDA the
+deferred runs must have patched drafts into a step, the early ones drafted rounds early and
+the ahead ones launched verifies ahead (else the check checked nothing: exit 1).
 
     python benchmarks/batched_drafts_check.py OUT_DIR [--device cuda|cpu] [--drafters dflash,eagle3]
         [--dtypes fp32,bf16] [--max-batch 4,16]
@@ -107,24 +110,28 @@ def main() -> int:
                 r = eng.generate(p, cfg(dtype, max_new_tokens=n))
                 solo.append(r.token_ids)
                 acc.append(r.stats.get("acceptance", 0.0))
-        for defers, early in ((True, True), (True, False), (False, False)):
-            cls.defers, cls.drafts_early = defers, early
+        for defers, early, ahead in ((True, True, True), (True, True, False), (True, False, False),
+                                     (False, False, False)):
+            cls.defers, cls.drafts_early, cls.verifies_ahead = defers, early, ahead
             for mb in (int(x) for x in a.max_batch.split(",")):
                 patched[0] = 0
                 t0 = time.perf_counter()
                 got, errs, st = batched(dtype, mb)
                 same = sum(g == s for g, s in zip(got, solo))
-                drafted_early = st.get("early_drafted_rounds", 0)
-                row = dict(drafter=drafter, dtype=dtype, defers=defers, early=early, max_batch=mb, same=same, requests=len(reqs),
-                           steps_patched=patched[0], early_drafted_rounds=drafted_early, errors=errs[:2],
-                           solo_acceptance=round(sum(acc) / len(acc), 3), seconds=round(time.perf_counter() - t0, 1))
+                drafted_early, went = st.get("early_drafted_rounds", 0), st.get("ahead_verify_steps", 0)
+                row = dict(drafter=drafter, dtype=dtype, defers=defers, early=early, ahead=ahead, max_batch=mb,
+                           same=same, requests=len(reqs), steps_patched=patched[0],
+                           early_drafted_rounds=drafted_early, ahead_verify_steps=went, steps=st.get("steps", 0),
+                           errors=errs[:2], solo_acceptance=round(sum(acc) / len(acc), 3),
+                           seconds=round(time.perf_counter() - t0, 1))
                 cuda = a.device == "cuda"
                 bad = (same != len(reqs) or errs or (defers and cuda and not patched[0])
-                       or (early and cuda and not drafted_early) or (not early and drafted_early))
+                       or (early and cuda and not drafted_early) or (not early and drafted_early)
+                       or (ahead and cuda and not went) or (not ahead and went))
                 ok = ok and not bad
                 rows.append(row)
                 print(("ok  " if not bad else "BAD ") + json.dumps(row), flush=True)
-        cls.defers = cls.drafts_early = True
+        cls.defers = cls.drafts_early = cls.verifies_ahead = True
     (a.out / "batched_drafts_check.json").write_text(json.dumps({"ok": ok, "runs": rows}, indent=1))
     return 0 if ok else 1
 
