@@ -14,6 +14,7 @@ from memra_dist.cache import KVLayer
 from memra_dist.model.attention import cached_attention
 from memra_dist.model.tap_pool import TapPool, gather_rows
 from memra_dist.model.taps import TapSink
+from memra_dist.batching.chain import Chain
 from memra_dist.specdec.drafters.draft_pool import DraftPool, pooled_attention
 
 from test_batching import CAP, _batched, _drafter_cls, _prompts, _solo, _tap_drafter, spy_proposals
@@ -680,6 +681,47 @@ def test_a_failing_early_draft_leaves_the_rounds_to_their_usual_proposal(llama, 
                      "their accept") == 1, err
 
 
+def test_a_replayed_tap_drafters_verify_launched_ahead_runs_the_replays_drafts(llama, tmp_path_factory, monkeypatch):
+    """The bench's TapReplay (the real DFlash drafter paid in full, its drafts replaced by a
+    recorded continuation corrupted at 0.3) with each next verify launched ahead: the replay's
+    drafts for the round after the device's acceptance are gathered on the device from each
+    position's draw (ReplayDrafter.drafted), so every request gets its solo ids, each round's
+    drafts are the replay's at its context (some accepted, some not), and most steps went ahead."""
+    from memra_dist.bench.batching import _tap_replay
+    from memra_dist.specdec.drafters.replay import ReplayDrafter
+
+    ddir, reqs, solo, seen, alone = _alone("dflash", llama, tmp_path_factory, monkeypatch)
+    prompts = [p for p, _ in reqs]
+    recorded = solo  # (each request's generated ids)
+    replays = {tuple(p): ReplayDrafter(r, len(p), 128, 0.3, seed=1) for p, r in zip(prompts, recorded)}
+    ran = []
+    real_settle = Chain.settle
+
+    def settle(self, job):  # each round's drafts are the replay's at its context
+        if job.n > 1:
+            ran.append((tuple(self.tokens), job.host_ids()[1:]))
+        return real_settle(self, job)
+
+    monkeypatch.setattr(Chain, "settle", settle)
+
+    def on_open(eng):
+        _dflash_pool_graphs(eng._backend)
+        eng._backend.batcher.verify_ahead = True
+        _tap_replay(eng, prompts, recorded, 128, 0.3)
+
+    batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
+    assert batched == solo
+    same = 0
+    for context, drafts in ran:
+        rp = next(r for p, r in replays.items() if context[:len(p)] == p)
+        want = rp.drafted[len(context) - rp.prompt_len:][:len(drafts)]
+        assert drafts[:len(want)] == want, (len(context), drafts, want)
+        same += sum(a == b for a, b in zip(want, rp.recorded[len(context) - rp.prompt_len:]))
+    assert 0 < same < sum(len(d) for _, d in ran)  # drafts the target accepts, and corrupted ones
+    assert len(ran) > 0.8 * stats["chained_rounds"], (len(ran), stats)
+    assert stats["ahead_verify_steps"] > 0.3 * stats["steps"], stats
+
+
 @pytest.mark.parametrize("drafter,auto", [("dflash", False), ("eagle3", False), ("dflash", True), ("eagle3", True)])
 def test_verifies_launched_before_the_round_before_is_read_back_get_solo_proposals_and_ids(
         llama, tmp_path_factory, monkeypatch, drafter, auto):
@@ -693,7 +735,6 @@ def test_verifies_launched_before_the_round_before_is_read_back_get_solo_proposa
     the pool gets every block back."""
     import memra_dist.batching.loop_rounds as lr
     import memra_dist.batching.verify_ahead as va
-    from memra_dist.batching.chain import Chain
 
     adopted, plain = [], [0]
     real_plan = va.plan_verify_ahead

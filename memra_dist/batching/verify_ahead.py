@@ -61,7 +61,7 @@ def plan_verify_ahead(b, take: list[Job]) -> list[Job] | None:
         e = ch.drafter.early if ch.drafter.verifies_ahead else None
         if e is None or e[2] != j.start or e[3] != j.n - 1 or e[0].acc is None:
             return None  # (not drafted behind this verify)
-        dd, row = e[0], e[1]
+        dd = e[0]
         # its next round's K (--spec-k auto's choice: one step late; 0: a plain row), its rows
         # within its capacity however many of this round's drafts are accepted (a round near the
         # request's end may draft more than the host would ask there: the ids are the same, the
@@ -69,11 +69,12 @@ def plan_verify_ahead(b, take: list[Job]) -> list[Job] | None:
         kk = min(ch.draft_k(), dd.k, ch.capacity - len(ch.tokens) - j.n)
         if kk < 0:
             return None
-        plan.append((j, dd, row, kk))
+        plan.append((j, e, None, kk))
         drafted = True
         p += j.n
     if not drafted:
         return None  # (plain rows alone: ahead.py's)
+    plan = _drafts_of(plan)
     g = b.graphs
     with b.cv:
         if b.pending or b.primes:
@@ -97,6 +98,22 @@ def plan_verify_ahead(b, take: list[Job]) -> list[Job] | None:
                 j.argmax = row  # (its row of the step's argmax)
             j.chain.inflight = j
     return nxt
+
+
+def _drafts_of(plan: list) -> list:
+    """The plan's verify entries (j, its drafter's early drafts, -, K) as (j, DeviceDrafts, row,
+    K): the drafts its verify runs, one call a drafter class (Drafter.ahead_drafts_many)."""
+    by: dict[type, list[int]] = {}
+    for i, (j, e, _, _) in enumerate(plan):
+        if e is not None:
+            by.setdefault(type(j.chain.drafter), []).append(i)
+    out = list(plan)
+    for cls, idx in by.items():
+        got = cls.ahead_drafts_many([plan[i][0].chain.drafter for i in idx], [plan[i][1] for i in idx],
+                                    [plan[i][3] for i in idx])
+        for i, (dd, row) in zip(idx, got):
+            out[i] = (plan[i][0], dd, row, plan[i][3])
+    return out
 
 
 class Advance:

@@ -12,7 +12,11 @@ rewritten before any row reads them), so replacing the proposals leaves each con
 
 from __future__ import annotations
 
+import torch
+
+from ..device import to_device
 from ..specdec.drafters.base import Drafter, Proposal
+from ..specdec.drafters.dflash_pool_graph import DeviceDrafts
 from ..specdec.drafters.replay import ReplayDrafter
 from ..specdec.drafters.wrapping import Wrapping
 
@@ -42,3 +46,52 @@ class TapReplay(Wrapping):
     def propose(self, context, k, sp, gen) -> Proposal:
         real = self.inner.propose(context, k, sp, gen)  # paid in full: its forward(s) and readback
         return self.replay.propose(context, min(k, real.count()), sp, gen)  # greedy bench: deterministic drafts
+
+    # a verify launched ahead (batching/verify_ahead.py): the real drafter's early drafts paid in
+    # full, the verify's drafts the replay's, drawn on the device where the acceptance is known
+    @property
+    def verifies_ahead(self) -> bool:
+        return getattr(self.inner, "verifies_ahead", False)
+
+    @property
+    def early(self):
+        return getattr(self.inner, "early", None)
+
+    ahead = None  # (DeviceDrafts, row): the replay's drafts a verify launched ahead runs (ahead_drafts_many)
+
+    @staticmethod
+    def ahead_drafts_many(drafters, earlies, ks: list[int]) -> list:
+        """Each drafter's replayed drafts for the round after its verify, on the device: its real
+        drafter's early drafts `earlies[i]` = (DeviceDrafts, row, lo, k) carry the acceptance a
+        the device found, and the replay's drafts from there are the positions lo + 2 + a - prompt
+        on of its table (`ReplayDrafter.drafted`): a window of every a's, copied in once, and
+        one gather."""
+        n, kmax = len(drafters), max(ks)
+        W = max(e[3] for e in earlies) + kmax
+        win = []
+        for d, e in zip(drafters, earlies):
+            at = e[2] + 2 - d.replay.prompt_len
+            row = d.replay.drafted[max(at, 0):at + W] if at + W > 0 else []
+            win.extend(row + [0] * (W - len(row)))  # (past the recording: placeholders, as at its end)
+        dd0 = earlies[0][0]
+        dev = dd0.ids.device
+        if any(e[0] is not dd0 for e in earlies):  # (one early forward a step: not seen)
+            acc = torch.stack([e[0].acc[e[1]] for e in earlies])
+            bonus = torch.stack([e[0].bonus[e[1]] for e in earlies])
+        else:
+            rows = to_device([e[1] for e in earlies], dev)
+            acc, bonus = dd0.acc[rows], dd0.bonus[rows]
+        at = acc[:, None] + torch.arange(kmax, device=dev)
+        ids = to_device(win, dev).view(n, W).gather(1, at)
+        dd = DeviceDrafts(ids, acc, bonus)
+        for r, d in enumerate(drafters):
+            d.ahead = (dd, r)
+        return [(dd, r) for r in range(n)]
+
+    def take_early(self, context, k: int):
+        mine, self.ahead = self.ahead, None
+        return mine if self.inner.take_early(context, k) is not None else None
+
+    def drop_pre(self) -> None:
+        self.inner.drop_pre()
+        self.ahead = None

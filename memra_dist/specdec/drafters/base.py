@@ -77,6 +77,13 @@ class Drafter:
     # (batching/verify_ahead.py): `take_early(context, k)` then takes them as its proposal would
     verifies_ahead = False
 
+    @staticmethod
+    def ahead_drafts_many(drafters, earlies, ks: list[int]) -> list:
+        """The drafts each drafter's verify launched ahead runs, from its early drafts
+        `earlies[i]` = (DeviceDrafts, row, lo, k) (its next round's K `ks[i]`): (DeviceDrafts,
+        row) each, those drafts themselves (a bench wrapper replays others: bench/tap_replay.py)."""
+        return [(e[0], e[1]) for e in earlies]
+
     def take_early(self, context, k: int):
         """Its early drafts for the round after `context` (k of them), as its next proposal would
         take them, its state moved as that proposal moves it: (DeviceDrafts, row), or None where

@@ -28,15 +28,16 @@ class ReplayDrafter(Drafter):
         # its own stream (sampling draws stay the target's), and each request's its own: the seed
         # mixed with the request's recorded continuation, so concurrent requests' corruptions are
         # independent (one seed for all made every request of a batch reject at the same rounds,
-        # a bench's acceptance then one request's draw) and a request's are the same solo or batched
-        self.gen = random.Random(f"{seed}:{prompt_len}:{self.recorded[:64]}")
+        # a bench's acceptance then one request's draw) and a request's are the same solo or batched.
+        # Each position's draft is drawn once (`drafted`): a round drafting positions p .. p + k - 1
+        # accepts up to the first corrupted one, whichever round drafted it before, so each
+        # round's acceptance is what a fresh draw per draft gives, and a round's drafts depend
+        # only on where it starts (a verify launched ahead draws them on the device: bench/tap_replay.py)
+        gen = random.Random(f"{seed}:{prompt_len}:{self.recorded[:64]}")
+        self.drafted = [(t + gen.randrange(1, vocab_size)) % vocab_size if corrupt > 0 and gen.random() < corrupt
+                        else t for t in self.recorded]  # (a corrupted id is always a different one)
 
     def propose(self, context, k, sp, gen) -> Proposal:
         at = len(context) - self.prompt_len
-        toks = self.recorded[at:at + k] if k > 0 else []
-        if not toks:
-            return EMPTY
-        if self.corrupt > 0:
-            r = self.gen.random
-            toks = [(t + self.gen.randrange(1, self.vocab)) % self.vocab if r() < self.corrupt else t for t in toks]
-        return Proposal(ids=toks)  # (a corrupted id is always a different one)
+        toks = self.drafted[at:at + k] if k > 0 and at >= 0 else []
+        return Proposal(ids=toks) if toks else EMPTY
