@@ -341,3 +341,79 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
         assert any(t > s for t, s in graphed), graphed  # steps of more rows than requests: not a slot a row
     else:
         assert g["replays"] == 0 and g["captured"] == 0 and g["eager_buckets"] >= 1, g
+
+
+@pytest.mark.slow  # the Triton interpreter: every replay re-runs the step's kernels
+def test_verifies_launched_ahead_on_graphed_steps_move_their_rows_on_the_device(wide_llama, tmp_path_factory,
+                                                                                monkeypatch):
+    """DFlash rounds drafted early over the pool's graphs, each next verify launched behind the
+    verify before on the graphed steps (batching/verify_ahead.py): its rows packed from lo + 1
+    and moved on the device by the acceptance found there (`Advance.apply`: the positions, the
+    K/V slots through each block table, the bonus id; the drafts by DraftPatch), never read on
+    the host first; every request gets its solo ids and every proposal is its solo proposal."""
+    import memra_dist.batching.calibrate as calibrate
+    from graph_emulator import EmulatedCapture
+    from memra_dist.batching.chain import Chain
+    from memra_dist.batching.graphs import StepGraphs
+    from memra_dist.batching.verify_ahead import Advance
+    from memra_dist.demo.tiny_dflash import random_dflash
+    from memra_dist.specdec.drafters.dflash import DFlashDrafter
+    from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs, PoolIngestGraphs
+    from test_batching import spy_proposals
+
+    monkeypatch.setattr(calibrate, "REPS", 1)
+    ddir = random_dflash(tmp_path_factory.mktemp("adflash") / "d", wide_llama, seed=2, layers=1, block_size=4,
+                         taps=(0, 1), mask_token_id=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
+    seen = spy_proposals(monkeypatch, DFlashDrafter)
+    real_adopt = Chain.adopt_ahead
+
+    def adopt_ahead(self, job):  # a round that adopted its verify launched ahead: its proposal too
+        context, want = tuple(self.tokens), self.draft_k()
+        ok = real_adopt(self, job)
+        if ok and want > 0 and job.n > 1:
+            seen.append((context, tuple(job.drafts.host(min(job.n - 1, want)))))
+        return ok
+
+    monkeypatch.setattr(Chain, "adopt_ahead", adopt_ahead)
+    moved, resolved = [0], [0]
+    real_apply, real_resolve = Advance.apply, Advance.resolve
+    monkeypatch.setattr(Advance, "apply", lambda self, *a: moved.__setitem__(0, moved[0] + 1) or real_apply(self, *a))
+    monkeypatch.setattr(Advance, "resolve", lambda self: resolved.__setitem__(0, 1) or real_resolve(self))
+
+    def cfg(n=12):
+        return RunConfig(model=str(wide_llama), drafter="dflash", k=3, device="cpu", dtype="fp32", prefill_chunk=40,
+                         max_new_tokens=n, spec_k="fixed", draft_model=str(ddir))
+
+    reqs = [([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 14), ([9, 3, 9, 3, 9, 3, 9], 12), ([11, 12, 13, 11, 12, 13, 11], 13)]
+    with open_engine(cfg(), capacity=96) as eng:
+        solo = [eng.generate(p, cfg(n)).token_ids for p, n in reqs]
+    alone, seen[:] = sorted(seen), []
+    got: dict[int, list[int]] = {}
+    with open_engine(cfg(), capacity=96, max_batch=3) as eng:
+        be = eng._backend
+        b = be.batcher
+        _on_kernels(be)
+        b.graphs = StepGraphs(b, b.max_tokens, graph_cls=_Replayed)
+        b.graphs.warm(3, (1, 4), 96)
+        be.draft_pool.alloc(96 + 4)
+        b.tap_pool.alloc(96)
+        g = PoolBlockGraphs(be.tap_net, be.runner.stage, be.draft_pool, 4, 3, 1, 3, graph_cls=EmulatedCapture)
+        ing = PoolIngestGraphs(be.tap_net, be.draft_pool, b.tap_pool, 4, 3, graph_cls=EmulatedCapture)
+        g.warm(), ing.warm()
+        be.draft_pool.graphs, be.draft_pool.ingest_graphs = g, ing
+        b.verify_ahead = True  # (as on a GPU's graphed steps)
+
+        def one(i, p, n):
+            got[i] = eng.generate(p, cfg(n)).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert b.wait_idle(60)
+        st = be.stats()
+    assert [got.get(i) for i in range(len(reqs))] == solo
+    assert sorted(seen) == alone, (len(seen), len(alone))
+    assert st["ahead_verify_steps"] > 0 and moved[0] == st["ahead_verify_steps"] and not resolved[0], (moved, st)
+    assert st["kv_blocks_used"] == 0, st

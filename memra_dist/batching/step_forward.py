@@ -54,7 +54,7 @@ def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None, a
     device in a graphed step, else read on the host first."""
     try:
         graphed = b.graphs is not None and b.graphs.eligible(jobs)
-        if advance is not None and not (graphed and b.device.type == "cuda"):
+        if advance is not None and not graphed:
             advance.resolve()  # (eager: the rows' starts and first ids on the host)
             advance = None
         if b.remote is not None or any(j.timer is not None for j in jobs):  # (the ring's plan and level

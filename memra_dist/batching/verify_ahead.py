@@ -19,13 +19,16 @@ made behind it before the leader settles it: the device's wait for the host betw
 After the readback the leader settles N; each request's round then adopts the verify already
 running (`Chain.adopt_ahead`) where the host's acceptance equals the device's (it does, by the
 same rule on the same rows: a difference fails the request rather than keep rows written at
-positions the host did not accept). A request that ends at N (an EOS, the count and room rules
-are checked first) leaves its N + 1 rows void, as ahead.py does. The leader goes ahead only on
+positions the host did not accept). A request that ends at N (an EOS, its budget) leaves its
+N + 1 rows void, as ahead.py does; one near its end may verify more drafts than its own round
+would ask for there (the ids are the same; the tokens past its budget are dropped at the
+commit, as ever). Plain rows (K 0 under --spec-k auto) ride the step too, their ids the step's
+argmax. --spec-k auto's K for the round after N + 1 is chosen after N: one step late, as for
+plain rounds ahead; a round gets at most the drafts made early. The leader goes ahead only on
 graphed steps whose bucket is captured (its rows run as packed, then moved; a capture would run
-them unmoved) or, on the CPU, with the acceptance read on the host (the tests' path), and
-not when a submission waits, a prime is queued, a request may end by count or room, or the
-round's K is larger than the drafts made early (--spec-k auto's K for the round after N + 1 is
-chosen after N: one step late, as for plain rounds ahead).
+them unmoved) or, without graphs (the CPU), with the acceptance read on the host first (the
+tests' eager path); and not when a submission waits or a prime is queued, a step holds a
+sampled or traced round, or a request's next round could reach past its capacity.
 """
 
 from __future__ import annotations
@@ -89,8 +92,9 @@ def plan_verify_ahead(b, take: list[Job]) -> list[Job] | None:
             drafts = Proposal(dev=(dd, row, kk)) if kk else None
             nxt.append(Job(j.rid, [0] * (kk + 1), j.start + (1 if dd is not None else j.n), j.width, False,
                            chain=j.chain, taps=j.taps, drafts=drafts))
-        if b.device.type == "cuda" and (g is None or not g.eligible(nxt) or g._key(nxt) not in g.steps):
-            return None  # (eager, or a capture: the rows would run unmoved)
+        if (g is None and b.device.type == "cuda") or (g is not None and (not g.eligible(nxt)
+                                                                          or g._key(nxt) not in g.steps)):
+            return None  # (an eager step's rows would wait for the readback; a capture would run them unmoved)
         for j, (_, dd, row, _) in zip(nxt, plan):
             if dd is not None:
                 j.ahead = (dd, row, j.start)  # moved by the device's acceptance (Advance) from that start
