@@ -197,11 +197,11 @@ class Chain:
         job.ids[0] = self.tokens[-1]  # what the device read from the argmax (the error path's ids)
 
     def adopt_ahead(self, job: Job) -> bool:
-        """Its next round is `job`, a verify already launched one step ahead (verify_ahead.py)
-        from its early drafts, its rows moved on the device by the acceptance found there; the
-        round its drafter's early drafts, taken as its proposal would take them. False (the chain
-        failed) where the host's acceptance differs from the device's: that verify's rows were
-        written at positions the host did not accept."""
+        """Its next round is `job`, a verify already launched one step ahead (verify_ahead.py),
+        its rows moved on the device by the acceptance found there; its drafts are its drafter's
+        early drafts, taken as its proposal would take them. False (the chain failed) where the
+        host's acceptance differs from the device's: that verify's rows were written at
+        positions the host did not accept."""
         dd, row, packed = job.ahead
         n = len(self.tokens)
         got = self.drafter.take_early(self.tokens, job.n - 1)
