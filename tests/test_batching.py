@@ -593,8 +593,9 @@ def test_requests_coming_back_one_after_another_ride_one_step(llama, monkeypatch
 
 def spy_proposals(monkeypatch, cls) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Every proposal drafter class `cls` makes, as (context, drafts): a request's own
-    (`propose`) and those the step leader makes for several chained requests in one forward
-    (`propose_many`, chain_drafts.py)."""
+    (`propose`), those the step leader makes for several chained requests in one forward
+    (`propose_many`, chain_drafts.py), and the early drafts a round's verify launched ahead ran
+    (`Chain.adopt_ahead`: as many as its own proposal would have asked for)."""
     seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     real, many = cls.propose, getattr(cls, "propose_many", None)
 
@@ -611,9 +612,21 @@ def spy_proposals(monkeypatch, cls) -> list[tuple[tuple[int, ...], tuple[int, ..
         seen.extend((tuple(c), tuple(drafts(p, k))) for c, k, p in zip(contexts, ks, out) if k > 0)
         return out
 
+    from memra_dist.batching.chain import Chain
+
+    real_adopt = Chain.adopt_ahead
+
+    def adopt_ahead(self, job):  # a round that adopted its verify launched ahead (batching/verify_ahead.py)
+        context, want = tuple(self.tokens), self.draft_k()  # (near its end its own round asks for fewer)
+        ok = real_adopt(self, job)
+        if ok and want > 0 and job.n > 1 and isinstance(self.drafter, cls):
+            seen.append((context, tuple(job.drafts.host(min(job.n - 1, want)))))
+        return ok
+
     monkeypatch.setattr(cls, "propose", spy)
     if many is not None:
         monkeypatch.setattr(cls, "propose_many", staticmethod(spy_many))
+    monkeypatch.setattr(Chain, "adopt_ahead", adopt_ahead)
     return seen
 
 

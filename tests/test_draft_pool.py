@@ -756,17 +756,6 @@ def test_verifies_launched_before_the_round_before_is_read_back_get_solo_proposa
 
         monkeypatch.setattr(lr, "choose", choose)
     ddir, reqs, solo, seen, alone = _alone(drafter, llama, tmp_path_factory, monkeypatch)
-    real_adopt = Chain.adopt_ahead
-
-    def adopt_ahead(self, job):  # a round that adopted its verify: its proposal, as the spy records one
-        context = tuple(self.tokens)
-        want = self.draft_k()  # (what the round's own proposal would ask for: near its end, fewer)
-        ok = real_adopt(self, job)
-        if ok and want > 0 and job.n > 1:
-            seen.append((context, tuple(job.drafts.host(min(job.n - 1, want)))))
-        return ok
-
-    monkeypatch.setattr(Chain, "adopt_ahead", adopt_ahead)
 
     def on_open(eng):
         b = eng._backend

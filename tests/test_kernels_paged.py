@@ -353,7 +353,6 @@ def test_verifies_launched_ahead_on_graphed_steps_move_their_rows_on_the_device(
     the host first; every request gets its solo ids and every proposal is its solo proposal."""
     import memra_dist.batching.calibrate as calibrate
     from graph_emulator import EmulatedCapture
-    from memra_dist.batching.chain import Chain
     from memra_dist.batching.graphs import StepGraphs
     from memra_dist.batching.verify_ahead import Advance
     from memra_dist.demo.tiny_dflash import random_dflash
@@ -365,16 +364,6 @@ def test_verifies_launched_ahead_on_graphed_steps_move_their_rows_on_the_device(
     ddir = random_dflash(tmp_path_factory.mktemp("adflash") / "d", wide_llama, seed=2, layers=1, block_size=4,
                          taps=(0, 1), mask_token_id=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
     seen = spy_proposals(monkeypatch, DFlashDrafter)
-    real_adopt = Chain.adopt_ahead
-
-    def adopt_ahead(self, job):  # a round that adopted its verify launched ahead: its proposal too
-        context, want = tuple(self.tokens), self.draft_k()
-        ok = real_adopt(self, job)
-        if ok and want > 0 and job.n > 1:
-            seen.append((context, tuple(job.drafts.host(min(job.n - 1, want)))))
-        return ok
-
-    monkeypatch.setattr(Chain, "adopt_ahead", adopt_ahead)
     moved, resolved = [0], [0]
     real_apply, real_resolve = Advance.apply, Advance.resolve
     monkeypatch.setattr(Advance, "apply", lambda self, *a: moved.__setitem__(0, moved[0] + 1) or real_apply(self, *a))
