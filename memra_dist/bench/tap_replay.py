@@ -63,9 +63,9 @@ class TapReplay(Wrapping):
     def ahead_drafts_many(drafters, earlies, ks: list[int]) -> list:
         """Each drafter's replayed drafts for the round after its verify, on the device: its real
         drafter's early drafts `earlies[i]` = (DeviceDrafts, row, lo, k) carry the acceptance a
-        the device found, and the replay's drafts from there are the positions lo + 2 + a - prompt
-        on of its table (`ReplayDrafter.drafted`): a window of every a's, copied in once, and
-        one gather."""
+        the device found, and the replay's drafts then are its table's (`ReplayDrafter.drafted`)
+        from entry lo + 2 + a - prompt_len on: the entries every a in [0, k] could start from,
+        copied in once, and one gather by a."""
         n, kmax = len(drafters), max(ks)
         W = max(e[3] for e in earlies) + kmax
         win = []

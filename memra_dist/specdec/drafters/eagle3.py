@@ -67,6 +67,7 @@ class Eagle3Drafter(Drafter):
 
     def take_early(self, context, k: int):
         return _early(self, len(context), k)
+
     ttft_depth = None  # the profile's DepthTimer, lent for the prime only (phase/first_token.py)
 
     def __init__(self, net: Eagle3Net, target):
