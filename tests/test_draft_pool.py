@@ -775,3 +775,33 @@ def test_verifies_launched_before_the_round_before_is_read_back_get_solo_proposa
         assert sorted(seen) == alone
     assert stats["ahead_verify_steps"] == len(adopted) > 0.3 * stats["steps"], (len(adopted), stats)
     assert stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_request_ending_at_an_eos_drops_its_verify_launched_ahead(llama, tmp_path_factory, monkeypatch):
+    """A checkpoint whose EOS is a token the requests produce mid-way: DFlash requests end at it
+    while their next verify already runs, launched ahead (batching/verify_ahead.py); those rows
+    are dropped (counted), and every request gets its solo ids, ending at the EOS as alone, and
+    gives its blocks back."""
+    import json
+    import shutil
+
+    ddir = _tap_drafter("dflash", llama, tmp_path_factory)
+    reqs = _prompts(8)
+    plain = _solo(llama, "dflash", reqs, draft_model=str(ddir))
+    eos = next(t for out in plain for t in out[3:-2])  # a token some request makes mid-way
+    ck = tmp_path_factory.mktemp("eos") / "m"
+    shutil.copytree(llama, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["eos_token_id"] = int(eos)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    solo = _solo(ck, "dflash", reqs, draft_model=str(ddir))
+    assert any(len(s) < n + 1 and s[-1] == eos for s, (_, n) in zip(solo, reqs))  # some end at the EOS
+
+    def on_open(eng):
+        _dflash_pool_graphs(eng._backend)
+        eng._backend.batcher.verify_ahead = True
+
+    got, stats = _batched(ck, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
+    assert got == solo
+    assert stats["ahead_verify_steps"] > 0 and stats["void_rows"] >= 1, stats
+    assert stats["kv_blocks_used"] == 0, stats
