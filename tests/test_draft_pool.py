@@ -805,3 +805,62 @@ def test_a_request_ending_at_an_eos_drops_its_verify_launched_ahead(llama, tmp_p
     assert got == solo
     assert stats["ahead_verify_steps"] > 0 and stats["void_rows"] >= 1, stats
     assert stats["kv_blocks_used"] == 0, stats
+
+
+def test_a_verify_launched_ahead_where_the_host_accepted_otherwise_fails_its_request(llama, tmp_path_factory,
+                                                                                    monkeypatch):
+    """Were the host ever to accept a round otherwise than the device did (here: the host's
+    acceptance made to drop one accepted draft, once; the bench's replay of each request's own
+    continuation, so the device accepts every draft), the verify launched ahead for the round
+    after it ran at positions the host did not accept: that request fails with one error naming
+    it rather than commit what those rows gave; the others keep their solo ids, and every block
+    comes back."""
+    import threading
+
+    import memra_dist.batching.chain as chain_mod
+    from memra_dist.app import open_engine
+    from memra_dist.bench.batching import _tap_replay
+    from test_batching import _cfg
+
+    ddir = _tap_drafter("dflash", llama, tmp_path_factory)
+    reqs = _prompts(6)
+    solo = _solo(llama, "dflash", reqs, draft_model=str(ddir))
+    real, hit, armed = chain_mod.commit_rows, [], [False]
+    real_settle = Chain.settle
+
+    def settle(self, job):  # a round whose next verify already runs, launched ahead
+        armed[0] = self.inflight is not None and self.inflight.ahead is not None
+        return real_settle(self, job)
+
+    def commit_rows(pred, drafts, val):
+        new = real(pred, drafts, val)
+        if armed[0] and not hit and len(new) > 2:
+            hit.append(1)
+            return new[:-1]  # (one accepted draft fewer than the device found)
+        return new
+
+    monkeypatch.setattr(Chain, "settle", settle)
+    monkeypatch.setattr(chain_mod, "commit_rows", commit_rows)
+    got, errors = {}, {}
+    with open_engine(_cfg(llama, "dflash", draft_model=str(ddir)), capacity=CAP, max_batch=4) as eng:
+        _dflash_pool_graphs(eng._backend)
+        eng._backend.batcher.verify_ahead = True
+        _tap_replay(eng, [p for p, _ in reqs], solo, 128, 0.0)
+
+        def one(i, p, n):
+            try:
+                got[i] = eng.generate(p, _cfg(llama, "dflash", max_new_tokens=n, draft_model=str(ddir))).token_ids
+            except RuntimeError as e:
+                errors[i] = e
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert eng._backend.batcher.wait_idle(60)
+        stats = eng._backend.stats()
+    assert hit and len(errors) == 1, (hit, errors)
+    assert "ran where the device accepted the round before, not the host" in str(next(iter(errors.values())))
+    assert all(got[i] == solo[i] for i in got) and len(got) == len(reqs) - 1
+    assert stats["ahead_verify_steps"] > 0 and stats["kv_blocks_used"] == 0, stats

@@ -199,13 +199,13 @@ class Chain:
     def adopt_ahead(self, job: Job) -> bool:
         """Its next round is `job`, a verify already launched one step ahead (verify_ahead.py),
         its rows moved on the device by the acceptance found there; its drafts are its drafter's
-        early drafts, taken as its proposal would take them. False (the chain failed) where the
-        host's acceptance differs from the device's: that verify's rows were written at
-        positions the host did not accept."""
-        dd, row, packed = job.ahead
+        early drafts, taken as its proposal would take them (False: they do not fit the context
+        the host accepted; the chain failed). Where the device's acceptance is checked against
+        the host's: `settle`, as the round's drafts are read (the same copy: no wait here)."""
+        dd, row, _ = job.ahead
         n = len(self.tokens)
         got = self.drafter.take_early(self.tokens, job.n - 1)
-        if got is None or got[0] is not dd or got[1] != row or packed + dd.accepted(row) != n - 1:
+        if got is None or got[0] is not dd or got[1] != row:
             self._fail(RuntimeError("a verify launched ahead does not start where its round before was accepted"),
                        None)
             return False
@@ -225,6 +225,8 @@ class Chain:
         if self._drafts is None:  # left on the device: the step ran behind their draft, read now
             self._drafts = job.host_ids()[1:]
         kk, n = len(self._drafts), len(self.tokens)
+        if job.err is None and job.ahead is not None and not _ahead_where_accepted(job):
+            job.err = RuntimeError("a verify launched ahead ran where the device accepted the round before, not the host")
         if job.err is not None:
             self._fail(job.err, None)
             return None
@@ -285,3 +287,12 @@ class Chain:
 
     def _fail(self, e: BaseException, ids) -> None:
         self.err, self.err_ids, self.ended = e, ids, True
+
+
+def _ahead_where_accepted(job: Job) -> bool:
+    """A verify launched ahead (verify_ahead.py) started where the host accepted the round
+    before: the start it was packed at, moved by the device's acceptance, is the start the host
+    gave it (`Chain.adopt_ahead`). Else its rows were written at positions the host did not
+    accept, and the request fails."""
+    dd, row, packed = job.ahead
+    return packed + dd.accepted(row) == job.start
