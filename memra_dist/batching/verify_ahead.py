@@ -17,9 +17,10 @@ made behind it before the leader settles it: the device's wait for the host betw
 (the readback, the rounds, packing and launching the next verify) leaves the critical path.
 
 After the readback the leader settles N; each request's round then adopts the verify already
-running (`Chain.adopt_ahead`) where the host's acceptance equals the device's (it does, by the
-same rule on the same rows: a difference fails the request rather than keep rows written at
-positions the host did not accept). A request that ends at N (an EOS, its budget) leaves its
+running (`Chain.adopt_ahead`), and as that round settles in turn, the start the device moved
+it to is checked against the one the host accepted (the same rule on the same rows, so they
+agree; a difference would fail the request rather than commit what rows at positions the host
+did not accept gave). A request that ends at N (an EOS, its budget) leaves its
 N + 1 rows void, as ahead.py does; one near its end may verify more drafts than its own round
 would ask for there (the ids are the same; the tokens past its budget are dropped at the
 commit, as ever). Plain rows (K 0 under --spec-k auto) ride the step too, their ids the step's
