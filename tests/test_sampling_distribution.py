@@ -139,13 +139,15 @@ def exact_marginals(hf_model, sp: SamplingParams) -> tuple[torch.Tensor, torch.T
 
 def sample_first_tokens(target: ModelRunner, drafter, sp: SamplingParams, k: int, n: int):
     """Counts of generated tokens 1..3 over n seeded sessions (the anchor, then speculative
-    rounds; rounds are run one at a time until three tokens exist)."""
+    rounds; rounds are run one at a time until three tokens exist). `drafter`: one for every
+    session, or a function of the session's seed that makes its own."""
     V = TINY["vocab_size"]
     counts = torch.zeros(3, V, dtype=torch.long)
     cap = len(PROMPT) + 8 + k
     stats = {"drafted": 0, "accepted": 0}
     for seed in range(n):
-        s = SpecSession(target, drafter, sp, torch.Generator().manual_seed(seed), k)
+        d = drafter(seed) if callable(drafter) else drafter
+        s = SpecSession(target, d, sp, torch.Generator().manual_seed(seed), k)
         out = [s.start(PROMPT, 3 + k, cap)]
         while len(out) < 3:
             out += s.burst(1)
@@ -171,10 +173,13 @@ def test_speculative_samples_follow_target(tiny_pair, drafter_name, sp):
     k = 3
     if drafter_name == "model":
         drafter = ModelDrafter(_runner(draft_dir))
-    else:  # a recorded greedy continuation, half of it corrupted
+    else:  # a recorded greedy continuation, half of it corrupted (each session its own positions: a
+        # replay draws each position's draft once, so one replay for all would draft alike in each)
         rec = [int(x) for x in hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=12,
                                            attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))[0, len(PROMPT):]]
-        drafter = ReplayDrafter(rec, len(PROMPT), TINY["vocab_size"], corrupt=0.5, seed=7)
+
+        def drafter(seed):
+            return ReplayDrafter(rec, len(PROMPT), TINY["vocab_size"], corrupt=0.5, seed=7 + seed)
     m1, m2, m3 = exact_marginals(hf, sp)
     assert float(m2.max()) < 0.6, "the target is too peaked for a meaningful test"
     counts, st = sample_first_tokens(target, drafter, sp, k, 1000)
