@@ -259,8 +259,8 @@ def main() -> int:
     print("| drafter (K, corrupt) | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s "
           "| ITL p50 / p99 ms | gap p50 / p99 ms | first gap p50 / p99 ms | TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward "
           "| step ms | graphed step ms | busy | idle ms a step: all / rounds / held | device idle ms a step (median): after / before verify "
-          "| ids = alone |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| steps launched ahead: all / verifies (of steps) | ids = alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bs = r["batcher"] or {}
         name = r["drafter"] + (f" {r['spec_k']}" if r["drafter"] != "none" and r.get("spec_k") else "") + (
@@ -273,6 +273,7 @@ def main() -> int:
               f"| {graphed_ms(bs)} | {bs.get('busy', '-')} | {per_step(bs, 'gap_ms')} / {per_step(bs, 'leader_rounds_ms')} "
               f"/ {per_step(bs, 'held_ms')} | {bs.get('device_idle_after_step_p50_ms') or '-'} / "
               f"{bs.get('device_idle_before_verify_p50_ms') if bs.get('device_idle_steps') else '-'} "
+              f"| {bs.get('ahead_steps', '-')} / {bs.get('ahead_verify_steps', '-')} ({bs.get('steps', '-')}) "
               f"| {r.get('ids_equal_alone', '-')} |")
     return 0
 
