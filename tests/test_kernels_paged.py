@@ -73,6 +73,22 @@ def _on_kernels(backend) -> None:
     backend.batcher.kernels = True
 
 
+def _all_at_once(eng, reqs, cfg) -> list:
+    """The requests (prompt, new tokens) from concurrent threads on the open batched engine,
+    each with its config `cfg(new tokens)` -> their ids in order (None: one did not finish)."""
+    got: dict[int, list[int]] = {}
+
+    def one(i, p, n):
+        got[i] = eng.generate(p, cfg(n)).token_ids
+
+    threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return [got.get(i) for i in range(len(reqs))]
+
+
 @pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
 def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_llama, drafter, monkeypatch):
@@ -90,20 +106,11 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
     fused = Attention.fused_step  # a batched step's rows fold the norms and residuals (up to the row GEMM's 128)
     monkeypatch.setattr(Attention, "fused_step", lambda self, x, ctx, *a: folded.append(
         (ctx.batch is not None, x.shape[0])) or fused(self, x, ctx, *a))
-    got: dict[int, list[int]] = {}
     with open_engine(_cfg(wide_llama, drafter), capacity=96, max_batch=4) as eng:
         _on_kernels(eng._backend)
-
-        def one(i, p, n):
-            got[i] = eng.generate(p, _cfg(wide_llama, drafter, n)).token_ids
-
-        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        got = _all_at_once(eng, reqs, lambda n: _cfg(wide_llama, drafter, n))
         stats = eng._backend.stats()
-    assert [got.get(i) for i in range(len(reqs))] == solo
+    assert got == solo
     assert max(launches) >= 2, launches  # one launch held several requests' rows
     assert any(b and rows >= 2 for b, rows in folded), folded  # several requests' rows in one folded step
     assert stats["max_requests"] >= 2, stats
@@ -298,7 +305,6 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
     with open_engine(cfg(), capacity=96) as eng:
         solo = [eng.generate(p, cfg(n)).token_ids for p, n in reqs]
     alone, seen[:] = sorted(seen), []
-    got: dict[int, list[int]] = {}
     import memra_dist.kernels.paged_attention as pa
 
     slots, real_pa = [], pa.paged_attention  # each launch's (rows, request slots)
@@ -317,18 +323,10 @@ def test_batched_steps_replayed_as_graphs_give_every_request_its_solo_ids(wide_l
             tails, _ = b.graphs.warm(5, (1, 4), 96, timed=True, tails=True)  # step's cost): the
             assert tails >= 3 and len(b.graphs.timings) == warmed  # prompts' chunks that fit replay too
             warmed += tails
-
-        def one(i, p, n):
-            got[i] = eng.generate(p, cfg(n)).token_ids
-
-        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        got = _all_at_once(eng, reqs, cfg)
         st = eng._backend.stats()
         g = st["graphs"]
-    assert [got.get(i) for i in range(len(reqs))] == solo
+    assert got == solo
     assert (st["ahead_steps"] > 0) == (drafter == "none" and graph_cls is _Replayed), st
     assert sorted(seen) == alone and (drafter != "dflash" or len(alone) > 10)
     if graph_cls is _Replayed:  # every step size the requests took was captured before them
@@ -377,7 +375,6 @@ def test_verifies_launched_ahead_on_graphed_steps_move_their_rows_on_the_device(
     with open_engine(cfg(), capacity=96) as eng:
         solo = [eng.generate(p, cfg(n)).token_ids for p, n in reqs]
     alone, seen[:] = sorted(seen), []
-    got: dict[int, list[int]] = {}
     with open_engine(cfg(), capacity=96, max_batch=3) as eng:
         be = eng._backend
         b = be.batcher
@@ -391,18 +388,10 @@ def test_verifies_launched_ahead_on_graphed_steps_move_their_rows_on_the_device(
         g.warm(), ing.warm()
         be.draft_pool.graphs, be.draft_pool.ingest_graphs = g, ing
         b.verify_ahead = True  # (as on a GPU's graphed steps)
-
-        def one(i, p, n):
-            got[i] = eng.generate(p, cfg(n)).token_ids
-
-        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
+        got = _all_at_once(eng, reqs, cfg)
         assert b.wait_idle(60)
         st = be.stats()
-    assert [got.get(i) for i in range(len(reqs))] == solo
+    assert got == solo
     assert sorted(seen) == alone, (len(seen), len(alone))
     assert st["ahead_verify_steps"] > 0 and moved[0] == st["ahead_verify_steps"] and not resolved[0], (moved, st)
     assert st["kv_blocks_used"] == 0, st
