@@ -180,6 +180,10 @@ class StepGraphs:
         return (rows <= self.max_rows and sum(pieces(j.n) for j in jobs) <= self.segments(bool(fill))
                 and all(j.last or j.n <= PAGED_MAX_ROWS for j in jobs))
 
+    def captured(self, jobs) -> bool:
+        """A step of `jobs` replays a graph captured already (no capture would run it first)."""
+        return self.eligible(jobs) and self._key(jobs) in self.steps
+
     def segments(self, tail: bool) -> int:
         """The paged kernel's request slots of a graph: the requests', and with a prefill chunk
         its segments too (a 200-row chunk is 13 of them, beside 63 requests' decode rows)."""
