@@ -18,8 +18,8 @@ token to the first request's last): the batch's decode rate with no prefill step
 
     python benchmarks/batching.py OUT_DIR [--shape tiny] [--device cpu] [--concurrency 1,4,16]
         [--max-batch 16] [--new 64] [--prompt 64] [--drafter none]
-Results: OUT_DIR/batching.json, OUT_DIR/speedup.svg (each drafter row's steady tok/s over plain's
-at its concurrency, by --spec-k: memra_dist/bench/plot.py) and a markdown table on stdout. The measurement is
+Results: OUT_DIR/batching.json, OUT_DIR/speedup.svg and, where matplotlib is installed, speedup.png (each
+drafter row's steady tok/s over plain's at its concurrency, by --spec-k: memra_dist/bench/plot.py) and a markdown table on stdout. The measurement is
 memra_dist/bench/batching.py's (`memra-dist bench --sections batching` runs its fixed settings
 with repeats and targets)."""
 
@@ -116,6 +116,35 @@ def _each(factories):
         yield
 
 
+def _draft_read(row: dict, drafter: str, target: str, draft: str, device: str, prompt: int, new: int,
+                memo: dict) -> dict | None:
+    """A tap drafter row's draft phase (its level-1 rounds) against what its draft forwards read
+    (memra_dist/bench/batching.py draft_over_read), at this device's copy bandwidth (measured
+    once); None where no level-1 round drafted."""
+    import torch
+
+    import memra_dist.bench.tap_checkpoints as tc
+    from memra_dist.bench.batching import K, draft_over_read
+    from memra_dist.bench.timing import copy_bandwidth
+
+    ms = ((row.get("phases_ms_a_round") or {}).get("1") or {}).get("draft")
+    if not ms:
+        return None
+    dcfg = json.loads((Path(draft) / "config.json").read_text())
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if drafter == "dflash-replay":
+        w, forwards = tc.dflash_read_bytes(dcfg, json.loads((Path(target) / "config.json").read_text()), dtype), 1
+    else:
+        w, forwards = tc.eagle3_read_bytes(dcfg, K, dtype), K
+    if "bw" not in memo:
+        memo["bw"] = copy_bandwidth(torch.device(device), 1 << 30 if device.startswith("cuda") else 1 << 26)
+    requests = (row.get("batcher") or {}).get("mean_draft_batch") or row["concurrency"]
+    out = draft_over_read(ms, forwards, w["bytes"], tc.draft_kv_bytes(dcfg, dtype), requests, prompt + new / 2,
+                          memo["bw"]["bandwidth_bytes_s"])
+    return {**out, "requests_a_forward": requests, "context": prompt + new / 2, "weight_bytes": w["bytes"],
+            "bandwidth_tb_s": round(memo["bw"]["bandwidth_tb_s"], 3)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="directory for batching.json")
@@ -193,7 +222,14 @@ def main() -> int:
         chained.COMPACT_BELOW = 0
 
     from memra_dist.bench.batching import concurrent, graphed_ms, per_step
-    from memra_dist.bench.plot import speedups, svg
+    from memra_dist.bench.plot import png, speedups, svg
+
+    try:  # the PNG beside the SVG where matplotlib is installed (else: python -m memra_dist.bench.plot OUT/batching.json)
+        import matplotlib  # noqa: F401
+
+        have_png = True
+    except ImportError:
+        have_png = False
     from memra_dist.bench.checkpoints import bench_cache_dir, ensure_checkpoint
 
     model = str(ensure_checkpoint(a.shape, bench_cache_dir(), torch.device(a.device),
@@ -207,7 +243,7 @@ def main() -> int:
         ensure = {"dflash-replay": tc.ensure_dflash, "eagle3-replay": tc.ensure_eagle3}[a.drafter]
         draft = str(ensure(a.shape, bench_cache_dir(), torch.device(a.device),
                            lambda s: print(f"[batching] {s}", file=sys.stderr))[1])
-    rows, idents = [], []
+    rows, idents, bw_memo = [], [], {}
     for n in (int(x) for x in a.concurrency.split(",")):
         sizes = (1,) if n == 1 else (min(a.max_batch, n),) if a.only_batched else (1, min(a.max_batch, n))
         if tap and n == 1 and a.max_batch > 1:  # the replay drafters run batched only: one request on a
@@ -244,6 +280,10 @@ def main() -> int:
                     r["corrupt"] = corrupt
                 if tap:
                     r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], kw["recorded"]))
+                    if spec_k == "fixed":  # its level-1 draft phase against its forwards' reads
+                        dr = _draft_read(r, a.drafter, model, draft, a.device, a.prompt, a.new, bw_memo)
+                        if dr is not None:
+                            r["draft_read"] = dr
                 elif b == 1:
                     alone = r["ids"]
                 elif not a.only_batched:  # greedy: each request's ids against the one-at-a-time engine's (bf16 may differ)
@@ -256,6 +296,8 @@ def main() -> int:
                                                                "prompt": a.prompt, "rows": rows}, indent=1))
                 (out / "speedup.svg").write_text(svg(speedups(rows), f"steady decode over plain, {a.shape} on "
                                                                      f"{a.device} (batching.json beside)"))
+                if have_png:
+                    png(speedups(rows), out / "speedup.png", f"steady decode over plain, {a.shape} on {a.device}")
     print("| drafter (K, corrupt) | concurrent | max batch | decode tok/s | steady tok/s | aggregate tok/s "
           "| ITL p50 / p99 ms | gap p50 / p99 ms | first gap p50 / p99 ms | TTFT p50 / p99 ms | tokens a round | requests / rows a step | requests a draft forward "
           "| step ms | graphed step ms | busy | idle ms a step: all / rounds / held | device idle ms a step (median): after / before verify "
@@ -275,6 +317,12 @@ def main() -> int:
               f"{bs.get('device_idle_before_verify_p50_ms') if bs.get('device_idle_steps') else '-'} "
               f"| {bs.get('ahead_steps', '-')} / {bs.get('ahead_verify_steps', '-')} ({bs.get('steps', '-')}) "
               f"| {r.get('ids_equal_alone', '-')} |")
+    for r in rows:
+        if r.get("draft_read"):
+            d = r["draft_read"]
+            print(f"\n{r['drafter']} at {r['concurrency']}: the draft phase {d['draft_ms_a_step']} ms a step (level 1, "
+                  f"{d['requests_a_forward']} requests a forward) = {d['over_read']}x its {d['forwards']} forward(s)' "
+                  f"read ({d['read_ms']} ms at {d['bandwidth_tb_s']} TB/s)")
     return 0
 
 

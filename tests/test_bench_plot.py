@@ -1,4 +1,4 @@
-"""The bench's speedup chart (memra_dist/bench/plot.py): series from the batching rows, drawn as SVG."""
+"""The bench's speedup chart (memra_dist/bench/plot.py): series from the batching rows, drawn as SVG and PNG."""
 
 import xml.etree.ElementTree as ET
 
@@ -50,3 +50,38 @@ def test_rows_at_several_acceptances_are_series_of_their_own():
     rows += [{"drafter": "eagle3-replay", "concurrency": 4, "spec_k": "auto", "corrupt": c, "steady_tok_s": v}
              for c, v in ((0.2, 180.0), (1.0, 98.0))]
     assert speedups(rows) == {"eagle3-replay auto corrupt 0.2": [(4, 1.8)], "eagle3-replay auto corrupt 1": [(4, 0.98)]}
+
+
+def _has_color(img, hex_color: str) -> bool:
+    """Any pixel of the RGB(A) image within a small distance of the color."""
+    import numpy as np
+
+    rgb = np.array([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return bool((np.abs(img[..., :3] - rgb).max(axis=-1) < 0.02).any())
+
+
+def test_the_png_draws_each_series_in_its_color(tmp_path):
+    import matplotlib.image as mpimg
+
+    from memra_dist.bench.plot import COLORS, png
+
+    s = speedups(_rows())
+    png(s, tmp_path / "a.png")
+    img = mpimg.imread(tmp_path / "a.png")
+    assert img.shape[:2] == (500, 800)
+    assert _has_color(img, COLORS[0]) and _has_color(img, COLORS[1])  # the two series
+    assert not _has_color(img, COLORS[2])  # no third series drawn
+
+
+def test_the_png_command_draws_a_bench_json_beside_it_and_refuses_other_files(tmp_path, capsys):
+    import json
+
+    from memra_dist.bench.plot import main
+
+    (tmp_path / "batching.json").write_text(json.dumps({"shape": "tiny", "device": "cpu", "rows": _rows()}))
+    assert main([str(tmp_path / "batching.json")]) == 0
+    assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "other.json").write_text("[1, 2]")
+    assert main([str(tmp_path / "other.json"), str(tmp_path / "o.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and not (tmp_path / "o.png").exists()

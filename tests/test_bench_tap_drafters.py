@@ -67,6 +67,21 @@ def test_eagle3_read_bytes_per_drafted_token():
     assert r7["bytes"] == sum(r7["parts"].values()) and 0.7e9 < r7["bytes"] < 0.8e9
 
 
+def test_dflash_read_bytes_a_block_forward_and_the_draft_kv_a_position():
+    from memra_dist.bench.checkpoints import shape_config
+
+    t = shape_config("8b")
+    cfg = tc.dflash_config(t, "8b")  # the public Llama-3.1-8B DFlash layout: 5 layers over 5 taps
+    H, I, L = 4096, 14336, 5
+    layer = 2 * H * H + 2 * 1024 * H + 3 * H * I + 2 * H + 2 * 128  # q, o, k, v, mlp, 2 norms, q/k norms
+    net = L * layer + 5 * H * H + 2 * H  # + fc over the 5 taps' concatenation, hidden_norm, norm
+    r = tc.dflash_read_bytes(cfg, t)
+    assert r["parts"] == {"drafter": net * 2, "target_lm_head": 128256 * H * 2}
+    assert r["bytes"] == sum(r["parts"].values()) and 3.3e9 < r["bytes"] < 3.5e9
+    assert tc.draft_kv_bytes(cfg) == L * 2 * 8 * 128 * 2  # 5 layers' K and V a position, bf16
+    assert tc.draft_kv_bytes(tc.eagle3_config(t, "8b"), torch.float32) == 1 * 2 * 8 * 128 * 4
+
+
 def test_tiny_checkpoints_load_as_engine_drafters(tmp_path):
     from memra_dist.model.config import load_config
     from memra_dist.model.dflash import check_dflash, load_dflash_config

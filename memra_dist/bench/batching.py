@@ -42,7 +42,7 @@ import time
 
 from .noise import Fig
 
-__all__ = ["concurrent", "batching", "graphed_ms", "per_step", "figures", "fig", "rows"]
+__all__ = ["draft_over_read", "concurrent", "batching", "graphed_ms", "per_step", "figures", "fig", "rows"]
 
 NEW, PROMPT, K = 64, 64, 4
 REPEATS = 3  # timed runs per setting, on one engine (the figures' ranges)
@@ -282,6 +282,27 @@ def _level_cost(row: dict | None, level: str = "1") -> list | None:
         return None
     f0, f1 = (Fig.of([r["steady_tok_s"] or r["decode_tok_s"] for r in by[lv]["runs"]]) for lv in ("0", level))
     return _row((f0 / f1).map(lambda x: (x - 1) * 100))
+
+
+def draft_over_read(draft_ms: float, forwards: int, weight_bytes: int, kv_bytes_pos: int, requests: float,
+                    ctx: float, bandwidth_bytes_s: float) -> dict:
+    """A step's draft phase (`draft_ms`: the engine's level-1 clock, ms a round; every request of a
+    step shares its draft forwards, so a round's draft phase is the step's) against what its
+    forwards must read: each reads the network's weights once (`weight_bytes`) and every
+    request's draft K/V over its context (`requests` x `ctx` positions x `kv_bytes_pos`), at
+    the measured copy bandwidth. `forwards`: an EAGLE-3 chain of K drafts runs K (one a drafted
+    position), a DFlash block forward drafts every position at once (1).
+
+    >>> r = draft_over_read(1.2, 4, 700_000_000, 4096, 16, 640, 4.0e12)
+    >>> r["read_ms"], r["over_read"]              # 4 x (700 MB + 16 x 640 x 4 KB) / 4 TB/s
+    (0.74194, 1.6174)
+    """
+    read = forwards * (weight_bytes + requests * ctx * kv_bytes_pos)
+    read_ms = read / bandwidth_bytes_s * 1e3
+    return {"draft_ms_a_step": round(draft_ms, 4), "forwards": forwards, "read_bytes": int(read),
+            "read_ms": round(read_ms, 5), "over_read": round(draft_ms / read_ms, 4),
+            "formula": "draft ms a round (level 1) / (forwards x (weight bytes + requests x context x K/V bytes a "
+                       "position) / copy bandwidth)"}
 
 
 def figures(plain: dict, ngram: dict, replay: dict | None = None, dflash: dict | None = None,

@@ -1,5 +1,8 @@
-"""Speedup against concurrency, per drafter and --spec-k, as an SVG (no plotting library: the
-bench writes it beside its JSON and BENCHMARKS.md shows it; GitHub renders SVG inline).
+"""Speedup against concurrency, per drafter and --spec-k: an SVG (no plotting library: the
+bench always writes it beside its JSON; GitHub renders SVG inline) and a PNG (matplotlib, the
+`plot` extra: the bench writes it too where matplotlib is installed, and
+`python -m memra_dist.bench.plot OUT/batching.json` draws it from a JSON measured elsewhere, as
+for a GPU machine without matplotlib).
 
 `speedups(rows)` turns the batching bench's rows (benchmarks/batching.py, bench/batching.py) into
 one series per (drafter, spec_k): (concurrency, steady tok/s over plain decoding's at the same
@@ -18,7 +21,7 @@ from __future__ import annotations
 import math
 from xml.sax.saxutils import escape
 
-__all__ = ["speedups", "svg"]
+__all__ = ["png", "speedups", "svg"]
 
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
@@ -94,3 +97,66 @@ def svg(series: dict[str, list[tuple[int, float]]], title: str = "steady decode 
         out.append(f'<text x="{left + w + 64}" y="{ly + 4}">{escape(name)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def png(series: dict[str, list[tuple[int, float]]], path, title: str = "steady decode over plain decoding") -> None:
+    """The series as a PNG line chart at `path`, the SVG's axes (x = concurrency on a log2 axis,
+    y = speedup, the dashed 1.0x line = plain). Needs matplotlib (`pip install 'memra_dist[plot]'`)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    try:
+        ns = sorted({n for s in series.values() for n, _ in s})
+        for i, (name, s) in enumerate(series.items()):
+            ax.plot([n for n, _ in s], [y for _, y in s], marker="o", color=COLORS[i % len(COLORS)], label=name)
+        ax.axhline(1.0, color="#888888", linestyle="--", linewidth=1, label="plain")
+        ax.set_xscale("log", base=2)
+        if ns:
+            ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("steady tok/s over plain at the same concurrency")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(title, fontsize=11)
+        ax.legend(fontsize=8, loc="best")
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m memra_dist.bench.plot BATCHING_JSON [OUT_PNG]: the chart of a batching bench's
+    JSON (benchmarks/batching.py), as a PNG beside it (speedup.png) unless OUT_PNG says where."""
+    import argparse  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(prog="python -m memra_dist.bench.plot", description=main.__doc__.split(":", 1)[1])
+    ap.add_argument("json", help="a batching bench's batching.json")
+    ap.add_argument("out", nargs="?", help="the PNG to write (default: speedup.png beside the JSON)")
+    a = ap.parse_args(argv)
+    src = Path(a.json)
+    try:
+        data = json.loads(src.read_text())
+        rows = data["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: {src}: not a batching bench's JSON ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    try:
+        import matplotlib  # noqa: F401, PLC0415
+    except ImportError:
+        print("error: the PNG needs matplotlib: pip install 'memra_dist[plot]'", file=sys.stderr)
+        return 2
+    out = Path(a.out) if a.out else src.with_name("speedup.png")
+    png(speedups(rows), out, f"steady decode over plain, {data.get('shape', '?')} on {data.get('device', '?')}")
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

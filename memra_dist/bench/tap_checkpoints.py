@@ -38,7 +38,7 @@ import torch
 from .checkpoints import SHARD_BYTES, _chain_head, _draw, _key, _param_shapes, ensure_checkpoint
 
 __all__ = ["DFLASH_SHAPES", "DSV3_SHAPES", "EAGLE3_SHAPES", "dflash_config", "ensure_dflash", "eagle3_config",
-           "ensure_eagle3", "eagle3_read_bytes", "dsv3_config", "ensure_dsv3_mtp", "mtp_step_read_bytes",
+           "ensure_eagle3", "eagle3_read_bytes", "dflash_read_bytes", "draft_kv_bytes", "dsv3_config", "ensure_dsv3_mtp", "mtp_step_read_bytes",
            "planned_bytes"]
 
 DFLASH_SHAPES = {  # target shape -> the drafter's shape (model/tiny_dflash.dflash_config_dict's arguments)
@@ -133,6 +133,24 @@ def eagle3_read_bytes(cfg: dict, k: int, dtype: torch.dtype = torch.bfloat16) ->
     parts["fc_over_k"] = fc // k
     return {"bytes": sum(parts.values()), "parts": parts, "k": k,
             "formula": "decoder layer + final norm + draft lm_head + one embedding row, + fc / k (one fc a round)"}
+
+
+def dflash_read_bytes(cfg: dict, target_cfg: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Bytes ONE DFlash block forward reads whatever the number of requests it drafts for: every
+    tensor of the drafter (its layers, fc, norms) and the target's lm_head its drafted rows go
+    through. Its K/V (draft_kv_bytes a context position and request) is counted apart."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    net = sum(math.prod(shape) * size for shape, _f32 in _dflash_shapes(cfg).values())
+    lm = target_cfg["vocab_size"] * target_cfg["hidden_size"] * size
+    return {"bytes": net + lm, "parts": {"drafter": net, "target_lm_head": lm},
+            "formula": "the drafter's tensors + the target's lm_head, once a block forward"}
+
+
+def draft_kv_bytes(cfg: dict, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of a draft network's K/V one context position holds (every layer's K and V): what a
+    forward reads per position of each request's context."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * size
 
 
 def mtp_step_read_bytes(cfg: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
