@@ -78,10 +78,18 @@ def test_the_png_command_draws_a_bench_json_beside_it_and_refuses_other_files(tm
 
     from memra_dist.bench.plot import main
 
-    (tmp_path / "batching.json").write_text(json.dumps({"shape": "tiny", "device": "cpu", "rows": _rows()}))
+    rows = _rows()
+    (tmp_path / "batching.json").write_text(json.dumps({"shape": "tiny", "device": "cpu", "rows": rows[:6]}))
+    (tmp_path / "more.json").write_text(json.dumps({"shape": "tiny", "device": "cpu", "rows": rows[6:]}))
     assert main([str(tmp_path / "batching.json")]) == 0
     assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([str(tmp_path / "batching.json"), str(tmp_path / "more.json"), "-o", str(tmp_path / "both.png")]) == 0
+    import matplotlib.image as mpimg
+
+    from memra_dist.bench.plot import COLORS
+
+    assert _has_color(mpimg.imread(tmp_path / "both.png"), COLORS[1])  # the auto series: its rows in both files
     (tmp_path / "other.json").write_text("[1, 2]")
-    assert main([str(tmp_path / "other.json"), str(tmp_path / "o.png")]) == 2
+    assert main([str(tmp_path / "other.json"), "-o", str(tmp_path / "o.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and not (tmp_path / "o.png").exists()

@@ -129,31 +129,37 @@ def png(series: dict[str, list[tuple[int, float]]], path, title: str = "steady d
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m memra_dist.bench.plot BATCHING_JSON [OUT_PNG]: the chart of a batching bench's
-    JSON (benchmarks/batching.py), as a PNG beside it (speedup.png) unless OUT_PNG says where."""
+    """python -m memra_dist.bench.plot BATCHING_JSON [MORE_JSON ...] [-o OUT_PNG]: the chart of
+    batching bench JSONs (benchmarks/batching.py; several runs' rows drawn as one, each drafter
+    row over the plain rows at its concurrency), as a PNG beside the first (speedup.png) unless
+    -o says where."""
     import argparse  # noqa: PLC0415
     import json  # noqa: PLC0415
     import sys  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(prog="python -m memra_dist.bench.plot", description=main.__doc__.split(":", 1)[1])
-    ap.add_argument("json", help="a batching bench's batching.json")
-    ap.add_argument("out", nargs="?", help="the PNG to write (default: speedup.png beside the JSON)")
+    ap.add_argument("json", nargs="+", help="batching bench JSONs (batching.json)")
+    ap.add_argument("-o", "--out", help="the PNG to write (default: speedup.png beside the first JSON)")
+    ap.add_argument("--title", help="the chart's title (default: the first JSON's shape and device)")
     a = ap.parse_args(argv)
-    src = Path(a.json)
-    try:
-        data = json.loads(src.read_text())
-        rows = data["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"error: {src}: not a batching bench's JSON ({type(e).__name__}: {e})", file=sys.stderr)
-        return 2
+    rows, first = [], None
+    for src in map(Path, a.json):
+        try:
+            data = json.loads(src.read_text())
+            rows += list(data["rows"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"error: {src}: not a batching bench's JSON ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        first = first or data
     try:
         import matplotlib  # noqa: F401, PLC0415
     except ImportError:
         print("error: the PNG needs matplotlib: pip install 'memra_dist[plot]'", file=sys.stderr)
         return 2
-    out = Path(a.out) if a.out else src.with_name("speedup.png")
-    png(speedups(rows), out, f"steady decode over plain, {data.get('shape', '?')} on {data.get('device', '?')}")
+    out = Path(a.out) if a.out else Path(a.json[0]).with_name("speedup.png")
+    png(speedups(rows), out, a.title or f"steady decode over plain, {first.get('shape', '?')} on "
+                                         f"{first.get('device', '?')}")
     print(out)
     return 0
 
