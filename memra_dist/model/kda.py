@@ -348,7 +348,8 @@ class KDA(nn.Module):
                 outs.append(x.new_zeros(seg.rows, x.shape[1]))
                 continue
             st.begin(seg.start, seg.rows)
-            outs.append(self.forward(x[seg.lo:seg.hi], _Rows(ctx.pos[seg.lo:seg.hi]), st))
+            # (a level-2 step's sub-split timer times each request's scan: the step's scan share)
+            outs.append(self.forward(x[seg.lo:seg.hi], _Rows(ctx.pos[seg.lo:seg.hi], getattr(ctx, "timer", None)), st))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _scan(self, q, k, v, g, beta, state: KDAState | None, xc, pos) -> torch.Tensor:
