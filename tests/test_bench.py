@@ -482,6 +482,14 @@ def test_batching_targets_read_the_ratios_with_their_worst_case_ranges():
     assert rows["batch_itl_ratio_16"]["status"] == "pass"  # 1.07-1.12x against <= 1.3
     assert rows["batch_ngram_over_plain_16"]["status"] == "miss"  # ~1.03x against >= 1.3
     assert rows["batch_l1_cost_pct_16"]["status"] == "pass"  # 0.6-1.8 % against <= 3 %
+    assert rows["batch_tap_auto_over_plain_64"]["status"].startswith("n/a")  # no sweep in this result
+    figs.update(sweep_tap_auto_over_plain_64=[1.45, 1.42, 1.48, 3], sweep_tap_auto_over_plain_16=[1.62, 1.55, 1.7, 3],
+                sweep_auto_never_slower=[0.975, 0.96, 0.99, 3], sweep_ngram_auto_over_plain_16=[1.7, 1.65, 1.75, 3])
+    rows = {r["name"]: r for r in evaluate(res)}  # issue 45's: over plain at the same concurrency
+    assert rows["batch_tap_auto_over_plain_64"]["status"] == "pass"  # 1.42-1.48 against >= 1.4
+    assert rows["batch_tap_auto_over_plain_16"]["status"] == "within noise"  # 1.55-1.7 around 1.6
+    assert rows["batch_auto_never_slower"]["status"] == "within noise"  # 0.96-0.99 around 0.97
+    assert rows["batch_ngram_sweep_16"]["status"] == "pass"
     tiny = {r["name"]: r for r in evaluate({**res, "meta": {**res["meta"], "shape": "tiny"}})}
     assert tiny["batch_x16"]["status"].startswith("n/a")  # stated for the 8B shape on a GPU
     res["targets"] = evaluate(res)
@@ -500,7 +508,8 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
              "--cache-dir", str(tmp_path / "cache"))
     assert p.returncode == 0, p.stderr[-3000:]
     b = json.loads(out.read_text())["batching"]
-    assert set(b["plain"]) == {"1", "4"} and set(b["ngram"]) == {"1", "4"} and set(b["replay"]) == {"1", "4"}
+    assert set(b["plain"]) == {"1", "2", "4"}  # 2: the sweep's
+    assert set(b["ngram"]) == {"1", "4"} and set(b["replay"]) == {"1", "4"}
     for rows in (b["plain"], b["ngram"], b["replay"]):
         assert rows["4"]["first_ids_equal_alone"] is True
         n = 5 if rows is b["plain"] else 3  # the row timing level 1 runs five
@@ -514,7 +523,8 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     assert auto["ngram"]["4"]["ids_equal_fixed"] is True and auto["dflash_replay"]["4"]["ids_equal_plain"] is True
     for rows in auto.values():
         assert sum(rows["4"]["batcher"]["k_chosen"].values()) > 0, rows["4"]["batcher"]
-    assert set(b["figures"]) == {"x4", "itl_ratio_4", "ngram_over_plain_4", "replay_over_plain_4", "l1_cost_pct_4",
+    sweep = {k for k in b["figures"] if k.startswith("sweep_")}
+    assert set(b["figures"]) - sweep == {"x4", "itl_ratio_4", "ngram_over_plain_4", "replay_over_plain_4", "l1_cost_pct_4",
                                  "dflash_replay_over_plain_4", "dflash_replay_over_replay_4",
                                  "ngram_auto_over_plain_4", "ngram_auto_over_fixed_4",
                                  "dflash_replay_auto_over_plain_4", "dflash_replay_auto_over_fixed_4"}
@@ -522,6 +532,31 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     assert set(by) == {"0", "1"} and all(len(v["runs"]) == 5 for v in by.values())
     assert b["replay"]["4"]["tokens_per_round"] > 1.5  # ~0.8 of its K = 4 drafts right: speculation ran
     assert all(len(v) == 4 and v[3] in (3, 5) for v in b["figures"].values())
+    # issue 45's sweep: --spec-k auto at 1, 2 and 4 callers for each drafter (the replays at
+    # every acceptance at 4), each over plain at its concurrency; the rows run before reused
+    sw = b["sweep"]
+    assert sw["skipped"] == [] and sw["concurrency"] == [1, 2, 4]
+    got = {(r["drafter"], r["concurrency"], r.get("corrupt")) for r in sw["rows"]}
+    taps = {(d, n, 0.2) for d in ("dflash-replay", "eagle3-replay") for n in (1, 2)}
+    taps |= {(d, 4, c) for d in ("dflash-replay", "eagle3-replay") for c in (0.2, 0.4, 1.0)}
+    assert got == {("none", n, None) for n in (1, 2, 4)} | {("ngram", n, None) for n in (1, 2, 4)} | taps
+    for r in sw["rows"]:
+        if r["drafter"] != "none":
+            assert r["spec_k"] == "auto" and r["max_batch"] == max(2, r["concurrency"])
+        if r["drafter"].endswith("-replay") and not isinstance(r["ids_equal_plain"], bool):
+            assert r["ids_equal_plain"] == r["concurrency"], r  # lossless: every request its plain ids
+    assert next(r for r in sw["rows"] if r["drafter"] == "ngram" and r["concurrency"] == 4)["runs"] == \
+        auto["ngram"]["4"]["runs"]  # reused, not run again
+    assert {"sweep_tap_auto_over_plain_1", "sweep_tap_auto_over_plain_4", "sweep_ngram_auto_over_plain_2",
+            "sweep_eagle3_c1_auto_over_plain_4", "sweep_auto_never_slower"} <= sweep
+    low = min(v[0] for k, v in b["figures"].items() if k in sweep and k != "sweep_auto_never_slower")
+    assert b["figures"]["sweep_auto_never_slower"][0] == low  # the lowest of them all
+    # the chart beside the JSON: a series per drafter and acceptance (plot.py)
+    svg = (tmp_path / "bench-speedup.svg").read_text()
+    assert svg.count('class="series"') == 7 and 'data-name="eagle3-replay auto corrupt 1"' in svg
+    assert (tmp_path / "bench-speedup.png").read_bytes()[:4] == b"\x89PNG"
+    md = p.stdout
+    assert "sweep: eagle3-replay auto corrupt 0.2 over plain | 1: " in md
 
 
 @pytest.mark.slow  # ~7 s on 2 cores

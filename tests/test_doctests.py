@@ -14,7 +14,7 @@ MODULES = ["memra_dist.pipeline.partition", "memra_dist.specdec.drafters.ngram",
            "memra_dist.serve.batch", "memra_dist.batching.policy", "memra_dist.batching.step_plan",
            "memra_dist.batching.admission", "memra_dist.specdec.spec_k", "memra_dist.batching.prefix_cache",
            "memra_dist.bench.idle", "memra_dist.bench.plot", "memra_dist.batching.take", "memra_dist.bench.prefix",
-           "memra_dist.batching.primes", "memra_dist.bench.loop_sampler", "memra_dist.bench.batching",
+           "memra_dist.batching.primes", "memra_dist.bench.loop_sampler", "memra_dist.bench.batching", "memra_dist.bench.batching_sweep",
            "memra_dist.batching.device_idle"]
 
 

@@ -29,7 +29,12 @@ checked against its one-at-a-time ids (request 0's: the same prompt). Three time
 setting on one engine; plain at 16 (CPU: 4) runs five, each at trace levels 0 and 1 in turn
 (each request its share table and span sink, as the CLI builds them). Its figures, with their
 worst-case ranges: steady tok/s over one request's decode tok/s at 16 and 64, ITL p50 at 16
-over alone, ngram over plain at 16, level 1's cost in % of the steady rate at 16.
+over alone, ngram over plain at 16, level 1's cost in % of the steady rate at 16. Then issue
+45's sweep (batching_sweep.py): --spec-k auto with ngram and the DFlash and EAGLE-3 replays at
+1 to 64 concurrent (CPU: 1, 2, 4) over plain at each, the replays at ~0.8 of their drafts
+right, at 16 and 64 (CPU: 4) ~0.6 and none right too; `memra-dist bench` charts it beside its
+JSON (OUT-speedup.svg, and .png with matplotlib). It opens ~40 engines on a GPU: give the run
+`--budget-s 2400` (what the budget leaves out is listed in the sweep's `skipped`).
 `benchmarks/batching.py` is the same measurement as a script, any settings.
 """
 
@@ -396,10 +401,29 @@ def batching(s) -> dict:
                   f"{r['steady_tok_s']} tok/s, ITL p50 {r['itl_ms_p50']} ms")
     def ran(rows):
         return {k: v for k, v in rows.items() if "skipped" not in v}
+
+    def run(n, b, drafter, **kw):  # the sweep's settings (batching_sweep.py)
+        return concurrent(model, dev, n, b, new, plen, drafter, repeats=REPEATS, **kw)
+
+    drafts = {"dflash-replay": draft}
+
+    def draft_dir(drafter):
+        if drafts.get(drafter) is None:
+            from . import tap_checkpoints as tc  # noqa: PLC0415
+
+            ensure = {"dflash-replay": tc.ensure_dflash, "eagle3-replay": tc.ensure_eagle3}[drafter]
+            drafts[drafter] = str(ensure(s.opts.shape, s.cache, s.device, s.say, s.ckpt_dtype)[1])
+        return drafts[drafter]
+
+    from .batching_sweep import sweep as run_sweep  # noqa: PLC0415
+
+    reuse = {(d, at): ran(auto[key]).get(str(at)) for d, key in (("ngram", "ngram"), ("dflash-replay", "dflash_replay"))}
+    swept = run_sweep(s, run, plain, plain_ids, {k: v for k, v in reuse.items() if v is not None}, draft_dir, new, plen)
     return {"new": new, "prompt": plen, "k": K, "replay_corrupt": REPLAY_CORRUPT, "plain": plain, "ngram": ngram,
-            "replay": replay, "dflash_replay": dflash, "auto": auto,
-            "figures": figures(ran(plain), ran(ngram), ran(replay), ran(dflash),
-                               {name: ran(rows_) for name, rows_ in auto.items()})}
+            "replay": replay, "dflash_replay": dflash, "auto": auto, "sweep": swept,
+            "figures": {**figures(ran(plain), ran(ngram), ran(replay), ran(dflash),
+                                  {name: ran(rows_) for name, rows_ in auto.items()}),
+                        **{f"sweep_{k}": v for k, v in swept["figures"].items()}}}
 
 
 def fig(res: dict, key: str) -> Fig | None:
@@ -435,4 +459,8 @@ def rows(res: dict) -> list[tuple[str, str]]:
                         f"{r.get('gap_ms_p99', '-')} ms (first gap p99 {r.get('first_gap_ms_p99', '-')} ms), "
                         f"TTFT p50 {r['ttft_ms_p50']} ms{kv} "
                         f"(median of {r.get('repeats', 1)} runs)"))
+    from .plot import speedups  # noqa: PLC0415
+
+    for name, pts in speedups((b.get("sweep") or {}).get("rows") or []).items():  # issue 45's sweep, a line a series
+        out.append((f"sweep: {name} over plain", ", ".join(f"{n}: {v:.2f}x" for n, v in pts)))
     return out

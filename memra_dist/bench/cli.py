@@ -73,6 +73,27 @@ def _load_result(path: str) -> dict:
     return res
 
 
+def _chart(res: dict, out: Path) -> None:
+    """The batching section's sweep as a chart beside the JSON: OUT-speedup.svg, and .png where
+    matplotlib is installed (bench/plot.py)."""
+    rows = ((res.get("batching") or {}).get("sweep") or {}).get("rows")
+    if not rows:
+        return
+    from .plot import png, speedups, svg  # noqa: PLC0415
+
+    m = res.get("meta", {})
+    title = f"--spec-k auto, steady decode over plain: {m.get('shape')} on {m.get('device_name')} ({m.get('commit')})"
+    series = speedups(rows)
+    paths = [out.with_name(f"{out.stem}-speedup.svg")]
+    paths[0].write_text(svg(series, title))
+    try:
+        png(series, out.with_name(f"{out.stem}-speedup.png"), title)
+        paths.append(out.with_name(f"{out.stem}-speedup.png"))
+    except ImportError:
+        pass  # (the SVG alone: pip install 'memra_dist[plot]' for the PNG)
+    print(f"[bench] wrote {', '.join(map(str, paths))}", file=sys.stderr)
+
+
 def run_bench(args) -> int:
     from .report import append_benchmarks, evaluate, markdown  # noqa: PLC0415
     from .suite import run_suite  # noqa: PLC0415
@@ -87,6 +108,7 @@ def run_bench(args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=2))
         print(f"[bench] wrote {out}", file=sys.stderr)
+        _chart(res, out)
     md = markdown(res)
     print(md)
     if args.record:
