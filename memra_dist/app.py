@@ -48,6 +48,14 @@ def _bounds(s: str | None) -> tuple[int, ...] | None:
 def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
     trace = trace_settings(args.trace_level, args.prof)
     drafter = args.drafter or ("model" if draft_model else "ngram")
+    ngram_first = getattr(args, "ngram_first", False)
+    if drafter == "auto":  # the best drafter these checkpoints allow, prompt lookup first (drafters/choose.py)
+        from .specdec.drafters.choose import choose  # noqa: PLC0415
+
+        drafter, first, why = choose(model, draft_model)
+        ngram_first = ngram_first or first
+        print(f"[memra] --drafter auto: {drafter}{' with --ngram-first' if ngram_first else ''} ({why})",
+              file=sys.stderr, flush=True)
     return RunConfig(
         model=model, drafter=drafter, draft_model=draft_model, k=args.k,
         max_new_tokens=args.max_new_tokens,
@@ -58,7 +66,7 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
         graphs=getattr(args, "graphs", "auto"), compile=getattr(args, "compile", "auto"),
         kernels=getattr(args, "kernels", "auto"), prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
         prefix_cache=not getattr(args, "no_prefix_cache", False), spec_k=getattr(args, "spec_k", "auto"),
-        ngram_first=getattr(args, "ngram_first", False))
+        ngram_first=ngram_first)
 
 
 # ---- the one request path -------------------------------------------------------------
@@ -296,7 +304,7 @@ def _demo_models(args, say, target, draft, warm):
 
     if args.trace_level is None and not environment().trace_level_set:
         args.trace_level = 1  # the demo shows the phase shares unless told otherwise
-    draft_model = args.draft_model or (str(draft) if args.drafter in (None, "model") else None)
+    draft_model = args.draft_model or (str(draft) if args.drafter in (None, "model", "auto") else None)
     if args.drafter == "dflash" and not args.draft_model:  # the tiny DFlash drafter over the demo target
         from .demo.tiny import demo_dflash  # noqa: PLC0415
 

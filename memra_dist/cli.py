@@ -46,12 +46,16 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) 
                         "a tiny P is greedy)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="top-k sampling (default 0 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
-    p.add_argument("--drafter", choices=["none", "ngram", "model", "dflash", "mtp", "eagle3", "replay"], default=None,
+    p.add_argument("--drafter", choices=["none", "ngram", "model", "dflash", "mtp", "eagle3", "auto", "replay"],
+                   default=None,
                    help="none = plain decoding; ngram = prompt lookup; model = a draft checkpoint; "
                         "dflash = a DFlash block drafter (--draft-model DIR) reading the target's hidden states; "
                         "mtp = the target's own MTP layers (deepseek_v3 / glm4_moe with num_nextn_predict_layers); "
                         "eagle3 = an EAGLE-3 head (--draft-model DIR) chained over the target's low / mid / high "
                         "layer taps (at --pp > 1 the stages ship these taps to the head); "
+                        "auto = the best the checkpoints allow: dflash or eagle3 by --draft-model's kind, else the "
+                        "target's MTP layers where it holds them, each with --ngram-first; a draft model; else "
+                        "ngram (the choice is one line on stderr); "
                         "replay = BENCHMARKING TOOL: a recorded greedy continuation, corrupted at --replay-corrupt "
                         "(default: model with --draft-model, else ngram)")
     p.add_argument("--draft-model", metavar="DIR", help="draft checkpoint (same vocabulary); implies --drafter model "
