@@ -222,6 +222,36 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
     assert ing.replays > 0, (ing.replays, g.replays)  # the shared maintenance of the chained rounds
 
 
+def test_sampled_requests_draw_from_the_replayed_block_forwards_rows(llama, tmp_path_factory, monkeypatch):
+    """Sampled DFlash requests take the shared block forward's graph too (dflash_pool_graph.py:
+    it leaves every kept row's logits beside the argmax): each request's drafts are drawn from its
+    own rows with its own generator after the replay, so every proposal (drafts and the
+    distribution they were drawn from) is its solo one and the ids its solo ids; no eager shared
+    forward runs."""
+    import memra_dist.specdec.drafters.dflash_batch as db
+    from memra_dist.specdec.sampling import SamplingParams
+
+    reqs = _prompts(6)
+    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11,
+              draft_model=str(_tap_drafter("dflash", llama, tmp_path_factory)))
+    seen = spy_proposals(monkeypatch, _drafter_cls("dflash"))
+    solo = _solo(llama, "dflash", reqs, **kw)
+    alone, seen[:] = sorted(seen), []
+    eager = [0]
+    real_pooled = db._pooled
+
+    def pooled(*a, **k):  # the eager shared forward's attention: never built where the graph replays
+        eager[0] += 1
+        return real_pooled(*a, **k)
+
+    monkeypatch.setattr(db, "_pooled", pooled)
+    made = []
+    batched, stats = _batched(llama, "dflash", reqs, max_batch=3, on_open=lambda eng: made.append(
+        _dflash_pool_graphs(eng._backend)[0]), **kw)
+    assert batched == solo and sorted(seen) == alone
+    assert len(alone) > 20 and made[0].replays >= stats["draft_batches"] > 0 and eager[0] == 0, (stats, eager)
+
+
 @pytest.mark.parametrize("broken", [pytest.param(False, marks=pytest.mark.slow, id="compiled"),  # (inductor on CPU: ~16 s)
                                     pytest.param(True, id="compile-fails")])
 def test_the_shared_dflash_block_graphs_capture_the_compiled_pieces(llama, tmp_path_factory, monkeypatch, capsys,
@@ -574,10 +604,13 @@ class _Rerun:
 
     def __init__(self, fn, pool):
         self.fn = fn
-        self.out = fn().clone()
+        out = fn()
+        self.out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
     def replay(self) -> None:
-        self.out.copy_(self.fn())
+        out = self.fn()
+        for dst, src in zip(*((self.out, out) if isinstance(out, tuple) else ((self.out,), (out,)))):
+            dst.copy_(src)
 
 
 @pytest.mark.slow  # the Triton interpreter: ~10-20 s on 2 cores

@@ -159,17 +159,22 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
             out[i] = d.propose(c, ks[i], sps[i], gens[i])
         return out
     g = pool.graphs
-    if (g is not None and n <= g.max_n and all(sps[i].greedy for i, *_ in live)
-            and max(kk for *_, kk in live) <= g.K):  # one replay (dflash_pool_graph.py)
+    if g is not None and n <= g.max_n and max(kk for *_, kk in live) <= g.K:  # one replay (dflash_pool_graph.py)
+        sampled = any(not sps[i].greedy for i, *_ in live)
         early = [_early(d, s, kk) for (_, d, _, kk), s in zip(live, starts)]
         rest = [r for r, e in enumerate(early) if e is None]  # (drafted early: already on the device)
+        rows = None
         if rest:
             toks = g.greedy([live[r][1].pool_slot for r in rest], [starts[r] for r in rest],
-                            [live[r][2][-1] for r in rest], defer)
+                            [live[r][2][-1] for r in rest], defer, logits=sampled)
+            toks, rows = toks if sampled else (toks, None)
             for at, r in enumerate(rest):
                 early[r] = (toks, at)
-        for (i, _, _, kk), (toks, at) in zip(live, early):
-            if defer:
+        for (i, d, _, kk), (toks, at) in zip(live, early):
+            if not sps[i].greedy:  # its own rows' distribution, drawn with its own generator (as alone)
+                q = probs(rows[at][:kk], sps[i])
+                out[i] = Proposal(draw_drafts(q, gens[i], d.name), q)
+            elif defer:
                 out[i] = Proposal(dev=(toks, at, kk))
             else:
                 out[i] = Proposal(ids=(toks.rows() if isinstance(toks, DeviceDrafts) else toks)[at][:kk])

@@ -17,7 +17,9 @@ greedy drafts. Past the last layer's K/V only those rows run (its attention, o_p
 dflash path, the captures run the network's compiled pieces (dflash_compile.py, compiled once
 for every bucket's row counts): eager, the norms, q / k norms and rotary were ~300 small kernels
 a forward, and a bucket of 2 took 2.39 ms on an H100 against the solo drafter's ~1.1 ms block.
-Sampled requests and steps of more requests than the largest bucket stay eager.
+A sampled request's rows take the same replay: the graph leaves every kept row's logits
+too (held by its memory pool anyway), and its drafts are drawn from its own rows with its own
+generator after the replay, as alone. Steps of more requests than the largest bucket stay eager.
 
 The maintenance (dflash_batch.py `ingest_many`: each request's newly verified rows, a + 1 <=
 K + 1 of them) is graphed the same way (`PoolIngestGraphs`) where the requests' tap sinks are
@@ -166,7 +168,8 @@ class PoolBlockGraphs(_BucketGraphs):
 
         # rows 1 .. K of each block only, past the last layer's K/V (DFlashNet.block `keep`)
         h = net.block(self.stage.embed_tokens(ids), pos, kv_of, None, attend=attend, keep=(B, 1, K + 1))  # (b K, H)
-        return self.stage.lm_head(h).float().argmax(-1).view(b, K)
+        logits = self.stage.lm_head(h).float()  # (b K, V): held by the graph's pool anyway, so an output for free
+        return logits.argmax(-1).view(b, K), logits.view(b, K, -1)
 
     def _load(self, reqs: list[tuple[int, int, int]], b: int) -> None:
         """`reqs`: (slot, start, last token) a request; the bucket's rows past them pads. Filled
@@ -189,18 +192,21 @@ class PoolBlockGraphs(_BucketGraphs):
         lim[r:] = B
         self.row.send()
 
-    def greedy(self, slots: list[int], starts: list[int], lasts: list[int], defer: bool = False):
+    def greedy(self, slots: list[int], starts: list[int], lasts: list[int], defer: bool = False,
+               logits: bool = False):
         """Each request's K greedy drafts (host lists): its block [lasts[r], mask ...] at
         starts[r] over its slot slots[r], in one replay and one readback. `defer`: no readback
-        now; the drafts stay on the device (`DeviceDrafts`), their copy to the host enqueued."""
-        b = self.bucket(len(slots))
+        now; the drafts stay on the device (`DeviceDrafts`), their copy to the host enqueued.
+        `logits`: (drafts, each request's K rows' logits (n, K, V) float): a sampled request's
+        rows to draw from (the graph's static output: read before the bucket's next replay)."""
+        n = len(slots)
+        b = self.bucket(n)
         self._load(list(zip(slots, starts, lasts)), b)
         g = self._graph(b)
         g.replay()
         self.replays += 1
-        if defer:
-            return DeviceDrafts(g.out[:len(slots)])
-        return g.out[:len(slots)].tolist()
+        ids = DeviceDrafts(g.out[0][:n]) if defer else g.out[0][:n].tolist()
+        return (ids, g.out[1][:n]) if logits else ids
 
 
     def greedy_after(self, slots: list[int], verify: list[tuple[int, int, int, int]], pred: torch.Tensor,
@@ -233,7 +239,7 @@ class PoolBlockGraphs(_BucketGraphs):
         g = self._graph(b)
         g.replay()
         self.replays += 1
-        return DeviceDrafts(g.out[:n], acc, bonus)
+        return DeviceDrafts(g.out[0][:n], acc, bonus)
 
 
 def accepted_on_device(pred: torch.Tensor, ids: torch.Tensor, prow: torch.Tensor, irow: torch.Tensor,
