@@ -172,7 +172,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
                 early[r] = (toks, at)
         for (i, d, _, kk), (toks, at) in zip(live, early):
             if not sps[i].greedy:  # its own rows' distribution, drawn with its own generator (as alone)
-                q = probs(rows[at][:kk], sps[i])
+                q = probs(rows[at][:kk].float(), sps[i])
                 out[i] = Proposal(draw_drafts(q, gens[i], d.name), q)
             elif defer:
                 out[i] = Proposal(dev=(toks, at, kk))

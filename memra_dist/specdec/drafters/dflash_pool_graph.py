@@ -168,8 +168,10 @@ class PoolBlockGraphs(_BucketGraphs):
 
         # rows 1 .. K of each block only, past the last layer's K/V (DFlashNet.block `keep`)
         h = net.block(self.stage.embed_tokens(ids), pos, kv_of, None, attend=attend, keep=(B, 1, K + 1))  # (b K, H)
-        logits = self.stage.lm_head(h).float()  # (b K, V): held by the graph's pool anyway, so an output for free
-        return logits.argmax(-1).view(b, K), logits.view(b, K, -1)
+        # the logits at the model's dtype are an output too (a sampled request's rows: `greedy(logits=True)`),
+        # so every bucket keeps b K V of them alive in the pool: ~130 MB in all at --max-batch 64, 128k vocab, bf16
+        logits = self.stage.lm_head(h)  # (b K, V)
+        return logits.float().argmax(-1).view(b, K), logits.view(b, K, -1)
 
     def _load(self, reqs: list[tuple[int, int, int]], b: int) -> None:
         """`reqs`: (slot, start, last token) a request; the bucket's rows past them pads. Filled
@@ -197,8 +199,8 @@ class PoolBlockGraphs(_BucketGraphs):
         """Each request's K greedy drafts (host lists): its block [lasts[r], mask ...] at
         starts[r] over its slot slots[r], in one replay and one readback. `defer`: no readback
         now; the drafts stay on the device (`DeviceDrafts`), their copy to the host enqueued.
-        `logits`: (drafts, each request's K rows' logits (n, K, V) float): a sampled request's
-        rows to draw from (the graph's static output: read before the bucket's next replay)."""
+        `logits`: (drafts, each request's K rows' logits (n, K, V), the model's dtype): a sampled
+        request's rows to draw from (the graph's static output: read before the bucket's next replay)."""
         n = len(slots)
         b = self.bucket(n)
         self._load(list(zip(slots, starts, lasts)), b)
