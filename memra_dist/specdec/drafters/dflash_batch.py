@@ -171,9 +171,8 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
             for at, r in enumerate(rest):
                 early[r] = (toks, at)
         for (i, d, _, kk), (toks, at) in zip(live, early):
-            if not sps[i].greedy:  # its own rows' distribution, drawn with its own generator (as alone)
-                q = probs(rows[at][:kk].float(), sps[i])
-                out[i] = Proposal(draw_drafts(q, gens[i], d.name), q)
+            if not sps[i].greedy:
+                out[i] = _drawn(rows[at][:kk], sps[i], gens[i], d.name)
             elif defer:
                 out[i] = Proposal(dev=(toks, at, kk))
             else:
@@ -225,8 +224,14 @@ def _picks(out, live, h, per: int, stage, sps, gens, dev) -> list[Proposal]:
         sp = sps[i]
         if sp.greedy:
             out[i] = Proposal(ids=toks[lo:lo + kk])
-        else:  # its own rows' distribution, drawn with its own generator (as alone)
-            q = probs(logits[lo:lo + kk], sp)
-            out[i] = Proposal(draw_drafts(q, gens[i], d.name), q)
+        else:
+            out[i] = _drawn(logits[lo:lo + kk], sp, gens[i], d.name)
         lo += kk
     return out
+
+
+def _drawn(logits: torch.Tensor, sp, gen, name: str) -> Proposal:
+    """A sampled request's drafts: drawn from its own rows' distribution (logits (k, V)) with its
+    own generator, as its solo proposal draws them."""
+    q = probs(logits.float(), sp)
+    return Proposal(draw_drafts(q, gen, name), q)
