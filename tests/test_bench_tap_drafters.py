@@ -125,3 +125,29 @@ def test_tiny_run_end_to_end(tmp_path):
     assert set(res["mtp"]["draft_per_token"]) == {"1", "2", "3"}
     assert set(res["eagle3"]["draft_per_token"]) == {"3", "7"} and res["eagle3"]["real"]["7"]["drafted"] > 0
     assert "dflash draft / verify(16) per round" in p.stderr
+
+
+@pytest.mark.slow  # a tiny batched run at levels 0 and 1 in a subprocess (~10 s)
+def test_the_batching_bench_prices_a_steps_draft_phase_against_its_forwards_reads(tmp_path):
+    """`benchmarks/batching.py --drafter eagle3-replay --levels 0,1` on the CPU: the fixed-K row
+    carries `draft_read`, its level-1 draft phase a round over K chained forwards' reads (the
+    head's weights + every request's draft K/V over its mean context) at the measured copy
+    bandwidth, and says so in one line under the table."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MEMRA_BENCH_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "batching.py"), str(tmp_path / "out"),
+                        "--concurrency", "4", "--max-batch", "4", "--only-batched", "--drafter", "eagle3-replay",
+                        "--prompt", "32", "--new", "24", "--levels", "0,1"], capture_output=True, text=True,
+                       timeout=600, cwd=root, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = next(r for r in json.loads((tmp_path / "out" / "batching.json").read_text())["rows"]
+               if r["drafter"] == "eagle3-replay")
+    d = row["draft_read"]
+    cfg = json.loads(next((tmp_path / "cache").rglob("*eagle3*/config.json")).read_text())
+    w = tc.eagle3_read_bytes(cfg, 4, torch.float32)["bytes"]
+    kv = tc.draft_kv_bytes(cfg, torch.float32) * d["requests_a_forward"] * d["context"]
+    assert d["forwards"] == 4 and d["context"] == 32 + 24 / 2 and d["weight_bytes"] == w
+    assert d["read_bytes"] == int(4 * (w + kv))
+    assert d["draft_ms_a_step"] == row["phases_ms_a_round"]["1"]["draft"] > 0
+    assert d["over_read"] == pytest.approx(d["draft_ms_a_step"] / d["read_ms"], rel=1e-3)
+    assert f"eagle3-replay at 4: the draft phase {d['draft_ms_a_step']} ms a step" in p.stdout
