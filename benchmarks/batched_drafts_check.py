@@ -19,7 +19,10 @@ ones drafted rounds early and
 the ahead ones launched verifies ahead (else the check checked nothing: exit 1).
 
     python benchmarks/batched_drafts_check.py OUT_DIR [--device cuda|cpu] [--drafters dflash,eagle3]
-        [--dtypes fp32,bf16] [--max-batch 4,16]
+        [--dtypes fp32,bf16] [--max-batch 4,16] [--sampled]
+
+`--sampled` adds a sampled arm a drafter and dtype (every request at temperature 0.8 with its own
+seed, against its solo sampled ids; DFlash's must draft on the shared forward's graph on CUDA).
 Writes OUT_DIR/batched_drafts_check.json and prints a line a run (~3 min a drafter on one H200,
 most of it the first compiles; the demo's checkpoints are trained first where the cache lacks
 them)."""
@@ -41,6 +44,9 @@ def main() -> int:
     ap.add_argument("--drafters", default="dflash,eagle3", help="comma-separated drafters to check (default dflash,eagle3)")
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated dtypes to check (default fp32,bf16)")
     ap.add_argument("--max-batch", default="4,16", help="comma-separated engine sizes to check (default 4,16)")
+    ap.add_argument("--sampled", action="store_true", help="also each drafter's sampled arm: every request at "
+                    "temperature 0.8, top-k 20, its own seed, against its solo sampled ids; a DFlash arm on CUDA "
+                    "must draft on the shared forward's graph (no eager shared forward)")
     a = ap.parse_args()
     import torch
     from tokenizers import Tokenizer
@@ -86,12 +92,27 @@ def main() -> int:
         return RunConfig(model=str(target), drafter=drafter, draft_model=str(ddir(target, say)), device=a.device,
                          dtype=dtype, spec_k="fixed", k=k, **kw)
 
-    def batched(dtype, mb):
+    from memra_dist.specdec.sampling import SamplingParams
+
+    def own(i, sampled):  # a request's sampling: greedy, or its own seed
+        return dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=i) if sampled else {}
+
+    import memra_dist.specdec.drafters.dflash_batch as db
+
+    eager, real_pooled = [0], db._pooled
+
+    def pooled(*args, **kw):  # the eager shared DFlash forward (the graph path never builds it)
+        eager[0] += 1
+        return real_pooled(*args, **kw)
+
+    db._pooled = pooled
+
+    def batched(dtype, mb, sampled=False):
         got, errs, st = {}, [], {}
         with open_engine(cfg(dtype), max_batch=mb) as eng:
             def one(i, p, n):
                 try:
-                    got[i] = eng.generate(p, cfg(dtype, max_new_tokens=n)).token_ids
+                    got[i] = eng.generate(p, cfg(dtype, max_new_tokens=n, **own(i, sampled))).token_ids
                 except BaseException as e:  # noqa: BLE001
                     errs.append(repr(e))
             ts = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
@@ -135,6 +156,20 @@ def main() -> int:
                 rows.append(row)
                 print(("ok  " if not bad else "BAD ") + json.dumps(row), flush=True)
         cls.defers = cls.drafts_early = cls.verifies_ahead = True
+        if a.sampled:  # each request sampled with its own seed, the default path, against its solo sampled ids
+            with open_engine(cfg(dtype)) as eng:
+                solo = [eng.generate(p, cfg(dtype, max_new_tokens=n, **own(i, True))).token_ids
+                        for i, (p, n) in enumerate(reqs)]
+            for mb in (int(x) for x in a.max_batch.split(",")):
+                eager[0] = 0
+                got, errs, st = batched(dtype, mb, sampled=True)
+                same = sum(g == s for g, s in zip(got, solo))
+                row = dict(drafter=drafter, dtype=dtype, sampled=True, max_batch=mb, same=same, requests=len(reqs),
+                           eager_shared_forwards=eager[0], draft_batches=st.get("draft_batches", 0), errors=errs[:2])
+                bad = same != len(reqs) or errs or (drafter == "dflash" and a.device == "cuda" and eager[0] > 0)
+                ok = ok and not bad
+                rows.append(row)
+                print(("ok  " if not bad else "BAD ") + json.dumps(row), flush=True)
     (a.out / "batched_drafts_check.json").write_text(json.dumps({"ok": ok, "runs": rows}, indent=1))
     return 0 if ok else 1
 
