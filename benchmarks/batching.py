@@ -165,6 +165,9 @@ def main() -> int:
                     "that never pays: what --spec-k auto must not lose to plain)")
     ap.add_argument("--spec-k", default="fixed", help="the drafter rows' --spec-k, comma-separated: fixed, auto "
                     "or fixed,auto (each a row of its own on the same recordings)")
+    ap.add_argument("--no-prefix-cache", action="store_true", help="the engines' --no-prefix-cache: every run "
+                    "prefills its prompts whole (with the cache on, the warm-up has cached the timed runs' prompts, "
+                    "so TTFT is a cached prompt's; off, it is the first token under load)")
     ap.add_argument("--levels", default="0", help="trace levels, comma-separated: each run at each level in turn "
                     "(the batched rows only; the row's by_level has each level's steady tok/s)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per setting (and level)")
@@ -254,7 +257,8 @@ def main() -> int:
             if tap:  # each request's plain greedy ids first: the replay's recordings (and the lossless check)
                 if b == 1:
                     continue
-                plain = concurrent(model, a.device, n, b, a.new, a.prompt, "none", repeats=a.repeats)
+                plain = concurrent(model, a.device, n, b, a.new, a.prompt, "none", repeats=a.repeats,
+                                   prefix_cache=not a.no_prefix_cache)
                 kw = dict(draft_model=draft, recorded=plain.pop("ids"))
                 rows.append(plain)
             ks = a.spec_k.split(",") if a.drafter != "none" and b > 1 else ["fixed"]
@@ -275,7 +279,7 @@ def main() -> int:
                 idents.clear()  # (this row's engine loop only)
                 with _loop_idents(idents) if a.loop_profile else contextlib.nullcontext():
                     r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
-                                   spans_on=not a.no_spans, spec_k=spec_k, **kw)
+                                   spans_on=not a.no_spans, spec_k=spec_k, prefix_cache=not a.no_prefix_cache, **kw)
                 if corrupt is not None:
                     r["corrupt"] = corrupt
                 if tap:

@@ -129,7 +129,7 @@ def test_tiny_run_end_to_end(tmp_path):
 
 @pytest.mark.slow  # a tiny batched run at levels 0 and 1 in a subprocess (~10 s)
 def test_the_batching_bench_prices_a_steps_draft_phase_against_its_forwards_reads(tmp_path):
-    """`benchmarks/batching.py --drafter eagle3-replay --levels 0,1` on the CPU: the fixed-K row
+    """`benchmarks/batching.py --drafter eagle3-replay --levels 0,1 --no-prefix-cache` on the CPU: the fixed-K row
     carries `draft_read`, its level-1 draft phase a round over K chained forwards' reads (the
     head's weights + every request's draft K/V over its mean context) at the measured copy
     bandwidth, and says so in one line under the table."""
@@ -137,11 +137,12 @@ def test_the_batching_bench_prices_a_steps_draft_phase_against_its_forwards_read
     env = {**os.environ, "MEMRA_BENCH_CACHE": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, str(root / "benchmarks" / "batching.py"), str(tmp_path / "out"),
                         "--concurrency", "4", "--max-batch", "4", "--only-batched", "--drafter", "eagle3-replay",
-                        "--prompt", "32", "--new", "24", "--levels", "0,1"], capture_output=True, text=True,
+                        "--prompt", "32", "--new", "24", "--levels", "0,1", "--no-prefix-cache"], capture_output=True, text=True,
                        timeout=600, cwd=root, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     row = next(r for r in json.loads((tmp_path / "out" / "batching.json").read_text())["rows"]
                if r["drafter"] == "eagle3-replay")
+    assert row["prefix_cache"] is False and "prefix_cache" not in row["batcher"]  # --no-prefix-cache reached the engine
     d = row["draft_read"]
     cfg = json.loads(next((tmp_path / "cache").rglob("*eagle3*/config.json")).read_text())
     w = tc.eagle3_read_bytes(cfg, 4, torch.float32)["bytes"]

@@ -109,7 +109,8 @@ def _tap_replay(eng, prompts: list[list[int]], recorded: list[list[int]], vocab:
 def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, plen: int = PROMPT,
                drafter: str = "none", k: int = K, repeats: int = 1, levels: tuple[int, ...] = (0,),
                spans_on: bool = True, corrupt: float = REPLAY_CORRUPT, draft_model: str | None = None,
-               recorded: list[list[int]] | None = None, profile=None, spec_k: str = "fixed") -> dict:
+               recorded: list[list[int]] | None = None, profile=None, spec_k: str = "fixed",
+               prefix_cache: bool = True) -> dict:
     """n callers, each one request (greedy), on an engine of `max_batch` -> the setting's row
     (its `ids`: each request's token ids, for the caller's check against one at a time). With
     repeats > 1 the timed run is repeated on the same engine: the row's figures are the
@@ -119,7 +120,10 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     (a batched engine, max_batch > 1): the DFlash drafter at `draft_model` drafting in full, its
     drafts replaced by `recorded` (each request's greedy ids) corrupted at `corrupt`. `profile`: a
     context manager factory wrapped around the last timed run (benchmarks/batching.py
-    --torch-profile). `spec_k`: the engine's --spec-k (fixed, or auto: each request's K by goodput)."""
+    --torch-profile). `spec_k`: the engine's --spec-k (fixed, or auto: each request's K by goodput).
+    `prefix_cache`: the engine's (on by default): the warm-up runs the timed prompts, so with it on
+    the timed runs' prompts are cached but their last block and TTFT is a cached prompt's; off,
+    every run prefills its prompts whole (the first token under load)."""
     from ..app import open_engine  # noqa: PLC0415
     from ..config import RunConfig  # noqa: PLC0415
     from ..model.config import load_config  # noqa: PLC0415
@@ -130,7 +134,8 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     if tap and (max_batch < 2 or recorded is None or draft_model is None):
         raise ValueError(f"{drafter}: a batched engine, the draft checkpoint and each request's recorded ids")
     cfg = RunConfig(model=model, drafter=drafter[:-len("-replay")] if tap else drafter, k=k, device=device,
-                    max_new_tokens=new, replay_corrupt=corrupt, draft_model=draft_model, spec_k=spec_k)
+                    max_new_tokens=new, replay_corrupt=corrupt, draft_model=draft_model, spec_k=spec_k,
+                    prefix_cache=prefix_cache)
     vocab = load_config(model).vocab_size  # the bench's copy-with-edits prompts, one seed per request
     prompts = [make_prompt(plen, vocab, seed=i) for i in range(n)]
     kv_mb = None
@@ -188,7 +193,8 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
                     bstats = backend.stats()
     first = runs[levels[0]]
     mid = sorted(first, key=lambda r: r["steady_tok_s"] or r["decode_tok_s"])[len(first) // 2]
-    row = {"concurrency": n, "max_batch": max_batch, "drafter": drafter, "spec_k": spec_k, **mid, "repeats": len(first),
+    row = {"concurrency": n, "max_batch": max_batch, "drafter": drafter, "spec_k": spec_k, "prefix_cache": prefix_cache,
+           **mid, "repeats": len(first),
            "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")} for r in first],
            "kv_mb_per_request": kv_mb, "batcher": bstats, "ids": ids,
            "tokens_per_round": round(statistics.mean(t for t in tpr if t is not None), 3) if any(tpr) else None}
