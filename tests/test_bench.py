@@ -524,7 +524,7 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     for rows in auto.values():
         assert sum(rows["4"]["batcher"]["k_chosen"].values()) > 0, rows["4"]["batcher"]
     sweep = {k for k in b["figures"] if k.startswith("sweep_")}
-    assert set(b["figures"]) - sweep == {"x4", "itl_ratio_4", "ngram_over_plain_4", "replay_over_plain_4", "l1_cost_pct_4",
+    assert set(b["figures"]) - sweep - {"ttft_load_plain_over_alone", "ttft_load_ngram_over_alone"} == {"x4", "itl_ratio_4", "ngram_over_plain_4", "replay_over_plain_4", "l1_cost_pct_4",
                                  "dflash_replay_over_plain_4", "dflash_replay_over_replay_4",
                                  "ngram_auto_over_plain_4", "ngram_auto_over_fixed_4",
                                  "dflash_replay_auto_over_plain_4", "dflash_replay_auto_over_fixed_4"}
@@ -557,6 +557,17 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     assert (tmp_path / "bench-speedup.png").read_bytes()[:4] == b"\x89PNG"
     md = p.stdout
     assert "sweep: eagle3-replay auto corrupt 0.2 over plain | 1: " in md
+    # issue 44's first token under load: 4 prompts of 128 together, the prefix cache off, against
+    # one prompt of all their tokens alone (the one-request engine), plain and with ngram
+    t = b["ttft_load"]
+    assert (t["requests"], t["prompt"], t["alone_prompt"]) == (4, 128, 512) and t["alone"]["max_batch"] == 1
+    for d in ("none", "ngram"):
+        assert t[d]["prefix_cache"] is False and t[d]["max_batch"] == 4 and len(t[d]["runs"]) == 3
+        assert "prefix_cache" not in t[d]["batcher"]  # nothing cached: every run prefilled its prompts whole
+    f = b["figures"]["ttft_load_plain_over_alone"]
+    ttft = sorted(r["ttft_ms_p50"] for r in t["none"]["runs"])
+    assert f[0] == pytest.approx(ttft[1] / sorted(r["ttft_ms_p50"] for r in t["alone"]["runs"])[1], abs=1e-3)
+    assert "first token, 4 prompts of 128 together (ngram, no prefix cache) | TTFT p50" in md
 
 
 @pytest.mark.slow  # ~7 s on 2 cores

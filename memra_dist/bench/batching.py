@@ -34,7 +34,9 @@ over alone, ngram over plain at 16, level 1's cost in % of the steady rate at 16
 1 to 64 concurrent (CPU: 1, 2, 4) over plain at each, the replays at ~0.8 of their drafts
 right, at 16 and 64 (CPU: 4) ~0.6 and none right too; `memra-dist bench` charts it beside its
 JSON (OUT-speedup.svg, and .png with matplotlib). It opens ~40 engines on a GPU: give the run
-`--budget-s 2400` (what the budget leaves out is listed in the sweep's `skipped`).
+`--budget-s 2400` (what the budget leaves out is listed in the sweep's `skipped`). Last, issue
+44's first token under load (ttft_load.py): 16 prompts of 512 together, the prefix cache off,
+plain and ngram, over one 8k prompt alone.
 `benchmarks/batching.py` is the same measurement as a script, any settings.
 """
 
@@ -52,6 +54,7 @@ __all__ = ["draft_over_read", "concurrent", "batching", "graphed_ms", "per_step"
 NEW, PROMPT, K = 64, 64, 4
 REPEATS = 3  # timed runs per setting, on one engine (the figures' ranges)
 REPEATS_TRACED = 5  # the row timing level 1 against level 0: a cost of a few % needs tighter ranges
+RUN_KEYS = ("steady_tok_s", "decode_tok_s", "itl_ms_p50", "ttft_ms_p50")  # what a row keeps of each timed run
 REPLAY_CORRUPT = 0.2  # the replay drafter's corruption rate: ~0.8 of its drafts right
 
 
@@ -195,14 +198,14 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     mid = sorted(first, key=lambda r: r["steady_tok_s"] or r["decode_tok_s"])[len(first) // 2]
     row = {"concurrency": n, "max_batch": max_batch, "drafter": drafter, "spec_k": spec_k, "prefix_cache": prefix_cache,
            **mid, "repeats": len(first),
-           "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")} for r in first],
+           "runs": [{key: r[key] for key in RUN_KEYS} for r in first],
            "kv_mb_per_request": kv_mb, "batcher": bstats, "ids": ids,
            "tokens_per_round": round(statistics.mean(t for t in tpr if t is not None), 3) if any(tpr) else None}
     if phases:  # the last traced run's
         row["phases_ms_a_round"] = {str(lv): ph for lv, ph in phases.items()}
     if len(levels) > 1:
         row["by_level"] = {str(lv): {"steady_tok_s": statistics.median(r["steady_tok_s"] or r["decode_tok_s"] for r in rs),
-                                     "runs": [{key: r[key] for key in ("steady_tok_s", "decode_tok_s", "itl_ms_p50")}
+                                     "runs": [{key: r[key] for key in RUN_KEYS}
                                               for r in rs]} for lv, rs in runs.items()}
     return row
 
@@ -425,11 +428,16 @@ def batching(s) -> dict:
 
     reuse = {(d, at): ran(auto[key]).get(str(at)) for d, key in (("ngram", "ngram"), ("dflash-replay", "dflash_replay"))}
     swept = run_sweep(s, run, plain, plain_ids, {k: v for k, v in reuse.items() if v is not None}, draft_dir, new, plen)
+    from .ttft_load import ttft_under_load  # noqa: PLC0415
+
+    load = ttft_under_load(s, lambda n, b, d, new_, plen_, **kw: concurrent(model, dev, n, b, new_, plen_, d,
+                                                                           repeats=REPEATS, **kw))
     return {"new": new, "prompt": plen, "k": K, "replay_corrupt": REPLAY_CORRUPT, "plain": plain, "ngram": ngram,
-            "replay": replay, "dflash_replay": dflash, "auto": auto, "sweep": swept,
+            "replay": replay, "dflash_replay": dflash, "auto": auto, "sweep": swept, "ttft_load": load,
             "figures": {**figures(ran(plain), ran(ngram), ran(replay), ran(dflash),
                                   {name: ran(rows_) for name, rows_ in auto.items()}),
-                        **{f"sweep_{k}": v for k, v in swept["figures"].items()}}}
+                        **{f"sweep_{k}": v for k, v in swept["figures"].items()},
+                        **{f"ttft_load_{k}": v for k, v in load.items() if k.endswith("_over_alone")}}}
 
 
 def fig(res: dict, key: str) -> Fig | None:
@@ -467,6 +475,12 @@ def rows(res: dict) -> list[tuple[str, str]]:
                         f"(median of {r.get('repeats', 1)} runs)"))
     from .plot import speedups  # noqa: PLC0415
 
+    load = b.get("ttft_load") or {}
+    for d in ("none", "ngram"):  # issue 44's first token under load
+        if isinstance(load.get(d), dict) and isinstance(load.get("alone"), dict):
+            out.append((f"first token, {load['requests']} prompts of {load['prompt']} together ({d}, no prefix cache)",
+                        f"TTFT p50 {load[d]['ttft_ms_p50']} ms against one {load['alone_prompt']}-token prompt alone: "
+                        f"{load['alone']['ttft_ms_p50']} ms"))
     for name, pts in speedups((b.get("sweep") or {}).get("rows") or []).items():  # issue 45's sweep, a line a series
         out.append((f"sweep: {name} over plain", ", ".join(f"{n}: {v:.2f}x" for n, v in pts)))
     return out
