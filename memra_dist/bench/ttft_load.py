@@ -29,8 +29,10 @@ def _fig(f: Fig) -> list:
 def ttft_under_load(s, run) -> dict:
     """`run(n, max_batch, drafter, new, plen, **kw)`: one setting's row (bench/batching.py
     `concurrent` with the section's model and repeats)."""
-    cuda = s.device.type == "cuda"
-    n, plen = (16, s.p.ctx) if cuda else (4, s.p.ctx)
+    if s.left() <= 0:
+        return {"skipped": "budget"}
+    n = 16 if s.device.type == "cuda" else 4
+    plen = s.p.ctx
     out: dict = {"requests": n, "prompt": plen, "alone_prompt": n * plen, "prefix_cache": False}
     alone = run(1, 1, "none", NEW, n * plen)
     alone.pop("ids", None)
