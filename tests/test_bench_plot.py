@@ -89,6 +89,10 @@ def test_the_png_command_draws_a_bench_json_beside_it_and_refuses_other_files(tm
     from memra_dist.bench.plot import COLORS
 
     assert _has_color(mpimg.imread(tmp_path / "both.png"), COLORS[1])  # the auto series: its rows in both files
+    bench = {"meta": {"shape": "8b", "device_name": "GPU"}, "batching": {"sweep": {"rows": rows}}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))  # `memra-dist bench`'s JSON: the section's sweep
+    assert main([str(tmp_path / "bench.json"), "-o", str(tmp_path / "b.png")]) == 0
+    assert _has_color(mpimg.imread(tmp_path / "b.png"), COLORS[1])
     (tmp_path / "other.json").write_text("[1, 2]")
     assert main([str(tmp_path / "other.json"), "-o", str(tmp_path / "o.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -130,9 +130,9 @@ def png(series: dict[str, list[tuple[int, float]]], path, title: str = "steady d
 
 def main(argv: list[str] | None = None) -> int:
     """python -m memra_dist.bench.plot BATCHING_JSON [MORE_JSON ...] [-o OUT_PNG]: the chart of
-    batching bench JSONs (benchmarks/batching.py; several runs' rows drawn as one, each drafter
-    row over the plain rows at its concurrency), as a PNG beside the first (speedup.png) unless
-    -o says where."""
+    batching bench JSONs (benchmarks/batching.py's, or `memra-dist bench`'s: its batching
+    section's sweep; several runs' rows drawn as one, each drafter row over the plain rows at its
+    concurrency), as a PNG beside the first (speedup.png) unless -o says where."""
     import argparse  # noqa: PLC0415
     import json  # noqa: PLC0415
     import sys  # noqa: PLC0415
@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     for src in map(Path, a.json):
         try:
             data = json.loads(src.read_text())
+            if "rows" not in data and "batching" in data:  # `memra-dist bench`'s JSON: its batching sweep
+                data = {**data.get("meta", {}), "rows": data["batching"]["sweep"]["rows"]}
+                data["device"] = data.get("device_name", data.get("device"))
             rows += list(data["rows"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"error: {src}: not a batching bench's JSON ({type(e).__name__}: {e})", file=sys.stderr)
