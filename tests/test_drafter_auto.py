@@ -39,7 +39,7 @@ def test_mtp_only_where_the_target_holds_its_tensors(tmp_path):
 
 def test_an_unreadable_draft_config_is_one_line(tmp_path, llama):
     (tmp_path / "d").mkdir()
-    with pytest.raises(UserError, match="--drafter auto cannot read the draft model's config.json"):
+    with pytest.raises(UserError, match="no config.json"):  # one line, as every checkpoint read says it
         choose(str(llama), str(tmp_path / "d"))
 
 

@@ -411,8 +411,8 @@ def batching(s) -> dict:
     def ran(rows):
         return {k: v for k, v in rows.items() if "skipped" not in v}
 
-    def run(n, b, drafter, **kw):  # the sweep's settings (batching_sweep.py)
-        return concurrent(model, dev, n, b, new, plen, drafter, repeats=REPEATS, **kw)
+    def run(n, b, drafter, **kw):  # one setting at the section's model and repeats (the sweep's, ttft_load's)
+        return concurrent(model, dev, n, b, **{"new": new, "plen": plen, "drafter": drafter, "repeats": REPEATS, **kw})
 
     drafts = {"dflash-replay": draft}
 
@@ -427,11 +427,10 @@ def batching(s) -> dict:
     from .batching_sweep import sweep as run_sweep  # noqa: PLC0415
 
     reuse = {(d, at): ran(auto[key]).get(str(at)) for d, key in (("ngram", "ngram"), ("dflash-replay", "dflash_replay"))}
-    swept = run_sweep(s, run, plain, plain_ids, {k: v for k, v in reuse.items() if v is not None}, draft_dir, new, plen)
+    swept = run_sweep(s, run, plain, plain_ids, {k: v for k, v in reuse.items() if v is not None}, draft_dir)
     from .ttft_load import ttft_under_load  # noqa: PLC0415
 
-    load = ttft_under_load(s, lambda n, b, d, new_, plen_, **kw: concurrent(model, dev, n, b, new_, plen_, d,
-                                                                           repeats=REPEATS, **kw))
+    load = ttft_under_load(s, run)
     return {"new": new, "prompt": plen, "k": K, "replay_corrupt": REPLAY_CORRUPT, "plain": plain, "ngram": ngram,
             "replay": replay, "dflash_replay": dflash, "auto": auto, "sweep": swept, "ttft_load": load,
             "figures": {**figures(ran(plain), ran(ngram), ran(replay), ran(dflash),

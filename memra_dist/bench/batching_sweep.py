@@ -17,18 +17,12 @@ and `auto_never_slower` (the lowest ratio of every row, every acceptance)."""
 
 from __future__ import annotations
 
-from .noise import Fig
+from .batching import _of, _ratio
 
 __all__ = ["CORRUPTS", "sweep", "sweep_figures", "worst"]
 
 CORRUPTS = (0.2, 0.4, 1.0)  # ~0.8, ~0.6 and none of the drafts right
 DRAFTERS = ("ngram", "dflash-replay", "eagle3-replay")
-
-
-def _ratio(row: dict, base: dict) -> Fig | None:
-    xs = [r["steady_tok_s"] or r["decode_tok_s"] for r in row.get("runs", [])]
-    bs = [r["steady_tok_s"] or r["decode_tok_s"] for r in base.get("runs", [])]
-    return Fig.of(xs) / Fig.of(bs) if xs and bs else None
 
 
 def worst(figs: list[list | None]) -> list | None:
@@ -39,10 +33,6 @@ def worst(figs: list[list | None]) -> list | None:
     """
     have = [f for f in figs if f is not None]
     return min(have, key=lambda f: f[0]) if have else None
-
-
-def _fig(f: Fig) -> list:
-    return [round(f.value, 3), None if f.lo is None else round(f.lo, 3), None if f.hi is None else round(f.hi, 3), f.n]
 
 
 def sweep_figures(rows: list[dict]) -> dict:
@@ -65,13 +55,13 @@ def sweep_figures(rows: list[dict]) -> dict:
         n = r["concurrency"]
         if r["drafter"] == "none" or n not in base:
             continue
-        f = _ratio(r, base[n])
+        f = _ratio(_of(r, "steady_tok_s"), _of(base[n], "steady_tok_s"))  # [value, lo, hi, n]
         if f is None:
             continue
         name = r["drafter"].replace("-replay", "").replace("-", "_")
         tag = f"_c{r['corrupt']:g}" if r.get("corrupt") is not None else ""
-        out[f"{name}{tag}_auto_over_plain_{n}"] = _fig(f)
-        every.append(_fig(f))
+        out[f"{name}{tag}_auto_over_plain_{n}"] = f
+        every.append(f)
     for n in sorted({r["concurrency"] for r in rows}):
         w = worst([out.get(f"{d}_c0.2_auto_over_plain_{n}") for d in ("dflash", "eagle3")])
         if w is not None:
@@ -81,7 +71,7 @@ def sweep_figures(rows: list[dict]) -> dict:
     return out
 
 
-def sweep(s, run, plain: dict, plain_ids: dict, reuse: dict, draft_dirs, new: int, plen: int) -> dict:
+def sweep(s, run, plain: dict, plain_ids: dict, reuse: dict, draft_dirs) -> dict:
     """The section's sweep (see the module doc). `run(n, max_batch, drafter, **kw)`: one
     setting's row (bench/batching.py `concurrent` with the section's model, prompts and
     repeats); `plain` / `plain_ids`: the section's plain rows and their ids by concurrency

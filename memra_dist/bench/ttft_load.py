@@ -10,42 +10,33 @@ same with ngram as without)."""
 
 from __future__ import annotations
 
-from .noise import Fig
+from .batching import _of, _ratio
 
 __all__ = ["ttft_under_load"]
 
 NEW = 8  # tokens a request generates: the first token is what is timed
 
 
-def _ttft(row: dict) -> Fig | None:
-    xs = [r["ttft_ms_p50"] for r in row.get("runs", []) if r.get("ttft_ms_p50")]
-    return Fig.of(xs) if xs else None
-
-
-def _fig(f: Fig) -> list:
-    return [round(f.value, 3), None if f.lo is None else round(f.lo, 3), None if f.hi is None else round(f.hi, 3), f.n]
-
-
 def ttft_under_load(s, run) -> dict:
-    """`run(n, max_batch, drafter, new, plen, **kw)`: one setting's row (bench/batching.py
-    `concurrent` with the section's model and repeats)."""
+    """`run(n, max_batch, drafter, **kw)`: one setting's row (bench/batching.py `concurrent` with
+    the section's model and repeats; `kw` its new, plen, prefix_cache)."""
     if s.left() <= 0:
         return {"skipped": "budget"}
     n = 16 if s.device.type == "cuda" else 4
     plen = s.p.ctx
     out: dict = {"requests": n, "prompt": plen, "alone_prompt": n * plen, "prefix_cache": False}
-    alone = run(1, 1, "none", NEW, n * plen)
+    alone = run(1, 1, "none", new=NEW, plen=n * plen)
     alone.pop("ids", None)
     out["alone"] = alone
-    base = _ttft(alone)
+    base = _of(alone, "ttft_ms_p50")
     for drafter in ("none", "ngram"):
         if s.left() <= 0:
             out.setdefault("skipped", []).append(drafter)
             continue
-        r = run(n, n, drafter, NEW, plen, prefix_cache=False)
+        r = run(n, n, drafter, new=NEW, plen=plen, prefix_cache=False)
         r.pop("ids", None)
         out[drafter] = r
-        f = _ttft(r)
-        if f is not None and base is not None:
-            out[f"{'plain' if drafter == 'none' else drafter}_over_alone"] = _fig(f / base)
+        f = _ratio(_of(r, "ttft_ms_p50"), base)
+        if f is not None:
+            out[f"{'plain' if drafter == 'none' else drafter}_over_alone"] = f
     return out

@@ -76,7 +76,8 @@ def default_eagle3_taps(num_target_layers: int) -> tuple[int, ...]:
     return tuple(i - 1 for i in (2, num_target_layers // 2, num_target_layers - 3))
 
 
-def _is_eagle3(d: dict) -> bool:
+def is_eagle3(d: dict) -> bool:
+    """A config.json dict whose architectures name an EAGLE-3 class."""
     archs = d.get("architectures") or []
     return isinstance(archs, list) and any(isinstance(a, str) and "eagle3" in a.lower() for a in archs)
 
@@ -104,7 +105,7 @@ def parse_eagle3_config(d: dict, num_target_layers: int, where: str = "draft mod
     `num_target_layers` layers); every problem is one UserError line."""
     if not isinstance(d, dict):
         raise UserError(f"{where}: config.json is not a JSON object")
-    if not _is_eagle3(d):
+    if not is_eagle3(d):
         raise UserError(f"{where}: not an EAGLE-3 checkpoint (config.json architectures must name an Eagle3 "
                         f"class, e.g. 'LlamaForCausalLMEagle3')")
     base = parse_config({**d, "model_type": "llama"}, where)  # the Llama decoder layer's shapes

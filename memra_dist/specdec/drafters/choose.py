@@ -9,22 +9,7 @@ alone (`ngram`). The choice is one line on stderr."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from ...errors import UserError
-
 __all__ = ["choose"]
-
-
-def _config(d: str | Path, what: str) -> dict:
-    try:
-        out = json.loads((Path(d) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{d}: --drafter auto cannot read the {what}'s config.json ({type(e).__name__})") from None
-    if not isinstance(out, dict):
-        raise UserError(f"{d}: --drafter auto: the {what}'s config.json is not a JSON object")
-    return out
 
 
 def _has_mtp(model: str) -> bool:
@@ -39,15 +24,16 @@ def _has_mtp(model: str) -> bool:
 
 def choose(model: str, draft_model: str | None) -> tuple[str, bool, str]:
     """(drafter, ngram_first, why) for `--drafter auto` over these checkpoints."""
+    from ...model.config import read_config_json  # noqa: PLC0415
     from ...model.dflash import ARCH as DFLASH_ARCH  # noqa: PLC0415
-    from ...model.eagle3 import _is_eagle3  # noqa: PLC0415
+    from ...model.eagle3 import is_eagle3  # noqa: PLC0415
 
     if draft_model:
-        d = _config(draft_model, "draft model")
-        archs = d.get("architectures") or []
+        d = read_config_json(draft_model, "draft model")
+        archs = d.get("architectures") if isinstance(d, dict) else None
         if isinstance(archs, list) and DFLASH_ARCH in archs:
             return "dflash", True, "the draft checkpoint is a DFlash drafter"
-        if _is_eagle3(d):
+        if isinstance(d, dict) and is_eagle3(d):
             return "eagle3", True, "the draft checkpoint is an EAGLE-3 head"
         return "model", False, "the draft checkpoint is a draft model"
     if _has_mtp(model):
