@@ -47,7 +47,7 @@ import statistics
 import threading
 import time
 
-from .noise import Fig
+from .noise import Fig, fig_row as _row, ratio_row as _ratio, runs_fig as _of
 
 __all__ = ["draft_over_read", "concurrent", "batching", "graphed_ms", "per_step", "figures", "fig", "rows"]
 
@@ -271,21 +271,6 @@ def graphed_ms(bs: dict):
 
 def per_step(bs: dict, key: str):
     return round(bs[key] / bs["steps"], 3) if bs.get(key) is not None and bs.get("steps") else "-"
-
-
-def _of(row: dict | None, key: str) -> Fig | None:
-    xs = [r[key] for r in (row or {}).get("runs", []) if r.get(key)]
-    return Fig.of(xs) if xs else None
-
-
-def _row(f: Fig) -> list:
-    """[value, lo, hi, n], rounded: how the section stores a figure with its range."""
-    return [round(f.value, 3), None if f.lo is None else round(f.lo, 3), None if f.hi is None else round(f.hi, 3), f.n]
-
-
-def _ratio(a: Fig | None, b: Fig | None) -> list | None:
-    """[value, lo, hi, n]: a / b with its worst-case range (noise.py)."""
-    return None if a is None or b is None else _row(a / b)
 
 
 def _level_cost(row: dict | None, level: str = "1") -> list | None:

@@ -17,7 +17,7 @@ and `auto_never_slower` (the lowest ratio of every row, every acceptance)."""
 
 from __future__ import annotations
 
-from .batching import _of, _ratio
+from .noise import ratio_row as _ratio, runs_fig as _of
 
 __all__ = ["CORRUPTS", "sweep", "sweep_figures", "worst"]
 

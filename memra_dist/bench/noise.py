@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Fig", "trimmed_range", "verdict", "ACC_TOL"]
+__all__ = ["Fig", "trimmed_range", "verdict", "ACC_TOL", "fig_row", "ratio_row", "runs_fig"]
 
 ACC_TOL = 0.05  # a replay row is "off label" when |measured acceptance - label| exceeds this
 
@@ -142,3 +142,19 @@ def verdict(f: Fig | None, op: str, thr: float, bound: tuple | None = None) -> s
     if op == ">=":
         return "pass" if f.lo > thr else ("miss" if f.hi < thr else "within noise")
     return "pass" if f.hi < thr else ("miss" if f.lo > thr else "within noise")
+
+
+def runs_fig(row: dict | None, key: str) -> Fig | None:
+    """A bench row's `key` over its timed runs (`row["runs"]`), as a Fig; None where none has it."""
+    xs = [r[key] for r in (row or {}).get("runs", []) if r.get(key)]
+    return Fig.of(xs) if xs else None
+
+
+def fig_row(f: Fig) -> list:
+    """[value, lo, hi, n], rounded: how the bench's sections store a figure with its range."""
+    return [round(f.value, 3), None if f.lo is None else round(f.lo, 3), None if f.hi is None else round(f.hi, 3), f.n]
+
+
+def ratio_row(a: Fig | None, b: Fig | None) -> list | None:
+    """[value, lo, hi, n]: a / b with its worst-case range."""
+    return None if a is None or b is None else fig_row(a / b)

@@ -10,7 +10,7 @@ same with ngram as without)."""
 
 from __future__ import annotations
 
-from .batching import _of, _ratio
+from .noise import ratio_row as _ratio, runs_fig as _of
 
 __all__ = ["ttft_under_load"]
 
