@@ -175,7 +175,7 @@ def main() -> int:
                     "(what the spans cost)")
     ap.add_argument("--switch-ms", type=float, default=None, help="the interpreter's GIL switch interval for the run "
                     "(sys.setswitchinterval; tracing sets 0.5 ms)")
-    ap.add_argument("--only-batched", action="store_true", help="skip the one-at-a-time engine at N > 1")
+    ap.add_argument("--only-batched", action="store_true", help="skip the one-at-a-time engine at N > 1; at N = 1, one request on a batched engine of --max-batch 2")
     ap.add_argument("--own-drafts", action="store_true", help="the tap drafters' requests run their own rounds, "
                     "each drafting alone in its thread (Drafter.chains off: how they ran before the step leader "
                     "drafted them together; what the shared draft forwards save)")
@@ -249,8 +249,8 @@ def main() -> int:
     rows, idents, bw_memo = [], [], {}
     for n in (int(x) for x in a.concurrency.split(",")):
         sizes = (1,) if n == 1 else (min(a.max_batch, n),) if a.only_batched else (1, min(a.max_batch, n))
-        if tap and n == 1 and a.max_batch > 1:  # the replay drafters run batched only: one request on a
-            sizes = (2,)  # batched engine (what `serve --max-batch N` gives a request alone)
+        if (tap or a.only_batched) and n == 1 and a.max_batch > 1:  # the replay drafters run batched only
+            sizes = (2,)  # (and --only-batched): one request on a batched engine (`serve --max-batch N` alone)
         for b in sizes:
             levels = tuple(int(x) for x in a.levels.split(",")) if b > 1 else (0,)
             kw = {}

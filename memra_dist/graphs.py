@@ -18,7 +18,7 @@ import torch
 
 from .phase.subsplit import EventMarks, StampMarks
 
-__all__ = ["StepGraphs", "CapturedGraph", "hold_collector", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
+__all__ = ["StepGraphs", "CapturedGraph", "step_marks", "STAMP_SLOTS", "hold_collector", "graphs_supported", "graph_rows_limit", "compile_supported", "compile_blocks",
            "compiled_blocks", "stage_compiles", "compile_inference", "MAX_GRAPH_ROWS"]
 
 MAX_GRAPH_ROWS = 64  # decode and verify rows; a prefill runs eager (one graph per prompt length would not pay)
@@ -81,19 +81,19 @@ def _timing_event():
 STAMP_SLOTS = 4096  # boundaries a level-2 step may record (an 8B step: 96)
 
 
-def _event_marks(device) -> EventMarks | StampMarks:
+def step_marks(device, turns: int = 2) -> EventMarks | StampMarks:
     """Level-2 marks whose calls torch.compile leaves to Python (a graph break at each boundary):
     the compiled blocks' kernels stay fused between boundaries, and each boundary is recorded
     on the capturing stream in walk order. Device-clock stamps where Triton imports (one copy
-    back per replay), else CUDA timing events."""
+    back per replay, into `turns` pinned host rows used in turn), else CUDA timing events."""
     from .kernels import available  # noqa: PLC0415
 
     if available(device):
         from .kernels.stamp import stamp  # noqa: PLC0415
 
         m = StampMarks(torch.zeros(STAMP_SLOTS, dtype=torch.int64, device=device), stamp,
-                       host=[torch.zeros(STAMP_SLOTS, dtype=torch.int64, pin_memory=True) for _ in range(2)],
-                       copied=[torch.cuda.Event() for _ in range(2)])
+                       host=[torch.zeros(STAMP_SLOTS, dtype=torch.int64, pin_memory=True) for _ in range(turns)],
+                       copied=[torch.cuda.Event() for _ in range(turns)])
     else:
         m = EventMarks(_timing_event)
     for name in ("begin", "lap", "scan_begin", "scan_end"):
@@ -179,7 +179,7 @@ class StepGraphs:
         JIT, autotuning and torch.compile land) and the recording are drained laps apart."""
         dev = self.runner.device
         t = depth.stamp() if depth is not None else 0
-        marks = (lambda: _event_marks(dev)) if timed else (lambda: None)
+        marks = (lambda: step_marks(dev)) if timed else (lambda: None)
         rows = x.shape[0]
         sx = x.to(dev).clone()
         base = torch.arange(rows, device=dev)

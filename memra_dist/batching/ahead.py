@@ -47,7 +47,8 @@ def plan_ahead(b, take: list[Job]) -> list[Job] | None:
                 return None  # left meanwhile
             if b.pool.capacity(rid) < end and not b.pool.grow(rid, end):
                 return None
-        nxt = [Job(j.rid, [0], j.start + 1, j.width, False, chain=j.chain, taps=j.taps) for j in take]
+        nxt = [Job(j.rid, [0], j.start + 1, j.width, False, chain=j.chain, taps=j.taps, timer=j.chain.lap_timer())
+               for j in take]
         for j in nxt:
             j.chain.inflight = j
     return nxt

@@ -46,6 +46,7 @@ from ..specdec.sampling import probs
 from ..specdec.drafters.none import NoDrafter
 from ..specdec.spec_k import SHADOW_ALPHA, Acceptance
 from ..specdec.stop import commit_tokens
+from ..phase.subsplit import SubsplitTimer
 from .job import BatchStep, Job
 
 __all__ = ["Chain", "ChainRound"]
@@ -61,6 +62,7 @@ class ChainRound:
     t: tuple[int, int, int, int, int, int]
     draft_requests: int = 0  # requests whose drafts one draft forward made with this round's (chain_drafts.py)
     expected: float = -1.0  # --spec-k auto: the accepted drafts its K was chosen for (spec_k.py; -1: fixed K)
+    laps: object = None  # level 2: its verify step's sub-split (subsplit.Laps), settled when recorded
 
 
 class Chain:
@@ -68,11 +70,12 @@ class Chain:
     `tokens`, `produced`, `max_new`, `capacity`, `eos` mirror the session's state and stop rules."""
 
     def __init__(self, slot, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int,
-                 drafter, sp, gen, timed: bool = True):
+                 drafter, sp, gen, timed: bool = True, laps: bool = False):
         self.slot, self.rid = slot, slot.rid
         # its rounds are recorded (trace level >= 1): a device drafter's maintenance is drained so
         # its device time ends inside the maint phase; untimed, nothing waits for it there
         self.timed = timed
+        self.laps = laps  # level 2: each round's verify job carries a sub-split timer of its own (`lap_timer`)
         self.tokens = list(tokens)
         self.produced, self.max_new, self.capacity, self.eos = produced, max_new, capacity, set(eos)
         self.k, self.drafter, self.sp, self.gen = k, drafter, sp, gen
@@ -185,7 +188,14 @@ class Chain:
             self._shadow, self.remeasure = None, False  # (measured by its own round now)
         self._expected = self.acc.expected(kk) if self.k_step is not None else -1.0
         self._q = prop.q[:kk] if prop is not None and prop.q is not None else None
-        return Job(self.rid, ids, n - 1, self.capacity, False, chain=self, taps=self.slot.cache.taps, drafts=dev)
+        return Job(self.rid, ids, n - 1, self.capacity, False, chain=self, taps=self.slot.cache.taps, drafts=dev,
+                   timer=self.lap_timer())
+
+    def lap_timer(self):
+        """A level-2 round's verify job's own sub-split timer (None below level 2): its step's laps
+        (a graphed step's twin, batching/graphs.py; an eager step's drained walk, laps.py) land in
+        it, and the round's record takes them (`ChainRound.laps`), whatever step runs ahead."""
+        return SubsplitTimer(_no_drain) if self.laps else None
 
     def adopt(self, job: Job) -> None:
         """Its next round is `job`, already launched one step ahead with the token just
@@ -252,7 +262,8 @@ class Chain:
         self.produced += len(kept)
         if self._shadow is not None:
             self._score()
-        self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3, self._shared, self._expected)
+        self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3, self._shared, self._expected,
+                         job.timer.detach() if job.timer is not None else None)
         return n + j
 
     def maintained(self, t4: int | None = None) -> None:
@@ -264,9 +275,9 @@ class Chain:
                 self.drafter.maintain(self.tokens)
                 if self.timed and self.drafter.device is not None:  # its device work ends inside its phase
                     self.drafter.drain()
-        new, kk, j, ctx, step, t0, t1, t2, t3, shared, expected = self._pending
+        new, kk, j, ctx, step, t0, t1, t2, t3, shared, expected, laps = self._pending
         self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns()), shared,
-                                      expected))
+                                      expected, laps))
         if self.done:
             self.ended = True
 
@@ -296,3 +307,8 @@ def _ahead_where_accepted(job: Job) -> bool:
     accept, and the request fails."""
     dd, row, packed = job.ahead
     return packed + dd.accepted(row) == job.start
+
+
+def _no_drain() -> None:
+    """A round's own lap timer never drains: its laps come from its step (stamps, or laps.py's
+    drained walk, added in)."""

@@ -27,6 +27,12 @@ see what they see eager. Every graph writes its logits into ONE buffer of the la
 (a buffer per graph would hold gigabytes at large batches), copied out before the replay
 returns (the next step rewrites it while a request may still be reading its rows).
 
+A step that holds a trace-level-2 request's rows replays the bucket's timed twin: the same graph
+with a device-clock stamp at every mixer / FFN boundary (phase/subsplit.py StampMarks, as a single
+request's graphs take them), its stamps copied back behind the replay and read into each level-2
+request's sub-split timer at its next settle: level 2 times the graphed step, not an eager walk
+drained twice a layer (which ran a lone request at a quarter of its rate).
+
 A capture that fails (a kernel that cannot be captured on this stack) leaves that bucket eager,
 with one warning. Other threads keep launching while a graph is captured (the requests'
 sessions), so capture runs in thread-local error mode on its own stream.
@@ -35,12 +41,14 @@ sessions), so capture runs in thread-local error mode on its own stream.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
 
 from ..device import to_device
-from ..graphs import CapturedGraph
+from ..graphs import STAMP_SLOTS, CapturedGraph, step_marks
+from ..phase.subsplit import StampMarks, SubsplitTimer
 from .calibrate import best_ns
 from .job import Job
 from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
@@ -127,6 +135,7 @@ class _Step:
     copied: object = None  # event after the last host -> device copy (before `host` is rewritten)
     np: object = None  # `host`'s memory as a numpy array (the packing writes it without a torch op)
     tail: bool = False  # a prefill chunk rides it (its grid: StepGraphs.segments)
+    marks: object = None  # a timed twin's boundaries (StampMarks / EventMarks), recorded at every replay
     _views: tuple | None = None
 
     def views(self):
@@ -151,6 +160,7 @@ class StepGraphs:
         self.graph_cls = graph_cls
         self.cuda = batcher.device.type == "cuda"
         self.steps: dict[tuple, _Step] = {}
+        self.twins: dict[tuple, _Step] = {}  # level 2's timed twins, by the same keys
         # the paged kernel's request slots in a graph of T rows: min(T, this). Padded slots are
         # programs with nothing to do, but a grid of T slots (one a row) for 16 requests' verify
         # rows cost 2x the attention (BENCHMARKS.md)
@@ -158,6 +168,7 @@ class StepGraphs:
         self.failed: set = set()
         self.pool = None
         self.replays = 0
+        self.timed_replays = 0  # ... of timed twins (a level-2 request's rows in the step)
         self.tail_replays = 0  # ... of steps with prefill chunks
         self.captures = 0
         self.padded = 0  # rows of padding replayed (what the buckets waste)
@@ -251,7 +262,7 @@ class StepGraphs:
                 max(j.width for j in jobs), False)
 
     def run(self, jobs, launched=None, ids_dev: torch.Tensor | None = None, copy: bool = True,
-            patch=None, advance=None) -> torch.Tensor | None:
+            patch=None, advance=None, timers=()) -> torch.Tensor | None:
         """The logits of every job's rows (a `last` job's last row only), in job order, from a
         replay; None when the bucket cannot be captured (the caller runs the step eager).
         `launched()`: called once the replay is launched (before anything waits on it). `ids_dev`:
@@ -259,13 +270,16 @@ class StepGraphs:
         `copy=False`: the rows of the shared logits buffer itself, valid until the next replay.
         `patch`: rows whose drafts are still on the device, written over the packed ids
         (step_forward.py DraftPatch). `advance`: a verify launched ahead, its rows moved by the
-        acceptance the device found (verify_ahead.py Advance; its bucket is captured)."""
+        acceptance the device found (verify_ahead.py Advance; its bucket is captured). `timers`:
+        the level-2 requests' sub-split timers: the bucket's timed twin replays, and its laps go
+        to each timer."""
         key = self._key(jobs)
-        if key in self.failed:
+        timed = bool(timers)
+        if (key, timed) in self.failed:
             return None
-        st = self.steps.get(key)
+        st = (self.twins if timed else self.steps).get(key)
         if st is None:
-            st = self._capture(key, jobs)
+            st = self._capture(key, jobs, timed)
             if st is None:
                 return None
         else:
@@ -279,6 +293,11 @@ class StepGraphs:
             advance.apply(ids, pos, slots, table, self.b.pool.block)
         mark_launch(self.b)
         st.graph.replay()
+        if timed:
+            self.timed_replays += 1
+            fan = _Fan(timers)
+            st.marks.add_to(fan)
+            fan.spread()
         self.last_ids = st.views()[0]  # (the step's ids on the device, until the next load of its bucket)
         if launched is not None:
             launched()
@@ -301,6 +320,7 @@ class StepGraphs:
 
     def stats(self) -> dict:
         return {"captured": self.captures, "replays": self.replays, "prefill_replays": self.tail_replays,
+                "timed_replays": self.timed_replays,
                 "padded_rows": self.padded,
                 "eager_buckets": len(self.failed)}
 
@@ -337,7 +357,9 @@ class StepGraphs:
         ids, pos, slots, lo, nrows, table = st.views()
         view = BatchView(slots, [], PagedRows(lo.to(torch.int32), nrows.to(torch.int32), table.to(torch.int32),
                                               b.pool.block, rclass, max_len, min(st.rows, self.segments(st.tail))))
-        h, tapped = layers(b, ids, pos, view)
+        if st.marks is not None:
+            st.marks.reset()  # (the warm-ups' boundaries: only the recorded walk's stay)
+        h, tapped = layers(b, ids, pos, view, st.marks)
         out = self._logits_buf(stage)[:st.rows]
         out.copy_(stage.logits(h))  # the temporary goes back to the pool: the next capture reuses it
         return out, tapped
@@ -350,12 +372,14 @@ class StepGraphs:
             self.logits = torch.empty(self.max_rows, stage.cfg.vocab_size, dtype=torch.float32, device=self.b.device)
         return self.logits
 
-    def _capture(self, key, jobs) -> _Step | None:
+    def _capture(self, key, jobs, timed: bool = False) -> _Step | None:
         T, rclass, W, max_len, tail = key
         dev = self.b.device
         n = 5 * T + T * W
         host = torch.zeros(n, dtype=torch.long, pin_memory=self.cuda)
         st = _Step(T, W, host, torch.zeros(n, dtype=torch.long, device=dev), np=host.numpy(), tail=tail)
+        if timed:  # (stamps copied back into a ring of host rows: a step's laps are read a round later)
+            st.marks = step_marks(dev, turns=TWIN_TURNS) if self.cuda else _host_marks()
         self._load(st, jobs)
         if self.cuda and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -364,7 +388,7 @@ class StepGraphs:
                 self._logits_buf(self.b.stage)  # before the capture: its memory is not the graph pool's
                 st.graph = self.graph_cls(lambda: self._body(st, rclass, max_len), self.pool)
         except Exception as e:  # noqa: BLE001 (a bucket that cannot be captured runs eager)
-            self.failed.add(key)
+            self.failed.add((key, timed))
             if len(self.failed) == 1:  # one line, not one per bucket
                 print(f"[memra] warning: a batched step of {T} rows was not captured ({type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}); such steps run eager", file=sys.stderr, flush=True)
@@ -372,6 +396,53 @@ class StepGraphs:
         if self.cuda:
             st.copied = torch.cuda.Event()
             st.copied.record()
-        self.steps[key] = st
+        (self.twins if timed else self.steps)[key] = st
         self.captures += 1
         return st
+
+
+TWIN_TURNS = 8  # host rows a timed twin's stamps rotate through (a replay's are read by its requests'
+# next settle: with every level-2 request in most steps, within a few replays of any one bucket)
+
+
+class _Fan(SubsplitTimer):
+    """The level-2 timers of a step, as one: a twin's laps (StampMarks.add_to) go to each, those
+    read back later through each timer's `later`, those added at once by `spread`."""
+
+    def __init__(self, timers):
+        super().__init__(lambda: None)
+        self.timers = timers
+
+    def later(self, read) -> None:
+        """The replay's stamps read once (by whichever request settles first), its laps to each."""
+        laps = []
+
+        def into(timer) -> None:
+            if not laps:
+                acc = SubsplitTimer(_no_drain)
+                read(acc)
+                laps.append(acc.ns)
+            for bucket, v in laps[0].items():
+                timer.ns[bucket] += v
+
+        for t in self.timers:
+            t.later(into)
+
+    def spread(self) -> None:
+        for t in self.timers:
+            for bucket, v in self.ns.items():
+                t.ns[bucket] += v
+
+
+def _no_drain() -> None:
+    pass
+
+
+def _host_marks() -> StampMarks:
+    """A CPU step's boundaries (the tests' emulated graphs): each stamp is the host clock when the
+    walk was recorded, so a replay's laps are the recorded walk's."""
+
+    def stamp(buf, i):
+        buf[i] = time.perf_counter_ns()
+
+    return StampMarks(torch.zeros(STAMP_SLOTS, dtype=torch.int64), stamp)

@@ -1,10 +1,11 @@
-"""Level 2 on a batched engine: a step that holds a level-2 request's rows runs eager with a
-sub-split timer in its context, each block drained after its mixer and after its FFN (phase/
-subsplit.py: the same laps a single request's eager verify takes), and every level-2 request of
-the step gets the step's laps: the sub-split is the batch step's, shared by its requests (their
-spec.verify.* spans and [spec-phase-v] lines show where the step's time went by mixer class).
-Such a step never replays a graph and drains once a layer twice, so a batch with a level-2
-request runs slower while it is in flight; level 1 and below never take this path."""
+"""Level 2 on a batched engine, where a step cannot replay a graph (an eager step: a long prefill
+chunk, a family whose steps run eager, the CPU): the step runs with a sub-split timer in its
+context, each block drained after its mixer and after its FFN (phase/subsplit.py: the same laps a
+single request's eager verify takes), and every level-2 request of the step gets the step's laps:
+the sub-split is the batch step's, shared by its requests (their spec.verify.* spans and
+[spec-phase-v] lines show where the step's time went by mixer class). Such a step drains once a
+layer twice. A graphed step replays its bucket's timed twin instead (graphs.py), which stamps
+the same boundaries on the device; level 1 and below take neither."""
 
 from __future__ import annotations
 

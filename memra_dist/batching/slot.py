@@ -133,12 +133,12 @@ class BatchSlot:
         self.batcher.prime(self.rid, drafter, prompt, chunks, capacity, chain, rows)
 
     def chain(self, tokens: list[int], produced: int, max_new: int, capacity: int, eos, k: int, drafter, sp,
-              gen, timed: bool = True, start: bool = True) -> Chain:
+              gen, timed: bool = True, start: bool = True, laps: bool = False) -> Chain:
         """Hand this greedy request's rounds to the step leader (chain.py)
         from the session's state: its tokens (the last one pending), the tokens produced so
         far and its stop rules; `take` returns them round by round. `timed`: its rounds are
-        recorded (trace level >= 1)."""
-        ch = Chain(self, tokens, produced, max_new, capacity, eos, k, drafter, sp, gen, timed)
+        recorded (trace level >= 1); `laps`: each round's verify step its sub-split too (level 2)."""
+        ch = Chain(self, tokens, produced, max_new, capacity, eos, k, drafter, sp, gen, timed, laps)
         if start:  # (else the loop starts it after its drafter's prime: prime_drafter)
             self.batcher.start_chain(ch)
         return ch

@@ -1,7 +1,7 @@
 """A batched step's forward (the batcher's device side): the jobs' rows through the stage's
 embedding, blocks and lm_head in ONE forward over the paged K/V, as a CUDA graph's replay
-(graphs.py) where the step is eligible, else eager; level 2's timed step (laps.py) runs the
-eager one under a sub-split timer. The scheduler around it (admission, growth, preemption,
+(graphs.py) where the step is eligible (level 2: the bucket's timed twin), else eager; level 2's
+eager step (laps.py) runs under a drained sub-split timer. The scheduler around it (admission, growth, preemption,
 who leads a step) is batcher.py's.
 
 `launch` is what the step's leader calls: the forward, then every row's argmax and the logit
@@ -57,21 +57,24 @@ def forward(b, jobs: list[Job], wakes=(), ids_dev: torch.Tensor | None = None, a
         if advance is not None and not graphed:
             advance.resolve()  # (eager: the rows' starts and first ids on the host)
             advance = None
-        if b.remote is not None or any(j.timer is not None for j in jobs):  # (the ring's plan and level
-            for j in jobs:  # 2's eager step take host ids: drafts on the device read back first)
+        timers = list({id(j.timer): j.timer for j in jobs if j.timer is not None}.values())  # level 2's
+        if b.remote is not None:  # (the ring's plan takes host ids: drafts on the device read back first)
+            for j in jobs:
                 j.host_ids()
         patch = DraftPatch.of(jobs)
-        if any(j.timer is not None for j in jobs):  # level 2: the step's own sub-split (laps.py)
-            mark_launch(b)
-            return timed_step(b, jobs, ids_dev, eager)
-        if graphed:
+        if graphed:  # (with a level-2 request's rows: the bucket's timed twin, graphs.py)
             out = b.graphs.run(jobs, lambda: wake(wakes), ids_dev,
-                               any(j.chain is None or not j.chain.greedy for j in jobs), patch, advance)
+                               any(j.chain is None or not j.chain.greedy for j in jobs), patch, advance, timers)
             if out is not None:
                 b.launch_ids = b.graphs.last_ids
                 return out
         if advance is not None:
             advance.resolve()
+        if timers:  # level 2 eager: the step's own drained sub-split (laps.py), on host ids
+            for j in jobs:
+                j.host_ids()
+            mark_launch(b)
+            return timed_step(b, jobs, ids_dev, eager)
         mark_launch(b)
         return eager(b, jobs, ids_dev, patch=patch)
     finally:

@@ -92,7 +92,7 @@ def plan_verify_ahead(b, take: list[Job]) -> list[Job] | None:
                 return None
             drafts = Proposal(dev=(dd, row, kk)) if kk else None
             nxt.append(Job(j.rid, [0] * (kk + 1), j.start + (1 if dd is not None else j.n), j.width, False,
-                           chain=j.chain, taps=j.taps, drafts=drafts))
+                           chain=j.chain, taps=j.taps, drafts=drafts, timer=j.chain.lap_timer()))
         if (g is None and b.device.type == "cuda") or (g is not None and not g.captured(nxt)):
             return None  # (an eager step's rows would wait for the readback; a capture would run them unmoved)
         for j, (_, dd, row, _) in zip(nxt, plan):

@@ -136,6 +136,10 @@ class EventMarks(_Marks):
         self.make_event = make_event
         self.marks: list[tuple[str, object]] = []  # (kind or bucket, event), in walk order
 
+    def reset(self) -> None:
+        """Forget the boundaries recorded (a warm-up walk before the one captured)."""
+        self.marks = []
+
     def _mark(self, what: str) -> None:
         ev = self.make_event()
         ev.record()

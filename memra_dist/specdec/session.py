@@ -92,9 +92,9 @@ class SpecSession:
         # a batched target runs a request's rounds in its step leader (batching/chain.py) with a
         # drafter that allows it (host drafters; the tap drafters, drafting the step's requests at
         # once), greedy or sampled (the leader accepts with the request's own generator); never
-        # with the first-token profile (its hook share stays the session's) nor at level 2 (its
-        # verify's sub-split comes from its own submissions: batching/laps.py)
-        self._chains = (self.prof is None and self.timer is None
+        # with the first-token profile (its hook share stays the session's). At level 2 each
+        # round's verify job brings its own sub-split (batching/graphs.py's timed twin, laps.py)
+        self._chains = (self.prof is None
                         and getattr(drafter, "chains", False) and callable(getattr(target, "chain", None)))
         self._chain = None
         # records still held: a burst the event clock reads in the next burst's first verify,
@@ -188,7 +188,8 @@ class SpecSession:
         token pending; batching/chain.py), recorded where the clock runs; `start`: its first
         verify rows queued at once (else the loop starts it after its drafter's prime)."""
         return self.target.chain(self.tokens, produced, self.max_new, self.capacity, self.eos, self.k, self.drafter,
-                                 self.sp, self.gen, timed=self.clock is not None, start=start)
+                                 self.sp, self.gen, timed=self.clock is not None, start=start,
+                                 laps=self.timer is not None)
 
     def chunks(self, n: int) -> list[tuple[int, int]]:
         """The prompt's prefill chunks (specdec/chunks.py): fixed `prefill_chunk` rows on one

@@ -1,0 +1,49 @@
+"""Level 2 on a batched engine's graphed steps: a step holding a level-2 request's rows replays its
+bucket's timed twin (batching/graphs.py), the same graph with a clock stamp at every mixer / FFN
+boundary, instead of an eager walk drained twice a layer; the request keeps its solo ids and its
+verifies their sub-split. On CPU through the Triton interpreter (the paged kernel) and the
+re-run graph contract of test_kernels_paged."""
+
+from __future__ import annotations
+
+import pytest
+
+from triton_interp import triton  # noqa: F401 (the interpreter on CPU; skips without Triton)
+
+from memra_dist.app import open_engine
+from memra_dist.phase.levels import TraceSettings
+from test_ahead import _Bursts
+from test_kernels_paged import _cfg, _on_kernels, _Replayed, wide_llama  # noqa: F401 (a fixture)
+
+
+@pytest.mark.slow  # the Triton interpreter: every replay re-runs the step's kernels
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_a_level2_request_replays_the_timed_twin_with_its_solo_ids_and_sub_split(wide_llama, drafter):
+    from memra_dist.batching.graphs import StepGraphs
+    from memra_dist.batching.step_forward import timed_step
+    import memra_dist.batching.step_forward as sf
+
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    with open_engine(_cfg(wide_llama, drafter), capacity=96) as eng:
+        solo = eng.generate(prompt, _cfg(wide_llama, drafter, 10)).token_ids
+    eager = []
+    sf.timed_step = lambda *a: eager.append(1) or timed_step(*a)  # the drained eager path, counted
+    try:
+        with open_engine(_cfg(wide_llama, drafter), capacity=96, max_batch=2) as eng:
+            b = eng._backend.batcher
+            _on_kernels(eng._backend)
+            b.graphs = StepGraphs(b, b.max_tokens, graph_cls=_Replayed)
+            b.graphs.warm(2, (1, 4), 96)
+            sink = _Bursts()
+            cfg = _cfg(wide_llama, drafter, 10).with_(trace=TraceSettings(level=2))
+            got = eng.generate(prompt, cfg, sink=sink).token_ids
+            g = eng._backend.stats()["graphs"]
+    finally:
+        sf.timed_step = timed_step
+    assert got == solo
+    rounds = [r for rec in sink.recs for r in rec.live()]
+    assert rounds and g["timed_replays"] >= len(rounds) - 1, (g, len(rounds))  # (the prime's last chunk: eager)
+    assert len(eager) <= 1, eager  # the prompt's chunk at most
+    graphed = [r for r in rounds if r.sub_ns and r.sub_ns.get("attn", 0) > 0]
+    assert len(graphed) >= len(rounds) - 1, [r.sub_ns for r in rounds]
+    assert all(r.sub_ns["ffn"] > 0 and r.sub_ns["kda"] == r.sub_ns["mla"] == 0 for r in graphed)
