@@ -156,8 +156,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64, help="tokens each request generates")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (copy-with-edits prompts)")
     ap.add_argument("--drafter", default="none", help="none, ngram, replay (greedy; k = 4), or dflash-replay / "
-                    "eagle3-replay: the bench's random drafter over the target drafting in full (batched only: at concurrency 1, "
-                    "one request on an engine of --max-batch 2), "
+                    "eagle3-replay: the bench's random drafter over the target drafting in full (at concurrency 1, "
+                    "one request on an engine of --max-batch 2, or with --max-batch 1 the solo engine), "
                     "its drafts replaced by each request's plain greedy ids (recorded by a plain run first) "
                     "corrupted at --corrupt")
     ap.add_argument("--corrupt", default="0.2", help="the replay drafters' corruption rates, comma-separated, "
@@ -249,14 +249,12 @@ def main() -> int:
     rows, idents, bw_memo = [], [], {}
     for n in (int(x) for x in a.concurrency.split(",")):
         sizes = (1,) if n == 1 else (min(a.max_batch, n),) if a.only_batched else (1, min(a.max_batch, n))
-        if (tap or a.only_batched) and n == 1 and a.max_batch > 1:  # the replay drafters run batched only
-            sizes = (2,)  # (and --only-batched): one request on a batched engine (`serve --max-batch N` alone)
+        if (tap or a.only_batched) and n == 1 and a.max_batch > 1:  # the replay drafters (and --only-batched)
+            sizes = (2,)  # at N = 1: one request on a batched engine (`serve --max-batch N` alone)
         for b in sizes:
             levels = tuple(int(x) for x in a.levels.split(",")) if b > 1 else (0,)
             kw = {}
             if tap:  # each request's plain greedy ids first: the replay's recordings (and the lossless check)
-                if b == 1:
-                    continue
                 plain = concurrent(model, a.device, n, b, a.new, a.prompt, "none", repeats=a.repeats,
                                    prefix_cache=not a.no_prefix_cache)
                 kw = dict(draft_model=draft, recorded=plain.pop("ids"))

@@ -152,3 +152,26 @@ def test_the_batching_bench_prices_a_steps_draft_phase_against_its_forwards_read
     assert d["draft_ms_a_step"] == row["phases_ms_a_round"]["1"]["draft"] > 0
     assert d["over_read"] == pytest.approx(d["draft_ms_a_step"] / d["read_ms"], rel=1e-3)
     assert f"eagle3-replay at 4: the draft phase {d['draft_ms_a_step']} ms a step" in p.stdout
+
+
+@pytest.mark.slow  # two tiny engines in a subprocess (~5 s)
+def test_the_batching_bench_runs_a_tap_replay_alone_on_the_solo_engine_and_on_the_loop(tmp_path):
+    """`benchmarks/batching.py --concurrency 1 --drafter dflash-replay` with `--max-batch 1` runs
+    the replay on the solo engine, with `--max-batch 2` one request on the loop: each row drafts
+    (more than a token a round) and keeps its plain ids, so the two are the same request's rounds
+    on the two engines (issue 44: a request alone as a batch of one)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MEMRA_BENCH_CACHE": str(tmp_path / "cache")}
+    rows = {}
+    for mb in (1, 2):
+        out = tmp_path / f"out{mb}"
+        p = subprocess.run([sys.executable, str(root / "benchmarks" / "batching.py"), str(out), "--concurrency", "1",
+                            "--max-batch", str(mb), "--drafter", "dflash-replay", "--new", "24"],
+                           capture_output=True, text=True, timeout=600, cwd=root, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        rows[mb] = next(r for r in json.loads((out / "batching.json").read_text())["rows"]
+                        if r["drafter"] == "dflash-replay")
+    assert rows[1]["max_batch"] == 1 and rows[1]["batcher"] is None  # the solo engine: no batcher
+    assert rows[2]["max_batch"] == 2 and rows[2]["batcher"]["steps"] > 0
+    for r in rows.values():
+        assert r["ids_equal_alone"] == 1 and r["tokens_per_round"] > 1.5, r

@@ -91,17 +91,18 @@ def _level_sinks(level: int, n: int, spans_on: bool = True):
 
 
 def _tap_replay(eng, prompts: list[list[int]], recorded: list[list[int]], vocab: int, corrupt: float) -> None:
-    """Each request the batched engine makes gets its tap drafter wrapped in TapReplay
-    (tap_replay.py): the real drafts are paid in full (the step leader's shared draft forwards),
-    then replaced by the request's recorded greedy continuation corrupted at `corrupt`."""
+    """Each request the engine makes gets its tap drafter wrapped in TapReplay (tap_replay.py):
+    the real drafts are paid in full (a batched engine's shared draft forwards, or the solo
+    engine's own), then replaced by the request's recorded greedy continuation corrupted at
+    `corrupt`."""
     from ..specdec.drafters.replay import ReplayDrafter  # noqa: PLC0415
     from .tap_replay import TapReplay  # noqa: PLC0415
 
     backend = eng._backend
     make, by_prompt = backend.request, {tuple(p): r for p, r in zip(prompts, recorded)}
 
-    def request(plan, prompt, span_sink, slot, draft_slot=None):
-        req = make(plan, prompt, span_sink, slot, draft_slot)
+    def request(plan, prompt, *rest):  # (batched: span_sink, slot, draft_slot; solo: span_sink, carrier)
+        req = make(plan, prompt, *rest)
         s = req.session
         s.drafter = TapReplay(s.drafter, ReplayDrafter(by_prompt[tuple(prompt)], len(prompt), vocab, corrupt, seed=1))
         return req
@@ -119,8 +120,8 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     repeats > 1 the timed run is repeated on the same engine: the row's figures are the
     medians, `runs` keeps each run's (steady / decode tok/s, ITL p50). With more than one trace
     level, each repeat runs every level in turn (interleaved): the figures are the first
-    level's, `by_level` each level's median steady tok/s and its runs. `drafter` "dflash-replay"
-    (a batched engine, max_batch > 1): the DFlash drafter at `draft_model` drafting in full, its
+    level's, `by_level` each level's median steady tok/s and its runs. `drafter` "dflash-replay":
+    the DFlash drafter at `draft_model` drafting in full, its
     drafts replaced by `recorded` (each request's greedy ids) corrupted at `corrupt`. `profile`: a
     context manager factory wrapped around the last timed run (benchmarks/batching.py
     --torch-profile). `spec_k`: the engine's --spec-k (fixed, or auto: each request's K by goodput).
@@ -134,8 +135,8 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     from .runs import make_prompt  # noqa: PLC0415
 
     tap = drafter.endswith("-replay")
-    if tap and (max_batch < 2 or recorded is None or draft_model is None):
-        raise ValueError(f"{drafter}: a batched engine, the draft checkpoint and each request's recorded ids")
+    if tap and (recorded is None or draft_model is None):
+        raise ValueError(f"{drafter}: the draft checkpoint and each request's recorded ids")
     cfg = RunConfig(model=model, drafter=drafter[:-len("-replay")] if tap else drafter, k=k, device=device,
                     max_new_tokens=new, replay_corrupt=corrupt, draft_model=draft_model, spec_k=spec_k,
                     prefix_cache=prefix_cache)
