@@ -47,3 +47,38 @@ def test_a_level2_request_replays_the_timed_twin_with_its_solo_ids_and_sub_split
     graphed = [r for r in rounds if r.sub_ns and r.sub_ns.get("attn", 0) > 0]
     assert len(graphed) >= len(rounds) - 1, [r.sub_ns for r in rounds]
     assert all(r.sub_ns["ffn"] > 0 and r.sub_ns["kda"] == r.sub_ns["mla"] == 0 for r in graphed)
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+def test_level2_tap_drafter_requests_are_chained_with_their_solo_ids_and_each_verify_its_steps_laps(
+        llama, tmp_path_factory, drafter):
+    """Level-2 requests with a tap drafter on a batched engine (CPU: eager steps, each drained by
+    layer, laps.py): the step leader runs their rounds and drafts them together as at level 0,
+    each gets its solo ids, and every recorded round's verify has its own step's sub-split
+    (attention and FFN shares, the round's job's lap timer)."""
+    import threading
+
+    from test_batching import _prompts, _solo, _tap_drafter, _cfg as bcfg, CAP
+
+    ddir = str(_tap_drafter(drafter, llama, tmp_path_factory))
+    reqs = _prompts(4)
+    solo = _solo(llama, drafter, reqs, draft_model=ddir)
+    sinks = [_Bursts() for _ in reqs]
+    got: dict[int, list[int]] = {}
+    traced = bcfg(llama, drafter, draft_model=ddir, trace=TraceSettings(level=2))
+    with open_engine(traced, capacity=CAP, max_batch=4) as eng:
+        def one(i, p, n):
+            got[i] = eng.generate(p, traced.with_(max_new_tokens=n), sink=sinks[i]).token_ids
+
+        threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stats = eng._backend.stats()
+    assert [got.get(i) for i in range(len(reqs))] == solo
+    assert stats["chained_rounds"] > 0 and stats["draft_batches"] > 0, stats
+    for sink in sinks:
+        rounds = [r for rec in sink.recs for r in rec.live()]
+        assert rounds and all(r.sub_ns.get("attn", 0) > 0 and r.sub_ns.get("ffn", 0) > 0 for r in rounds), \
+            [r.sub_ns for r in rounds]
