@@ -33,7 +33,9 @@ def test_a_level2_request_replays_the_timed_twin_with_its_solo_ids_and_sub_split
             b = eng._backend.batcher
             _on_kernels(eng._backend)
             b.graphs = StepGraphs(b, b.max_tokens, graph_cls=_Replayed)
-            b.graphs.warm(2, (1, 4), 96)
+            b.graphs.warm(2, (1, 4), 96, twins=True)  # (as an engine opened at level 2 does)
+            assert len(b.graphs.twins) == len(b.graphs.steps) > 0
+            captured = b.graphs.captures
             sink = _Bursts()
             cfg = _cfg(wide_llama, drafter, 10).with_(trace=TraceSettings(level=2))
             got = eng.generate(prompt, cfg, sink=sink).token_ids
@@ -41,6 +43,7 @@ def test_a_level2_request_replays_the_timed_twin_with_its_solo_ids_and_sub_split
     finally:
         sf.timed_step = timed_step
     assert got == solo
+    assert g["captured"] == captured  # every twin the request replayed was captured at open
     rounds = [r for rec in sink.recs for r in rec.live()]
     assert rounds and g["timed_replays"] >= len(rounds) - 1, (g, len(rounds))  # (the prime's last chunk: eager)
     assert len(eager) <= 1, eager  # the prompt's chunk at most

@@ -193,7 +193,7 @@ class BatchedBackend:
         self.max_batch = max_batch
         verify = cfg.k + 1 if cfg.drafter != "none" else 1
         self._warm(self.batcher, max_batch, (1, verify), plan.capacity, "target", timed=self.batcher.auto_k,
-                   tails=self.prefix_cache)
+                   tails=self.prefix_cache, twins=cfg.trace.level >= 2)
         if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
             self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model",
                        tails=self.prefix_cache)
@@ -324,13 +324,14 @@ class BatchedBackend:
 
     @staticmethod
     def _warm(batcher: Batcher, max_batch: int, rows_each: tuple[int, ...], capacity: int, what: str,
-              timed: bool = False, tails: bool = False) -> None:
+              timed: bool = False, tails: bool = False, twins: bool = False) -> None:
         """The batched steps' graphs (graphs.py) captured before the first request (`timed`: each
         bucket's replay timed too, calibrate.py; `tails`: a prefill tail's buckets too, where the
-        prefix cache leaves prompts short tails)."""
+        prefix cache leaves prompts short tails; `twins`: each decode / verify bucket's level-2
+        timed twin too, an engine opened at trace level 2)."""
         if batcher.graphs is None:
             return
-        n, sec = batcher.graphs.warm(max_batch, rows_each, capacity, timed, tails)
+        n, sec = batcher.graphs.warm(max_batch, rows_each, capacity, timed, tails, twins)
         if n:
             print(f"[memra] batched steps ({what}): {n} CUDA graphs captured in {sec:.1f} s", file=sys.stderr,
                   flush=True)

@@ -201,7 +201,7 @@ class StepGraphs:
         return self.max_segments + (pieces(PREFILL_TAIL_ROWS) if tail else 0)
 
     def warm(self, max_requests: int, rows_each: tuple[int, ...], width: int, timed: bool = False,
-             tails: bool = False) -> tuple[int, float]:
+             tails: bool = False, twins: bool = False) -> tuple[int, float]:
         """Capture, before any request, the buckets that steps of up to `max_requests` requests
         of up to `rows_each` rows each take (1: decode; K + 1: verify, which may share a step
         with decode rows), over caches of `width` rows, so no capture stalls a running request
@@ -209,8 +209,9 @@ class StepGraphs:
         chunk of up to PREFILL_TAIL_ROWS rows beside the others' rows (where the prefix cache
         leaves one). The steps run on a request of the pool's own that holds `width` rows while
         it lasts. `timed`: each decode / verify bucket's replay is also timed (`timings`: (rows,
-        ns), --spec-k auto's first fit of a step's cost, calibrate.py). Returns (graphs
-        captured, seconds)."""
+        ns), --spec-k auto's first fit of a step's cost, calibrate.py). `twins`: each decode /
+        verify bucket's level-2 timed twin too (an engine opened at level 2: no twin is then
+        captured inside a request's rounds). Returns (graphs captured, seconds)."""
         import time  # noqa: PLC0415
 
         t0, before = time.perf_counter(), self.captures
@@ -239,6 +240,8 @@ class StepGraphs:
                         rest = [beside] * ((T - p) // beside) + ([(T - p) % beside] if (T - p) % beside else [])
                         steps.append(([job(p, True)] + [job(n) for n in rest[:most - 1]], False))
                 for jobs, timed_c in steps:
+                    if twins and timed_c and self.eligible(jobs) and self._key(jobs) not in self.twins:
+                        self.run(jobs, timers=[SubsplitTimer(_no_drain)])  # (its laps go nowhere)
                     if self.eligible(jobs) and self._key(jobs) not in self.steps:
                         self.run(jobs)
                         st = self.steps.get(self._key(jobs))

@@ -55,7 +55,7 @@ class Job:
     taps: object = None  # the request's TapSink (a tap drafter's), written by the step
     chain: object = None  # the request's Chain (chain.py) when the leader runs its rounds
     void: bool = False  # a row launched ahead past its request's end (ahead.py): its output is dropped
-    timer: object = None  # a level-2 request's SubsplitTimer: its step runs eager, drained by layer (laps.py)
+    timer: object = None  # level 2: the round's SubsplitTimer (chain.py lap_timer): its step's laps (graphs.py's timed twin, or laps.py)
     primes: bool = False  # its prompt's last chunk, and its drafter primes on the loop after it (primes.py)
     # its drafts (rows 1 ..) as a Proposal still on the device (`Proposal.dev`); `ids` holds
     # placeholders there until `host_ids` (the step writes them on the device: step_forward.py DraftPatch)
