@@ -188,8 +188,7 @@ class SpecSession:
         token pending; batching/chain.py), recorded where the clock runs; `start`: its first
         verify rows queued at once (else the loop starts it after its drafter's prime)."""
         return self.target.chain(self.tokens, produced, self.max_new, self.capacity, self.eos, self.k, self.drafter,
-                                 self.sp, self.gen, timed=self.clock is not None, start=start,
-                                 laps=self.timer is not None)
+                                 self.sp, self.gen, timed=self.clock is not None, start=start, laps=self.timer is not None)
 
     def chunks(self, n: int) -> list[tuple[int, int]]:
         """The prompt's prefill chunks (specdec/chunks.py): fixed `prefill_chunk` rows on one
