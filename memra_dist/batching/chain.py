@@ -46,7 +46,7 @@ from ..specdec.sampling import probs
 from ..specdec.drafters.none import NoDrafter
 from ..specdec.spec_k import SHADOW_ALPHA, Acceptance
 from ..specdec.stop import commit_tokens
-from ..phase.subsplit import SubsplitTimer
+from ..phase.subsplit import SubsplitTimer, no_drain
 from .job import BatchStep, Job
 
 __all__ = ["Chain", "ChainRound"]
@@ -62,7 +62,7 @@ class ChainRound:
     t: tuple[int, int, int, int, int, int]
     draft_requests: int = 0  # requests whose drafts one draft forward made with this round's (chain_drafts.py)
     expected: float = -1.0  # --spec-k auto: the accepted drafts its K was chosen for (spec_k.py; -1: fixed K)
-    laps: object = None  # level 2: its verify step's sub-split (subsplit.Laps), settled when recorded
+    laps: tuple | None = None  # level 2: its verify step's sub-split (ns by bucket, seq_rows)
 
 
 class Chain:
@@ -195,7 +195,7 @@ class Chain:
         """A level-2 round's verify job's own sub-split timer (None below level 2): its step's laps
         (a graphed step's twin, batching/graphs.py; an eager step's drained walk, laps.py) land in
         it, and the round's record takes them (`ChainRound.laps`), whatever step runs ahead."""
-        return SubsplitTimer(_no_drain) if self.laps else None
+        return SubsplitTimer(no_drain) if self.laps else None
 
     def adopt(self, job: Job) -> None:
         """Its next round is `job`, already launched one step ahead with the token just
@@ -262,8 +262,9 @@ class Chain:
         self.produced += len(kept)
         if self._shadow is not None:
             self._score()
+        # level 2: the step's laps read now (its stamps came back before its readback: graphs.py)
         self._pending = (new, kk, j, n - 1, job.step, self._t0, job.t, t2, t3, self._shared, self._expected,
-                         job.timer.detach() if job.timer is not None else None)
+                         job.timer.take() if job.timer is not None else None)
         return n + j
 
     def maintained(self, t4: int | None = None) -> None:
@@ -307,8 +308,3 @@ def _ahead_where_accepted(job: Job) -> bool:
     accept, and the request fails."""
     dd, row, packed = job.ahead
     return packed + dd.accepted(row) == job.start
-
-
-def _no_drain() -> None:
-    """A round's own lap timer never drains: its laps come from its step (stamps, or laps.py's
-    drained walk, added in)."""

@@ -29,8 +29,9 @@ returns (the next step rewrites it while a request may still be reading its rows
 
 A step that holds a trace-level-2 request's rows replays the bucket's timed twin: the same graph
 with a device-clock stamp at every mixer / FFN boundary (phase/subsplit.py StampMarks, as a single
-request's graphs take them), its stamps copied back behind the replay and read into each level-2
-request's sub-split timer at its next settle: level 2 times the graphed step, not an eager walk
+request's graphs take them), its stamps copied back behind the replay (before the step's readback)
+and read once into each level-2 round's sub-split timer as the loop settles the round (a request
+running its own rounds: at its next verify): level 2 times the graphed step, not an eager walk
 drained twice a layer (which ran a lone request at a quarter of its rate).
 
 A capture that fails (a kernel that cannot be captured on this stack) leaves that bucket eager,
@@ -48,7 +49,7 @@ import torch
 
 from ..device import to_device
 from ..graphs import STAMP_SLOTS, CapturedGraph, step_marks
-from ..phase.subsplit import StampMarks, SubsplitTimer
+from ..phase.subsplit import StampMarks, SubsplitTimer, no_drain
 from .calibrate import best_ns
 from .job import Job
 from .paged import PAGED_MAX_ROWS, BatchView, PagedRows
@@ -241,7 +242,7 @@ class StepGraphs:
                         steps.append(([job(p, True)] + [job(n) for n in rest[:most - 1]], False))
                 for jobs, timed_c in steps:
                     if twins and timed_c and self.eligible(jobs) and self._key(jobs) not in self.twins:
-                        self.run(jobs, timers=[SubsplitTimer(_no_drain)])  # (its laps go nowhere)
+                        self.run(jobs, timers=[SubsplitTimer(no_drain)])  # (its laps go nowhere)
                     if self.eligible(jobs) and self._key(jobs) not in self.steps:
                         self.run(jobs)
                         st = self.steps.get(self._key(jobs))
@@ -404,8 +405,8 @@ class StepGraphs:
         return st
 
 
-TWIN_TURNS = 8  # host rows a timed twin's stamps rotate through (a replay's are read by its requests'
-# next settle: with every level-2 request in most steps, within a few replays of any one bucket)
+TWIN_TURNS = 8  # host rows a timed twin's stamps rotate through: a chained round reads its step's at
+# the step's settle, a request running its own rounds at its next verify (a few replays later at most)
 
 
 class _Fan(SubsplitTimer):
@@ -413,7 +414,7 @@ class _Fan(SubsplitTimer):
     read back later through each timer's `later`, those added at once by `spread`."""
 
     def __init__(self, timers):
-        super().__init__(lambda: None)
+        super().__init__(no_drain)
         self.timers = timers
 
     def later(self, read) -> None:
@@ -422,7 +423,7 @@ class _Fan(SubsplitTimer):
 
         def into(timer) -> None:
             if not laps:
-                acc = SubsplitTimer(_no_drain)
+                acc = SubsplitTimer(no_drain)
                 read(acc)
                 laps.append(acc.ns)
             for bucket, v in laps[0].items():
@@ -435,10 +436,6 @@ class _Fan(SubsplitTimer):
         for t in self.timers:
             for bucket, v in self.ns.items():
                 t.ns[bucket] += v
-
-
-def _no_drain() -> None:
-    pass
 
 
 def _host_marks() -> StampMarks:

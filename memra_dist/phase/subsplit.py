@@ -20,9 +20,14 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-__all__ = ["SubsplitTimer", "Laps", "EventMarks", "StampMarks", "add_laps", "SUB_BUCKETS"]
+__all__ = ["SubsplitTimer", "Laps", "EventMarks", "StampMarks", "add_laps", "no_drain", "SUB_BUCKETS"]
 
 SUB_BUCKETS = ("kda", "mla", "attn", "ffn", "scan")
+
+
+def no_drain() -> None:
+    """The drain of a timer whose laps come from elsewhere (a batched round's: its step's stamps,
+    or the step's own drained timer added in)."""
 
 
 class SubsplitTimer:

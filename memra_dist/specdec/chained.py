@@ -71,4 +71,4 @@ def _record(r: RoundRecord, rnd, index: int, draft_fw: int, fm) -> None:
     for i in range(len(r.free_mb)):
         r.free_mb[i] = fm
     r.draft_forwards = draft_fw if rnd.k or draft_fw < 0 else 0
-    r.sub_ns, r.seq_rows = rnd.laps.settle() if rnd.laps is not None else ({}, 0)
+    r.sub_ns, r.seq_rows = rnd.laps if rnd.laps is not None else ({}, 0)
