@@ -36,7 +36,8 @@ right, at 16 and 64 (CPU: 4) ~0.6 and none right too; `memra-dist bench` charts 
 JSON (OUT-speedup.svg, and .png with matplotlib). It opens ~40 engines on a GPU: give the run
 `--budget-s 2400` (what the budget leaves out is listed in the sweep's `skipped`). Last, issue
 44's first token under load (ttft_load.py): 16 prompts of 512 together, the prefix cache off,
-plain and ngram, over one 8k prompt alone.
+plain and ngram, over one 8k prompt alone; and a request alone (alone.py) with each drafter on the
+solo engine and on the loop (an engine of 2), the loop over solo (issue 44).
 `benchmarks/batching.py` is the same measurement as a script, any settings.
 """
 
@@ -49,7 +50,7 @@ import time
 
 from .noise import Fig, fig_row as _row, ratio_row as _ratio, runs_fig as _of
 
-__all__ = ["draft_over_read", "concurrent", "batching", "graphed_ms", "per_step", "figures", "fig", "rows"]
+__all__ = ["draft_over_read", "concurrent", "batching", "graphed_ms", "per_step", "figures", "fig", "rows", "REPORT"]
 
 NEW, PROMPT, K = 64, 64, 4
 REPEATS = 3  # timed runs per setting, on one engine (the figures' ranges)
@@ -417,12 +418,28 @@ def batching(s) -> dict:
     from .ttft_load import ttft_under_load  # noqa: PLC0415
 
     load = ttft_under_load(s, run)
+    from .alone import alone  # noqa: PLC0415
+
+    lone = alone(s, run, plain_ids[1][0], draft_dir) if 1 in plain_ids else {"skipped": "plain at 1"}
     return {"new": new, "prompt": plen, "k": K, "replay_corrupt": REPLAY_CORRUPT, "plain": plain, "ngram": ngram,
-            "replay": replay, "dflash_replay": dflash, "auto": auto, "sweep": swept, "ttft_load": load,
+            "replay": replay, "dflash_replay": dflash, "auto": auto, "sweep": swept, "ttft_load": load, "alone": lone,
             "figures": {**figures(ran(plain), ran(ngram), ran(replay), ran(dflash),
                                   {name: ran(rows_) for name, rows_ in auto.items()}),
                         **{f"sweep_{k}": v for k, v in swept["figures"].items()},
-                        **{f"ttft_load_{k}": v for k, v in load.items() if k.endswith("_over_alone")}}}
+                        **{f"ttft_load_{k}": v for k, v in load.items() if k.endswith("_over_alone")},
+                        **{f"alone_{k}": v for k, v in lone.items() if k.endswith("_loop_over_solo")}}}
+
+
+REPORT = {  # the report's batch_* figures (bench/report.py TARGETS) -> the section's figure keys
+    "batch_x16": "x16", "batch_x64": "x64", "batch_itl_ratio_16": "itl_ratio_16",
+    "batch_ngram_over_plain_16": "ngram_over_plain_16", "batch_l1_cost_pct_16": "l1_cost_pct_16",
+    "batch_dflash_auto_over_plain_16": "dflash_replay_auto_over_plain_16",
+    "batch_ngram_auto_over_plain_16": "ngram_auto_over_plain_16",
+    "batch_ngram_sweep_16": "sweep_ngram_auto_over_plain_16", "batch_auto_never_slower": "sweep_auto_never_slower",
+    **{f"batch_tap_auto_over_plain_{n}": f"sweep_tap_auto_over_plain_{n}" for n in (1, 2, 16, 64)},
+    **{f"batch_ttft_load_{d}": f"ttft_load_{d}_over_alone" for d in ("plain", "ngram")},
+    **{f"batch_alone_{d}": f"alone_{d}_loop_over_solo" for d in ("plain", "ngram", "dflash", "eagle3")},
+}
 
 
 def fig(res: dict, key: str) -> Fig | None:
@@ -466,6 +483,10 @@ def rows(res: dict) -> list[tuple[str, str]]:
             out.append((f"first token, {load['requests']} prompts of {load['prompt']} together ({d}, no prefix cache)",
                         f"TTFT p50 {load[d]['ttft_ms_p50']} ms against one {load['alone_prompt']}-token prompt alone: "
                         f"{load['alone']['ttft_ms_p50']} ms"))
+    for k, v in (b.get("alone") or {}).items():  # issue 44: a request alone, the loop against the solo engine
+        if k.endswith("_loop_over_solo"):
+            out.append((f"a request alone, {k[:-len('_loop_over_solo')]}: the loop (an engine of 2) over the solo engine",
+                        f"{v[0]:.3f}x ({v[1]:.3f}-{v[2]:.3f})"))
     for name, pts in speedups((b.get("sweep") or {}).get("rows") or []).items():  # issue 45's sweep, a line a series
         out.append((f"sweep: {name} over plain", ", ".join(f"{n}: {v:.2f}x" for n, v in pts)))
     return out
