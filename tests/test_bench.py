@@ -578,6 +578,9 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
         if d in ("dflash", "eagle3"):  # lossless on both engines (--spec-k auto: K 0 where drafting does not pay)
             assert all(a[d][e]["ids_equal_plain"] is True and a[d][e]["spec_k"] == "auto" for e in ("solo", "loop"))
     assert "a request alone, eagle3: the loop (an engine of 2) over the solo engine | " in md
+    one = {(r["drafter"], r["max_batch"]): r["runs"] for r in sw["rows"] if r["concurrency"] == 1}
+    assert a["plain"]["solo"]["runs"] == b["plain"]["1"]["runs"]  # reused, not run again: the section's
+    assert a["ngram"]["loop"]["runs"] == one[("ngram", 2)] and a["dflash"]["loop"]["runs"] == one[("dflash-replay", 2)]
 
 
 @pytest.mark.slow  # ~7 s on 2 cores

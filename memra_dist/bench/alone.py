@@ -8,7 +8,9 @@ one-request engine (what `generate` opens) and as the only request of an engine 
 `{drafter}_loop_over_solo`, steady tok/s on the loop over the solo engine's, with the repeats'
 worst-case ranges (report target: >= 0.98 each, the loop may replace the solo engine only where
 a request alone loses nothing). Measured on an H100 with `benchmarks/batching.py` (fixed K):
-plain 0.992, n-gram 0.996, DFlash 0.952, EAGLE-3 0.899 (BENCHMARKS.md)."""
+plain 0.992, n-gram 0.996, DFlash 0.952, EAGLE-3 0.899 (BENCHMARKS.md). The rows the section
+ran already at these settings (plain alone; the sweep's n-gram and replays at 1, on an engine of
+2) are reused: four more engines, not eight."""
 
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ DRAFTERS = ("none", "ngram", "dflash-replay", "eagle3-replay")
 CORRUPT = 0.2  # the replays' ~0.8 of the drafts right
 
 
-def alone(s, run, plain_ids: list[int], draft_dir) -> dict:
+def alone(s, run, plain_ids: list[int], draft_dir, reuse: dict | None = None) -> dict:
     """`run(n, max_batch, drafter, **kw)`: one setting's row (bench/batching.py `concurrent` with
     the section's model, prompt and repeats); `plain_ids`: the lone request's plain greedy ids
     (the replays' recording, and their lossless check); `draft_dir(drafter)`: the replay's draft
-    checkpoint."""
+    checkpoint; `reuse`: {(drafter, max_batch): row} of one request run already at these settings
+    (the section's plain row, the sweep's rows at 1), taken instead of running them again."""
+    reuse = reuse or {}
     out: dict = {}
     for d in DRAFTERS:
         if s.left() <= 0:
@@ -33,10 +37,10 @@ def alone(s, run, plain_ids: list[int], draft_dir) -> dict:
         kw = dict(draft_model=draft_dir(d), recorded=[plain_ids], corrupt=CORRUPT) if d.endswith("-replay") else {}
         rows = {}
         for engine, max_batch in (("solo", 1), ("loop", 2)):
-            r = run(1, max_batch, d, spec_k="auto", **kw)
-            ids = r.pop("ids")[0]
-            if kw:
-                r["ids_equal_plain"] = ids == plain_ids
+            r = dict(reuse[(d, max_batch)]) if (d, max_batch) in reuse else run(1, max_batch, d, spec_k="auto", **kw)
+            ids = r.pop("ids", [None])[0]
+            if kw:  # (a reused row's: its count of requests with their plain ids)
+                r["ids_equal_plain"] = ids == plain_ids if ids is not None else r.get("ids_equal_plain") == 1
             rows[engine] = r
         name = "plain" if d == "none" else d.replace("-replay", "")
         out[name] = rows

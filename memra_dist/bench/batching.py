@@ -420,7 +420,9 @@ def batching(s) -> dict:
     load = ttft_under_load(s, run)
     from .alone import alone  # noqa: PLC0415
 
-    lone = alone(s, run, plain_ids[1][0], draft_dir) if 1 in plain_ids else {"skipped": "plain at 1"}
+    once = {(r["drafter"], r["max_batch"]): r for r in swept["rows"]  # (the sweep's one-request rows at ~0.8)
+            if r["concurrency"] == 1 and r.get("corrupt") in (None, 0.2)}
+    lone = alone(s, run, plain_ids[1][0], draft_dir, once) if 1 in plain_ids else {"skipped": "plain at 1"}
     return {"new": new, "prompt": plen, "k": K, "replay_corrupt": REPLAY_CORRUPT, "plain": plain, "ngram": ngram,
             "replay": replay, "dflash_replay": dflash, "auto": auto, "sweep": swept, "ttft_load": load, "alone": lone,
             "figures": {**figures(ran(plain), ran(ngram), ran(replay), ran(dflash),
