@@ -526,11 +526,12 @@ def test_batching_section_on_cpu_times_each_setting_from_the_callers(tmp_path):
     sweep = {k for k in b["figures"] if k.startswith("sweep_")}
     lone = {f"alone_{d}_loop_over_solo" for d in ("plain", "ngram", "dflash", "eagle3")}
     assert set(b["figures"]) - sweep - lone - {"ttft_load_plain_over_alone", "ttft_load_ngram_over_alone"} == {"x4", "itl_ratio_4", "ngram_over_plain_4", "replay_over_plain_4", "l1_cost_pct_4",
-                                 "dflash_replay_over_plain_4", "dflash_replay_over_replay_4",
+                                 "dflash_replay_over_plain_4", "dflash_replay_over_replay_4", "l2_cost_pct_4",
+                                 "dflash_replay_l1_cost_pct_4", "dflash_replay_l2_cost_pct_4",
                                  "ngram_auto_over_plain_4", "ngram_auto_over_fixed_4",
                                  "dflash_replay_auto_over_plain_4", "dflash_replay_auto_over_fixed_4"}
-    by = b["plain"]["4"]["by_level"]  # level 1 interleaved with level 0, five runs each
-    assert set(by) == {"0", "1"} and all(len(v["runs"]) == 5 for v in by.values())
+    for by in (b["plain"]["4"]["by_level"], d["by_level"]):  # levels 1 and 2 interleaved with level 0, five runs each
+        assert set(by) == {"0", "1", "2"} and all(len(v["runs"]) == 5 for v in by.values())
     assert b["replay"]["4"]["tokens_per_round"] > 1.5  # ~0.8 of its K = 4 drafts right: speculation ran
     assert all(len(v) == 4 and v[3] in (3, 5) for v in b["figures"].values())
     # issue 45's sweep: --spec-k auto at 1, 2 and 4 callers for each drafter (the replays at

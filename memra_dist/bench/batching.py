@@ -29,7 +29,8 @@ checked against its one-at-a-time ids (request 0's: the same prompt). Three time
 setting on one engine; plain at 16 (CPU: 4) runs five, each at trace levels 0 and 1 in turn
 (each request its share table and span sink, as the CLI builds them). Its figures, with their
 worst-case ranges: steady tok/s over one request's decode tok/s at 16 and 64, ITL p50 at 16
-over alone, ngram over plain at 16, level 1's cost in % of the steady rate at 16. Then issue
+over alone, ngram over plain at 16, levels 1 and 2's costs in % of the steady rate at 16 (plain and
+the DFlash replay, each level interleaved with level 0 on one engine). Then issue
 45's sweep (batching_sweep.py): --spec-k auto with ngram and the DFlash and EAGLE-3 replays at
 1 to 64 concurrent (CPU: 1, 2, 4) over plain at each, the replays at ~0.8 of their drafts
 right, at 16 and 64 (CPU: 4) ~0.6 and none right too; `memra-dist bench` charts it beside its
@@ -312,7 +313,8 @@ def figures(plain: dict, ngram: dict, replay: dict | None = None, dflash: dict |
     steady rate over one request's decode rate, ITL p50 over alone, ngram's (and replay's, and
     the DFlash replay's) steady rate over plain's at the same concurrency, the DFlash replay's
     over the replay's (what its draft forwards cost: the same acceptance, drafts free), and trace
-    level 1's cost in % of the steady rate where the row ran levels 0 and 1 interleaved."""
+    levels 1 and 2's costs in % of the steady rate where the row ran them interleaved with level 0
+    (plain's and the DFlash replay's)."""
     alone = plain.get("1")
     out = {}
     for n in ("4", "16", "64"):
@@ -330,7 +332,10 @@ def figures(plain: dict, ngram: dict, replay: dict | None = None, dflash: dict |
             if n in (replay or {}):
                 out[f"dflash_replay_over_replay_{n}"] = _ratio(_of(dflash[n], "steady_tok_s"),
                                                                _of(replay[n], "steady_tok_s"))
-        out[f"l1_cost_pct_{n}"] = _level_cost(row)
+        out[f"l1_cost_pct_{n}"], out[f"l2_cost_pct_{n}"] = _level_cost(row), _level_cost(row, "2")
+        if n in (dflash or {}):
+            out[f"dflash_replay_l1_cost_pct_{n}"] = _level_cost(dflash[n])
+            out[f"dflash_replay_l2_cost_pct_{n}"] = _level_cost(dflash[n], "2")
         for name, rows_ in (auto or {}).items():  # --spec-k auto: over plain, and over its fixed K
             if n in rows_:
                 out[f"{name}_auto_over_plain_{n}"] = _ratio(_of(rows_[n], "steady_tok_s"), _of(row, "steady_tok_s"))
@@ -374,7 +379,8 @@ def batching(s) -> dict:
 
                     draft = str(ensure_dflash(s.opts.shape, s.cache, s.device, s.say, s.ckpt_dtype)[1])
                 kw = dict(draft_model=draft, recorded=plain_ids[n])
-            traced = (0, 1) if drafter == "none" and n == at else (0,)  # level 1's cost where the target states it
+            # levels 1 and 2's costs where the targets state them: plain and the DFlash replay at `at`
+            traced = (0, 1, 2) if drafter in ("none", "dflash-replay") and spec_k == "fixed" and n == at else (0,)
             r = concurrent(model, dev, n, n, new, plen, drafter, repeats=REPEATS_TRACED if len(traced) > 1 else REPEATS,
                            levels=traced, spec_k=spec_k, **kw)
             ids = r.pop("ids")
@@ -435,6 +441,8 @@ def batching(s) -> dict:
 REPORT = {  # the report's batch_* figures (bench/report.py TARGETS) -> the section's figure keys
     "batch_x16": "x16", "batch_x64": "x64", "batch_itl_ratio_16": "itl_ratio_16",
     "batch_ngram_over_plain_16": "ngram_over_plain_16", "batch_l1_cost_pct_16": "l1_cost_pct_16",
+    "batch_l2_cost_pct_16": "l2_cost_pct_16", "batch_dflash_l1_cost_pct_16": "dflash_replay_l1_cost_pct_16",
+    "batch_dflash_l2_cost_pct_16": "dflash_replay_l2_cost_pct_16",
     "batch_dflash_auto_over_plain_16": "dflash_replay_auto_over_plain_16",
     "batch_ngram_auto_over_plain_16": "ngram_auto_over_plain_16",
     "batch_ngram_sweep_16": "sweep_ngram_auto_over_plain_16", "batch_auto_never_slower": "sweep_auto_never_slower",

@@ -59,6 +59,11 @@ TARGETS = {
                                                    "tok/s", None, 29),
     "batch_l1_cost_pct_16": Target("<=", 3.0, "trace level 1 at 16 concurrent requests batched: steady tok/s lost "
                                               "against level 0, %", None, 29),
+    "batch_l2_cost_pct_16": Target("<=", 5.0, "trace level 2 at 16 concurrent requests batched, plain: steady tok/s "
+                                              "lost against level 0, %", None, 44),
+    **{f"batch_dflash_l{lv}_cost_pct_16": Target("<=", v, f"trace level {lv} at 16 concurrent requests batched, the "
+                                                         f"DFlash replay: steady tok/s lost against level 0, %", None, 44)
+       for lv, v in ((1, 2.0), (2, 5.0))},
     "batch_dflash_auto_over_plain_16": Target(">=", 0.97, "DFlash replay with --spec-k auto at 16 concurrent / "
                                                           "plain at 16, steady tok/s (never slower)", None, 45),
     "batch_ngram_auto_over_plain_16": Target(">=", 0.97, "ngram with --spec-k auto at 16 concurrent / plain at 16, "
