@@ -26,19 +26,17 @@ target drafting in full, the step leader's shared block forwards, its drafts the
 the replay drafter's: the same acceptance with the draft's cost paid), on the suite's copy-with-edits
 prompts (512 tokens on a GPU, each request its own seed), every batched request's ids
 checked against its one-at-a-time ids (request 0's: the same prompt). Three timed runs per
-setting on one engine; plain at 16 (CPU: 4) runs five, each at trace levels 0 and 1 in turn
-(each request its share table and span sink, as the CLI builds them). Its figures, with their
-worst-case ranges: steady tok/s over one request's decode tok/s at 16 and 64, ITL p50 at 16
-over alone, ngram over plain at 16, levels 1 and 2's costs in % of the steady rate at 16 (plain and
-the DFlash replay, each level interleaved with level 0 on one engine). Then issue
+setting on one engine; plain and the DFlash replay at 16 (CPU: 4) run five, each at trace levels
+0, 1 and 2 in turn (each request its share table and span sink, as the CLI builds them). Its
+figures, with their worst-case ranges: steady tok/s over one request's decode tok/s at 16 and 64,
+ITL p50 at 16 over alone, ngram over plain at 16, levels 1 and 2's costs in % at 16. Then issue
 45's sweep (batching_sweep.py): --spec-k auto with ngram and the DFlash and EAGLE-3 replays at
 1 to 64 concurrent (CPU: 1, 2, 4) over plain at each, the replays at ~0.8 of their drafts
 right, at 16 and 64 (CPU: 4) ~0.6 and none right too; `memra-dist bench` charts it beside its
 JSON (OUT-speedup.svg, and .png with matplotlib). It opens ~40 engines on a GPU: give the run
 `--budget-s 2400` (what the budget leaves out is listed in the sweep's `skipped`). Last, issue
 44's first token under load (ttft_load.py): 16 prompts of 512 together, the prefix cache off,
-plain and ngram, over one 8k prompt alone; and a request alone (alone.py) with each drafter on the
-solo engine and on the loop (an engine of 2), the loop over solo (issue 44).
+plain and ngram, over one 8k prompt alone; a request alone on the solo engine and the loop (alone.py).
 `benchmarks/batching.py` is the same measurement as a script, any settings.
 """
 
