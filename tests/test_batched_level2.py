@@ -18,7 +18,7 @@ from test_kernels_paged import _cfg, _on_kernels, _Replayed, wide_llama  # noqa:
 
 @pytest.mark.slow  # the Triton interpreter: every replay re-runs the step's kernels
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_a_level2_request_replays_the_timed_twin_with_its_solo_ids_and_sub_split(wide_llama, drafter):
+def test_a_level2_request_replays_the_timed_twin_with_its_solo_ids_and_sub_split(wide_llama, drafter, monkeypatch):
     from memra_dist.batching.graphs import StepGraphs
     from memra_dist.batching.step_forward import timed_step
     import memra_dist.batching.step_forward as sf
@@ -27,21 +27,18 @@ def test_a_level2_request_replays_the_timed_twin_with_its_solo_ids_and_sub_split
     with open_engine(_cfg(wide_llama, drafter), capacity=96) as eng:
         solo = eng.generate(prompt, _cfg(wide_llama, drafter, 10)).token_ids
     eager = []
-    sf.timed_step = lambda *a: eager.append(1) or timed_step(*a)  # the drained eager path, counted
-    try:
-        with open_engine(_cfg(wide_llama, drafter), capacity=96, max_batch=2) as eng:
-            b = eng._backend.batcher
-            _on_kernels(eng._backend)
-            b.graphs = StepGraphs(b, b.max_tokens, graph_cls=_Replayed)
-            b.graphs.warm(2, (1, 4), 96, twins=True)  # (as an engine opened at level 2 does)
-            assert len(b.graphs.twins) == len(b.graphs.steps) > 0
-            captured = b.graphs.captures
-            sink = _Bursts()
-            cfg = _cfg(wide_llama, drafter, 10).with_(trace=TraceSettings(level=2))
-            got = eng.generate(prompt, cfg, sink=sink).token_ids
-            g = eng._backend.stats()["graphs"]
-    finally:
-        sf.timed_step = timed_step
+    monkeypatch.setattr(sf, "timed_step", lambda *a: eager.append(1) or timed_step(*a))  # the drained path, counted
+    with open_engine(_cfg(wide_llama, drafter), capacity=96, max_batch=2) as eng:
+        b = eng._backend.batcher
+        _on_kernels(eng._backend)
+        b.graphs = StepGraphs(b, b.max_tokens, graph_cls=_Replayed)
+        b.graphs.warm(2, (1, 4), 96, twins=True)  # (as an engine opened at level 2 does)
+        assert len(b.graphs.twins) == len(b.graphs.steps) > 0
+        captured = b.graphs.captures
+        sink = _Bursts()
+        cfg = _cfg(wide_llama, drafter, 10).with_(trace=TraceSettings(level=2))
+        got = eng.generate(prompt, cfg, sink=sink).token_ids
+        g = eng._backend.stats()["graphs"]
     assert got == solo
     assert g["captured"] == captured  # every twin the request replayed was captured at open
     rounds = [r for rec in sink.recs for r in rec.live()]
