@@ -33,7 +33,7 @@ def _alone(drafter: str, llama, tmp_path_factory, monkeypatch):
 
 def _chain_graphs(b):
     """EAGLE-3's round of chains over the backend's pools as graphs of an emulated capture (K 3,
-    up to 4 requests: buckets 2 and 4), installed as the engine's GPU path installs them."""
+    up to 4 requests: buckets 1, 2 and 4), installed as the engine's GPU path installs them."""
     from graph_emulator import EmulatedCapture
 
     from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
@@ -43,14 +43,14 @@ def _chain_graphs(b):
     net = b.tap_net
     embed = net.embed_tokens if net.embed_tokens is not None else b.runner.stage.embed_tokens
     g = PoolChainGraphs(net, embed, b.draft_pool, b.batcher.tap_pool, 3, 4, graph_cls=EmulatedCapture)
-    assert g.warm() == 2
+    assert g.warm() == 3
     b.draft_pool.graphs = g
     return g
 
 
 def _dflash_pool_graphs(b):
     """DFlash's shared block forward and maintenance over the backend's pools as graphs of an
-    emulated capture (block 4, K 3, up to 4 requests: buckets 2 and 4), installed as the
+    emulated capture (block 4, K 3, up to 4 requests: buckets 1, 2 and 4), installed as the
     engine's GPU path installs them -> (block graphs, ingest graphs)."""
     from graph_emulator import EmulatedCapture
 
@@ -60,7 +60,7 @@ def _dflash_pool_graphs(b):
     b.batcher.tap_pool.alloc(CAP)
     g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture)
     ing = PoolIngestGraphs(b.tap_net, b.draft_pool, b.batcher.tap_pool, 4, 4, graph_cls=EmulatedCapture)
-    assert g.warm() == 2 and ing.warm() == 2
+    assert g.warm() == 3 and ing.warm() == 3
     b.draft_pool.graphs, b.draft_pool.ingest_graphs = g, ing
     return g, ing
 
@@ -179,7 +179,7 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
 
     from memra_dist.specdec.drafters.dflash import DFlashDrafter
 
-    assert buckets(4) == [2, 4] and buckets(6) == [2, 4, 6] and buckets(1) == []
+    assert buckets(4) == [1, 2, 4] and buckets(6) == [1, 2, 4, 6] and buckets(2) == [1, 2] and buckets(1) == []
     # (each proposal's forward after its step's readback, one replay a shared forward, counted
     # below; drafted before the readback: test_a_dflash_rounds_verify_rows_are_ingested_behind_the_verify)
     monkeypatch.setattr(DFlashDrafter, "drafts_early", False)
@@ -190,17 +190,17 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
         b = eng._backend
         b.draft_pool.alloc(CAP + 4)  # the drafters' rows: capacity + block
         g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture)
-        assert g.warm() == 2
+        assert g.warm() == 3
         b.draft_pool.graphs = g
         b.batcher.tap_pool.alloc(CAP)
         ing = PoolIngestGraphs(b.tap_net, b.draft_pool, b.batcher.tap_pool, 4, 4, graph_cls=EmulatedCapture)
-        assert ing.warm() == 2
+        assert ing.warm() == 3
         b.draft_pool.ingest_graphs = ing
         made.extend((g, ing))
         # --spec-k auto's calibration times each bucket (every request a pad: the requests
         # after it still draft what they draft alone, asserted below)
         pts = draft_points(b.draft_pool, 3, 4, b.device)
-        assert [x for x, _ in pts] == [2 * 3, 4 * 3] and all(ns > 0 for _, ns in pts), pts
+        assert [x for x, _ in pts] == [1 * 3, 2 * 3, 4 * 3] and all(ns > 0 for _, ns in pts), pts
         # the backend's record of it, from these drafting points and steps timed as graphs.py's warm
         # times them (on a GPU both happen as the engine opens, where --spec-k auto is on)
         steps, real = [(1, 5.04e6), (64, 7.56e6)], b.batcher.graphs
@@ -211,14 +211,14 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
         finally:
             b.batcher.graphs = real
         assert b.batcher.cost.line() == pytest.approx((5e6, 4e4))
-        assert b.calibration["steps_timed"] == 2 and b.calibration["drafts_timed"] == 2
+        assert b.calibration["steps_timed"] == 2 and b.calibration["drafts_timed"] == 3
         assert b.calibration["step_ms"] == pytest.approx(5.0) and b.calibration["seconds"] >= 0.25
 
     batched, stats = _batched(llama, "dflash", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
     assert batched == solo and sorted(seen) == alone
     assert stats["calibration"]["draft_ms"] > 0, stats.get("calibration")
     g, ing = made
-    assert g.replays == stats["draft_batches"] > 0 and sorted(g.graphs) == [2, 4], (g.replays, stats)
+    assert g.replays == stats["draft_batches"] > 0 and sorted(g.graphs) == [1, 2, 4], (g.replays, stats)
     assert ing.replays > 0, (ing.replays, g.replays)  # the shared maintenance of the chained rounds
 
 
@@ -287,7 +287,7 @@ def test_the_shared_dflash_block_graphs_capture_the_compiled_pieces(llama, tmp_p
         b.draft_pool.alloc(CAP + 4)
         g = dpg.PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=EmulatedCapture,
                                 compiled=True)
-        assert g.warm() == 2
+        assert g.warm() == 3
         b.draft_pool.graphs = g
         made.append(g)
 
@@ -515,7 +515,7 @@ def test_the_batched_eagle3_chains_replayed_draft_what_each_request_drafts_alone
         b = eng._backend
         made.append(_chain_graphs(b))
         pts = draft_points(b.draft_pool, 3, None, b.device)  # (timed: calibrate.py)
-        assert [x for x, _ in pts] == [2 * 3, 4 * 3] and all(ns > 0 for _, ns in pts), pts
+        assert [x for x, _ in pts] == [1 * 3, 2 * 3, 4 * 3] and all(ns > 0 for _, ns in pts), pts
 
     late[0] = 0
     batched, stats = _batched(llama, "eagle3", reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
@@ -614,14 +614,20 @@ class _Rerun:
 
 
 @pytest.mark.slow  # the Triton interpreter: ~10-20 s on 2 cores
-@pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
+@pytest.mark.parametrize("drafter,folded", [("dflash", False), ("dflash", True), ("eagle3", False), ("eagle3", True)])
 def test_the_pool_graphs_on_the_paged_kernel_draft_what_each_request_drafts_alone(llama, tmp_path_factory,
-                                                                               monkeypatch, drafter):
+                                                                               monkeypatch, drafter, folded):
     """The shared draft forwards' graphs with their attention on the paged kernel (`paged=True`:
     what a GPU's fast path builds, at any capacity): eight requests four at a time get every
     proposal they get alone, the attention of every replay one paged launch a layer reading each
-    request's slot through its one-block table."""
+    request's slot through its one-block table. `folded`: the network fused / installed as the
+    engine's GPU path does (a bucket of up to 64 rows then runs its norms, projections and FFN on
+    our row GEMMs, the K/V written by the rotary kernel: `DFlashNet.block(folded=True)`,
+    `Eagle3Net.step_folded`), every replay through them."""
     import memra_dist.kernels.paged_attention as pa
+    from memra_dist.kernels.ops import install_eagle3
+    from memra_dist.model.dflash import DFlashNet
+    from memra_dist.model.eagle3 import Eagle3Net
 
     from memra_dist.specdec.drafters.dflash_pool_graph import PoolBlockGraphs
     from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
@@ -630,8 +636,19 @@ def test_the_pool_graphs_on_the_paged_kernel_draft_what_each_request_drafts_alon
     made, launches, real = [], [], pa.paged_attention
     monkeypatch.setattr(pa, "paged_attention", lambda q, kp, *a, **kw: launches.append(a[4].shape) or real(q, kp, *a, **kw))
 
+    folds = []
+    if folded:  # count the forwards that ran folded (the pools' whole buckets: every one of them)
+        if drafter == "dflash":
+            blk = DFlashNet.block
+            monkeypatch.setattr(DFlashNet, "block", lambda self, *a, **kw: folds.append(kw.get("folded")) or blk(self, *a, **kw))
+        else:
+            st = Eagle3Net.step_folded
+            monkeypatch.setattr(Eagle3Net, "step_folded", lambda self, *a, **kw: folds.append(True) or st(self, *a, **kw))
+
     def on_open(eng):
         b = eng._backend
+        if folded:
+            assert b.tap_net.fuse() is None if drafter == "dflash" else install_eagle3(b.tap_net)
         if drafter == "dflash":
             b.draft_pool.alloc(CAP + 4)
             g = PoolBlockGraphs(b.tap_net, b.runner.stage, b.draft_pool, 4, 3, 1, 4, graph_cls=_Rerun, paged=True)
@@ -641,13 +658,16 @@ def test_the_pool_graphs_on_the_paged_kernel_draft_what_each_request_drafts_alon
             net = b.tap_net
             embed = net.embed_tokens if net.embed_tokens is not None else b.runner.stage.embed_tokens
             g = PoolChainGraphs(net, embed, b.draft_pool, b.batcher.tap_pool, 3, 4, graph_cls=_Rerun, paged=True)
-        assert g.warm() == 2
+        assert g.warm() == 3
         b.draft_pool.graphs = g
         made.append(g)
 
     batched, stats = _batched(llama, drafter, reqs, max_batch=4, draft_model=str(ddir), on_open=on_open)
     assert batched == solo and sorted(seen) == alone
     assert made[0].replays > 0 and launches and all(t[1] == 1 for t in launches), (made[0].replays, launches[:3])
+    assert made[0].fold_rows == (64 if folded else 0)
+    if folded:  # every graph forward folded (the solo drafter's eager rounds never fold on CPU)
+        assert folds and all(folds), folds[:8]
 
 
 def test_a_draft_patch_writes_each_jobs_device_drafts_over_its_rows():

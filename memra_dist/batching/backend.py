@@ -310,6 +310,10 @@ class BatchedBackend:
         self.draft_pool.alloc(plan.capacity)  # the drafter's rows (eagle3.py alloc)
         taps.alloc(plan.capacity)
         net = self.tap_net
+        if paged and not net.folded:  # the rounds' steps on our kernels, as the solo drafter's (its probe may refuse)
+            from ..kernels.ops import install_eagle3  # noqa: PLC0415 (Triton: only where installed)
+
+            install_eagle3(net)
         embed = net.embed_tokens if net.embed_tokens is not None else self.runner.stage.embed_tokens
         g = PoolChainGraphs(net, embed, self.draft_pool, taps, plan.cfg.k, max_batch, paged=paged)
         t0 = time.perf_counter()

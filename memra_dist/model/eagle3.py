@@ -268,12 +268,13 @@ class Eagle3Net(nn.Module):
     folded = False  # kernels/ops.py install_eagle3: a few rows' step and the logits on our kernels
 
     def step_folded(self, emb: torch.Tensor, g: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor,
-                    vc: torch.Tensor) -> torch.Tensor:
-        """`step` for a few rows (<= 16: the round's first forward, a chained step) on our
-        kernels (kernels/ops.py install_eagle3), the cache kc / vc (C, nkv, hd) written at pos:
-        both input norms in one kernel, the QKV GEMV (row GEMM), rotary with the K/V write, the
-        split attention over the live rows, o_proj with the residual add folded in, the FFN's two
-        folded GEMVs. -> pre-norm outputs (T, H)."""
+                    vc: torch.Tensor, at: torch.Tensor | None = None, attend=None) -> torch.Tensor:
+        """`step` for a few rows (<= 16: the round's first forward, a chained step; a batched
+        round's, up to the row GEMM's rows) on our kernels (kernels/ops.py install_eagle3), the
+        cache kc / vc (C, nkv, hd) written at rows `at` (default pos): both input norms in one
+        kernel, the QKV GEMV (row GEMM), rotary with the K/V write, the split attention over the
+        live rows (or `attend(q)` -> (T, nh * hd): a pool's paged attention), o_proj with the
+        residual add folded in, the FFN's two folded GEMVs. -> pre-norm outputs (T, H)."""
         from ..kernels.decode_attention import decode_attention  # noqa: PLC0415 (Triton: only where installed)
         from ..kernels.pair_norm import pair_rmsnorm  # noqa: PLC0415
         from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415
@@ -282,8 +283,8 @@ class Eagle3Net(nn.Module):
         a, n_in, n_h = layer.self_attn, layer.input_layernorm, layer.hidden_norm
         x2, gn = pair_rmsnorm(emb, g, n_in.weight, n_h.weight, n_in.eps, n_h.eps, layer.norm_before_residual)
         qkv = torch.ops.memra.gemv(x2, a.qkv_proj.weight, a.qkv_proj.bias, False, None, 0.0, None)
-        q = rope_kv_write(qkv, *self.rope(pos), kc, vc, pos, a.nh)
-        o = decode_attention(q, kc, vc, pos)
+        q = rope_kv_write(qkv, *self.rope(pos), kc, vc, pos if at is None else at, a.nh)
+        o = decode_attention(q, kc, vc, pos) if attend is None else attend(q)
         h = torch.ops.memra.gemv(o, a.o_proj.weight, a.o_proj.bias, False, None, 0.0, gn if gn is not None else g)
         return layer.mlp.fused_step(h, layer.post_attention_layernorm)
 

@@ -60,8 +60,10 @@ def pays(rows: int, max_n: int) -> bool:
 
 
 def buckets(max_n: int) -> list[int]:
-    """2, 4, 8, ... below max_n, then max_n (a step of one request drafts alone)."""
-    out, b = [], 2
+    """1, 2, 4, ... below max_n, then max_n, for an engine of at least two (an engine of one
+    drafts on the solo drafter's graphs). Bucket 1 is a request alone on the loop: padded to 2,
+    its round paid a pad request's rows (on an H100, 8B: +0.3 ms a DFlash round)."""
+    out, b = [], 1
     while b < max_n:
         out.append(b)
         b *= 2
@@ -140,6 +142,11 @@ class PoolBlockGraphs(_BucketGraphs):
         self.paged, self.compiled = paged, compiled
         self.net, self.stage, self.pool = net, stage, pool
         self.B, self.K, self.mask_id = B, min(K, B - 1), mask_id
+        self.fold_rows = 0  # a bucket of at most this many block rows runs folded (`DFlashNet.block`)
+        if paged and hasattr(net.layers[0].self_attn, "qkv_w") and hasattr(net.layers[0].mlp, "gate_up_proj"):
+            from ...kernels.ops import BATCH_FOLD_ROWS  # noqa: PLC0415 (Triton: only where installed)
+
+            self.fold_rows = BATCH_FOLD_ROWS
         # [ids (n B), pos (n B), each row's slot (n B), each request's slot (n), its limit (n)]
         self.row = HostRow(3 * self.max_n * B + 2 * self.max_n, pool.device)
         # `greedy_after`'s verify layout: [each request's pred row, its ids row, its drafts, its lo] (n each)
@@ -166,11 +173,20 @@ class PoolBlockGraphs(_BucketGraphs):
             fn = paged_pool_attention if self.paged else pooled_attention
             return fn(q.view(b, R, *q.shape[1:]), kp, vp, idx, lim[:, None].expand(b, R), pool.rows).view(b * R, -1)
 
-        # rows 1 .. K of each block only, past the last layer's K/V (DFlashNet.block `keep`)
-        h = net.block(self.stage.embed_tokens(ids), pos, kv_of, None, attend=attend, keep=(B, 1, K + 1))  # (b K, H)
+        # rows 1 .. K of each block only, past the last layer's K/V (DFlashNet.block `keep`); a few requests'
+        # blocks folded, as the solo drafter's graphs run them (the norms and residual adds inside our row GEMMs,
+        # the net's final norm inside the lm_head's: a lone request's block ran on cuBLAS at +0.3 ms a round)
+        folded = b * B <= self.fold_rows
+        h = net.block(self.stage.embed_tokens(ids), pos, kv_of, None, attend=attend, folded=folded,
+                      keep=(B, 1, K + 1))  # (b K, H)
         # the logits at the model's dtype are an output too (a sampled request's rows: `greedy(logits=True)`),
         # so every bucket keeps b K V of them alive in the pool: ~130 MB in all at --max-batch 64, 128k vocab, bf16
-        logits = self.stage.lm_head(h)  # (b K, V)
+        if folded:
+            st = self.stage
+            logits = torch.ops.memra.gemv(h, st.lm_head.weight, st.lm_head.bias, False, net.norm.weight, net.norm.eps,
+                                          None)
+        else:
+            logits = self.stage.lm_head(h)  # (b K, V)
         return logits.float().argmax(-1).view(b, K), logits.view(b, K, -1)
 
     def _load(self, reqs: list[tuple[int, int, int]], b: int) -> None:

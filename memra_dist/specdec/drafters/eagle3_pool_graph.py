@@ -34,6 +34,11 @@ class PoolChainGraphs(_BucketGraphs):
         super().__init__(max_n, graph_cls)
         self.paged = paged
         self.net, self.embed, self.pool, self.taps, self.K = net, embed, pool, taps, K
+        self.fold_rows = 0  # a step of at most this many rows runs folded (`Eagle3Net.step_folded`)
+        if paged and net.folded:  # installed (kernels/ops.py install_eagle3), as the solo drafter's steps
+            from ...kernels.ops import BATCH_FOLD_ROWS  # noqa: PLC0415 (Triton: only where installed)
+
+            self.fold_rows = BATCH_FOLD_ROWS
         self.R = K + 1
         n = self.max_n
         # [tokens, positions, tap slots, draft slots, limits] (n R each), then [last row, slot, chain position] (n each)
@@ -47,6 +52,11 @@ class PoolChainGraphs(_BucketGraphs):
 
     def _step(self, tokens, g, pos, row_slots, lim, idx, T: int):
         pool, b = self.pool, idx.shape[0]
+        if b * T <= self.fold_rows:  # the norms, projections and FFN on our kernels; K/V written by the rotary kernel
+            kc, vc = (x[0].view(-1, *x.shape[3:]) for x in (pool.k, pool.v))  # (slots + 1) rows, flat
+            attend = lambda q: paged_pool_attention(q.view(b, T, *q.shape[1:]), pool.k[0], pool.v[0], idx,  # noqa: E731
+                                                    lim.view(b, T), pool.rows).view(b * T, -1)
+            return self.net.step_folded(self.embed(tokens), g, pos, kc, vc, row_slots * pool.rows + pos, attend)
 
         def kv_of(k, v):
             pool.k[0].index_put_((row_slots, pos), k)
