@@ -39,8 +39,8 @@ def alone(s, run, plain_ids: list[int], draft_dir, reuse: dict | None = None) ->
         for engine, max_batch in (("solo", 1), ("loop", 2)):
             r = dict(reuse[(d, max_batch)]) if (d, max_batch) in reuse else run(1, max_batch, d, spec_k="auto", **kw)
             ids = r.pop("ids", [None])[0]
-            if kw:  # (a reused row's: its count of requests with their plain ids)
-                r["ids_equal_plain"] = ids == plain_ids if ids is not None else r.get("ids_equal_plain") == 1
+            if kw and ids is not None:  # (a reused row has its own)
+                r["ids_equal_plain"] = ids == plain_ids
             rows[engine] = r
         name = "plain" if d == "none" else d.replace("-replay", "")
         out[name] = rows
