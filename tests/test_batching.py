@@ -432,11 +432,11 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, leve
     """Levels 1 and 2 on a batched engine: every request keeps its own trace (its own k,
     accepted, ids equal to alone), and each verify names the batch step its rows rode in, with
     the step's requests and rows and the verify's split into waiting for the step and its
-    forward. At level 1 a greedy round the step's leader ran (chained.py) is ONE span,
-    spec.round, its phases' ms its attributes; at level 2 the phase spans carry them, and every
-    verify has its batch step's sub-split by mixer class (batching/laps.py): attention and FFN
-    shares inside the verify."""
-    from memra_dist.tracing.conventions import ATTR, PHASE_SPANS, PHASES, SPAN_ROUND, VERIFY_SUB_SPANS
+    forward. A round the engine loop ran (chained.py) is ONE span, spec.round, its phases' ms
+    its attributes, at both levels; at level 2 every step a round rode has its verify sub-split
+    by mixer class (batching/laps.py) ONCE, under the step's batch.step span: attention, FFN
+    and the rest, laid end to end inside the step's forward, in the step's trace."""
+    from memra_dist.tracing.conventions import ATTR, PHASE_SPANS, PHASES, SPAN_BATCH_STEP, SPAN_ROUND, VERIFY_SUB_SPANS
 
     reqs = _prompts(4)
     solo = _solo(llama, "ngram", reqs)
@@ -444,31 +444,36 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, leve
     assert got == solo
     a = ATTR
     by_step: dict[int, list] = {}
+    every = [s for exp in exps for s in exp.get_finished_spans()]
+    steps = {s.context.span_id: s for s in every if s.name == SPAN_BATCH_STEP}
+    subs: dict[int, list] = {}  # each step span's sub-spans
+    for s in every:
+        if s.name in VERIFY_SUB_SPANS.values():
+            assert s.parent.span_id in steps and s.context.trace_id == s.parent.trace_id, s.name  # under a step
+            subs.setdefault(s.parent.span_id, []).append(s)
+    for sid, kids in subs.items():  # once a step, end to end inside its forward
+        st = steps[sid]
+        names = [k.name for k in kids]
+        assert len(names) == len(set(names)) and {VERIFY_SUB_SPANS["attn"], VERIFY_SUB_SPANS["ffn"]} <= set(names)
+        assert names[-1] == VERIFY_SUB_SPANS["rest"] and kids[0].start_time == st.start_time
+        assert all(x.end_time == y.start_time for x, y in zip(kids, kids[1:]))
+        assert kids[-1].end_time <= st.end_time + 1000 or kids[-1].start_time == kids[-1].end_time
+        assert all(k.attributes[a["batch_step"]] == st.attributes[a["batch_step"]] for k in kids)
+    linked = set()
     for i, exp in enumerate(exps):
         spans = exp.get_finished_spans()
         names = {s.name for s in spans}
-        if level == 1:  # one span a round: no phase span at all
-            verifies = [s for s in spans if s.name == SPAN_ROUND]
-            assert not names & set(PHASE_SPANS.values()), names
-            for s in verifies:
-                ms = [s.attributes[a[f"{p}_ms"]] for p in PHASES]
-                assert min(ms) >= 0 and abs(sum(ms) * 1e6 - (s.end_time - s.start_time)) < 1e3  # the round's laps
-        else:
-            verifies = [s for s in spans if s.name == PHASE_SPANS["verify"]]
-            assert set(PHASE_SPANS.values()) <= names, names
-            subs = {}  # each verify's sub-spans by name
-            for s in spans:
-                if s.name in VERIFY_SUB_SPANS.values():
-                    subs.setdefault(s.parent.span_id, {})[s.name] = s.end_time - s.start_time
-            for v in verifies:
-                got = subs.get(v.context.span_id, {})
-                assert VERIFY_SUB_SPANS["attn"] in got and VERIFY_SUB_SPANS["ffn"] in got, (names, got)
-                assert sum(got.values()) <= v.end_time - v.start_time + 1000  # shares of the verify
+        verifies = [s for s in spans if s.name == SPAN_ROUND]  # one span a round: no phase span at all
+        assert not names & set(PHASE_SPANS.values()), names
+        for s in verifies:
+            ms = [s.attributes[a[f"{p}_ms"]] for p in PHASES]
+            assert min(ms) >= 0 and abs(sum(ms) * 1e6 - (s.end_time - s.start_time)) < 1e3  # the round's laps
+            linked |= {ln.context.span_id for ln in s.links}
         assert verifies and all(s.attributes[a["k"]] >= 0 for s in verifies)
         for s in verifies:
             by_step.setdefault(s.attributes[a["batch_step"]], []).append((i, s))
             wait, fwd = s.attributes[a["batch_wait_ms"]], s.attributes[a["batch_forward_ms"]]
-            verify_ns = s.attributes[a["verify_ms"]] * 1e6 if level == 1 else s.end_time - s.start_time
+            verify_ns = s.attributes[a["verify_ms"]] * 1e6
             assert wait >= 0 and fwd > 0
             assert (wait + fwd) * 1e6 <= verify_ns + 1e5  # shares of the verify (0.1 ms of slack)
     assert any(len({i for i, _ in v}) >= 2 for v in by_step.values()), "no batch step held two requests' verifies"
@@ -477,6 +482,11 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, leve
         first = v[0][1].attributes
         assert len({i for i, _ in v}) == len(v) <= first[a["batch_requests"]]  # a request's verify once a step
         assert first[a["batch_rows"]] >= sum(s.attributes[a["k"]] + 1 for _, s in v)
+    assert linked and linked <= set(steps)
+    if level == 2:  # every step a round rode has its sub-split, once
+        assert set(subs) == linked, (len(subs), len(linked))
+    else:
+        assert not subs
 
 
 def test_sampled_batched_requests_with_a_host_drafter_are_timed_without_a_drain(llama, monkeypatch):

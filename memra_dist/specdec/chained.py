@@ -13,13 +13,14 @@ import torch
 from ..phase.records import BurstRecord, RoundRecord
 from .accept import NonFiniteRow
 
-__all__ = ["burst_chained", "COMPACT_BELOW"]
+__all__ = ["burst_chained"]
 
-# Traced below this level, a leader's round is ONE span (spec.round, its phases as attributes and
-# the batch step's id) instead of six: 16 requests a step would otherwise build ~100 spans each
-# ~5 ms step on the host their leader launches from (measured at 16 concurrent on an H200: level
-# 1 cost 13 % of the batch's rate with six spans a round). Level 2 keeps the phase spans.
-COMPACT_BELOW = 2
+# Traced, a round the loop ran is ONE span (spec.round, its phases as attributes and the batch
+# step's id) instead of six: 16 requests a step would otherwise build ~100 spans each ~5 ms step
+# on the host the loop launches from (measured at 16 concurrent on an H200: level 1 cost 13 % of
+# the batch's rate with six spans a round). At level 2 too: there the step's verify sub-split is
+# made once, under the step's span (tracing/emit.py `_step_subs`), not once a request (on an
+# H100 at 16 plain requests, nine spans a round cost level 2 12.6 % of the batch's rate).
 
 
 def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | None) -> None:
@@ -27,7 +28,7 @@ def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | N
     fm = s.clock.free_mb() if rec is not None else None  # one reading a burst
     if rec is not None:
         rec.clock = "leader"
-        rec.compact = s.trace.level < COMPACT_BELOW
+        rec.compact = True
     pump = s._pump
     for _ in range(max_rounds):
         if s.done:

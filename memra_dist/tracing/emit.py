@@ -108,7 +108,25 @@ class SpanSink:
                 **({ATTR["batch_predicted_ms"]: b.predicted_ns / 1e6} if b.predicted_ns else {}),
                 ATTR["batch_gap_ms"]: b.gap_ns / 1e6, ATTR["batch_rounds_ms"]: b.rounds_ns / 1e6,
                 ATTR["batch_held_ms"]: b.held_ns / 1e6, **self._mem(r.free_mb[1])}, sc=sc)
+        if self.sampled and r.sub_ns and b.spans.claim((b.id, "verify")):
+            self._step_subs(r, sc)
         return (Link(sc, {ATTR["rows"]: r.k + 1, ATTR["k"]: r.k, ATTR["accepted"]: r.j}),)
+
+    def _step_subs(self, r: RoundRecord, step: SpanContext) -> None:
+        """Level 2 on the engine loop: the step's verify sub-split (its graph's device-clock stamps
+        or its drained walk, one per step: every request of the step rode the same forward), once,
+        as children of the step's span in its trace, laid end to end from its launch; `rest` is the
+        step's forward less the buckets."""
+        b = r.batch
+        mem = self._mem(r.free_mb[1])
+        layout = verify_sub_layout(r)
+        used = sum(ns for bucket, ns, _ in layout if bucket != "rest")
+        t = b.t0
+        for bucket, ns, extra in layout:
+            ns = max(0, b.forward_ns - used) if bucket == "rest" else ns
+            sc = SpanContext(step.trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=self.flags)
+            self._span(VERIFY_SUB_SPANS[bucket], step, t, t + ns, {ATTR["batch_step"]: b.id, **extra, **mem}, sc=sc)
+            t += ns
 
     @staticmethod
     def _mem(d: dict[str, int]) -> dict:
@@ -131,8 +149,9 @@ class SpanSink:
             yield
 
     def _round_compact(self, r: RoundRecord, burst: SpanContext) -> None:
-        """A batched leader's round at level 1 (chained.py COMPACT_BELOW): one spec.round span
-        with its phases' ms, the batch step it rode in and the free memory at its verify."""
+        """A round the engine loop ran (chained.py): one spec.round span with its phases' ms, the
+        batch step it rode in and the free memory at its verify (level 2: the step's verify
+        sub-split under the step's span, `_step_subs`)."""
         attrs = {ATTR["round"]: r.index, ATTR["k"]: r.k, ATTR["accepted"]: r.j, ATTR["ctx"]: r.ctx,
                  **self._mem(r.free_mb[1])}
         for i, ph in enumerate(PHASES):

@@ -126,18 +126,18 @@ ATTR_DOC = {
     "batch_step": ("", "spec.round, spec.verify, stage.forward", "a batched request (--max-batch > 1): the id of the batch step its "
                    "verify rows rode in; every request of that step names the same id, so filtering on it shows "
                    "the step's requests side by side"),
-    "batch_requests": ("", "spec.verify, spec.round (leader, level 1), stage.forward", "requests whose rows the batch step held (decode, verify and prefill)"),
-    "batch_rows": ("{row}", "spec.verify, spec.round (leader, level 1), stage.forward", "rows the batch step held, every request's"),
-    "batch_wait_ms": ("ms", "spec.verify, spec.round (leader, level 1)", "share of the verify: its rows waiting for the batch step to start "
+    "batch_requests": ("", "spec.verify, spec.round (leader), stage.forward", "requests whose rows the batch step held (decode, verify and prefill)"),
+    "batch_rows": ("{row}", "spec.verify, spec.round (leader), stage.forward", "rows the batch step held, every request's"),
+    "batch_wait_ms": ("ms", "spec.verify, spec.round (leader)", "share of the verify: its rows waiting for the batch step to start "
                       "(the others' submissions: until 5 ms pass with none new, at most 20 ms; or a step already running)"),
-    "batch_forward_ms": ("ms", "spec.verify, spec.round (leader, level 1)", "share of the verify: the batch step's forward, host to host (on a "
+    "batch_forward_ms": ("ms", "spec.verify, spec.round (leader)", "share of the verify: the batch step's forward, host to host (on a "
                          "GPU its launches; the device's finish is the verify's drain)"),
-    "batch_draft_requests": ("", "spec.draft, spec.round (leader, level 1)", "a batched round the step's leader ran "
+    "batch_draft_requests": ("", "spec.draft, spec.round (leader)", "a batched round the step's leader ran "
                              "with a tap drafter (DFlash, EAGLE-3, MTP): the requests whose drafts its draft forward made "
                              "together (batching/chain_drafts.py); the draft phase is that shared forward"),
-    **{f"{p}_ms": ("ms", "spec.round (leader)", f"a batched round the step's leader ran (`memra.clock` = leader), at "
-                   f"level 1: its {p} phase; such a round is one span, its phases these attributes (level 2: the "
-                   f"phase spans)") for p in ("draft", "verify", "accept", "rollback", "maint")},
+    **{f"{p}_ms": ("ms", "spec.round (leader)", f"a batched round the engine loop ran (`memra.clock` = leader): its {p} "
+                   f"phase; such a round is one span at every level, its phases these attributes (level 2: its "
+                   f"step's verify sub-split is under the step's batch.step span)") for p in ("draft", "verify", "accept", "rollback", "maint")},
     "fast_path": ("", "memra.request", "what the target's decode / verify steps ran: `graphs`, `compile`, `kernels` "
                   "and `ahead` (plain greedy decoding one step ahead of the host) joined by `+` (a default CUDA "
                   "run: `graphs+compile+kernels`, plain greedy: `graphs+compile+kernels+ahead`), or `eager`"),
@@ -148,7 +148,7 @@ _SPANS = [
     (C.SPAN_BURST, C.SPAN_REQUEST, "driver (pp=1) / head", "a burst of rounds; tokens stream to the caller per round inside it"),
     (C.SPAN_ROUND, C.SPAN_BURST, "driver / head", "one speculative round; its five phase spans tile it in clock order"),
     *[(C.PHASE_SPANS[p], C.SPAN_ROUND, "driver / head", f"the {p} phase, bounded on both sides by the moment its streams reached the boundary: timing events read in the next burst's first verify (CUDA; a phase that launched no device work ends at the boundary before's time or the host's arrival), or drained clock stamps (CPU, MEMRA_PHASE_CLOCK=drain) (plain greedy decoding one step ahead: from its step's device events, no drain; a batched greedy request whose rounds the step leader runs: its stamps, the verify ending at its step's readback)") for p in C.PHASES],
-    *[(C.VERIFY_SUB_SPANS[b], C.PHASE_SPANS["verify"], "driver / head", f"level 2: the {b} share of the verify walk (per-layer laps summed: drained, or the graph's device-clock stamps; laid end to end)") for b in C.VERIFY_SUB_SPANS],
+    *[(C.VERIFY_SUB_SPANS[b], C.PHASE_SPANS["verify"] + " / " + C.SPAN_BATCH_STEP, "driver / head", f"level 2: the {b} share of the verify walk (per-layer laps summed: drained, or the graph's device-clock stamps; laid end to end); for rounds the engine loop ran (pp = 1, --max-batch > 1), the step's walk, once, under its batch.step span") for b in C.VERIFY_SUB_SPANS],
     (C.SPAN_FIRST_TOKEN, C.SPAN_REQUEST, "driver / head", "profile on: everything between the session's prime and the first burst's end"),
     *[(C.ttft_span(b), C.SPAN_FIRST_TOKEN, "driver / head", "first-token bucket " + b) for b in C.TTFT_BUCKETS],
     (C.SPAN_PRIME_CHUNK, C.ttft_span("prime"), "driver / head", "profile on: one prefill chunk of the target's prime "
