@@ -299,9 +299,7 @@ class StepGraphs:
         st.graph.replay()
         if timed:
             self.timed_replays += 1
-            fan = _Fan(timers)
-            st.marks.add_to(fan)
-            fan.spread()
+            st.marks.add_to(*timers)  # (read once for all of them)
         self.last_ids = st.views()[0]  # (the step's ids on the device, until the next load of its bucket)
         if launched is not None:
             launched()
@@ -407,35 +405,6 @@ class StepGraphs:
 
 TWIN_TURNS = 8  # host rows a timed twin's stamps rotate through: a chained round reads its step's at
 # the step's settle, a request running its own rounds at its next verify (a few replays later at most)
-
-
-class _Fan(SubsplitTimer):
-    """The level-2 timers of a step, as one: a twin's laps (StampMarks.add_to) go to each, those
-    read back later through each timer's `later`, those added at once by `spread`."""
-
-    def __init__(self, timers):
-        super().__init__(no_drain)
-        self.timers = timers
-
-    def later(self, read) -> None:
-        """The replay's stamps read once (by whichever request settles first), its laps to each."""
-        laps = []
-
-        def into(timer) -> None:
-            if not laps:
-                acc = SubsplitTimer(no_drain)
-                read(acc)
-                laps.append(acc.ns)
-            for bucket, v in laps[0].items():
-                timer.ns[bucket] += v
-
-        for t in self.timers:
-            t.later(into)
-
-    def spread(self) -> None:
-        for t in self.timers:
-            for bucket, v in self.ns.items():
-                t.ns[bucket] += v
 
 
 def _host_marks() -> StampMarks:

@@ -198,22 +198,41 @@ class StampMarks(_Marks):
         """One replay's stamps (its `n` slots, in order) into the timer's buckets."""
         add_laps(self.kinds, [stamps[s] for s in self.slots], timer)
 
-    def add_to(self, timer: SubsplitTimer) -> None:
-        """After a replay: the stamps back and their laps into the timer. With a pinned host copy,
-        the copy is queued behind the replay and the laps are added at the timer's next take;
-        without one, the copy waits for the replay here."""
+    def add_to(self, *timers: SubsplitTimer) -> None:
+        """After a replay: the stamps back and their laps into each timer (a step's level-2
+        rounds all rode the same replay: the stamps are read once, their laps added to each).
+        With a pinned host copy, the copy is queued behind the replay and the laps are added at
+        each timer's next take (the first to take reads them); without one, the copy waits for
+        the replay here."""
         n = self.n
-        if not n:
+        if not n or not timers:
             return
         if self.host is None:
-            self.laps(self.buf[:n].tolist(), timer)
+            self._into(self.buf[:n].tolist(), timers)
             return
         b = self._turn
         self._turn = (b + 1) % len(self.host)
         self.host[b][:n].copy_(self.buf[:n], non_blocking=True)
         self.copied[b].record()
-        timer.later(lambda into: self._read(into, b))
+        read: list[dict] = []  # the replay's laps, once read
 
-    def _read(self, timer: SubsplitTimer, b: int) -> None:
-        self.copied[b].synchronize()
-        self.laps(self.host[b][: self.n].tolist(), timer)
+        def into(timer: SubsplitTimer) -> None:
+            if not read:
+                self.copied[b].synchronize()
+                read.append(self._laps_of(self.host[b][:n].tolist()))
+            for bucket, v in read[0].items():
+                timer.ns[bucket] += v
+
+        for t in timers:
+            t.later(into)
+
+    def _laps_of(self, stamps: list[int]) -> dict[str, int]:
+        acc = SubsplitTimer(no_drain)
+        self.laps(stamps, acc)
+        return acc.ns
+
+    def _into(self, stamps: list[int], timers) -> None:
+        laps = self._laps_of(stamps)
+        for t in timers:
+            for bucket, v in laps.items():
+                t.ns[bucket] += v
