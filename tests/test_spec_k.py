@@ -361,8 +361,8 @@ def test_a_tap_drafter_at_k_0_skips_its_maintenance_and_catches_up_when_it_draft
     rounds = []  # (drafts, expected) of every round the loop ran with a K chosen (expected >= 0)
     real_maintained = Chain.maintained
 
-    def maintained(self, t4=None):
-        real_maintained(self, t4)
+    def maintained(self, t4=None, ev=None):
+        real_maintained(self, t4, ev)
         r = self.rounds[-1]
         rounds.append((r.k, r.expected))
 

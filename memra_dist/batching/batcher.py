@@ -390,9 +390,11 @@ class Batcher(Residency):
             if isinstance(out, BaseException):
                 raise out
             host = take_readback(staged)
+            anchor = (time.perf_counter_ns(), staged[1]) if staged[1] is not None else None
             logits = out.logits
             lo, r = 0, logits.shape[0]
             for j in take:
+                j.anchor = anchor
                 n = 1 if j.last else j.n
                 if j.chain is None or not j.chain.greedy:  # a greedy chained round reads only its greedy rows
                     j.out = logits[lo:lo + n]

@@ -24,11 +24,15 @@ round itself (its submission may wait for blocks or preempt another request) and
 
 Each round keeps six host stamps (ns), as the session's phase clock stamps a round's
 boundaries: the proposal started / the verify queued (the draft) / the step read back (the
-verify: waiting for the step and its forward) / accepted / rolled back / maintained. A drafter
-on the device has its proposal read back (the draft phase ends with its drafts on the host)
-and, when the request's rounds are recorded (`timed`: trace level >= 1), its maintenance
-drained (DFlash's ingest) before the stamp, so each phase holds its own device time, as the
-session's clock drains at its boundaries; at level 0 nothing is recorded and nothing drains.
+verify: waiting for the step and its forward) / accepted / rolled back / maintained. When the
+request's rounds are recorded (`timed`: trace level >= 1) a drafter's device work ends inside its
+phase: an event is recorded behind its maintenance (DFlash's ingest) and behind a shared draft
+forward whose drafts stay on the device, and the request's thread takes the later of the stamp
+and the moment the stream reached the event (phase/late_stamps.py; the step's readback places the
+device's clock on the host's), so each phase holds its own device time, as the session's event
+clock has it, and nothing waits for the device on the loop's path. Before a chain's first step
+is read back, and off CUDA, the stream is drained there instead (a proposal read back: its draft
+phase ends with its drafts on the host). At level 0 nothing is recorded and nothing drains.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ from ..specdec.sampling import probs
 from ..specdec.drafters.none import NoDrafter
 from ..specdec.spec_k import SHADOW_ALPHA, Acceptance
 from ..specdec.stop import commit_tokens
+from ..device import device_mark
 from ..phase.subsplit import SubsplitTimer, no_drain
 from .job import BatchStep, Job
+from ..phase.late_stamps import LateStamp
 
 __all__ = ["Chain", "ChainRound"]
 
@@ -63,6 +69,7 @@ class ChainRound:
     draft_requests: int = 0  # requests whose drafts one draft forward made with this round's (chain_drafts.py)
     expected: float = -1.0  # --spec-k auto: the accepted drafts its K was chosen for (spec_k.py; -1: fixed K)
     laps: tuple | None = None  # level 2: its verify step's sub-split (ns by bucket, seq_rows)
+    late: tuple = ()  # (boundary, LateStamp): where its drafter's device work ends (phase/late_stamps.py)
 
 
 class Chain:
@@ -93,6 +100,8 @@ class Chain:
         self._drafts: list[int] = []
         self._q = None  # a sampled round's draft probabilities (None: deterministic drafts)
         self._t0 = 0
+        self._anchor: tuple | None = None  # its last step's readback on the host's clock (Job.anchor)
+        self._late1: tuple = ()  # its pending round's draft end, an event behind its shared draft forward
         self._pending: tuple = ()  # the settled round, handed over by `maintained`
         self._shared = 0  # requests the latest proposal's draft forward held (0: its own, or none)
         self._expected = -1.0  # the latest proposal's predicted accepted drafts (--spec-k auto)
@@ -166,14 +175,29 @@ class Chain:
             self._shadow = None
             self.acc.update(len(drafts), j, SHADOW_ALPHA)
 
-    def next_job(self, prop=None, t0: int | None = None, shared: int = 0) -> Job:
+    @property
+    def anchored(self) -> bool:
+        """A traced round's device work may end by an event, not a drain: a step read back on CUDA."""
+        return self._anchor is not None
+
+    def behind(self):
+        """Where a traced round's drafter work just launched ends: an event recorded behind it
+        (phase/late_stamps.py), or None after draining its stream (off CUDA; no step read back yet)."""
+        ev = device_mark() if self._anchor is not None else None
+        if ev is None:
+            self.drafter.drain()
+        return ev
+
+    def next_job(self, prop=None, t0: int | None = None, shared: int = 0, drafted=None) -> Job:
         """The next round's verify rows (the pending token, then this round's drafts), proposed
         as the session's round proposes them (drawn with the request's generator when sampled);
         or `prop`, proposed with other requests' in one draft forward that began at `t0` with
-        `shared` requests' (chain_drafts.py). The rows carry the request's tap sink: the step
-        writes its tap drafter's taps."""
+        `shared` requests' (chain_drafts.py), `drafted` an event behind that forward where a
+        traced round's drafts stay on the device (its draft phase ends there). The rows carry the
+        request's tap sink: the step writes its tap drafter's taps."""
         self._t0 = t0 if t0 is not None else time.perf_counter_ns()
         self._shared = shared
+        self._late1 = ((1, LateStamp(drafted, self._anchor)),) if drafted is not None and self.timed else ()
         n, k = len(self.tokens), self.draft_k()
         if prop is None and k > 0:
             prop = self.drafter.propose(self.tokens, k, self.sp, self.gen)
@@ -202,7 +226,7 @@ class Chain:
         committed as its input (batching/ahead.py): the round began when that row was queued."""
         # (a K-0 round chosen by --spec-k auto counts as one: it expected nothing and drafted
         # nothing, whatever K was chosen since for the round after it)
-        self._t0, self._drafts, self._shared, self._q = job.t, [], 0, None
+        self._t0, self._drafts, self._shared, self._q, self._late1 = job.t, [], 0, None, ()
         self._expected = 0.0 if self.k_step is not None else -1.0
         job.ids[0] = self.tokens[-1]  # what the device read from the argmax (the error path's ids)
 
@@ -220,7 +244,7 @@ class Chain:
                        None)
             return False
         job.start, job.ids[0] = n - 1, self.tokens[-1]
-        self._t0, self._drafts, self._shared, self._q = job.t, None, 0, None  # (its drafts: read at the accept)
+        self._t0, self._drafts, self._shared, self._q, self._late1 = job.t, None, 0, None, ()  # (drafts: at the accept)
         self._expected = self.acc.expected(job.n - 1) if self.k_step is not None else -1.0
         self._shadow, self.remeasure = None, False
         return True
@@ -232,6 +256,7 @@ class Chain:
         blocks to them; the rows it wrote when every draft was accepted); None when the round
         failed (`err` set)."""
         t2 = time.perf_counter_ns()
+        self._anchor = job.anchor
         if self._drafts is None:  # left on the device: the step ran behind their draft, read now
             self._drafts = job.host_ids()[1:]
         kk, n = len(self._drafts), len(self.tokens)
@@ -267,18 +292,20 @@ class Chain:
                          job.timer.take() if job.timer is not None else None)
         return n + j
 
-    def maintained(self, t4: int | None = None) -> None:
+    def maintained(self, t4: int | None = None, ev=None) -> None:
         """After the rollback: the drafter's maintenance, and the round handed to the request.
-        `t4`: the maintenance already ran, with other requests' in one forward begun then."""
+        `t4`: the maintenance already ran, with other requests' in one forward begun then (`ev`:
+        an event behind that forward, where a traced round's maint phase ends: `behind`)."""
         if t4 is None:
             t4 = time.perf_counter_ns()
             if not self.skips_maint():
                 self.drafter.maintain(self.tokens)
                 if self.timed and self.drafter.device is not None:  # its device work ends inside its phase
-                    self.drafter.drain()
+                    ev = self.behind()
         new, kk, j, ctx, step, t0, t1, t2, t3, shared, expected, laps = self._pending
+        late = self._late1 + (((5, LateStamp(ev, self._anchor)),) if ev is not None and self.timed else ())
         self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns()), shared,
-                                      expected, laps))
+                                      expected, laps, late))
         if self.done:
             self.ended = True
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 import time
 
+from ..device import device_mark
+
 __all__ = ["maintain_rounds", "pre_maintain", "draft_early", "propose_rounds", "drop_pre"]
 
 
@@ -144,16 +146,28 @@ def maintain_rounds(chains) -> list:
                 t4 = time.perf_counter_ns()
                 d0 = group[0].drafter
                 type(d0).maintain_many([ch.drafter for ch in group], [ch.tokens for ch in group])
+                ev = None
                 if d0.device is not None and any(ch.timed for ch in group):  # (recorded rounds only: the
-                    d0.drain()  # shared ingest's device time ends in the maint phase, not the next draft)
+                    ev = _behind(group)  # shared ingest's device time ends in the maint phase, not the next draft)
                 for ch in group:
-                    ch.maintained(t4)
+                    ch.maintained(t4, ev)
             else:
                 group[0].maintained()
             ok.extend(group)
         except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own requests only)
             _fail(group, e)
     return ok
+
+
+def _behind(group):
+    """An event behind a shared forward of these chains' drafters, where their traced rounds'
+    phase ends (chain.py `behind`); None after draining the stream, where one of them cannot."""
+    if all(ch.anchored for ch in group if ch.timed):
+        ev = device_mark()
+        if ev is not None:
+            return ev
+    group[0].drafter.drain()
+    return None
 
 
 def propose_rounds(chains, stats=None) -> list:
@@ -175,15 +189,17 @@ def propose_rounds(chains, stats=None) -> list:
             if shared:
                 t0 = time.perf_counter_ns()
                 cls = type(group[0].drafter)
-                # untraced rounds leave their greedy drafts on the device for the next verify: the
-                # loop then packs and launches it while the draft runs (a traced round reads them
-                # back first: its draft phase ends with its drafts on the host)
-                kw = {"defer": True} if group[0].drafter.defers and not any(ch.timed for ch in group) else {}
+                # greedy drafts stay on the device for the next verify: the loop then packs and
+                # launches it while the draft runs; a traced round's draft phase ends at an event
+                # behind the forward (before its chain's first step is read back, or off CUDA: its
+                # drafts read back first, so its draft phase ends with them on the host)
+                defer = group[0].drafter.defers and all(ch.anchored for ch in group if ch.timed)
                 props = cls.propose_many(
                     [ch.drafter for ch in group], [ch.tokens for ch in group], [ch.draft_k() for ch in group],
-                    [ch.sp for ch in group], [ch.gen for ch in group], **kw)
+                    [ch.sp for ch in group], [ch.gen for ch in group], **({"defer": True} if defer else {}))
+                drafted = device_mark() if defer and any(ch.timed for ch in group) else None
                 for ch, prop in zip(group, props):
-                    jobs[id(ch)] = ch.next_job(prop, t0, len(group))
+                    jobs[id(ch)] = ch.next_job(prop, t0, len(group), drafted)
                 if stats is not None:
                     stats.draft_batches += 1
                     stats.draft_batched += len(group)

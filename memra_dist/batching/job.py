@@ -64,6 +64,9 @@ class Job:
     # row, the start it was packed at), moved on the device by the acceptance found there
     ahead: object = None
     argmax: int = -1  # ... a plain row launched beside such verifies: its input's row of the step's argmax
+    # (host ns when the step's readback wait returned, the readback's event): the device clock of
+    # events the loop records behind the step, on the host's (phase/late_stamps.py); None off CUDA
+    anchor: tuple | None = None
 
     def __post_init__(self):
         self.n = len(self.ids)  # its rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..phase.late_stamps import monotone
 from ..phase.records import BurstRecord, RoundRecord
 from .accept import NonFiniteRow
 
@@ -30,6 +31,7 @@ def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | N
         rec.clock = "leader"
         rec.compact = True
     pump = s._pump
+    floor = 0  # the burst's last round's end
     for _ in range(max_rounds):
         if s.done:
             break
@@ -52,7 +54,7 @@ def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | N
         else:
             new = s._commit(rnd.new)
             if rec is not None:
-                _record(rec.next_round(), rnd, s.stats.rounds, s._draft_fw, fm)
+                floor = _record(rec.next_round(), rnd, s.stats.rounds, s._draft_fw, fm, floor)
             s.stats.rounds += 1
             s.stats.drafted += rnd.k
             s.stats.accepted += rnd.j
@@ -63,13 +65,19 @@ def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | N
         rec.t0 = min(rec.t0, rec.rounds[0].t[0])
 
 
-def _record(r: RoundRecord, rnd, index: int, draft_fw: int, fm) -> None:
+def _record(r: RoundRecord, rnd, index: int, draft_fw: int, fm, floor: int = 0) -> int:
+    """The round's record from the chain's; returns its end (the next round starts no earlier)."""
     r.index, r.ctx, r.k, r.j, r.batch = index, rnd.ctx, rnd.k, rnd.j, rnd.step
     r.draft_requests = rnd.draft_requests
     r.expected = rnd.expected
     r.t[:] = rnd.t
+    if rnd.late:  # a drafter's device work ends at an event, not a drain (phase/late_stamps.py)
+        for i, st in rnd.late:
+            r.t[i] = st.at(r.t[i])
+    monotone(r.t, floor)
     r.h[:] = [0] * len(r.h)
     for i in range(len(r.free_mb)):
         r.free_mb[i] = fm
     r.draft_forwards = draft_fw if rnd.k or draft_fw < 0 else 0
     r.sub_ns, r.seq_rows = rnd.laps if rnd.laps is not None else ({}, 0)
+    return r.t[5]

@@ -49,7 +49,7 @@ ATTR_DOC = {
               "clock; the CUDA default), `drain` (each boundary synchronizes the streams: CPU, the first-token "
               "profile, a batched request whose drafter runs on the device, a pipeline head shared by sessions "
               "in flight, MEMRA_PHASE_CLOCK=drain), `ahead` (plain greedy one step "
-              "ahead: each step's device events), `leader` (a batched request whose rounds the step leader runs: its stamps), "
+              "ahead: each step's device events), `leader` (a batched request whose rounds the engine loop runs: its stamps, its drafter's device work ending at events behind it), "
               "`host` (a batched request with a host drafter running its own rounds: its steps return read back, so the host's stamps "
               "are the boundaries, no drain)"),
     "host_ms": ("ms", "phase spans (not one step ahead)", "the phase from its start until the host reached its end "
