@@ -45,15 +45,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import device_mark
+from ..phase.late_stamps import LateStamp
+from ..phase.subsplit import SubsplitTimer, no_drain
 from ..specdec.accept import accept_sampled, commit_rows
-from ..specdec.sampling import probs
 from ..specdec.drafters.none import NoDrafter
+from ..specdec.sampling import probs
 from ..specdec.spec_k import SHADOW_ALPHA, Acceptance
 from ..specdec.stop import commit_tokens
-from ..device import device_mark
-from ..phase.subsplit import SubsplitTimer, no_drain
 from .job import BatchStep, Job
-from ..phase.late_stamps import LateStamp
 
 __all__ = ["Chain", "ChainRound"]
 
