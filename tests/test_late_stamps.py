@@ -42,11 +42,14 @@ def test_a_late_boundary_is_the_later_of_the_host_and_the_stream():
 
 @pytest.mark.parametrize("drafter", ["dflash", "eagle3"])
 def test_traced_rounds_end_their_device_work_at_events_without_a_drain(llama, tmp_path_factory, monkeypatch, drafter):
-    """Level 1 on a batched engine with a tap drafter, where the device records timing events:
-    the loop never drains the stream (its shared maintenance and draft forwards get an event
-    behind them; the greedy drafts stay on the device for the next verify), every request gets
-    its solo ids, and every round's record has its boundaries in clock order, each round after
-    the one before, its maint phase ending at or after the event behind its maintenance."""
+    """Level 1 on a batched engine with a tap drafter whose shared forwards replay graphs (an
+    emulated capture, installed as the GPU path installs them), where the device records timing
+    events: the loop never drains the stream and runs the untraced path (the next drafts made
+    behind the verify before its readback, DFlash's maintenance too, the next verify launched
+    before that readback, the greedy drafts left on the device; each piece of drafter work gets
+    an event behind it, where its phase ends), every
+    request gets its solo ids, and every round's record has its boundaries in clock order, each
+    round after the one before, none before the event it waits for."""
     import memra_dist.batching.batcher as bm
     import memra_dist.batching.chain as chain_mod
     import memra_dist.batching.chain_drafts as cd
@@ -54,6 +57,7 @@ def test_traced_rounds_end_their_device_work_at_events_without_a_drain(llama, tm
     from memra_dist.specdec.drafters.base import Drafter
 
     from test_ahead import _Bursts
+    from test_draft_pool import _chain_graphs, _dflash_pool_graphs
 
     drains, stamps = [], []
     real = Drainer.__call__
@@ -62,11 +66,7 @@ def test_traced_rounds_end_their_device_work_at_events_without_a_drain(llama, tm
     real_at = LateStamp.at
     monkeypatch.setattr(LateStamp, "at", lambda self, host: stamps.append((self.ev.t, real_at(self, host)))
                         or stamps[-1][1])
-
-    def staged(pv):
-        return pv, _Ev()
-
-    monkeypatch.setattr(bm, "stage_readback", staged)
+    monkeypatch.setattr(bm, "stage_readback", lambda pv: (pv, _Ev()))
     monkeypatch.setattr(chain_mod, "device_mark", _Ev)
     monkeypatch.setattr(cd, "device_mark", _Ev)
     ddir = str(_tap_drafter(drafter, llama, tmp_path_factory))
@@ -74,12 +74,20 @@ def test_traced_rounds_end_their_device_work_at_events_without_a_drain(llama, tm
     solo = _solo(llama, drafter, reqs, draft_model=ddir)
     drains.clear()
     sink = _Bursts()
-    got, _, stats = traced_batched(llama, drafter, reqs, 1, sink=sink, draft_model=ddir, spec_k="fixed")
+    graphs = _dflash_pool_graphs if drafter == "dflash" else _chain_graphs
+    def on_open(eng):
+        graphs(eng._backend)
+        eng._backend.batcher.verify_ahead = True  # (as where the steps replay graphs)
+
+    got, _, stats = traced_batched(llama, drafter, reqs, 1, sink=sink, draft_model=ddir, spec_k="fixed",
+                                   on_open=on_open)
     assert got == solo
     assert stats["draft_batches"] > 0 and not drains, (len(drains), stats["draft_batches"])
+    assert stats["early_drafted_rounds"] > 0 and (stats["pre_maintained_rounds"] > 0) == (drafter == "dflash"), stats
+    assert stats["ahead_verify_steps"] > 0, stats  # ... and the next verify launched before the readback
     rounds = [r for rec in sink.recs for r in rec.live()]
     assert rounds and stamps
     assert all(list(r.t) == sorted(r.t) for r in rounds)
     assert all(t >= ev for ev, t in stamps)  # no boundary before the stream reached its event
-    by_burst = [[r for r in rec.live()] for rec in sink.recs]
+    by_burst = [list(rec.live()) for rec in sink.recs]
     assert all(b.t[0] >= a.t[5] for rs in by_burst for a, b in zip(rs, rs[1:]))

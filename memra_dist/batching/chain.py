@@ -30,9 +30,12 @@ phase: an event is recorded behind its maintenance (DFlash's ingest) and behind 
 forward whose drafts stay on the device, and the request's thread takes the later of the stamp
 and the moment the stream reached the event (phase/late_stamps.py; the step's readback places the
 device's clock on the host's), so each phase holds its own device time, as the session's event
-clock has it, and nothing waits for the device on the loop's path. Before a chain's first step
-is read back, and off CUDA, the stream is drained there instead (a proposal read back: its draft
-phase ends with its drafts on the host). At level 0 nothing is recorded and nothing drains.
+clock has it, and nothing waits for the device on the loop's path: a traced round runs the
+untraced path, its maintenance and next drafts made behind its verify before the readback
+(chain_drafts.py; their events recorded right behind them) and its next verify launched ahead
+(verify_ahead.py). Before a chain's first step is read back, and off CUDA, the stream is drained
+there instead and none of those overlaps is taken (a proposal read back: its draft phase ends
+with its drafts on the host). At level 0 nothing is recorded and nothing drains.
 """
 
 from __future__ import annotations
@@ -102,6 +105,9 @@ class Chain:
         self._t0 = 0
         self._anchor: tuple | None = None  # its last step's readback on the host's clock (Job.anchor)
         self._late1: tuple = ()  # its pending round's draft end, an event behind its shared draft forward
+        # traced, CUDA: events behind the maintenance / next drafts made behind its verify before the
+        # readback (chain_drafts.py pre_maintain / draft_early), where those phases end
+        self._pre_ev = self._early_ev = None
         self._pending: tuple = ()  # the settled round, handed over by `maintained`
         self._shared = 0  # requests the latest proposal's draft forward held (0: its own, or none)
         self._expected = -1.0  # the latest proposal's predicted accepted drafts (--spec-k auto)
@@ -182,7 +188,12 @@ class Chain:
 
     def behind(self):
         """Where a traced round's drafter work just launched ends: an event recorded behind it
-        (phase/late_stamps.py), or None after draining its stream (off CUDA; no step read back yet)."""
+        (phase/late_stamps.py), or None after draining its stream (off CUDA; no step read back yet).
+        None without either where its next verify already runs (launched ahead: an event now would
+        sit behind that step; its maintenance then was made behind the verify before, or is host
+        work: EAGLE-3's)."""
+        if self.inflight is not None and self._anchor is not None:
+            return None
         ev = device_mark() if self._anchor is not None else None
         if ev is None:
             self.drafter.drain()
@@ -197,6 +208,8 @@ class Chain:
         request's tap sink: the step writes its tap drafter's taps."""
         self._t0 = t0 if t0 is not None else time.perf_counter_ns()
         self._shared = shared
+        if self._early_ev is not None:  # its drafts made behind the verify before (taken by the proposal)
+            drafted, self._early_ev = self._early_ev, None
         self._late1 = ((1, LateStamp(drafted, self._anchor)),) if drafted is not None and self.timed else ()
         n, k = len(self.tokens), self.draft_k()
         if prop is None and k > 0:
@@ -244,7 +257,9 @@ class Chain:
                        None)
             return False
         job.start, job.ids[0] = n - 1, self.tokens[-1]
-        self._t0, self._drafts, self._shared, self._q, self._late1 = job.t, None, 0, None, ()  # (drafts: at the accept)
+        self._t0, self._drafts, self._shared, self._q = job.t, None, 0, None  # (its drafts: read at the accept)
+        ev, self._early_ev = self._early_ev, None  # (its draft phase: the early drafts behind the verify before)
+        self._late1 = ((1, LateStamp(ev, self._anchor)),) if ev is not None and self.timed else ()
         self._expected = self.acc.expected(job.n - 1) if self.k_step is not None else -1.0
         self._shadow, self.remeasure = None, False
         return True
@@ -301,7 +316,9 @@ class Chain:
             if not self.skips_maint():
                 self.drafter.maintain(self.tokens)
                 if self.timed and self.drafter.device is not None:  # its device work ends inside its phase
-                    ev = self.behind()
+                    ev = self._pre_ev if self._pre_ev is not None else self.behind()
+        elif ev is None and self.timed and self._pre_ev is not None:
+            ev = self._pre_ev
         new, kk, j, ctx, step, t0, t1, t2, t3, shared, expected, laps = self._pending
         late = self._late1 + (((5, LateStamp(ev, self._anchor)),) if ev is not None and self.timed else ())
         self.rounds.append(ChainRound(new, kk, j, ctx, step, (t0, t1, t2, t3, t4, time.perf_counter_ns()), shared,

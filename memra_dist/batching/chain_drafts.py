@@ -57,20 +57,35 @@ def _alone(chains) -> bool:
 
 
 def pre_maintain(jobs) -> int:
-    """Right behind a step, before its readback: the untraced chained rounds whose drafter
+    """Right behind a step, before its readback: the chained rounds whose drafter
     maintains ahead (`pre_maintains`: DFlash, dflash_batch.py pre_ingest_many) have their verify
     rows ingested now, whatever the acceptance, one shared forward a drafter class; their
-    maintenance after the accept then finds its rows done. (A traced round's maintenance keeps
-    its own phase.) An error here leaves the rounds to their usual maintenance (one warning).
-    Returns the rounds pre-maintained."""
+    maintenance after the accept then finds its rows done. An error here leaves the rounds to
+    their usual maintenance (one warning).
+    Returns the rounds pre-maintained. A traced round takes part where the device records timing
+    events (`Chain.anchored`): its maint phase ends at an event behind the shared ingest."""
     groups: dict[type, list] = {}
+    timed = []
     for j in jobs:
         ch = j.chain
-        if ch is None or ch.ended or j.void or ch.timed or j.n < 2 or not ch.drafter.pre_maintains:
+        if (ch is None or ch.ended or j.void or (ch.timed and not ch.anchored) or j.n < 2
+                or not ch.drafter.pre_maintains):
             continue
         groups.setdefault(type(ch.drafter), []).append((ch.drafter, (j.start, j.start + j.n)))
-    return _ahead(groups, lambda cls, ds, rows: cls.pre_maintain_many(ds, rows), "pre-maintenance",
-                  "maintained")
+        if ch.timed:
+            timed.append(ch)
+    done = _ahead(groups, lambda cls, ds, rows: cls.pre_maintain_many(ds, rows), "pre-maintenance", "maintained")
+    _events_behind(timed, "pre")
+    return done
+
+
+def _events_behind(chains, what: str) -> None:
+    """These traced chains' work made ahead (`what`: "pre", the maintenance; "early", the next
+    drafts) ends at one event recorded now, behind it: where their phase ends (chain.py)."""
+    made = [ch for ch in chains if getattr(ch.drafter, what, None) is not None]
+    ev = device_mark() if made else None
+    for ch in made:
+        setattr(ch, f"_{what}_ev", ev)
 
 
 def _ahead(groups: dict, run, what: str, after: str) -> int:
@@ -95,7 +110,7 @@ _WARNED: set = set()
 
 
 def draft_early(jobs, pred, ids) -> int:
-    """Right behind `pre_maintain`, before the step's readback: the untraced greedy rounds whose
+    """Right behind `pre_maintain`, before the step's readback: the greedy rounds whose
     drafter drafts early (`drafts_early`: DFlash, whose verify rows pre_maintain ingested,
     dflash_batch.py draft_early_many; EAGLE-3, eagle3_batch.py) have
     their next round's drafts made now, the acceptance found on the device from the step's
@@ -107,16 +122,21 @@ def draft_early(jobs, pred, ids) -> int:
     if ids is None:
         return 0
     groups: dict[type, list] = {}
+    timed = []
     p = i = 0
     for j in jobs:
         ch = j.chain
-        if (ch is not None and not ch.ended and not j.void and ch.greedy and not ch.timed and j.n >= 2
-                and ch.drafter.drafts_early):
+        if (ch is not None and not ch.ended and not j.void and ch.greedy and not (ch.timed and not ch.anchored)
+                and j.n >= 2 and ch.drafter.drafts_early):
             groups.setdefault(type(ch.drafter), []).append((ch.drafter, (j.start, p, i, j.n - 1)))
+            if ch.timed:
+                timed.append(ch)
         p += 1 if j.last else j.n
         i += j.n
-    return _ahead(groups, lambda cls, ds, verify: cls.draft_early_many(ds, verify, pred, ids), "early drafting",
+    done = _ahead(groups, lambda cls, ds, verify: cls.draft_early_many(ds, verify, pred, ids), "early drafting",
                   "drafted")
+    _events_behind(timed, "early")
+    return done
 
 
 def drop_pre(chains) -> None:
@@ -126,6 +146,7 @@ def drop_pre(chains) -> None:
     for ch in chains:
         if ch.drafter.pre_maintains or ch.drafter.drafts_early:
             ch.drafter.drop_pre()
+        ch._pre_ev = ch._early_ev = None
 
 
 def maintain_rounds(chains) -> list:
@@ -162,7 +183,13 @@ def maintain_rounds(chains) -> list:
 def _behind(group):
     """An event behind a shared forward of these chains' drafters, where their traced rounds'
     phase ends (chain.py `behind`); None after draining the stream, where one of them cannot."""
-    if all(ch.anchored for ch in group if ch.timed):
+    timed = [ch for ch in group if ch.timed]
+    pre = {id(ch._pre_ev): ch._pre_ev for ch in timed}
+    if len(pre) == 1 and None not in pre.values():  # maintained behind their verify: its event
+        return next(iter(pre.values()))
+    if any(ch.inflight is not None for ch in timed) and all(ch.anchored for ch in timed):
+        return None  # their next step already queued (launched ahead): an event now would sit behind it
+    if all(ch.anchored for ch in timed):
         ev = device_mark()
         if ev is not None:
             return ev

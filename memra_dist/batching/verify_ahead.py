@@ -1,7 +1,7 @@
 """Speculative rounds one step ahead of the host: the next verify launched before this one is
 read back.
 
-Right behind an untraced greedy verify of a tap drafter that drafts early (DFlash, EAGLE-3:
+Right behind a greedy verify of a tap drafter that drafts early (DFlash, EAGLE-3:
 chain_drafts.py `draft_early`), the device already knows each request's next round: its
 acceptance (`accepted_on_device`, the loop's own rule), so the round's first input (the bonus
 token, the argmax row after the accepted drafts) and where the round starts (lo + 1 + accepted);
@@ -29,7 +29,8 @@ plain rounds ahead; a round gets at most the drafts made early. The leader goes 
 graphed steps whose bucket is captured (its rows run as packed, then moved; a capture would run
 them unmoved) or, without graphs (the CPU), with the acceptance read on the host first (the
 tests' eager path); and not when a submission waits or a prime is queued, a step holds a
-sampled or traced round, or a request's next round could reach past its capacity.
+sampled round or a traced one off CUDA (its boundaries drained: chain.py `anchored`), or a
+request's next round could reach past its capacity.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def plan_verify_ahead(b, take: list[Job]) -> list[Job] | None:
     plan, p, drafted = [], 0, False
     for j in take:
         ch = j.chain
-        if ch is None or not ch.greedy or ch.ended or ch.timed or j.void or j.last or ch.inflight is not None:
+        if (ch is None or not ch.greedy or ch.ended or (ch.timed and not ch.anchored) or j.void or j.last
+                or ch.inflight is not None):
             return None
         if j.n == 1:  # a plain round: its next row is its argmax (as ahead.py's)
             if not ch.plain or len(ch.tokens) + 1 >= ch.capacity:

@@ -54,7 +54,7 @@ class DFlashDrafter(Drafter):
     catches_up = True  # propose commits the rows from its n on (base.py)
     loop_prime = True  # a batched engine's loop allocates and primes it (base.py)
     maintain_many = staticmethod(ingest_many_of_contexts)
-    # a batched engine's untraced rounds ingest their verify rows right behind the verify, before
+    # a batched engine's rounds ingest their verify rows right behind the verify, before
     # its readback (dflash_batch.py pre_ingest_many; batching/chain_drafts.py pre_maintain)
     pre_maintain_many = staticmethod(pre_ingest_many)
     pre = None  # (lo, hi): rows pre_ingest_many ingested for the next maintenance

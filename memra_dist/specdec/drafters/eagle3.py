@@ -52,7 +52,7 @@ class Eagle3Drafter(Drafter):
     maintain_many = staticmethod(maintain_many)
     propose_many = staticmethod(propose_many)
     prime_many = staticmethod(prime_many)  # a batched engine's loop primes its new requests together
-    # a batched engine's untraced greedy rounds are drafted right behind their verify, before its
+    # a batched engine's greedy rounds are drafted right behind their verify, before its
     # readback, the acceptance found on the device (eagle3_batch.py draft_early_many); those drafts
     # stay on the device for the next verify (`defers`)
     drafts_early = True
