@@ -68,3 +68,20 @@ def test_level2_tap_drafter_requests_are_chained_with_their_solo_ids_and_each_ve
     rounds = [r for rec in sink.recs for r in rec.live()]
     assert len(rounds) >= len(reqs) and all(r.sub_ns.get("attn", 0) > 0 and r.sub_ns.get("ffn", 0) > 0
                                             for r in rounds), [r.sub_ns for r in rounds]
+
+
+def test_a_step_with_a_level2_job_counts_as_captured_only_once_its_timed_twin_is():
+    """A verify launched ahead only goes on a captured bucket (a capture would run its rows
+    unmoved: verify_ahead.py): for a step holding a level-2 job (a lap timer) that bucket is
+    the timed twin the replay will take, not the plain graph."""
+    from types import SimpleNamespace
+
+    from memra_dist.batching.graphs import StepGraphs
+    from memra_dist.batching.job import Job
+
+    plain = Job(1, [3, 4], 0, 16, False)
+    timed = Job(2, [3, 4], 0, 16, False, timer=object())
+    g = SimpleNamespace(eligible=lambda jobs: True, _key=lambda jobs: ("bucket",), steps={("bucket",): 1}, twins={})
+    assert StepGraphs.captured(g, [plain]) and not StepGraphs.captured(g, [plain, timed])
+    g.twins[("bucket",)] = 1
+    assert StepGraphs.captured(g, [plain, timed])

@@ -193,8 +193,10 @@ class StepGraphs:
                 and all(j.last or j.n <= PAGED_MAX_ROWS for j in jobs))
 
     def captured(self, jobs) -> bool:
-        """A step of `jobs` replays a graph captured already (no capture would run it first)."""
-        return self.eligible(jobs) and self._key(jobs) in self.steps
+        """A step of `jobs` replays a graph captured already (no capture would run it first): its
+        bucket's timed twin where a job carries a level-2 timer (`run`'s choice)."""
+        table = self.twins if any(j.timer is not None for j in jobs) else self.steps
+        return self.eligible(jobs) and self._key(jobs) in table
 
     def segments(self, tail: bool) -> int:
         """The paged kernel's request slots of a graph: the requests', and with a prefill chunk
