@@ -455,9 +455,11 @@ def test_each_requests_verify_spans_name_the_batch_step_they_rode_in(llama, leve
         st = steps[sid]
         names = [k.name for k in kids]
         assert len(names) == len(set(names)) and {VERIFY_SUB_SPANS["attn"], VERIFY_SUB_SPANS["ffn"]} <= set(names)
-        assert names[-1] == VERIFY_SUB_SPANS["rest"] and kids[0].start_time == st.start_time
+        # (from the step's start; its sub-spans may come from another request's sink than the
+        # step's span, whose clock offset differs by a few ns)
+        assert names[-1] == VERIFY_SUB_SPANS["rest"] and abs(kids[0].start_time - st.start_time) < 1000
         assert all(x.end_time == y.start_time for x, y in zip(kids, kids[1:]))
-        assert kids[-1].end_time <= st.end_time + 1000 or kids[-1].start_time == kids[-1].end_time
+        assert kids[-1].end_time <= st.end_time + 2000 or kids[-1].start_time == kids[-1].end_time
         assert all(k.attributes[a["batch_step"]] == st.attributes[a["batch_step"]] for k in kids)
     linked = set()
     for i, exp in enumerate(exps):
