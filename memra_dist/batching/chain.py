@@ -58,7 +58,7 @@ from ..specdec.spec_k import SHADOW_ALPHA, Acceptance
 from ..specdec.stop import commit_tokens
 from .job import BatchStep, Job
 
-__all__ = ["Chain", "ChainRound"]
+__all__ = ["Chain", "ChainRound", "maint_end"]
 
 
 @dataclass
@@ -186,19 +186,6 @@ class Chain:
         """A traced round's device work may end by an event, not a drain: a step read back on CUDA."""
         return self._anchor is not None
 
-    def behind(self):
-        """Where a traced round's drafter work just launched ends: an event recorded behind it
-        (phase/late_stamps.py), or None after draining its stream (off CUDA; no step read back yet).
-        None without either where its next verify already runs (launched ahead: an event now would
-        sit behind that step; its maintenance then was made behind the verify before, or is host
-        work: EAGLE-3's)."""
-        if self.inflight is not None and self._anchor is not None:
-            return None
-        ev = device_mark() if self._anchor is not None else None
-        if ev is None:
-            self.drafter.drain()
-        return ev
-
     def next_job(self, prop=None, t0: int | None = None, shared: int = 0, drafted=None) -> Job:
         """The next round's verify rows (the pending token, then this round's drafts), proposed
         as the session's round proposes them (drawn with the request's generator when sampled);
@@ -310,13 +297,13 @@ class Chain:
     def maintained(self, t4: int | None = None, ev=None) -> None:
         """After the rollback: the drafter's maintenance, and the round handed to the request.
         `t4`: the maintenance already ran, with other requests' in one forward begun then (`ev`:
-        an event behind that forward, where a traced round's maint phase ends: `behind`)."""
+        an event behind that forward, where a traced round's maint phase ends: `maint_end`)."""
         if t4 is None:
             t4 = time.perf_counter_ns()
             if not self.skips_maint():
                 self.drafter.maintain(self.tokens)
                 if self.timed and self.drafter.device is not None:  # its device work ends inside its phase
-                    ev = self._pre_ev if self._pre_ev is not None else self.behind()
+                    ev = maint_end([self])
         elif ev is None and self.timed and self._pre_ev is not None:
             ev = self._pre_ev
         new, kk, j, ctx, step, t0, t1, t2, t3, shared, expected, laps = self._pending
@@ -343,6 +330,27 @@ class Chain:
 
     def _fail(self, e: BaseException, ids) -> None:
         self.err, self.err_ids, self.ended = e, ids, True
+
+
+def maint_end(chains):
+    """Where these traced chains' maintenance just launched (one shared forward, or one chain's)
+    ends: the event behind the maintenance made ahead of their verify's readback where they all
+    share it (chain_drafts.py pre_maintain); else None where their next step already runs
+    (launched ahead: an event now would sit behind that step; their maintenance was host work
+    then, EAGLE-3's); else an event recorded now (phase/late_stamps.py); else (off CUDA, or a
+    chain with no step read back yet) None after draining the stream."""
+    timed = [ch for ch in chains if ch.timed]
+    pre = {id(ch._pre_ev): ch._pre_ev for ch in timed}
+    if len(pre) == 1 and None not in pre.values():
+        return next(iter(pre.values()))
+    if all(ch.anchored for ch in timed):
+        if any(ch.inflight is not None for ch in timed):
+            return None
+        ev = device_mark()
+        if ev is not None:
+            return ev
+    chains[0].drafter.drain()
+    return None
 
 
 def _ahead_where_accepted(job: Job) -> bool:

@@ -19,6 +19,7 @@ import sys
 import time
 
 from ..device import device_mark
+from .chain import maint_end
 
 __all__ = ["maintain_rounds", "pre_maintain", "draft_early", "propose_rounds", "drop_pre"]
 
@@ -169,7 +170,7 @@ def maintain_rounds(chains) -> list:
                 type(d0).maintain_many([ch.drafter for ch in group], [ch.tokens for ch in group])
                 ev = None
                 if d0.device is not None and any(ch.timed for ch in group):  # (recorded rounds only: the
-                    ev = _behind(group)  # shared ingest's device time ends in the maint phase, not the next draft)
+                    ev = maint_end(group)  # shared ingest's device time ends in the maint phase, not the next draft)
                 for ch in group:
                     ch.maintained(t4, ev)
             else:
@@ -178,23 +179,6 @@ def maintain_rounds(chains) -> list:
         except BaseException as e:  # noqa: BLE001 (a drafter's error ends its own requests only)
             _fail(group, e)
     return ok
-
-
-def _behind(group):
-    """An event behind a shared forward of these chains' drafters, where their traced rounds'
-    phase ends (chain.py `behind`); None after draining the stream, where one of them cannot."""
-    timed = [ch for ch in group if ch.timed]
-    pre = {id(ch._pre_ev): ch._pre_ev for ch in timed}
-    if len(pre) == 1 and None not in pre.values():  # maintained behind their verify: its event
-        return next(iter(pre.values()))
-    if any(ch.inflight is not None for ch in timed) and all(ch.anchored for ch in timed):
-        return None  # their next step already queued (launched ahead): an event now would sit behind it
-    if all(ch.anchored for ch in timed):
-        ev = device_mark()
-        if ev is not None:
-            return ev
-    group[0].drafter.drain()
-    return None
 
 
 def propose_rounds(chains, stats=None) -> list:

@@ -38,12 +38,13 @@ _ROUND1_BUCKETS = TTFT_BUCKETS[6:]  # first_draft .. first_maint: contiguous fro
 _PHASE_MS = {p: ATTR[f"{p}_ms"] for p in PHASES}
 
 
-def verify_sub_layout(r: RoundRecord) -> list[tuple[str, int, dict]]:
+def verify_sub_layout(r: RoundRecord, total_ns: int | None = None) -> list[tuple[str, int, dict]]:
     """(bucket, ns, extra attrs) for the level-2 sub-spans, laid end to end inside the verify
     span in a fixed order. They are drained SHARES of the verify walk (per-layer laps summed
     by class), not intervals: `rest` = verify - kda - mla - attn - ffn, so the sub-spans never
-    sum past their parent. (The [spec-phase-v] line's vrest includes ffn: it prints vffn inside it.)"""
-    v = r.phase_ns(1)
+    sum past their parent. (The [spec-phase-v] line's vrest includes ffn: it prints vffn inside it.)
+    `total_ns`: the parent's length when it is not the round's verify (a batch step's forward)."""
+    v = r.phase_ns(1) if total_ns is None else total_ns
     s = r.sub_ns
     out = []
     for b in ("kda", "mla", "attn", "ffn"):
@@ -119,11 +120,8 @@ class SpanSink:
         step's forward less the buckets."""
         b = r.batch
         mem = self._mem(r.free_mb[1])
-        layout = verify_sub_layout(r)
-        used = sum(ns for bucket, ns, _ in layout if bucket != "rest")
         t = b.t0
-        for bucket, ns, extra in layout:
-            ns = max(0, b.forward_ns - used) if bucket == "rest" else ns
+        for bucket, ns, extra in verify_sub_layout(r, b.forward_ns):
             sc = SpanContext(step.trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=self.flags)
             self._span(VERIFY_SUB_SPANS[bucket], step, t, t + ns, {ATTR["batch_step"]: b.id, **extra, **mem}, sc=sc)
             t += ns

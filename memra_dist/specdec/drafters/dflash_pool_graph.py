@@ -4,7 +4,7 @@
 Eager, a shared block forward of 16 requests launched ~300 kernels (five layers of norms,
 projections, the pooled attention, the lm_head): on an H200 its host time, not the device's,
 set the step leader's draft phase (15 ms a step against ~2 ms of device work, 8B shape). Here
-the forward of b requests (b a bucket: 2, 4, 8, ... up to the engine's --max-batch) is one
+the forward of b requests (b a bucket: 1, 2, 4, ... up to the engine's --max-batch) is one
 replay. Its inputs are small integer rows loaded in ONE pinned host-to-device copy (host_row.py):
 each request's block ids [last, mask x (B - 1)], its block's positions, the pool slot of each
 row, each request's slot and its mask limit (start + B). A bucket's rows past the real requests
