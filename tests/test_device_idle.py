@@ -53,10 +53,10 @@ def test_each_step_read_back_is_timed_to_the_next_launch(llama, tmp_path_factory
     from test_batching import _solo
 
     seen: list = []
-    _fake_events(monkeypatch, seen)
     kw = {"draft_model": str(_tap_drafter(drafter, llama, tmp_path_factory))} if drafter == "dflash" else {}
     reqs = _prompts(6)
-    solo = _solo(llama, drafter, reqs, **kw)
+    solo = _solo(llama, drafter, reqs, **kw)  # (one at a time: the loop of one request, its records not counted)
+    _fake_events(monkeypatch, seen)
     got, stats = _batched(llama, drafter, reqs, max_batch=3, **kw)
     assert got == solo
     assert seen and stats["device_idle_steps"] == len(seen) <= stats["steps"] - stats["ahead_steps"], stats

@@ -179,7 +179,7 @@ def test_the_shared_block_forward_replayed_drafts_what_each_request_drafts_alone
 
     from memra_dist.specdec.drafters.dflash import DFlashDrafter
 
-    assert buckets(4) == [1, 2, 4] and buckets(6) == [1, 2, 4, 6] and buckets(2) == [1, 2] and buckets(1) == []
+    assert buckets(4) == [1, 2, 4] and buckets(6) == [1, 2, 4, 6] and buckets(2) == [1, 2] and buckets(1) == [1]
     # (each proposal's forward after its step's readback, one replay a shared forward, counted
     # below; drafted before the readback: test_a_dflash_rounds_verify_rows_are_ingested_behind_the_verify)
     monkeypatch.setattr(DFlashDrafter, "drafts_early", False)
@@ -526,6 +526,35 @@ def test_the_batched_eagle3_chains_replayed_draft_what_each_request_drafts_alone
     else:
         assert stats["early_drafted_rounds"] > 0.5 * stats["chained_rounds"], stats
         assert late[0] < 0.5 * stats["draft_batches"] and made[0].replays > late[0], (late, made[0].replays, stats)
+
+
+def test_a_lone_eagle3_request_replays_the_chains_bucket_of_one(llama, tmp_path_factory, monkeypatch):
+    """A request alone is a batch of one (`generate`'s engine: the loop at --max-batch 1): its
+    EAGLE-3 rounds replay the pool's chain graphs (an emulated capture of the one bucket), and
+    its ids are plain decoding's."""
+    from graph_emulator import EmulatedCapture
+
+    from memra_dist.specdec.drafters.eagle3_pool_graph import PoolChainGraphs
+
+    ddir = _tap_drafter("eagle3", llama, tmp_path_factory)
+    reqs = _prompts(3)
+    plain = _solo(llama, "none", reqs)
+    made = []
+
+    def on_open(eng):
+        b = eng._backend
+        b.draft_pool.alloc(CAP)
+        b.batcher.tap_pool.alloc(CAP)
+        net = b.tap_net
+        embed = net.embed_tokens if net.embed_tokens is not None else b.runner.stage.embed_tokens
+        g = PoolChainGraphs(net, embed, b.draft_pool, b.batcher.tap_pool, 3, 1, graph_cls=EmulatedCapture)
+        assert g.warm() == 1  # the one bucket: one request
+        b.draft_pool.graphs = g
+        made.append(g)
+
+    got, stats = _batched(llama, "eagle3", reqs, max_batch=1, draft_model=str(ddir), on_open=on_open)
+    assert got == plain
+    assert stats["chained_rounds"] > 0 and made[0].replays > stats["draft_batches"] // 2 > 0, (made[0].replays, stats)
 
 
 def test_an_eagle3_request_back_from_k_0_rounds_catches_up_and_still_replays_the_round(llama, tmp_path_factory,

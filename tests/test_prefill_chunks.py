@@ -136,11 +136,12 @@ def test_chunked_prefill_logits_equal_transformers(ckpts, family):
 
 def test_one_engine_takes_each_requests_chunk(ckpts, reference):
     """The chunk is a request's setting: one loaded engine primes each request in its own
-    chunks (the profile says which), with the same tokens."""
+    chunks (the profile says which), with the same tokens (the prefix cache off: with it, the
+    later requests would find the first one's blocks and prefill only the prompt's tail)."""
     from memra_dist.app import open_engine
 
     d = ckpts["qwen2"][0]
-    cfg = _cfg(d, DEFAULT_PREFILL_CHUNK, trace=TraceSettings(level=0, prof=True))
+    cfg = _cfg(d, DEFAULT_PREFILL_CHUNK, trace=TraceSettings(level=0, prof=True), prefix_cache=False)
     with open_engine(cfg, capacity=P + 32) as eng:
         for c in (DEFAULT_PREFILL_CHUNK, 37, 7):
             cap = _Capture()
@@ -183,18 +184,35 @@ _CLASSES = {"mtp": MTPDrafter, "dflash": DFlashDrafter, "eagle3": Eagle3Drafter,
 
 
 def _spec_run(monkeypatch, cfg: RunConfig) -> tuple[list[int], list, dict]:
-    """(tokens, every round's (context length, drafted ids), stats) of one public-path run."""
-    cls = _CLASSES[cfg.drafter]
-    real = cls.propose
+    """(tokens, every round's (context length, drafted ids), stats) of one public-path run.
+    A tap drafter's rounds are the engine loop's (batching/chain.py): their drafts come from the
+    shared draft forward, read as each round is settled; a host or draft-model drafter's from
+    its own `propose`."""
+    from memra_dist.batching.chain import Chain
+
     seen = []
-
-    def spy(self, context, k, sp, gen):
-        p = real(self, context, k, sp, gen)
-        seen.append((len(context), p.tokens.tolist()))
-        return p
-
     with monkeypatch.context() as mp:
-        mp.setattr(cls, "propose", spy)
+        if cfg.drafter in ("dflash", "eagle3", "mtp"):
+            real_settle = Chain.settle
+
+            def settle(self, job):
+                n = len(self.tokens)
+                out = real_settle(self, job)
+                if self._drafts:
+                    seen.append((n, list(self._drafts)))
+                return out
+
+            mp.setattr(Chain, "settle", settle)
+        else:
+            cls = _CLASSES[cfg.drafter]
+            real = cls.propose
+
+            def spy(self, context, k, sp, gen):
+                p = real(self, context, k, sp, gen)
+                seen.append((len(context), p.tokens.tolist()))
+                return p
+
+            mp.setattr(cls, "propose", spy)
         res = generate(cfg, PROMPT)
     return res.token_ids, seen, res.stats
 
@@ -204,7 +222,8 @@ def test_spec_chunked_prime_drafts_the_same_and_output_is_plain_greedy(ckpts, re
                                                                        case):
     family, drafter, ddir, k, chunks = SPEC[case]
     d = ckpts[family][0]
-    kw = dict(drafter=drafter, k=k, draft_model=str(draft_dirs[ddir]) if ddir else None)
+    # fixed K: --spec-k auto's choice follows the measured step times, which differ run to run
+    kw = dict(drafter=drafter, k=k, draft_model=str(draft_dirs[ddir]) if ddir else None, spec_k="fixed")
     toks, drafts, stats = _spec_run(monkeypatch, _cfg(d, DEFAULT_PREFILL_CHUNK, **kw))  # one chunk
     assert toks == reference[family]
     assert stats["drafted"] > 0 and drafts

@@ -179,7 +179,7 @@ class BatchedBackend:
         # DFlash's shared forward computes a whole block a drafting request, whatever its K:
         # --spec-k auto prices its drafting by request, not by drafted token (spec_k.py StepCost)
         self.batcher.cost.per_request = cfg.drafter == "dflash"
-        if self.batcher.auto_k and cfg.drafter == "model":  # its rounds run in the request's session, unchained
+        if self.batcher.auto_k and cfg.drafter == "model" and max_batch > 1:  # its rounds run unchained
             print(f"[memra] --spec-k auto applies to the drafters the engine loop drafts for (ngram, dflash, eagle3, "
                   f"mtp); with --drafter model every round drafts -k {cfg.k}", file=sys.stderr, flush=True)
         self.draft_batcher = None

@@ -128,7 +128,9 @@ class Batcher(Residency):
         self._wakes: list[Chain] = []  # chains with a new round (or ended), their threads not yet woken
         self.stats = BatchStats()
         self.idle = DeviceIdle()  # the device's waits for the loop between steps, by CUDA events
-        self.step_ids = StepIds()
+        # batch.step spans where a step may hold several requests; an engine of one request at a
+        # time (--max-batch 1) traces each round as the seed does, its five phase spans, no step
+        self.step_ids = StepIds() if max_requests != 1 else None
         self.launch_ids = None  # the ids of the step last launched, on the device (step_forward.py)
         self.inflight = InFlight()  # prompt blocks admitted requests compute and have not published (prefix_cache.py)
         self.auto_k = False  # --spec-k auto: each chained request's K chosen every step by goodput (specdec/spec_k.py)

@@ -209,8 +209,17 @@ def choose_k(b, chains) -> None:
     drafting = [ch for ch in chains if not ch.never_drafts and (ch.greedy or CHOOSE_SAMPLED)]  # (drafter none: a plain row)
     for ch in drafting:
         ch.k_step = None
+    # --ngram-first's lookup rounds draft at their bound: their drafts cost no drafting time and
+    # their acceptance is not the network's, which may have taught the chooser K 0 (the lookup
+    # would then never draft); their rows count as the step's others
+    lookup = [ch for ch in drafting if ch.host_round()]
+    if lookup:
+        drafting = [ch for ch in drafting if ch not in lookup]
+        for ch in lookup:
+            ch.k_step = max(ch.draft_k(), 0)
+    others = Others(sum(ch.k_step + 1 for ch in lookup), sum(1.0 + ch.acc.expected(ch.k_step) for ch in lookup), 0)
     bounds = [max(ch.draft_k(), 0) for ch in drafting]
-    ks = choose([(ch.acc, bound) for ch, bound in zip(drafting, bounds)], b.cost)
+    ks = choose([(ch.acc, bound) for ch, bound in zip(drafting, bounds)], b.cost, others if lookup else None)
     if any(ks):
         b.k0_steps = 0
     elif any(bound for ch, bound in zip(drafting, bounds) if not ch.drafter.host_only):

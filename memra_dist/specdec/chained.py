@@ -21,7 +21,9 @@ __all__ = ["burst_chained"]
 # on the host the loop launches from (measured at 16 concurrent on an H200: level 1 cost 13 % of
 # the batch's rate with six spans a round). At level 2 too: there the step's verify sub-split is
 # made once, under the step's span (tracing/emit.py `_step_subs`), not once a request (on an
-# H100 at 16 plain requests, nine spans a round cost level 2 12.6 % of the batch's rate).
+# H100 at 16 plain requests, nine spans a round cost level 2 12.6 % of the batch's rate). An
+# engine of one request at a time (--max-batch 1) keeps the seed's shape: a round's five phase
+# spans (and level 2's sub-split under its verify), no batch.step spans.
 
 
 def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | None) -> None:
@@ -29,7 +31,7 @@ def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | N
     fm = s.clock.free_mb() if rec is not None else None  # one reading a burst
     if rec is not None:
         rec.clock = "leader"
-        rec.compact = True
+        rec.compact = s.target.batcher.step_ids is not None  # a lone request's engine: the seed's six spans
     pump = s._pump
     floor = 0  # the burst's last round's end
     for _ in range(max_rounds):

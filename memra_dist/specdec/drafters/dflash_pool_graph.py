@@ -60,14 +60,14 @@ def pays(rows: int, max_n: int) -> bool:
 
 
 def buckets(max_n: int) -> list[int]:
-    """1, 2, 4, ... below max_n, then max_n, for an engine of at least two (an engine of one
-    drafts on the solo drafter's graphs). Bucket 1 is a request alone on the loop: padded to 2,
-    its round paid a pad request's rows (on an H100, 8B: +0.3 ms a DFlash round)."""
+    """1, 2, 4, ... below max_n, then max_n. Bucket 1 is a request alone on the loop (an
+    engine of one request at a time has only it): padded to 2, its round paid a pad request's
+    rows (on an H100, 8B: +0.3 ms a DFlash round)."""
     out, b = [], 1
     while b < max_n:
         out.append(b)
         b *= 2
-    return out + [max_n] if max_n >= 2 else []
+    return out + [max_n]
 
 
 class _BucketGraphs:
