@@ -157,7 +157,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (copy-with-edits prompts)")
     ap.add_argument("--drafter", default="none", help="none, ngram, replay (greedy; k = 4), or dflash-replay / "
                     "eagle3-replay: the bench's random drafter over the target drafting in full (at concurrency 1, "
-                    "one request on an engine of --max-batch 2, or with --max-batch 1 the solo engine), "
+                    "one request on an engine of --max-batch 2, or with --max-batch 1 an engine of one), "
                     "its drafts replaced by each request's plain greedy ids (recorded by a plain run first) "
                     "corrupted at --corrupt")
     ap.add_argument("--corrupt", default="0.2", help="the replay drafters' corruption rates, comma-separated, "
@@ -179,8 +179,6 @@ def main() -> int:
     ap.add_argument("--own-drafts", action="store_true", help="the tap drafters' requests run their own rounds, "
                     "each drafting alone in its thread (Drafter.chains off: how they ran before the step leader "
                     "drafted them together; what the shared draft forwards save)")
-    ap.add_argument("--six-spans", action="store_true", help="a leader's batched round as six spans at level 1 too "
-                    "(specdec/chained.py COMPACT_BELOW = 0: what the one-span round saves)")
     ap.add_argument("--torch-profile", action="store_true", help="the drafter row's last timed run under "
                     "torch.profiler: OUT/profile-N-SPECK.txt, the ops by host time and by device time, its "
                     "timeline beside it (.trace.json.gz) and where the device idled, with the host work in those "
@@ -219,10 +217,6 @@ def main() -> int:
 
         for cls in (dflash.DFlashDrafter, eagle3.Eagle3Drafter, mtp.MTPDrafter):
             cls.chains = False
-    if a.six_spans:
-        import memra_dist.specdec.chained as chained
-
-        chained.COMPACT_BELOW = 0
 
     from memra_dist.bench.batching import concurrent, graphed_ms, per_step
     from memra_dist.bench.plot import png, speedups, svg

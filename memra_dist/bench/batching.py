@@ -36,7 +36,7 @@ right, at 16 and 64 (CPU: 4) ~0.6 and none right too; `memra-dist bench` charts 
 JSON (OUT-speedup.svg, and .png with matplotlib). It opens ~40 engines on a GPU: give the run
 `--budget-s 2400` (what the budget leaves out is listed in the sweep's `skipped`). Last, issue
 44's first token under load (ttft_load.py): 16 prompts of 512 together, the prefix cache off,
-plain and ngram, over one 8k prompt alone; a request alone on the solo engine and the loop (alone.py).
+plain and ngram, over one 8k prompt alone.
 `benchmarks/batching.py` is the same measurement as a script, any settings.
 """
 
@@ -422,18 +422,12 @@ def batching(s) -> dict:
     from .ttft_load import ttft_under_load  # noqa: PLC0415
 
     load = ttft_under_load(s, run)
-    from .alone import alone  # noqa: PLC0415
-
-    once = {(r["drafter"], r["max_batch"]): r for r in swept["rows"]  # (the sweep's one-request rows at ~0.8)
-            if r["concurrency"] == 1 and r.get("corrupt") in (None, 0.2)}
-    lone = alone(s, run, plain_ids[1][0], draft_dir, once) if 1 in plain_ids else {"skipped": "plain at 1"}
     return {"new": new, "prompt": plen, "k": K, "replay_corrupt": REPLAY_CORRUPT, "plain": plain, "ngram": ngram,
-            "replay": replay, "dflash_replay": dflash, "auto": auto, "sweep": swept, "ttft_load": load, "alone": lone,
+            "replay": replay, "dflash_replay": dflash, "auto": auto, "sweep": swept, "ttft_load": load,
             "figures": {**figures(ran(plain), ran(ngram), ran(replay), ran(dflash),
                                   {name: ran(rows_) for name, rows_ in auto.items()}),
                         **{f"sweep_{k}": v for k, v in swept["figures"].items()},
-                        **{f"ttft_load_{k}": v for k, v in load.items() if k.endswith("_over_alone")},
-                        **{f"alone_{k}": v for k, v in lone.items() if k.endswith("_loop_over_solo")}}}
+                        **{f"ttft_load_{k}": v for k, v in load.items() if k.endswith("_over_alone")}}}
 
 
 REPORT = {  # the report's batch_* figures (bench/report.py TARGETS) -> the section's figure keys
@@ -446,7 +440,6 @@ REPORT = {  # the report's batch_* figures (bench/report.py TARGETS) -> the sect
     "batch_ngram_sweep_16": "sweep_ngram_auto_over_plain_16", "batch_auto_never_slower": "sweep_auto_never_slower",
     **{f"batch_tap_auto_over_plain_{n}": f"sweep_tap_auto_over_plain_{n}" for n in (1, 2, 16, 64)},
     **{f"batch_ttft_load_{d}": f"ttft_load_{d}_over_alone" for d in ("plain", "ngram")},
-    **{f"batch_alone_{d}": f"alone_{d}_loop_over_solo" for d in ("plain", "ngram", "dflash", "eagle3")},
 }
 
 
@@ -491,10 +484,6 @@ def rows(res: dict) -> list[tuple[str, str]]:
             out.append((f"first token, {load['requests']} prompts of {load['prompt']} together ({d}, no prefix cache)",
                         f"TTFT p50 {load[d]['ttft_ms_p50']} ms against one {load['alone_prompt']}-token prompt alone: "
                         f"{load['alone']['ttft_ms_p50']} ms"))
-    for k, v in (b.get("alone") or {}).items():  # issue 44: a request alone, the loop against the solo engine
-        if k.endswith("_loop_over_solo"):
-            out.append((f"a request alone, {k[:-len('_loop_over_solo')]}: the loop (an engine of 2) over the solo engine",
-                        f"{v[0]:.3f}x ({v[1]:.3f}-{v[2]:.3f})"))
     for name, pts in speedups((b.get("sweep") or {}).get("rows") or []).items():  # issue 45's sweep, a line a series
         out.append((f"sweep: {name} over plain", ", ".join(f"{n}: {v:.2f}x" for n, v in pts)))
     return out

@@ -74,8 +74,6 @@ TARGETS = {
     "batch_ngram_sweep_16": Target(">=", 1.6, "ngram, --spec-k auto, 16 concurrent / plain at 16", None, 45),
     **{f"batch_ttft_load_{d}": Target("<=", 1.3, f"TTFT p50, 16 prompts of 512 together ({d}, no prefix cache) / one "
                                                  f"8k prompt's alone", None, 44) for d in ("plain", "ngram")},
-    **{f"batch_alone_{d}": Target(">=", 0.98, f"a request alone ({d}): steady tok/s on the engine loop (an engine "
-                                              f"of 2) / the solo engine's", None, 44) for d in ("plain", "ngram", "dflash", "eagle3")},
     "batch_auto_never_slower": Target(">=", 0.97, "the lowest of the sweep's rows over plain (every drafter, "
                                                   "concurrency and acceptance, none right included)", None, 45),
     "prefill_ttft_8k_over_sdpa": Target("<=", 1.0, "time to first token at 8k / transformers' SDPA forward of the "

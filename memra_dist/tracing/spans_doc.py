@@ -137,7 +137,8 @@ ATTR_DOC = {
                              "together (batching/chain_drafts.py); the draft phase is that shared forward"),
     **{f"{p}_ms": ("ms", "spec.round (leader)", f"a batched round the engine loop ran (`memra.clock` = leader): its {p} "
                    f"phase; such a round is one span at every level, its phases these attributes (level 2: its "
-                   f"step's verify sub-split is under the step's batch.step span)") for p in ("draft", "verify", "accept", "rollback", "maint")},
+                   f"step's verify sub-split is under the step's batch.step span); on an engine of one request at "
+                   f"a time (--max-batch 1) the round keeps its five phase spans instead, and no batch.step") for p in ("draft", "verify", "accept", "rollback", "maint")},
     "fast_path": ("", "memra.request", "what the target's decode / verify steps ran: `graphs`, `compile`, `kernels` "
                   "and `ahead` (plain greedy decoding one step ahead of the host) joined by `+` (a default CUDA "
                   "run: `graphs+compile+kernels`, plain greedy: `graphs+compile+kernels+ahead`), or `eager`"),
