@@ -122,13 +122,13 @@ def child(spec: dict) -> dict:
 
     from memra_dist.app import open_engine  # noqa: PLC0415
     from memra_dist.bench.roofline import per_token_acceptance  # noqa: PLC0415
-    from memra_dist.bench.tap_replay import TapReplay  # noqa: PLC0415
+    from memra_dist.bench.tap_replay import TapReplay, replaying  # noqa: PLC0415
     from memra_dist.config import RunConfig  # noqa: PLC0415
     from memra_dist.specdec.drafters.replay import ReplayDrafter  # noqa: PLC0415
 
     prompt, new, reps, fam = spec["prompt"], spec["new"], spec["repeats"], spec["family"]
     ks = [1] if spec["role"] == "plain" else list(KS[fam])
-    kw = dict(model=spec["target"], max_new_tokens=new, k=max(ks))
+    kw = dict(model=spec["target"], max_new_tokens=new, k=max(ks), spec_k="fixed")  # each K as asked (the figures are per K)
     if spec["role"] == "plain":
         kw["drafter"] = "none"
     elif fam in ("dflash", "eagle3"):
@@ -150,17 +150,13 @@ def child(spec: dict) -> dict:
         out["real"] = {}
         for k in ks:
             out["real"][str(k)] = _slim(_measure(engine, prompt, cfg.with_(k=k), reps))
-        local = engine._backend  # the pp=1 backend keeps the drafter loaded between requests
-        real = local.drafter
-        out["drafter_graphs"] = getattr(real, "graph", None) is not None  # its round on CUDA graphs
+        pool = getattr(engine._backend, "draft_pool", None)  # the loop's shared draft forwards
+        out["drafter_graphs"] = getattr(pool, "graphs", None) is not None  # its rounds on CUDA graphs
         k = TAU_K[fam]
         a = per_token_acceptance(TAU[fam] - 1, k)  # E(a, K) = tau
-        local.drafter = TapReplay(real, ReplayDrafter(spec["recorded"], len(prompt), engine.model.vocab_size,
-                                                      1 - a, seed=1))
-        try:
+        with replaying(engine, lambda d, _p: TapReplay(d, ReplayDrafter(spec["recorded"], len(prompt),
+                                                                       engine.model.vocab_size, 1 - a, seed=1))):
             r = _measure(engine, prompt, cfg.with_(k=k), reps)
-        finally:
-            local.drafter = real
         rec = spec["recorded"]
         r["replay_follows_recording"] = r["ids"] == rec[:len(r["ids"])]
         out["replay"] = {"k": k, "tau": TAU[fam], "acceptance_set": round(a, 4), "corrupt": round(1 - a, 4),

@@ -201,13 +201,16 @@ def _case(name: str, a, dev, cache: Path, prompt: list[int], recorded: list[int]
     from memra_dist.app import open_engine  # noqa: PLC0415
     from memra_dist.bench import tap_checkpoints as tc  # noqa: PLC0415
     from memra_dist.bench.checkpoints import DRAFT_OF, ensure_checkpoint  # noqa: PLC0415
-    from memra_dist.bench.tap_replay import TapReplay  # noqa: PLC0415
+    from memra_dist.bench.tap_replay import TapReplay, wrap_drafters  # noqa: PLC0415
     from memra_dist.config import RunConfig  # noqa: PLC0415
     from memra_dist.specdec.drafters.replay import ReplayDrafter  # noqa: PLC0415
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     target = ensure_checkpoint(a.shape, cache, dev, _say, dtype)
-    kw = dict(model=str(target), max_new_tokens=a.new, k=K[name], drafter={"plain": "none"}.get(name, name))
+    # fixed K: every level must run the same rounds (under --spec-k auto, the default, a round's K
+    # follows the step times the engine measures, so two levels would run different work)
+    kw = dict(model=str(target), max_new_tokens=a.new, k=K[name], drafter={"plain": "none"}.get(name, name),
+              spec_k="fixed")
     if name == "model":
         kw["draft_model"] = str(ensure_checkpoint(DRAFT_OF[a.shape], cache, dev, _say, dtype))
     if name == "dflash":
@@ -217,24 +220,16 @@ def _case(name: str, a, dev, cache: Path, prompt: list[int], recorded: list[int]
     t = time.perf_counter()
     with open_engine(cfg, len(prompt) + a.new + K[name] + 1) as engine:
         out["open_s"] = round(time.perf_counter() - t, 1)
-        real = None
-        if name == "dflash":
-            _request(engine, prompt, cfg.with_(max_new_tokens=8), 0, "events")  # builds and loads the drafter
-            real = engine._backend.drafter  # the pp=1 backend keeps the drafter between requests
+        if name == "dflash":  # the same corrupted drafts in every request (a new replay's generator each)
+            wrap_drafters(engine, lambda d, _p: TapReplay(d, ReplayDrafter(recorded, len(prompt),
+                                                                           engine.model.vocab_size, 0.2, seed=1)))
             out["corrupt"] = 0.2
-
-        def fresh() -> None:  # dflash: the same corrupted drafts in every request (a new replay's generator)
-            if real is not None:
-                engine._backend.drafter = TapReplay(real, ReplayDrafter(recorded, len(prompt),
-                                                                        engine.model.vocab_size, 0.2, seed=1))
-        fresh()
         for _ in range(a.warmup):  # warm-up at level 0 only (clocks up): level 1 / 2's first requests are timed
             _request(engine, prompt, cfg, 0, "events")
         plan = RUNS + (EXPLAIN if a.explain else ())
         runs = {f"{lv}/{ck}": [] for lv, ck in plan}
         for rep in range(a.repeats):
             for lv, ck in plan:
-                fresh()
                 r = _request(engine, prompt, cfg, lv, ck)
                 runs[f"{lv}/{ck}"].append(r)
                 _say(f"{name} rep {rep} level {lv} {ck}: {r['tok_s']:.1f} tok/s, {r['rounds']} rounds")

@@ -30,7 +30,9 @@ from memra_dist.serve.results_file import Output
 from memra_dist.specdec.request import Result
 from memra_dist.specdec.sampling import SamplingParams
 
-TIMING = ("seconds", "ttft_ms", "tok_per_s")  # the stats that differ run to run
+# the stats that differ run to run: the times, and under --spec-k auto (the default, at every
+# --max-batch) what each round drafted, which the engine chooses from the step times it measures
+TIMING = ("seconds", "ttft_ms", "tok_per_s", "rounds", "drafted", "accepted", "acceptance", "tokens_per_round")
 
 
 def _write(path: Path, rows) -> Path:

@@ -155,11 +155,11 @@ def test_the_batching_bench_prices_a_steps_draft_phase_against_its_forwards_read
 
 
 @pytest.mark.slow  # two tiny engines in a subprocess (~5 s)
-def test_the_batching_bench_runs_a_tap_replay_alone_on_the_solo_engine_and_on_the_loop(tmp_path):
+def test_the_batching_bench_runs_a_tap_replay_alone_on_an_engine_of_one_and_of_two(tmp_path):
     """`benchmarks/batching.py --concurrency 1 --drafter dflash-replay` with `--max-batch 1` runs
-    the replay on the solo engine, with `--max-batch 2` one request on the loop: each row drafts
-    (more than a token a round) and keeps its plain ids, so the two are the same request's rounds
-    on the two engines (issue 44: a request alone as a batch of one)."""
+    the replay on an engine of one request (what `generate` opens), with `--max-batch 2` as the
+    only request of an engine of two: both are the engine loop (issue 44: a request alone is a
+    batch of one), each row drafts (more than a token a round) and keeps its plain ids."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "MEMRA_BENCH_CACHE": str(tmp_path / "cache")}
     rows = {}
@@ -171,7 +171,6 @@ def test_the_batching_bench_runs_a_tap_replay_alone_on_the_solo_engine_and_on_th
         assert p.returncode == 0, p.stderr[-3000:]
         rows[mb] = next(r for r in json.loads((out / "batching.json").read_text())["rows"]
                         if r["drafter"] == "dflash-replay")
-    assert rows[1]["max_batch"] == 1 and rows[1]["batcher"] is None  # the solo engine: no batcher
-    assert rows[2]["max_batch"] == 2 and rows[2]["batcher"]["steps"] > 0
-    for r in rows.values():
+    for mb, r in rows.items():
+        assert r["max_batch"] == mb and r["batcher"]["steps"] > 0 and r["batcher"]["max_requests"] == 1, r
         assert r["ids_equal_alone"] == 1 and r["tokens_per_round"] > 1.5, r

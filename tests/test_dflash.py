@@ -237,10 +237,14 @@ def test_trained_tiny_drafter_accepts_and_miswiring_costs_it(tmp_path):
     # the tiny drafter leans on its last tap (the target's last layer) and on positions: an
     # input-vs-output tap offset costs a quarter of its acceptance (measured 0.73) ...
     assert acceptance(shifted) < good_acc - 0.15
-    # ... and a block one position off collapses it (measured 0.006)
-    real = DFlashDrafter.block_logits
+    # ... and a block one position off collapses it (measured 0.006 on the solo drafter): its
+    # rows' rotary positions one past where the block sits, in every path that drafts (the
+    # engine loop's shared block forward and a drafter drafting alone)
+    from memra_dist.model.dflash import DFlashNet
+
+    real = DFlashNet.block
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DFlashDrafter, "block_logits", lambda self, last, start, rows: real(self, last, start + 1, rows))
+        mp.setattr(DFlashNet, "block", lambda self, x, pos, *a, **kw: real(self, x, pos + 1, *a, **kw))
         assert acceptance(good) < 0.1
 
 

@@ -331,8 +331,27 @@ def test_trained_tiny_drafter_accepts_and_miswiring_costs_it(tmp_path):
         finally:
             self.committing = False
 
+    # (the engine loop's shared chain, eagle3_batch.py: each round's first step reads the taps'
+    # features, every later step the step before's output, which the sabotage norms)
+    import memra_dist.specdec.drafters.eagle3_batch as eb
+    from memra_dist.model.eagle3 import Eagle3Net
+
+    real_step, real_features, features = eb._step, Eagle3Net.features, []
+
+    def feats(self, x):
+        out = real_features(self, x)
+        features.append(out)
+        return out
+
+    def step(net, ds, los, lens, tokens, g):
+        fed = any(g is f for f in features)
+        features.clear()
+        return real_step(net, ds, los, lens, tokens, g if fed else net.norm(g))
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Eagle3Drafter, "_commit_rows", commit)
         mp.setattr(Eagle3Drafter, "_run", lambda self, tok, g, lo: real_run(
             self, tok, g if getattr(self, "committing", False) else self.net.norm(g), lo))
+        mp.setattr(Eagle3Net, "features", feats)
+        mp.setattr(eb, "_step", step)
         assert acceptance(good) < good_acc - 0.3

@@ -29,7 +29,8 @@ def dflash_dir(llama, tmp_path_factory):
 
 
 def _cfg(llama, ddir, **kw):
-    return RunConfig(**{**dict(model=str(llama), drafter="dflash", draft_model=str(ddir), k=3,
+    # fixed K at every pp (at pp 1 --spec-k auto would choose K from the measured step times)
+    return RunConfig(**{**dict(model=str(llama), drafter="dflash", draft_model=str(ddir), k=3, spec_k="fixed",
                                max_new_tokens=N_NEW, device="cpu", burst_rounds=3), **kw})
 
 
@@ -78,7 +79,7 @@ def test_trained_drafter_accepts_as_much_through_the_pipeline(ray_local):
     target, _ = demo_checkpoints()
     ddir = demo_dflash_dir(target)
     ids = load_tokenizer(str(target)).encode(DEMO_PROMPT)
-    cfg = RunConfig(model=str(target), drafter="dflash", draft_model=str(ddir), k=4, max_new_tokens=48, device="cpu")
+    cfg = RunConfig(model=str(target), drafter="dflash", draft_model=str(ddir), k=4, max_new_tokens=48, device="cpu", spec_k="fixed")
     ref = generate(cfg, ids)
     assert ref.stats["accepted"] >= 0.5 * ref.stats["drafted"] > 0
     for pp, bounds in ((2, None), (3, (1, 2))):  # tap 1 on stage 0 / on stage 1; tap 3 on the head
@@ -103,7 +104,7 @@ def test_mtp_through_the_pipeline_drafts_as_at_pp1(ray_local, tiny_mtp):
 
     target = tiny_mtp[0]
     ids = load_tokenizer(str(target)).encode(DEMO_PROMPT)
-    cfg = RunConfig(model=str(target), drafter="mtp", k=3, max_new_tokens=40, device="cpu")
+    cfg = RunConfig(model=str(target), drafter="mtp", k=3, max_new_tokens=40, device="cpu", spec_k="fixed")
     ref = generate(cfg, ids)
     assert ref.stats["accepted"] >= 0.5 * ref.stats["drafted"] > 0
     for pp in (2, 3):  # 4 layers: the MoE layers (1..3) spread over the stages; the MTP layer on the head
@@ -126,7 +127,7 @@ def test_eagle3_through_the_pipeline_drafts_as_at_pp1(ray_local):
     ddir = demo_eagle3_dir(target)
     tok = load_tokenizer(str(target))
     prompts = [tok.encode(DEMO_PROMPT), tok.encode("The phase clock")]
-    cfg = RunConfig(model=str(target), drafter="eagle3", draft_model=str(ddir), k=4, max_new_tokens=40, device="cpu")
+    cfg = RunConfig(model=str(target), drafter="eagle3", draft_model=str(ddir), k=4, max_new_tokens=40, device="cpu", spec_k="fixed")
     refs = [generate(cfg, p) for p in prompts]
     assert refs[0].stats["accepted"] >= 0.5 * refs[0].stats["drafted"] > 0
     for pp, bounds in ((2, None), (3, (1, 3))):

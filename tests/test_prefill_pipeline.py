@@ -26,7 +26,9 @@ SHAPE = dict(layers=2, block_size=4, taps=(2, 0), mask_token_id=1, heads=2, kv_h
 
 
 def _cfg(model, **kw):
-    return RunConfig(**{**dict(model=str(model), max_new_tokens=N_NEW, device="cpu", k=3, drafter="none"), **kw})
+    # fixed K at every pp (at pp 1 --spec-k auto would choose K from the measured step times)
+    return RunConfig(**{**dict(model=str(model), max_new_tokens=N_NEW, device="cpu", k=3, drafter="none",
+                               spec_k="fixed"), **kw})
 
 
 @pytest.fixture(scope="module")

@@ -96,18 +96,11 @@ def _tap_replay(eng, prompts: list[list[int]], recorded: list[list[int]], vocab:
     engine's own), then replaced by the request's recorded greedy continuation corrupted at
     `corrupt`."""
     from ..specdec.drafters.replay import ReplayDrafter  # noqa: PLC0415
-    from .tap_replay import TapReplay  # noqa: PLC0415
+    from .tap_replay import TapReplay, wrap_drafters  # noqa: PLC0415
 
-    backend = eng._backend
-    make, by_prompt = backend.request, {tuple(p): r for p, r in zip(prompts, recorded)}
-
-    def request(plan, prompt, *rest):  # (batched: span_sink, slot, draft_slot; solo: span_sink, carrier)
-        req = make(plan, prompt, *rest)
-        s = req.session
-        s.drafter = TapReplay(s.drafter, ReplayDrafter(by_prompt[tuple(prompt)], len(prompt), vocab, corrupt, seed=1))
-        return req
-
-    backend.request = request
+    by_prompt = {tuple(p): r for p, r in zip(prompts, recorded)}
+    wrap_drafters(eng, lambda d, prompt: TapReplay(d, ReplayDrafter(by_prompt[tuple(prompt)], len(prompt), vocab,
+                                                                    corrupt, seed=1)))
 
 
 def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, plen: int = PROMPT,

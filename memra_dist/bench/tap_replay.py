@@ -12,6 +12,8 @@ rewritten before any row reads them), so replacing the proposals leaves each con
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ..device import to_device
@@ -20,7 +22,7 @@ from ..specdec.drafters.dflash_pool_graph import DeviceDrafts
 from ..specdec.drafters.replay import ReplayDrafter
 from ..specdec.drafters.wrapping import Wrapping
 
-__all__ = ["TapReplay"]
+__all__ = ["TapReplay", "replaying", "wrap_drafters"]
 
 
 class TapReplay(Wrapping):
@@ -95,3 +97,29 @@ class TapReplay(Wrapping):
     def drop_pre(self) -> None:
         self.inner.drop_pre()
         self.ahead = None
+
+
+def wrap_drafters(eng, wrap):
+    """From now on, each request `eng` (an engine at pp 1: the engine loop) makes gets its drafter
+    as `wrap(real drafter, prompt)` (e.g. a TapReplay over it, a new one each request), set before
+    its first round -> a function that stops it."""
+    backend = eng._backend
+    make = backend.request
+
+    def request(plan, prompt, *rest):
+        req = make(plan, prompt, *rest)
+        req.session.drafter = wrap(req.session.drafter, prompt)
+        return req
+
+    backend.request = request
+    return lambda: setattr(backend, "request", make)
+
+
+@contextmanager
+def replaying(eng, wrap):
+    """`wrap_drafters` while open."""
+    undo = wrap_drafters(eng, wrap)
+    try:
+        yield
+    finally:
+        undo()

@@ -172,7 +172,9 @@ def _run(cfg, out: Output, entries, tok, max_pos, open_engine, ctx, say, err, ev
                 finally:
                     stop.set()  # Ctrl-C or an error: requests in flight end at their next tokens
                     workers.finish()  # before the engine closes: none is left computing on it
-                    line = batch_line(getattr(engine, "batch_stats", lambda: None)())
+                    # (an engine of one request at a time runs steps too, but batches nothing)
+                    line = (batch_line(getattr(engine, "batch_stats", lambda: None)())
+                            if (batching or {}).get("max_batch", 1) > 1 else None)
                     if line:
                         say(line)
                     if share is not None and share.n_rounds:  # where the job's rounds' time went
