@@ -2,8 +2,9 @@
 between argument parsing and exit codes, and the Python API (`open_engine`, `generate`).
 
 This is the only place that chooses between the in-process engine (pp=1: the engine loop,
-batching/backend.py, at every --max-batch: a request alone is a batch of one) and the pipeline
-(pp>1: the head actor's target). `Engine.generate` drives either, request after request on one
+batching/backend.py, at every --max-batch: a request alone is a batch of one, except on a GPU
+where the loop's steps would run eager: there a request alone keeps the solo engine, `_Local`)
+and the pipeline (pp>1: the head actor's target). `Engine.generate` drives either, request after request on one
 loaded engine, and from several threads at once: up to `Engine.sessions` requests in flight
 (pp=1: --max-batch; pp>1: interleaved across the stages, or batched down the ring).
 `generate` is an engine opened for one request.
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 from .config import RunConfig
 from .specdec.chunks import DEFAULT_PREFILL_CHUNK
@@ -25,7 +28,7 @@ from .phase.lines import fast_path_label
 from .phase.report import FanOut, LineSink
 from .phase.share import ShareTable
 from .plan import RequestPlan, plan_request
-from .specdec.request import BurstOut, Result
+from .specdec.request import BurstOut, Request, Result
 from .specdec.sampling import SamplingParams
 
 __all__ = ["run_command", "config_from_args", "generate", "open_engine", "Engine", "Result"]
@@ -68,6 +71,54 @@ def config_from_args(args, model: str, draft_model: str | None) -> RunConfig:
 
 
 # ---- the one request path -------------------------------------------------------------
+
+
+class _Local:
+    """pp=1: the target is a ModelRunner in this process, on the device resolved here; a
+    draft model, when the drafter is one, stays loaded between requests too."""
+
+    def __init__(self, plan: RequestPlan):
+        import torch  # noqa: PLC0415
+
+        from .device import resolve_device, resolve_dtype  # noqa: PLC0415
+        from .progress import LoadProgress  # noqa: PLC0415
+        from .runner import ModelRunner  # noqa: PLC0415
+        from .threads import apply_cpu_threads  # noqa: PLC0415
+
+        cfg = plan.cfg
+        self.torch, self.drafter = torch, None
+        self.lock = threading.Lock()  # one session at a time: requests run one after another
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.threads_before = apply_cpu_threads(plan.model, self.device)  # a tiny model decodes fastest on one thread
+        try:
+            self.runner = ModelRunner(cfg.model, self.device, self.dtype, cfg=plan.model, max_pos=plan.capacity,
+                                      progress=LoadProgress(Path(cfg.model).name), **cfg.runner_kwargs(self.device))
+        except BaseException:
+            self.close()
+            raise
+
+    def request(self, plan: RequestPlan, prompt: list[int], span_sink, carrier) -> Request:
+        if plan.cfg.drafter in ("model", "dflash", "mtp", "eagle3") and self.drafter is None:  # kept loaded
+            from .specdec.drafters import build_drafter  # noqa: PLC0415
+
+            self.drafter = build_drafter(plan.cfg, plan, self.device, self.dtype, len(prompt), target=self.runner)
+        return Request(self.runner, plan, prompt, span_sink, drafter=self.drafter)
+
+    @contextmanager
+    def session(self, plan: RequestPlan, prompt: list[int], span_sink, carrier):
+        """The request holds the runner until it ends or is abandoned (the next request's
+        allocation starts its cache over)."""
+        with self.lock:
+            req = self.request(plan, prompt, span_sink, carrier)
+            try:
+                yield req
+            except BaseException:
+                req.flush_trace()  # abandoned: its last burst's spans are built too
+                raise
+
+    def close(self) -> None:
+        self.torch.set_num_threads(self.threads_before)  # the caller's process is left as it was
 
 
 class _Pipeline:
@@ -166,8 +217,9 @@ def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir:
     max_batch: up to this many requests in flight, their target forwards joined into one
     forward (batching/: continuous batching over a paged KV cache of `kv_rows` rows, at most
     `max_batch_tokens` rows a forward; at pp > 1 one step down the ring, pipeline/batch_head.py).
-    At pp = 1 every B runs the one engine loop (1: a request alone is a batch of one); at pp > 1,
-    1 runs each request's own rounds on the head (`sessions` interleave down the ring)."""
+    At pp = 1 the engine loop runs every B (1: a request alone is a batch of one), except a request
+    alone on a GPU where the loop's steps would run eager (`_alone_on_loop`); at pp > 1, 1 runs
+    each request's own rounds on the head (`sessions` interleave down the ring)."""
     mcfg = mcfg or load_config(cfg.model)
     cap = capacity or cfg.ctx or min(mcfg.max_position_embeddings, DEFAULT_ENGINE_CTX)
     n = check_sessions(sessions, cfg.pp)
@@ -184,7 +236,7 @@ def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir:
         with open_pipeline(base, run_dir, lost, max_batch, batched) as pipe:
             yield Engine(base, _Pipeline(pipe), max_batch)
         return
-    if cfg.pp == 1:  # one engine loop, whatever B: a request alone is a batch of one
+    if cfg.pp == 1 and (max_batch > 1 or _alone_on_loop(cfg, mcfg)):  # the engine loop: alone, a batch of one
         from .batching.backend import BatchedBackend  # noqa: PLC0415
 
         batched = BatchedBackend(base, max_batch, max_batch_tokens, kv_rows)
@@ -193,10 +245,31 @@ def open_engine(cfg: RunConfig, capacity: int | None = None, mcfg=None, run_dir:
         finally:
             batched.close()
         return
-    from .pipeline.driver import open_pipeline  # noqa: PLC0415 (Ray only when asked for)
+    if cfg.pp > 1:
+        from .pipeline.driver import open_pipeline  # noqa: PLC0415 (Ray only when asked for)
 
-    with open_pipeline(base, run_dir, lost, n) as pipe:
-        yield Engine(base, _Pipeline(pipe), n)
+        with open_pipeline(base, run_dir, lost, n) as pipe:
+            yield Engine(base, _Pipeline(pipe), n)
+        return
+    local = _Local(base)  # a request alone where the loop's steps would run eager on the GPU
+    try:
+        yield Engine(base, local, 1)
+    finally:
+        local.close()
+
+
+def _alone_on_loop(cfg: RunConfig, mcfg) -> bool:
+    """Whether a request alone at pp 1 (--max-batch 1) runs on the engine loop as a batch of one:
+    everywhere its steps replay CUDA graphs or nothing does (CPU), i.e. where `--max-batch auto`
+    would batch on a GPU (batching/policy.py `auto_max_batch`). Elsewhere on a GPU (families whose
+    batched steps run eager: glm4_moe, deepseek_v3, kimi_linear, qwen3's q / k norms, a head size
+    the paged kernel does not take) an eager step costs ~8.5 ms of launches, so the request keeps
+    the solo engine, whose step graphs cover every family."""
+    from .batching.policy import auto_max_batch  # noqa: PLC0415
+    from .device import resolve_device  # noqa: PLC0415
+
+    dev = resolve_device(cfg.device).type
+    return dev != "cuda" or auto_max_batch(cfg, mcfg, dev)[0] > 1
 
 
 def _feed(sink, out: BurstOut) -> None:
