@@ -142,7 +142,8 @@ def _cli(*argv, env=None):
                           timeout=120, env=env)
 
 
-@pytest.mark.parametrize("case", ["missing-dir", "misshaped-tensor", "k-absurd"])
+@pytest.mark.parametrize("case", ["missing-dir", pytest.param("misshaped-tensor", marks=pytest.mark.slow),
+                                  pytest.param("k-absurd", marks=pytest.mark.slow)])  # (a subprocess each)
 def test_bad_input_subprocess(bad_dirs, case):
     argv, needles = {c[0]: (c[1], c[2]) for c in CASES}[case]
     res = _cli(*argv(bad_dirs))

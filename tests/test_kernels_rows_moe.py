@@ -49,7 +49,7 @@ def test_row_gemm_equals_linear_with_each_fold(m, n, k):
                                F.silu(h[:, :n]) * h[:, n:], rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, pytest.param(16, marks=pytest.mark.slow)])  # (16 rows: ~12 s in all)
 @pytest.mark.parametrize("spec", [{}, {"n_shared": 0}, {"top_k": 6, "n_group": 1}, {"num_experts": 4, "top_k": 4,
                                                                                      "n_group": 1}])
 def test_expert_gemvs_equal_the_per_expert_loop(rows, spec):
