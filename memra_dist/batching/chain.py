@@ -228,6 +228,7 @@ class Chain:
         # nothing, whatever K was chosen since for the round after it)
         self._t0, self._drafts, self._shared, self._q, self._late1 = job.t, [], 0, None, ()
         self._expected = 0.0 if self.k_step is not None else -1.0
+        self.slot.ahead_steps += 1
         job.ids[0] = self.tokens[-1]  # what the device read from the argmax (the error path's ids)
 
     def adopt_ahead(self, job: Job) -> bool:
@@ -249,6 +250,7 @@ class Chain:
         self._late1 = ((1, LateStamp(ev, self._anchor)),) if ev is not None and self.timed else ()
         self._expected = self.acc.expected(job.n - 1) if self.k_step is not None else -1.0
         self._shadow, self.remeasure = None, False
+        self.slot.ahead_steps += 1
         return True
 
     def settle(self, job: Job) -> int | None:

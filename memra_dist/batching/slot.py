@@ -42,6 +42,7 @@ class BatchSlot:
     # host-only drafter, a round's boundaries need no drain (specdec/session.py: the host clock)
     synchronous = True
     graphs = None  # no per-request step graphs (the batched steps are the batcher's; the ahead path stays off)
+    ahead_steps = 0  # its rounds the loop launched one step ahead of the host (chain.py adopt / adopt_ahead)
 
     def __init__(self, batcher, need: int, first: int | None = None, prompt: list[int] | None = None):
         """`prompt`: where the batcher's pool caches prefixes (prefix_cache.py), the request's
@@ -164,7 +165,12 @@ class BatchSlot:
         return free_mb(self.device)
 
     def fast_path(self) -> dict[str, bool]:
-        return {"graphs": False, "compile": False, "kernels": self.batcher.kernels}
+        """What the loop's steps ran for this request: its bucketed CUDA graphs (graphs.py), the
+        compiled blocks inside them, our kernels (`ahead`: the session adds `ahead_steps`)."""
+        from ..graphs import stage_compiles  # noqa: PLC0415
+
+        return {"graphs": self.batcher.graphs is not None, "compile": stage_compiles(self.batcher.stage),
+                "kernels": self.batcher.kernels}
 
     def release(self, tokens: list[int] | None = None) -> None:
         """Give the blocks back; `tokens`: the request's tokens once it ended (not abandoned):

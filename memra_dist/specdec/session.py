@@ -104,8 +104,9 @@ class SpecSession:
 
     @property
     def ran_ahead(self) -> bool:
-        """Whether this request's decode steps ran one step ahead of the host (specdec/ahead.py)."""
-        return self._ahead is not None and self._ahead.launched > 0
+        """Whether this request's decode steps ran one step ahead of the host (specdec/ahead.py;
+        on the engine loop, its rounds launched ahead: batching/ahead.py, verify_ahead.py)."""
+        return (self._ahead is not None and self._ahead.launched > 0) or getattr(self.target, "ahead_steps", 0) > 0
 
     def _free_mb(self) -> dict[str, int]:
         out = {self.target.label: self.target.free_mb()}
