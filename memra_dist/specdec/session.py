@@ -104,8 +104,7 @@ class SpecSession:
 
     @property
     def ran_ahead(self) -> bool:
-        """Whether this request's decode steps ran one step ahead of the host (specdec/ahead.py;
-        on the engine loop, its rounds launched ahead: batching/ahead.py, verify_ahead.py)."""
+        """Whether its steps ran one step ahead of the host (specdec/ahead.py; the loop's: chain.py)."""
         return (self._ahead is not None and self._ahead.launched > 0) or getattr(self.target, "ahead_steps", 0) > 0
 
     def _free_mb(self) -> dict[str, int]:
