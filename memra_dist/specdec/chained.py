@@ -31,7 +31,7 @@ def burst_chained(s, max_rounds: int, hook, out: list[int], rec: BurstRecord | N
     fm = s.clock.free_mb() if rec is not None else None  # one reading a burst
     if rec is not None:
         rec.clock = "leader"
-        rec.compact = s.target.batcher.step_ids is not None  # a lone request's engine: the seed's six spans
+        rec.compact = s.target.batcher.max_requests != 1  # an engine of one: the seed's six spans
     pump = s._pump
     floor = 0  # the burst's last round's end
     for _ in range(max_rounds):
