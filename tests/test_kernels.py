@@ -93,6 +93,40 @@ def test_rope_kv_write_equals_the_reference_rotary_and_cache_writes(rows, nh, nk
     assert torch.equal(out, rq) and torch.equal(kc, rk) and torch.equal(vc, rv)  # fp32: the same roundings
 
 
+@pytest.mark.parametrize("rot,norm", [(16, True), (8, False), (8, True)])
+def test_rope_kv_write_takes_qk_norms_and_partial_rotary_as_the_reference(rot, norm):
+    """qwen3's q / k norms (each head RMS-normalized before it rotates) and glm4_moe's partial
+    rotary (the first `rot` dims rotate, the rest pass through) in the same one pass."""
+    from memra_dist.kernels.rope_kv import rope_kv_write
+    from memra_dist.model.layers import RMSNorm, apply_rope, rope_inv_freq, rope_rows
+
+    C, hd, nh, nkv, rows = 40, 16, 4, 2, 3
+    g = torch.Generator().manual_seed(rot + norm)
+    qkv = torch.randn(rows, (nh + 2 * nkv) * hd, generator=g) * 3
+    pos = torch.tensor([3, 17, 39])
+    cos, sin = rope_rows(pos, rope_inv_freq(rot, 10000.0))
+    kc, vc = torch.zeros(C, nkv, hd), torch.zeros(C, nkv, hd)
+    rk, rv = kc.clone(), vc.clone()
+    q, k, v = (t.reshape(rows, -1, hd) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], -1))
+    qn, kn = RMSNorm(hd, 1e-6), RMSNorm(hd, 1e-6)
+    with torch.no_grad():
+        qn.weight.copy_(torch.rand(hd, generator=g) + 0.5)
+        kn.weight.copy_(torch.rand(hd, generator=g) + 0.5)
+        if norm:
+            q, k = qn(q), kn(k)
+    rq = apply_rope(q, cos, sin)
+    rk.index_copy_(0, pos, apply_rope(k, cos, sin))
+    rv.index_copy_(0, pos, v)
+    norms = dict(q_norm=qn.weight.detach(), k_norm=kn.weight.detach(), eps=1e-6) if norm else {}
+    out = rope_kv_write(qkv, cos, sin, kc, vc, pos, nh, **norms)
+    # (fp32; the head's sum of squares in another order than torch's mean: a last-bit difference at most)
+    torch.testing.assert_close(out, rq, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kc, rk, rtol=1e-6, atol=1e-6)
+    assert torch.equal(vc, rv)
+    if not norm:
+        assert torch.equal(out[..., rot:], q[..., rot:])  # the unrotated dims pass through unchanged
+
+
 @pytest.mark.parametrize("live", [1, 70, 1000, 2049])
 def test_split_attention_spreads_a_short_context_of_a_large_cache(live):
     """A cache far larger than its live rows (a long-context engine on a short request): the
@@ -253,22 +287,39 @@ def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, m
     assert 5 in fused  # a verify of K + 1 rows ran folded too (the row GEMMs)
 
 
-@pytest.mark.slow  # ~2-4 s on 2 cores: the quick tier keeps its margin under 5 minutes
-def test_partial_rotary_keeps_the_reference_rotary_on_the_kernels(tmp_path):
-    """glm4_moe rotates only part of each head: its layers keep the reference rotary and cache
-    write (and no folded block), and decode on the kernels identically."""
+@pytest.mark.slow  # the Triton interpreter: ~10 s on 2 cores; the full run (slow tier) keeps it
+@pytest.mark.parametrize("family", ["qwen3", "glm4_moe"])
+def test_qk_norms_and_partial_rotary_ride_the_rotary_kernel_and_decode_identically(family, ckpt_factory, tmp_path,
+                                                                                    monkeypatch):
+    """qwen3's q / k norms and glm4_moe's partial rotary (with its q / k norms) take the rotary
+    kernel (kernels/rope_kv.py) as a Llama layer does: decode and verify rows run it (qwen3's blocks
+    fold their norms and residual adds), and the ids equal the reference's."""
+    import memra_dist.kernels.rope_kv as rk
     from moe_ckpt import save_moe
 
-    path, _ = save_moe(tmp_path / "glm", "glm4_moe", use_qk_norm=False)
+    if family == "qwen3":
+        path = ckpt_factory("qwen3", seed=7, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                            num_key_value_heads=2)[0]
+    else:
+        path, _ = save_moe(tmp_path / "glm", "glm4_moe", use_qk_norm=True)
+    calls = []
+    real = rk.rope_kv_write
+    monkeypatch.setattr(rk, "rope_kv_write", lambda qkv, *a, **kw: calls.append((qkv.shape[0], kw)) or real(qkv, *a, **kw))
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8]
     plain, _ = _generate(ModelRunner(path, torch.device("cpu"), torch.float32, max_pos=128), NoDrafter(), 1,
                          prompt, 10)
     r = ModelRunner(path, torch.device("cpu"), torch.float32, max_pos=128)
     _on_kernels(r)
     attn = [b.self_attn for b in r.stage.layers.values()]
-    assert all(a.fast_attn_rows and a.rope_dim < a.hd and not a.rope_kernel_ok() for a in attn)
-    assert not any(b.fused_rows for b in r.stage.layers.values())
+    assert all(a.fast_attn_rows and a.qk_norm and a.rope_kernel_ok() for a in attn)
+    assert all(a.rope_dim < a.hd for a in attn) == (family == "glm4_moe")
+    assert all(b.fused_rows for b in r.stage.layers.values()) == (family == "qwen3")  # (glm4_moe's MoE: no fold)
     assert _generate(r, NoDrafter(), 1, prompt, 10)[0] == plain
+    assert calls and all(n >= 1 and "q_norm" in kw for n, kw in calls)
+    calls.clear()
+    spec, st = _generate(r, ReplayDrafter(plain[len(prompt):], len(prompt), 128, corrupt=0.3), 3, prompt, 10)
+    assert spec == plain and 0 < st.accepted < st.drafted
+    assert 4 in [n for n, _ in calls]  # a verify of K + 1 rows through the kernel
 
 
 def test_kernels_fall_back_with_one_warning_where_they_cannot_run(capsys, monkeypatch):

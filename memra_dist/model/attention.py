@@ -107,7 +107,7 @@ class Attention(nn.Module):
 
         T = x.shape[0]
         cos, sin = ctx.rope_for(self.rope_dim)
-        q = rope_kv_write(self.qkv_proj(x), cos, sin, state.k, state.v, ctx.pos, self.nh)  # (T, nh, hd)
+        q = rope_kv_write(self.qkv_proj(x), cos, sin, state.k, state.v, ctx.pos, self.nh, **self._norms())  # (T, nh, hd)
         o = prefix_attention(q, state.k[:ctx.prefix + T], state.v[:ctx.prefix + T], ctx.prefix, self.hd ** -0.5)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 
@@ -152,7 +152,7 @@ class Attention(nn.Module):
 
         view, pg = ctx.batch, ctx.batch.paged
         cos, sin = ctx.rope_for(self.rope_dim)
-        q = rope_kv_write(qkv, cos, sin, state.k, state.v, view.slots, self.nh)  # (T, nh, hd)
+        q = rope_kv_write(qkv, cos, sin, state.k, state.v, view.slots, self.nh, **self._norms())  # (T, nh, hd)
         o = paged_attention(q, state.k, state.v, ctx.pos, pg.lo, pg.nrows, pg.table, pg.block, pg.max_rows,
                             pg.max_len, segments=pg.segments)  # (T, nh * hd)
         for seg in view.segments:
@@ -160,9 +160,15 @@ class Attention(nn.Module):
         return o
 
     def rope_kernel_ok(self) -> bool:
-        """Whether kernels/rope_kv.py can take this layer's rotary and cache write: fused QKV,
-        no q / k norms, the whole head rotating (glm4_moe's partial rotary keeps the reference)."""
-        return hasattr(self, "qkv_proj") and not self.qk_norm and self.rope_dim == self.hd
+        """Whether kernels/rope_kv.py can take this layer's rotary and cache write: a fused QKV
+        (its q / k norms, qwen3's, and a partial rotary, glm4_moe's, ride the same pass)."""
+        return hasattr(self, "qkv_proj") and self.rope_dim % 2 == 0 and 0 < self.rope_dim <= self.hd
+
+    def _norms(self) -> dict:
+        """rope_kv_write's q / k norm arguments: none without them."""
+        if not self.qk_norm:
+            return {}
+        return {"q_norm": self.q_norm.weight, "k_norm": self.k_norm.weight, "eps": self.q_norm.eps}
 
     # `_fast` and `fused_step` run opaque kernels that write the cache: kernels/ops.py install wraps
     # them in torch.compiler.disable (torch.compile breaks the block around them), at install
@@ -189,7 +195,7 @@ class Attention(nn.Module):
         from ..kernels.rope_kv import rope_kv_write  # noqa: PLC0415
 
         cos, sin = ctx.rope_for(self.rope_dim)
-        q = rope_kv_write(qkv, cos, sin, state.k, state.v, ctx.pos, self.nh)
+        q = rope_kv_write(qkv, cos, sin, state.k, state.v, ctx.pos, self.nh, **self._norms())
         return decode_attention(q, state.k, state.v, ctx.pos)
 
 
