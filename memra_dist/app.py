@@ -262,8 +262,8 @@ def _alone_on_loop(cfg: RunConfig, mcfg) -> bool:
     """Whether a request alone at pp 1 (--max-batch 1) runs on the engine loop as a batch of one:
     everywhere its steps replay CUDA graphs or nothing does (CPU), i.e. where `--max-batch auto`
     would batch on a GPU (batching/policy.py `auto_max_batch`). Elsewhere on a GPU (families whose
-    batched steps run eager: glm4_moe, deepseek_v3, kimi_linear, qwen3's q / k norms, a head size
-    the paged kernel does not take) an eager step costs ~8.5 ms of launches, so the request keeps
+    batched steps run eager: glm4_moe, deepseek_v3, kimi_linear, a head size the paged kernel does
+    not take) an eager step costs ~8.5 ms of launches, so the request keeps
     the solo engine, whose step graphs cover every family."""
     from .batching.policy import auto_max_batch  # noqa: PLC0415
     from .device import resolve_device  # noqa: PLC0415

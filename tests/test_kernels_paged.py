@@ -89,15 +89,23 @@ def _all_at_once(eng, reqs, cfg) -> list:
     return [got.get(i) for i in range(len(reqs))]
 
 
+@pytest.fixture(scope="module")
+def wide_qwen3(ckpt_factory):
+    """qwen3's q / k norms at head_dim 16 (they ride the rotary kernel: kernels/rope_kv.py)."""
+    return ckpt_factory("qwen3", seed=6, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=2)[0]
+
+
 @pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_llama, drafter, monkeypatch):
+@pytest.mark.parametrize("model,drafter", [("wide_llama", "none"), ("wide_llama", "ngram"), ("wide_qwen3", "ngram")])
+def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(model, drafter, request, monkeypatch):
     import memra_dist.kernels.paged_attention as pa
 
+    path = request.getfixturevalue(model)
     reqs = [([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 12), ([9, 3, 9, 3, 9, 3, 9], 8), (list(range(4, 50)), 10),
             ([11, 12, 13, 11, 12, 13, 11], 12)]  # the third prefills beside the others' decode rows
-    with open_engine(_cfg(wide_llama, drafter), capacity=96) as eng:
-        solo = [eng.generate(p, _cfg(wide_llama, drafter, n)).token_ids for p, n in reqs]
+    with open_engine(_cfg(path, drafter), capacity=96) as eng:
+        solo = [eng.generate(p, _cfg(path, drafter, n)).token_ids for p, n in reqs]
     from memra_dist.model.attention import Attention
 
     launches, folded = [], []
@@ -106,9 +114,9 @@ def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(wide_l
     fused = Attention.fused_step  # a batched step's rows fold the norms and residuals (up to the row GEMM's 128)
     monkeypatch.setattr(Attention, "fused_step", lambda self, x, ctx, *a: folded.append(
         (ctx.batch is not None, x.shape[0])) or fused(self, x, ctx, *a))
-    with open_engine(_cfg(wide_llama, drafter), capacity=96, max_batch=4) as eng:
+    with open_engine(_cfg(path, drafter), capacity=96, max_batch=4) as eng:
         _on_kernels(eng._backend)
-        got = _all_at_once(eng, reqs, lambda n: _cfg(wide_llama, drafter, n))
+        got = _all_at_once(eng, reqs, lambda n: _cfg(path, drafter, n))
         stats = eng._backend.stats()
     assert got == solo
     assert max(launches) >= 2, launches  # one launch held several requests' rows

@@ -1,5 +1,5 @@
 """The solo engine (app.py `_Local`): a request alone at pp 1 where the engine loop's steps would
-run eager on a GPU (glm4_moe, deepseek_v3, kimi_linear, q / k norms, a head size the paged kernel
+run eager on a GPU (glm4_moe, deepseek_v3, kimi_linear, a head size the paged kernel
 does not take: app.py `_alone_on_loop`) keeps it. On the CPU a request alone always runs on the
 loop, so these tests make `_alone_on_loop` say no and check the solo engine against the loop:
 the same ids for every drafter, greedy and sampled (seeded), and the same span tree shape."""
@@ -47,7 +47,8 @@ def test_sampled_requests_alone_draw_the_same_on_both(llama, monkeypatch):
 
 def test_a_request_alone_keeps_the_solo_engine_only_where_the_loops_steps_would_run_eager(monkeypatch):
     """On a GPU: the loop where its steps replay graphs (a llama-like family, a head size the paged
-    kernel takes, no q / k norms), the solo engine elsewhere; on the CPU always the loop."""
+    kernel takes; qwen3's q / k norms ride the rotary kernel), the solo engine elsewhere; on the CPU
+    always the loop."""
     from types import SimpleNamespace as NS
 
     import torch
@@ -61,7 +62,7 @@ def test_a_request_alone_keeps_the_solo_engine_only_where_the_loops_steps_would_
     assert app._alone_on_loop(cfg, llama)
     assert not app._alone_on_loop(cfg, NS(arch="kimi_linear", head_dim=128, qk_norm=False))
     assert not app._alone_on_loop(cfg, NS(arch="llama", head_dim=96, qk_norm=False))
-    assert not app._alone_on_loop(cfg, NS(arch="qwen3", head_dim=128, qk_norm=True))
+    assert app._alone_on_loop(cfg, NS(arch="qwen3", head_dim=128, qk_norm=True))
     assert not app._alone_on_loop(cfg.with_(graphs="off"), llama)
     monkeypatch.setattr(device, "resolve_device", lambda name: torch.device("cpu"))
     assert app._alone_on_loop(cfg, NS(arch="kimi_linear", head_dim=128, qk_norm=False))

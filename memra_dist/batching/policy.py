@@ -18,8 +18,8 @@ MAX_BATCH = 256
 # at 1.8x the latency. On CPU (2 cores, the tiny shape) batching measured no gain: 1 there.
 AUTO_MAX_BATCH = 16
 # the families whose batched steps run on the paged kernel as CUDA graphs, as measured (where
-# `eager_steps` finds nothing against it: qwen3's q / k norms keep its steps eager); glm4_moe's,
-# deepseek_v3's and kimi_linear's steps run eager (not measured on a GPU): auto leaves them one at a time
+# `eager_steps` finds nothing against it); glm4_moe's, deepseek_v3's and kimi_linear's are not
+# measured on a GPU (MLA and KDA run eager there): auto leaves them one at a time
 AUTO_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -64,8 +64,8 @@ def eager_steps(cfg, mcfg) -> str | None:
     True
     >>> eager_steps(c, NS(head_dim=8, qk_norm=False))
     'head_dim 8: the paged kernel takes powers of two from 16'
-    >>> eager_steps(c, NS(head_dim=128, qk_norm=True))
-    'q / k norms: the rotary kernel does not take them'
+    >>> eager_steps(c, NS(head_dim=128, qk_norm=True)) is None  # (qwen3: the rotary kernel takes its norms)
+    True
     >>> eager_steps(NS(graphs="off", kernels="auto"), NS(head_dim=128, qk_norm=False))
     '--graphs off'
     """
@@ -74,8 +74,6 @@ def eager_steps(cfg, mcfg) -> str | None:
     hd = mcfg.head_dim
     if hd < 16 or hd & (hd - 1):
         return f"head_dim {hd}: the paged kernel takes powers of two from 16"
-    if mcfg.qk_norm:
-        return "q / k norms: the rotary kernel does not take them"
     return None
 
 
