@@ -32,6 +32,7 @@ def test_roofline_matches_the_design_anchor():
 
 def test_8b_shape_is_the_design_weight_count():
     assert weight_bytes(shape_config("8b")) == 16_060_522_496  # 8.03 B params in bf16
+    assert weight_bytes(shape_config("qwen3-8b")) == 2 * 8_190_735_360  # Qwen3-8B's 8.19 B (q / k norms included)
 
 
 @pytest.mark.parametrize("a,k,e", [(0.5, 2, 1.75), (0.0, 4, 1.0), (1.0, 4, 5.0), (0.8, 1, 1.8),

@@ -38,6 +38,10 @@ SHAPES: dict[str, dict] = {
     # Llama-3-8B: 8.03 B parameters, 16.06 GB in bf16
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, **_LLAMA),
+    # Qwen3-8B: 8.19 B parameters; q / k norms (each head RMS-normalized before rotary), head_dim 128
+    "qwen3-8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960),
     # Llama-3.2-1B-shaped draft (untied head, so the draft reads its full 1.5 B)
     "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, **_LLAMA),

@@ -44,6 +44,8 @@ __all__ = ["DFLASH_SHAPES", "DSV3_SHAPES", "EAGLE3_SHAPES", "dflash_config", "en
 DFLASH_SHAPES = {  # target shape -> the drafter's shape (model/tiny_dflash.dflash_config_dict's arguments)
     "8b": dict(layers=5, block_size=16, taps=(1, 8, 15, 22, 29), mask_token_id=128002, heads=32, kv_heads=8,
                head_dim=128, intermediate_size=14336),
+    "qwen3-8b": dict(layers=5, block_size=16, taps=(1, 9, 17, 25, 33), mask_token_id=151669, heads=32, kv_heads=8,
+                     head_dim=128, intermediate_size=12288),  # Qwen3-8B-DFlash-b16's widths (DRAFTERS.md)
     "tiny": dict(layers=2, block_size=16, taps=(0, 1), mask_token_id=2, heads=4, kv_heads=2, head_dim=16,
                  intermediate_size=128),
 }
