@@ -18,9 +18,9 @@ and every step walks the ring (pipeline/batch_head.py), eager. On a GPU with the
 the stage is fused and on our kernels (row GEMMs, rotary with the paged K/V write, one paged
 split-sequence attention launch for every request's decode / verify rows), and a step whose
 requests bring at most 16 rows each replays a CUDA graph of the whole forward (graphs.py);
-nothing is compiled. glm4_moe's partial rotary keeps the reference attention there,
-deepseek_v3's latent attention gathers each request's latents and kimi_linear's KDA scans each
-request's rows on its own state, so their steps run eager. On CPU the batched forward is the reference.
+nothing is compiled. Partial rotary (glm4_moe) and q / k norms (qwen3, glm4_moe) ride the
+rotary kernel; deepseek_v3's latent attention gathers each request's latents and kimi_linear's
+KDA scans each request's rows on its own state, so their steps run eager. On CPU the batched forward is the reference.
 
 The KV pool: `kv_rows` slots in blocks of BLOCK rows (default: every request of the batch at
 the engine's capacity, shrunk to what the device's free memory holds, at least one capacity).
