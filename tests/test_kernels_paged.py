@@ -96,8 +96,17 @@ def wide_qwen3(ckpt_factory):
                         num_key_value_heads=2, num_hidden_layers=2)[0]
 
 
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    """glm4_moe: partial rotary with q / k norms (the rotary kernel), a MoE FFN."""
+    from moe_ckpt import save_moe
+
+    return save_moe(tmp_path_factory.mktemp("glm") / "m", "glm4_moe", use_qk_norm=True)[0]
+
+
 @pytest.mark.slow  # the Triton interpreter: seconds to a minute on 2 cores; the full run (slow tier) keeps it
-@pytest.mark.parametrize("model,drafter", [("wide_llama", "none"), ("wide_llama", "ngram"), ("wide_qwen3", "ngram")])
+@pytest.mark.parametrize("model,drafter", [("wide_llama", "none"), ("wide_llama", "ngram"), ("wide_qwen3", "ngram"),
+                                           ("glm", "none")])
 def test_a_batched_engine_on_the_kernels_gives_every_request_its_solo_ids(model, drafter, request, monkeypatch):
     import memra_dist.kernels.paged_attention as pa
 
