@@ -154,7 +154,9 @@ def test_a_request_leaving_while_a_step_holds_its_rows_fails_nobody(llama, monke
         thread to park first, so its chain cannot run ahead to its end meanwhile."""
         if state["rid"] in {j.rid for j in jobs}:
             state["steps"] = state.get("steps", 0) + 1
-            if state["steps"] >= 3:
+            if state["steps"] >= 3:  # the rounds the step before gave reach their threads now, not
+                wake(wakes)  # after this launch: the victim's thread must be free to take its round and park
+                wakes = ()
                 parked.wait(10)
         if parked.is_set() and not go.is_set() and state["rid"] in {j.rid for j in jobs}:
             go.set()

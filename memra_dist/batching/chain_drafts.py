@@ -76,17 +76,20 @@ def pre_maintain(jobs) -> int:
         if ch.timed:
             timed.append(ch)
     done = _ahead(groups, lambda cls, ds, rows: cls.pre_maintain_many(ds, rows), "pre-maintenance", "maintained")
-    _events_behind(timed, "pre")
+    _events_behind(timed, early=False)
     return done
 
 
-def _events_behind(chains, what: str) -> None:
-    """These traced chains' work made ahead (`what`: "pre", the maintenance; "early", the next
-    drafts) ends at one event recorded now, behind it: where their phase ends (chain.py)."""
-    made = [ch for ch in chains if getattr(ch.drafter, what, None) is not None]
+def _events_behind(chains, early: bool) -> None:
+    """These traced chains' work made ahead (the maintenance, or `early`: the next drafts) ends at
+    one event recorded now, behind it: where their phase ends (chain.py `_pre_ev` / `_early_ev`)."""
+    made = [ch for ch in chains if getattr(ch.drafter, "early" if early else "pre", None) is not None]
     ev = device_mark() if made else None
     for ch in made:
-        setattr(ch, f"_{what}_ev", ev)
+        if early:
+            ch._early_ev = ev
+        else:
+            ch._pre_ev = ev
 
 
 def _ahead(groups: dict, run, what: str, after: str) -> int:
@@ -136,7 +139,7 @@ def draft_early(jobs, pred, ids) -> int:
         i += j.n
     done = _ahead(groups, lambda cls, ds, verify: cls.draft_early_many(ds, verify, pred, ids), "early drafting",
                   "drafted")
-    _events_behind(timed, "early")
+    _events_behind(timed, early=True)
     return done
 
 
