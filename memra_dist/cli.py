@@ -89,7 +89,7 @@ def _add_run_args(p: argparse.ArgumentParser, demo: bool, metrics: bool = True) 
                         "maximizes the step's expected tokens per second, from its running acceptance per draft "
                         "position (a new request starts from the engine's) and the step time the engine measures "
                         "(K 0: that request decodes plainly; greedy requests; at "
-                        "--pp 1 with ngram, dflash, eagle3 or mtp); fixed = every round drafts -k tokens")
+                        "--pp 1; at --pp > 1 every round drafts -k); fixed = every round drafts -k tokens")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="with --max-batch > 1: do not reuse the KV blocks of prompt prefixes seen before (by "
                         "default a request whose prompt starts with whole 16-token blocks an earlier request "

@@ -217,6 +217,22 @@ def test_running_out_of_blocks_preempts_by_swap_and_loses_nothing(llama, draft_l
         assert stats["draft"]["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_loop_drafts_a_steps_draft_model_requests_together(llama, draft_llama, sampled):
+    """--drafter model on the engine loop: every request's rounds are the loop's (chained), and
+    the loop drafts a step's requests together (each draft step one forward of the draft model's
+    batcher for all of them: draft_model.py propose_many); each request gets its solo ids
+    (sampled: seeded, its draws from its own generator as alone)."""
+    kw = dict(draft_model=str(draft_llama))
+    if sampled:
+        kw.update(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
+    reqs = _prompts(6)
+    solo = _solo(llama, "model", reqs, **kw)
+    got, stats = _batched(llama, "model", reqs, max_batch=6, gate=True, **kw)
+    assert got == solo
+    assert stats["chained_rounds"] > 0 and stats["draft_batches"] > 0 and stats["mean_draft_batch"] >= 2, stats
+
+
 def test_what_does_not_batch_yet_is_refused_in_one_line(llama, draft_llama):
     from memra_dist.batching.backend import check_batchable
     from memra_dist.model.config import load_config

@@ -23,11 +23,13 @@ def _run(model, drafter, reqs, solo: bool, monkeypatch, **kw):
             return [eng.generate(p, _cfg(model, drafter, max_new_tokens=n, **kw)).token_ids for p, n in reqs]
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "dflash", "eagle3", "mtp"])
-def test_the_solo_engine_and_the_loop_give_a_request_alone_the_same_ids(llama, tmp_path_factory, monkeypatch,
-                                                                         drafter):
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model", "dflash", "eagle3", "mtp"])
+def test_the_solo_engine_and_the_loop_give_a_request_alone_the_same_ids(llama, draft_llama, tmp_path_factory,
+                                                                         monkeypatch, drafter):
     kw = {}
     model = llama
+    if drafter == "model":  # (on the loop, its rounds the loop's: draft_model.py propose_many)
+        kw["draft_model"] = str(draft_llama)
     if drafter in ("dflash", "eagle3"):
         kw["draft_model"] = str(_tap_drafter(drafter, llama, tmp_path_factory))
     reqs = _prompts(3)

@@ -8,7 +8,8 @@ model/mla.py `_batched`) and linear attention (kimi_linear's KDA: a recurrent st
 paged.py `RecurrentStates`, model/kda.py `_batched`), with every
 drafter: those that need nothing but the target (none, ngram, replay), the draft model
 (`model`: a second batcher over the draft model's stage and its own paged pool, each request's
-ModelDrafter over its own draft slot, so every request's draft steps share forwards too) and
+ModelDrafter over its own draft slot; the loop drafts the step's requests together, each draft
+step one forward of the draft batcher for all of them) and
 the tap drafters DFlash, EAGLE-3 and MTP (their network loaded once; each request's drafter
 reads its own tap sink, which every batched step fills with its rows' outputs of the tapped
 layers; a greedy request's rounds are the step leader's, which drafts the step's requests
@@ -179,9 +180,6 @@ class BatchedBackend:
         # DFlash's shared forward computes a whole block a drafting request, whatever its K:
         # --spec-k auto prices its drafting by request, not by drafted token (spec_k.py StepCost)
         self.batcher.cost.per_request = cfg.drafter == "dflash"
-        if self.batcher.auto_k and cfg.drafter == "model" and max_batch > 1:  # its rounds run unchained
-            print(f"[memra] --spec-k auto applies to the drafters the engine loop drafts for (ngram, dflash, eagle3, "
-                  f"mtp); with --drafter model every round drafts -k {cfg.k}", file=sys.stderr, flush=True)
         self.draft_batcher = None
         if cfg.drafter == "model":  # the draft model's steps batched too, over its own pool
             self.draft_runner = load(cfg.draft_model, plan.draft)

@@ -190,6 +190,25 @@ class Batcher(Residency):
             raise job.err
         return job.out, job.step, job.greedy
 
+    def submit_many(self, items) -> list:
+        """`submit` for several requests at once from one thread (a chained drafter's draft step
+        for all its requests: draft_model.py `propose_many`): `items` (rid, ids, start, width,
+        last) queued together and due at once (no wait for other requests' rows: the loop that
+        calls this is the only one that would bring them). -> each one's (out, step, greedy);
+        the first error raised after all are done."""
+        jobs = [Job(rid, ids, start, width, last, now=True) for rid, ids, start, width, last in items]
+        with self.cv:
+            for job in jobs:
+                self._open()
+                self._hold(job.rid, job.start + job.n)
+                self._queue(job)
+            while not all(j.done for j in jobs):
+                self.cv.wait()
+        err = next((j.err for j in jobs if j.err is not None), None)
+        if err is not None:
+            raise err
+        return [(j.out, j.step, j.greedy) for j in jobs]
+
     def _queue(self, job: Job) -> None:
         """Called holding the lock: `job` waits for a step; the loop (started now if it is not
         running) is the one thread woken: waking every caller on every submission cost a
@@ -311,7 +330,7 @@ class Batcher(Residency):
     def _ready_in(self) -> float:
         """Seconds until a step should run (<= 0: now)."""
         waiting = {j.rid for j in self.pending} | self.finished | self.away
-        if self.admitted.keys() <= waiting:
+        if self.admitted.keys() <= waiting or any(j.now for j in self.pending):
             return 0.0
         start = max(self.pending[0].t, self.last_end)
         quiet = max(self.last_submit, self.last_end)  # silence counts from the step's end at the earliest

@@ -1,6 +1,7 @@
 """Rounds the step's leader runs for a request: requests in a batched engine, greedy or sampled,
 whose drafter allows it (`Drafter.chains`: the host drafters none, ngram, replay; DFlash,
-EAGLE-3 and MTP, which the leader drafts for the step's requests together: chain_drafts.py).
+EAGLE-3, MTP and the draft model, which the leader drafts for the step's requests together:
+chain_drafts.py).
 
 A batched request that runs its own rounds (specdec/session.py over a BatchSlot) brings its
 next rows only after its thread has woken, taken the GIL and done its round's host work

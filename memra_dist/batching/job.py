@@ -57,6 +57,7 @@ class Job:
     void: bool = False  # a row launched ahead past its request's end (ahead.py): its output is dropped
     timer: object = None  # level 2: the round's SubsplitTimer (chain.py lap_timer): its step's laps (graphs.py's timed twin, or laps.py)
     primes: bool = False  # its prompt's last chunk, and its drafter primes on the loop after it (primes.py)
+    now: bool = False  # due at once (batcher.py submit_many: a chained drafter's step, no other rows to wait for)
     # its drafts (rows 1 ..) as a Proposal still on the device (`Proposal.dev`); `ids` holds
     # placeholders there until `host_ids` (the step writes them on the device: step_forward.py DraftPatch)
     drafts: object = None

@@ -102,21 +102,42 @@ class BatchSlot:
         self.capacity, self.length = capacity, 0
 
     def forward(self, x: torch.Tensor, start: int, timer=None, last: bool = False) -> torch.Tensor:
-        rows = x.shape[0]
-        if start + rows > self.capacity:
-            raise UserError(f"context full: {start + rows} rows needed, the request holds {self.capacity}")
-        self.length = start + rows
-        primes = self.primes_at is not None and start + rows >= self.primes_at
+        self._rows(x, start)
+        primes = self.primes_at is not None and start + x.shape[0] >= self.primes_at
         if primes:
             self.primes_at = None
         out, self.last_step, self.greedy_rows = self.batcher.submit(self.rid, x.reshape(-1), start, self.capacity,
                                                                     last, self.cache.taps, timer, primes)
-        if self.published < len(self.hashes) and start < len(self.prompt):  # a prefill chunk: its full blocks
+        self._publish(start, x.shape[0])
+        return out
+
+    @staticmethod
+    def forward_many(slots, xs, starts) -> list:
+        """`forward(x, start, last=True)` of several slots of one batcher (none with taps or a
+        prime due: a draft model's slots) in ONE step, from one thread (batcher.py
+        `submit_many`) -> each one's last row's logits."""
+        for s, x, start in zip(slots, xs, starts):
+            s._rows(x, start)
+        got = slots[0].batcher.submit_many([(s.rid, x.reshape(-1), start, s.capacity, True)
+                                            for s, x, start in zip(slots, xs, starts)])
+        for s, x, start, (_, step, greedy) in zip(slots, xs, starts, got):
+            s.last_step, s.greedy_rows = step, greedy
+            s._publish(start, x.shape[0])
+        return [out for out, _, _ in got]
+
+    def _rows(self, x: torch.Tensor, start: int) -> None:
+        rows = x.shape[0]
+        if start + rows > self.capacity:
+            raise UserError(f"context full: {start + rows} rows needed, the request holds {self.capacity}")
+        self.length = start + rows
+
+    def _publish(self, start: int, rows: int) -> None:
+        """A prefill chunk's full blocks into the prefix cache (prefix_cache.py)."""
+        if self.published < len(self.hashes) and start < len(self.prompt):
             done = min(len(self.hashes), min(start + rows, len(self.prompt)) // self.batcher.pool.block)
             if done > self.published:
                 self.batcher.publish(self.rid, self.hashes[:done], self.cache.taps)
                 self.published = done
-        return out
 
     def away(self) -> None:
         """The request works on the host before its next forward (batcher.py `step_away`)."""

@@ -4,7 +4,13 @@ cache; maintenance rolls that cache back to the prefix it shares with the commit
 Greedy rounds of the run's K replay one CUDA graph for the catch-up forward of the pending
 tokens and the whole chain of K - 1 one-row forwards when the draft runner captures its steps
 (chain_graph.py, captured at alloc); other rounds (a shortened k, sampling, CPU) step through
-`runner.forward`."""
+`runner.forward`.
+
+In a batched engine each request's drafter runs over a slot of the draft model's own batcher
+(batching/slot.py), and the engine loop runs its rounds (batching/chain.py): `propose_many`
+drafts every chained request of a step together, each draft step ONE batched forward of the
+draft model for all of them (the catch-up rows first, then one row a request still drafting),
+so --spec-k auto chooses their K as it does the tap drafters'."""
 
 from __future__ import annotations
 
@@ -31,6 +37,66 @@ class ModelDrafter(Drafter):
         self._fed: torch.Tensor | None = None  # a greedy chain's drafts fed back, on the device until maintain
         self.safe = 0  # cached[:safe] is known to equal the committed context
 
+    @property
+    def chains(self) -> bool:
+        """Its rounds may run in the engine loop: where its runner is a draft batcher's slot."""
+        return hasattr(self.runner, "batcher")
+
+    batched = chains  # ... and the loop drafts a step's chained requests together (propose_many)
+
+    @property
+    def batch_key(self):
+        return self.runner.batcher
+
+    @staticmethod
+    def maintain_many(drafters, contexts) -> None:
+        for d, context in zip(drafters, contexts):
+            d.maintain(context)
+
+    @staticmethod
+    def propose_many(drafters, contexts, ks, sps, gens) -> list[Proposal]:
+        """Each drafter's `propose(context, k, sp, gen)`, the draft steps of all of them batched:
+        the catch-up rows of every request in one forward of the draft batcher, then step i's
+        one row of every request still drafting (k > i) in one forward, each request's draws
+        from its own generator in the order its own propose draws them."""
+        from ...batching.slot import BatchSlot  # noqa: PLC0415
+
+        live = [i for i, k in enumerate(ks) if k > 0]
+        toks: dict[int, list] = {i: [] for i in live}
+        qs: dict[int, list] = {i: [] for i in live}
+        rows = {}
+        for i in live:
+            d = drafters[i]
+            d.maintain(contexts[i])  # (a no-op after its maintenance; see `propose`)
+            rows[i] = torch.tensor(contexts[i][len(d.cached):])  # >= 1 token: maintain keeps the last one out
+        while live:
+            logits = BatchSlot.forward_many([drafters[i].runner for i in live], [rows[i] for i in live],
+                                            [len(drafters[i].cached) for i in live])
+            nxt = []
+            for i, lg in zip(live, logits):
+                d, sp = drafters[i], sps[i]
+                d.cached.extend(rows[i].tolist())
+                if sp.greedy:
+                    t = int(d._argmax(lg))
+                else:
+                    q = probs(lg[-1:], sp)  # (1, V)
+                    t = int(draw_drafts(q[:1], gens[i], d.name)[0])
+                    qs[i].append(q[0])
+                toks[i].append(t)
+                if len(toks[i]) < ks[i]:
+                    rows[i] = torch.tensor([t])
+                    nxt.append(i)
+            live = nxt
+        out = []
+        for i, k in enumerate(ks):
+            if k == 0:
+                out.append(EMPTY)
+            elif sps[i].greedy:
+                out.append(Proposal(torch.tensor(toks[i], dtype=torch.long)))
+            else:
+                out.append(Proposal(torch.tensor(toks[i], dtype=torch.long), torch.stack(qs[i])))
+        return out
+
     def alloc(self, capacity: int) -> float:
         if self.chain is not None and self.chain.capacity != capacity:
             self.chain = None  # a new cache comes: drop the graph over the old one first
@@ -56,7 +122,9 @@ class ModelDrafter(Drafter):
     def propose(self, context, k, sp: SamplingParams, gen) -> Proposal:
         if k == 0:
             return EMPTY
-        self._settle()  # a propose with no maintain since the last one (a bench's wrapper)
+        # a propose with no maintain since the last one (a bench's wrapper; a batched engine's
+        # round run by the session after the loop's proposal for it was dropped: its request parked)
+        self.maintain(context)
         feed = context[len(self.cached):]  # >= 1 token: maintain keeps the last one out
         if sp.greedy and self.chain is not None and k == self.chain.k and self.chain.feeds(len(feed)):
             ids = self.chain.run_feed(feed, len(self.cached))  # catch-up + chain: one replay, no readback
