@@ -213,8 +213,9 @@ def test_running_out_of_blocks_preempts_by_swap_and_loses_nothing(llama, draft_l
     assert batched == solo
     assert stats["preemptions"] >= 1, stats
     assert stats["kv_blocks_used"] == 0
-    if drafter == "model":
-        assert stats["draft"]["kv_blocks_used"] == 0
+    if drafter == "model":  # its draft pool crowded too: the loop's draft steps never wait for its blocks (a
+        # request whose draft rows find no room parks: its session drafts that round, waiting there)
+        assert stats["draft"]["kv_blocks_used"] == 0 and stats["draft"]["preemptions"] >= 1, stats["draft"]
 
 
 @pytest.mark.parametrize("sampled", [False, True])

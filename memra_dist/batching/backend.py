@@ -187,6 +187,8 @@ class BatchedBackend:
                                           self.batcher.pool.rows if kv_rows is not None else None, budget,
                                           fast["graphs"], cache=self.prefix_cache, salt=salt_for(cfg.draft_model,
                                                                                                  self.dtype))
+            if runner is None:  # the loop drafts the chained requests together (submit_many: due at once); what
+                self.draft_batcher.max_wait_s = 0.0  # else reaches it (a prime, a parked round) waits for no one
         self.admission = Admission(max_batch)  # the B request slots, longest cached prefix first (admission.py)
         self.max_batch = max_batch
         verify = cfg.k + 1 if cfg.drafter != "none" else 1

@@ -191,23 +191,26 @@ class Batcher(Residency):
         return job.out, job.step, job.greedy
 
     def submit_many(self, items) -> list:
-        """`submit` for several requests at once from one thread (a chained drafter's draft step
-        for all its requests: draft_model.py `propose_many`): `items` (rid, ids, start, width,
-        last) queued together and due at once (no wait for other requests' rows: the loop that
-        calls this is the only one that would bring them). -> each one's (out, step, greedy);
-        the first error raised after all are done."""
+        """`submit` for several requests at once from the engine loop of another batcher (a chained
+        drafter's draft step for all its requests: draft_model.py `propose_many`): `items` (rid,
+        ids, start, width, last) queued together and due at once (no wait for other requests'
+        rows: the loop that calls this is the only one that would bring them). A request whose
+        rows cannot be held without waiting (`_try_hold`: the caller's loop must not wait for
+        blocks that only its own progress frees) is not queued. -> each one's (out, step,
+        greedy), None for one not queued; the first error raised after all are done."""
         jobs = [Job(rid, ids, start, width, last, now=True) for rid, ids, start, width, last in items]
         with self.cv:
-            for job in jobs:
-                self._open()
-                self._hold(job.rid, job.start + job.n)
-                self._queue(job)
-            while not all(j.done for j in jobs):
+            held = []
+            for job in jobs:  # (each queued once held: a queued one is no later one's preemption victim)
+                held.append(self._try_hold(job.rid, job.start + job.n))
+                if held[-1]:
+                    self._queue(job)
+            while not all(j.done for j, ok in zip(jobs, held) if ok):
                 self.cv.wait()
-        err = next((j.err for j in jobs if j.err is not None), None)
+        err = next((j.err for j, ok in zip(jobs, held) if ok and j.err is not None), None)
         if err is not None:
             raise err
-        return [(j.out, j.step, j.greedy) for j in jobs]
+        return [(j.out, j.step, j.greedy) if ok else None for j, ok in zip(jobs, held)]
 
     def _queue(self, job: Job) -> None:
         """Called holding the lock: `job` waits for a step; the loop (started now if it is not

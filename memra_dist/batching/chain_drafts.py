@@ -19,6 +19,7 @@ import sys
 import time
 
 from ..device import device_mark
+from ..specdec.drafters.base import PARK
 from .chain import maint_end
 
 __all__ = ["maintain_rounds", "pre_maintain", "draft_early", "propose_rounds", "drop_pre"]
@@ -213,6 +214,11 @@ def propose_rounds(chains, stats=None) -> list:
                     [ch.sp for ch in group], [ch.gen for ch in group], **({"defer": True} if defer else {}))
                 drafted = device_mark() if defer and any(ch.timed for ch in group) else None
                 for ch, prop in zip(group, props):
+                    if prop is PARK:  # no room for its drafter's rows now: its session drafts this round
+                        ch.park()
+                        if stats is not None:
+                            stats.parks += 1
+                        continue
                     jobs[id(ch)] = ch.next_job(prop, t0, len(group), drafted)
                 if stats is not None:
                     stats.draft_batches += 1

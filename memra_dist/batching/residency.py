@@ -143,6 +143,21 @@ class Residency:
                 continue
             self._swap_out(victim)
 
+    def _try_hold(self, rid, rows: int) -> bool:
+        """`_hold` that never waits (the engine loop's own path: batcher.py `submit_many`): False
+        where the rows cannot be held now (swapped out with no room to come back, or no free block
+        and no other request to preempt); preempting another request for them where one can go."""
+        while True:
+            self._open()
+            if rid in self.swapped and not self._swap_in(rid):
+                pass  # (room for it first: another request goes, if one can)
+            elif rid not in self.swapped and (self.pool.capacity(rid) >= rows or self.pool.grow(rid, rows)):
+                return True
+            victim = self._victim(rid)
+            if victim is None:
+                return False
+            self._swap_out(victim)
+
     def _victim(self, rid):
         """The most recently admitted request other than `rid` with nothing pending or running."""
         busy = self.running_rids | {j.rid for j in self.pending} | {rid}

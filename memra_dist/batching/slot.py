@@ -114,16 +114,21 @@ class BatchSlot:
     @staticmethod
     def forward_many(slots, xs, starts) -> list:
         """`forward(x, start, last=True)` of several slots of one batcher (none with taps or a
-        prime due: a draft model's slots) in ONE step, from one thread (batcher.py
-        `submit_many`) -> each one's last row's logits."""
+        prime due: a draft model's slots) in ONE step, from another batcher's engine loop
+        (batcher.py `submit_many`) -> each one's last row's logits, None for a slot whose rows
+        found no room without waiting (its length as before)."""
+        was = [s.length for s in slots]
         for s, x, start in zip(slots, xs, starts):
             s._rows(x, start)
         got = slots[0].batcher.submit_many([(s.rid, x.reshape(-1), start, s.capacity, True)
                                             for s, x, start in zip(slots, xs, starts)])
-        for s, x, start, (_, step, greedy) in zip(slots, xs, starts, got):
-            s.last_step, s.greedy_rows = step, greedy
+        for s, x, start, g, n in zip(slots, xs, starts, got, was):
+            if g is None:
+                s.length = n
+                continue
+            s.last_step, s.greedy_rows = g[1], g[2]
             s._publish(start, x.shape[0])
-        return [out for out, _, _ in got]
+        return [g[0] if g is not None else None for g in got]
 
     def _rows(self, x: torch.Tensor, start: int) -> None:
         rows = x.shape[0]

@@ -59,6 +59,10 @@ class Proposal:
 
 
 EMPTY = Proposal(ids=[])
+# a batched `propose_many`'s answer for a drafter whose rows found no room in its own pool without
+# waiting (the engine loop never waits): its request's chain parks, and its session drafts that
+# round itself, where waiting for room is its own (batching/chain_drafts.py)
+PARK = Proposal(ids=[])
 
 
 class Drafter:

@@ -18,7 +18,7 @@ import torch
 
 from ...runner import ModelRunner
 from ..sampling import SamplingParams, draw_drafts, probs
-from .base import EMPTY, Drafter, Proposal
+from .base import EMPTY, PARK, Drafter, Proposal
 from .chain_graph import chain_graph
 
 __all__ = ["ModelDrafter"]
@@ -58,10 +58,13 @@ class ModelDrafter(Drafter):
         """Each drafter's `propose(context, k, sp, gen)`, the draft steps of all of them batched:
         the catch-up rows of every request in one forward of the draft batcher, then step i's
         one row of every request still drafting (k > i) in one forward, each request's draws
-        from its own generator in the order its own propose draws them."""
+        from its own generator in the order its own propose draws them. A request whose rows
+        found no room in the draft pool without waiting gets `PARK` (its session drafts that
+        round itself; its drafter's rows past its context go at that propose's maintain)."""
         from ...batching.slot import BatchSlot  # noqa: PLC0415
 
         live = [i for i, k in enumerate(ks) if k > 0]
+        parked: set[int] = set()
         toks: dict[int, list] = {i: [] for i in live}
         qs: dict[int, list] = {i: [] for i in live}
         rows = {}
@@ -74,6 +77,9 @@ class ModelDrafter(Drafter):
                                             [len(drafters[i].cached) for i in live])
             nxt = []
             for i, lg in zip(live, logits):
+                if lg is None:
+                    parked.add(i)
+                    continue
                 d, sp = drafters[i], sps[i]
                 d.cached.extend(rows[i].tolist())
                 if sp.greedy:
@@ -91,6 +97,8 @@ class ModelDrafter(Drafter):
         for i, k in enumerate(ks):
             if k == 0:
                 out.append(EMPTY)
+            elif i in parked:
+                out.append(PARK)
             elif sps[i].greedy:
                 out.append(Proposal(torch.tensor(toks[i], dtype=torch.long)))
             else:
