@@ -261,7 +261,7 @@ def test_a_stage_on_the_kernels_decodes_and_speculates_identically(wide_llama, m
     real = rk.rope_kv_write
     monkeypatch.setattr(rk, "rope_kv_write", lambda qkv, *a: calls.append(qkv.shape[0]) or real(qkv, *a))
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
-    n = 16
+    n = 12  # (each decode step a few seconds of the interpreter)
     plain, _ = _generate(_runner(wide_llama, False), NoDrafter(), 1, prompt, n)
     assert not calls
     fast, _ = _generate(_runner(wide_llama, True), NoDrafter(), 1, prompt, n)
