@@ -127,6 +127,7 @@ def models() -> list[tuple[str, dict]]:
     out = [("8b", SHAPES["8b"]), ("1b", SHAPES["1b"]),
            ("8b-dflash", dflash({**SHAPES["8b"]}, DFLASH_SHAPES["8b"])),
            ("8b-eagle3", eagle3(SHAPES["8b"], EAGLE3_SHAPES["8b"])),
+           ("qwen3-8b", SHAPES["qwen3-8b"]), ("qwen3-8b-dflash", dflash(SHAPES["qwen3-8b"], DFLASH_SHAPES["qwen3-8b"])),
            ("demo", demo), ("demo-draft", llama_config(demo_vocab, **DEMO_SHAPES["draft"])),
            ("demo-dflash", dflash(demo, TINY_DFLASH)), ("demo-eagle3", eagle3(demo, TINY_EAGLE3)),
            ("demo-glm4_moe", glm_config(demo_vocab)),
