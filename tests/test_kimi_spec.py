@@ -39,6 +39,7 @@ def _cfg(target: str, name: str = "none", draft: str | None = None, **kw) -> Run
     extra = dict(DRAFTERS.get(name, {"drafter": name}))
     if extra["drafter"] == "model":
         extra["draft_model"] = draft or hybrid()[2]
+    kw.setdefault("spec_k", "fixed")  # (the rounds' counts compared across pp: the loop's auto K moves at pp 1)
     return RunConfig(model=target, max_new_tokens=N, device="cpu", **extra, **kw)
 
 

@@ -64,7 +64,7 @@ def in_memory_session():
 def traced_run(llama, draft_llama, level: int, prof: bool = False):
     settings = TraceSettings(level=level, prof=prof)
     cfg = RunConfig(model=str(llama), draft_model=str(draft_llama), k=3, max_new_tokens=24, device="cpu",
-                    burst_rounds=BURST, trace=settings)
+                    spec_k="fixed", burst_rounds=BURST, trace=settings)  # (k = 3 every round: the tree's counts)
     ts, exp = in_memory_session()
     lines = io.StringIO()
     with ts.request(cfg, "prompt", len(PROMPT)) as req:
@@ -123,7 +123,14 @@ def check_tree(res, spans):
     return verifies
 
 
-def test_level1_exact_span_tree(llama, draft_llama, drains):
+@pytest.mark.parametrize("solo", [True, False])
+def test_level1_exact_span_tree(llama, draft_llama, drains, monkeypatch, solo):
+    """The same tree from the solo engine (the seed's session: its phase clock drains at every
+    boundary) and from the engine loop (the draft model's rounds are the loop's: chained, timed
+    by the loop's stamps, no drain at a boundary; off CUDA one where a round is read back)."""
+    import memra_dist.app as app
+
+    monkeypatch.setattr(app, "_alone_on_loop", lambda cfg, mcfg: not solo)
     res, spans, lines = traced_run(llama, draft_llama, level=1)
     rounds_n = res.stats["rounds"]
     assert 0 < res.stats["accepted"] < res.stats["drafted"]  # mixed rounds in this run
@@ -131,8 +138,8 @@ def test_level1_exact_span_tree(llama, draft_llama, drains):
     assert len(spans) == 1 + ceil_div(rounds_n, BURST) + 6 * rounds_n
     assert not any(s.name.startswith("spec.verify.") or s.name.startswith("ttft.") for s in spans)
     assert len(verifies) == rounds_n
-    # one drain per boundary per round (pp=1: primary == head == one engine)
-    assert drains["n"] == 5 * rounds_n
+    # solo: one drain per boundary per round (pp=1: primary == head == one engine)
+    assert drains["n"] == (5 if solo else 1) * rounds_n
     assert [ln.split()[0] for ln in lines] == ["[spec-phase]"] * ceil_div(rounds_n, BURST)
 
 
