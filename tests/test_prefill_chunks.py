@@ -440,6 +440,7 @@ def test_cli_bad_prefill_chunk_one_line_exit_2(ckpts, capsys, value):
     assert lines[0].startswith("memra-dist: error:") and "--prefill-chunk" in lines[0] and value in lines[0], err
 
 
+@pytest.mark.slow  # ~3 s (a fresh interpreter); the in-process case above keeps the quick tier's check
 def test_cli_bad_prefill_chunk_subprocess(ckpts):
     res = subprocess.run([sys.executable, "-m", "memra_dist.cli", "generate", "--model", str(ckpts["llama"][0]),
                           "--prompt", "hi", "--device", "cpu", "--prefill-chunk", "0"],
