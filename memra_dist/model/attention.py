@@ -107,7 +107,8 @@ class Attention(nn.Module):
 
         T = x.shape[0]
         cos, sin = ctx.rope_for(self.rope_dim)
-        q = rope_kv_write(self.qkv_proj(x), cos, sin, state.k, state.v, ctx.pos, self.nh, **self._norms())  # (T, nh, hd)
+        qkv = self.qkv_proj(x)
+        q = rope_kv_write(qkv, cos, sin, state.k, state.v, ctx.pos, self.nh, **self._norms())  # (T, nh, hd)
         o = prefix_attention(q, state.k[:ctx.prefix + T], state.v[:ctx.prefix + T], ctx.prefix, self.hd ** -0.5)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 

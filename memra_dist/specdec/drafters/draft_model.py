@@ -85,9 +85,8 @@ class ModelDrafter(Drafter):
                 if sp.greedy:
                     t = int(d._argmax(lg))
                 else:
-                    q = probs(lg[-1:], sp)  # (1, V)
-                    t = int(draw_drafts(q[:1], gens[i], d.name)[0])
-                    qs[i].append(q[0])
+                    t, q = d._draw(lg[-1:], sp, gens[i])
+                    qs[i].append(q)
                 toks[i].append(t)
                 if len(toks[i]) < ks[i]:
                     rows[i] = torch.tensor([t])
@@ -145,9 +144,8 @@ class ModelDrafter(Drafter):
             return self._greedy_chain(logits, k)
         toks, qs = [], []
         for i in range(k):
-            q = probs(logits, sp)  # (1, V)
-            t = int(draw_drafts(q[:1], gen, self.name)[0])
-            qs.append(q[0])
+            t, q = self._draw(logits, sp, gen)
+            qs.append(q)
             toks.append(t)
             if i + 1 < k:
                 logits = self.runner.forward(torch.tensor([t]), len(self.cached))
@@ -171,6 +169,11 @@ class ModelDrafter(Drafter):
             ids = torch.cat(toks)
         self._fed = ids[:k - 1]
         return Proposal(ids)
+
+    def _draw(self, logits: torch.Tensor, sp: SamplingParams, gen) -> tuple[int, torch.Tensor]:
+        """A sampled draft from the last row's logits (1, V): (its id, the draft distribution q (V,))."""
+        q = probs(logits, sp)  # (1, V)
+        return int(draw_drafts(q[:1], gen, self.name)[0]), q[0]
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """The last row's argmax as a (1,) int64: on the drafter's device, or, when the forward
