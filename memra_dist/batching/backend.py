@@ -197,7 +197,7 @@ class BatchedBackend:
         if self.draft_batcher is not None:  # draft rows: one a step, a catch-up of up to K + 1
             self._warm(self.draft_batcher, max_batch, (1, cfg.k + 1), plan.capacity, "draft model",
                        tails=self.prefix_cache)
-        if cfg.drafter in ("dflash", "eagle3") and self.batcher.graphs is not None:
+        if self.draft_pool is not None and self.batcher.graphs is not None:
             try:
                 self._draft_graphs(plan, max_batch)
             except Exception as e:  # noqa: BLE001 (the graphs are a fast path: the shared forwards run eager)
@@ -246,8 +246,13 @@ class BatchedBackend:
         elif cfg.drafter == "mtp":  # the target checkpoint's own MTP layers
             from ..model.mtp import check_mtp, load_mtp  # noqa: PLC0415
             from ..model.taps import FINAL  # noqa: PLC0415
+            from ..specdec.drafters.draft_pool import DraftPool  # noqa: PLC0415
+            from ..specdec.drafters.mtp_pool_graph import poolable  # noqa: PLC0415
 
             self.tap_net = load_mtp(cfg.model, plan.model, check_mtp(plan.model, cfg.model), self.device, self.dtype)
+            if poolable(self.tap_net):  # one layer of grouped attention: its K/V a slot of one pool
+                a = self.tap_net.layer(0).self_attn
+                self.draft_pool = DraftPool(max_batch, 1, a.nkv, a.hd, self.device, self.dtype)
             return (FINAL,)
         return tuple(plan.draft.tap_ids) if self.tap_net is not None else ()
 
@@ -271,6 +276,9 @@ class BatchedBackend:
 
         if plan.cfg.drafter == "eagle3":
             self._chain_graphs(plan, max_batch)
+            return
+        if plan.cfg.drafter == "mtp":
+            self._mtp_graphs(plan, max_batch)
             return
         dc = plan.draft
         rows = plan.capacity + dc.block_size  # the drafter's rows (dflash.py alloc)
@@ -320,6 +328,34 @@ class BatchedBackend:
         n = g.warm()
         self.draft_pool.graphs = g
         self._say_graphs("eagle3", n, t0)
+
+    def _mtp_graphs(self, plan, max_batch: int) -> None:
+        """The loop's MTP rounds as one replay a step (mtp_pool_graph.py), the layer on the
+        kernels where the target runs them (its QKV and gate-up fused first, as the runner fuses
+        the target's blocks)."""
+        from ..specdec.drafters.dflash_pool_graph import pays  # noqa: PLC0415
+        from ..specdec.drafters.mtp_pool_graph import MTPPoolGraphs  # noqa: PLC0415
+
+        taps, head = self.batcher.tap_pool, self.tap_net
+        paged = self._paged_drafts(head.layer(0).self_attn.hd)
+        if ((not paged and not pays(plan.capacity, max_batch)) or taps is None
+                or not getattr(head.layer(0).mlp, "graph_safe", True)):  # (an MoE off its grouped form)
+            return
+        if self.runner.kernel_modules:  # as MTPDrafter.load installs them beside a solo target
+            from ..kernels.ops import install_mtp  # noqa: PLC0415 (Triton: only where installed)
+
+            for m in (head.layer(0).self_attn, head.layer(0).mlp):
+                if hasattr(m, "fuse") and not (hasattr(m, "qkv_proj") or hasattr(m, "gate_up_proj")):
+                    m.fuse()
+            install_mtp(head)
+        self.draft_pool.alloc(plan.capacity)  # the drafter's rows (mtp.py alloc)
+        taps.alloc(plan.capacity)
+        g = MTPPoolGraphs(head, self.runner.stage, self.draft_pool, taps, plan.cfg.k, max_batch,
+                          paged=paged and hasattr(head.layer(0).self_attn, "qkv_proj"))
+        t0 = time.perf_counter()
+        n = g.warm()
+        self.draft_pool.graphs = g
+        self._say_graphs("mtp", n, t0)
 
     @staticmethod
     def _say_graphs(what: str, n: int, t0: float) -> None:

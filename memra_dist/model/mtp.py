@@ -66,10 +66,14 @@ class MTPHead(nn.Module):
     def step_ctx(self, pos: torch.Tensor, capacity: int, start: int | None = None) -> StepCtx:
         """`start`: the first of contiguous rows (the prime's chunks): more than
         PREFIX_MIN_ROWS of them attend as a prefill chunk, with no (rows x capacity) mask."""
-        rope = {d: rope_rows(pos, f, rope_scale(self.cfg.rope)) for d, f in self._inv_freq.items()}
+        rope = self.rope(pos)
         if start is not None and pos.shape[0] > PREFIX_MIN_ROWS:
             return StepCtx(pos=pos, mask=None, rope=rope, prefix=start)
         return StepCtx(pos=pos, mask=causal_mask(pos, capacity), rope=rope)
+
+    def rope(self, pos: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The rotary rows (cos, sin) of every rotary width at `pos`."""
+        return {d: rope_rows(pos, f, rope_scale(self.cfg.rope)) for d, f in self._inv_freq.items()}
 
     def to_device(self, device, dtype) -> "MTPHead":
         self._inv_freq = {d: f.to(device) for d, f in self._inv_freq.items()}

@@ -35,7 +35,7 @@ class PoolChainGraphs(_BucketGraphs):
         self.paged = paged
         self.net, self.embed, self.pool, self.taps, self.K = net, embed, pool, taps, K
         self.fold_rows = 0  # a step of at most this many rows runs folded (`Eagle3Net.step_folded`)
-        if paged and net.folded:  # installed (kernels/ops.py install_eagle3), as the solo drafter's steps
+        if paged and getattr(net, "folded", False):  # installed (kernels/ops.py install_eagle3), as the solo drafter's steps
             from ...kernels.ops import BATCH_FOLD_ROWS  # noqa: PLC0415 (Triton: only where installed)
 
             self.fold_rows = BATCH_FOLD_ROWS

@@ -74,11 +74,15 @@ class MTPDrafter(Drafter):
             install_mtp(head)
         return cls(head, target)
 
+    pool = None  # a batched engine's DraftPool (draft_pool.py): one layer's K/V as a slot of it (mtp_pool_graph.py)
+    pool_slot = None
+
     # ---- state ----
     def alloc(self, capacity: int) -> float:
         if capacity != self.capacity:
             blocks = [self.head.layer(j) for j in range(self.n)]
-            self.states = [b.self_attn.new_state(capacity, self.device, self.target.dtype) for b in blocks]
+            pooled = self.pool.take(self, capacity) if self.pool is not None else None
+            self.states = pooled or [b.self_attn.new_state(capacity, self.device, self.target.dtype) for b in blocks]
             h = self.head.cfg.hidden_size
             self.outs = [torch.zeros(capacity, h, device=self.device, dtype=self.target.dtype)
                          for _ in range(self.n - 1)]

@@ -6,7 +6,9 @@ ask for different k), so the step is ONE forward of that layer over all their ro
 projection, its FFN (the target's MoE kind) and the lm_head over every request's rows at once,
 the attention per request over its own draft cache under its own mask (MTPDrafter._rows /
 _rows_chain: the same step context its solo step builds). Each request drafts exactly what it
-drafts alone; the picks stay on the device until one readback of them all. Eager.
+drafts alone; the picks stay on the device until one readback of them all. Eager, except where
+the engine captured the pool's graphs (one MTP layer, every request greedy and its round within
+the graphs' rows: mtp_pool_graph.py): then the whole round is one replay.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from .base import EMPTY, Proposal
 from .chain_picks import ChainPicks
 from ...device import to_device
+from .draft_pool import pool_of
 
 __all__ = ["maintain_many", "propose_many"]
 
@@ -56,6 +59,13 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     live = [(i, d, c, k) for i, (d, c, k) in enumerate(zip(drafters, contexts, ks)) if k > 0]
     if not live:
         return out
+    pool = pool_of([d for _, d, _, _ in live])
+    if pool is not None and pool.graphs is not None and all(sps[i].greedy for i, *_ in live):
+        toks = _replayed(pool.graphs, live)
+        if toks is not None:
+            for (i, _, _, k), t in zip(live, toks):
+                out[i] = Proposal(ids=t[:k])
+            return out
     d0 = live[0][1]
     head, dev, lm_head = d0.head, d0.device, d0.target.stage.lm_head
     Ns = [len(c) for _, _, c, _ in live]
@@ -90,3 +100,29 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
         prev = last[to_device(keep, dev)]
         active = [active[i] for i in keep]
     return picks.proposals(len(drafters))
+
+
+def _replayed(g, live) -> list[list[int]] | None:
+    """The round of every live request (greedy, one MTP layer) as one replay of the pool's
+    graphs (mtp_pool_graph.py), its K drafts a request on the host; None where the round does not
+    fit them (the eager chains run it). Rows the graph cannot take (a request that skipped rounds
+    at K 0 under --spec-k auto has more than K + 1 new rows) are run first, their K/V only, in one
+    eager forward."""
+    ds = [d for _, d, _, _ in live]
+    Ns = [len(c) for _, _, c, _ in live]
+    los = [max(d.done[0], N - 1 - g.R) for d, N in zip(ds, Ns)]
+    sinks = [d.target.cache.taps for d in ds]
+    if not g.fits(ds, sinks, los, Ns, [k for *_, k in live]):
+        return None
+    behind = [r for r, d in enumerate(ds) if d.done[0] < los[r]]
+    if behind:
+        head, dev = ds[0].head, ds[0].device
+        b = [ds[r] for r in behind]
+        lo0 = [b_.done[0] for b_ in b]
+        ids = torch.cat([to_device(live[r][2][lo + 1:los[r] + 1], dev) for r, lo in zip(behind, lo0)])
+        hidden = torch.cat([d._final()[lo:los[r]] for d, r, lo in zip(b, behind, lo0)])
+        _layer(head, 0, b, lo0, [los[r] - lo for r, lo in zip(behind, lo0)], ids, hidden, False)
+    toks = g.greedy([(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)])
+    for d, N in zip(ds, Ns):
+        d.done[0] = N - 1
+    return toks

@@ -1,0 +1,79 @@
+"""CUDA graphs of the engine loop's batched MTP chains over the draft and tap pools
+(mtp_batch.py `propose_many`), one per bucket of requests, for a target with one MTP layer of
+grouped attention (GLM-4.5's: partial rotary, q / k norms, its MoE FFN).
+
+Eager, a round of b requests' chains is K forwards of the layer and its lm_head, each a few
+dozen launches (attention request by request): on an H100 a tiny glm4_moe's MTP decoded 87 tok/s
+on the loop against 1,108 on the solo engine's graphs, the device idle after 399 of 400 steps
+(BENCHMARKS.md). With one layer an MTP round is an EAGLE-3 round with another step: row p pairs
+the token at p + 1 with a hidden of position p (the target's final-normed hidden, the FINAL tap
+in the tap pool, for the round's first forward; the previous step's normed output for a chained
+step), so eagle3_pool_graph.py's inputs, buckets, pads and `fits` hold as they are. Two things
+differ: the step is the MTP layer, run as a batched step of the target's own kind over the pool
+(`ctx.batch`: each request's draft slot is the one block of its table, so its attention takes
+the arm the target's batched steps take: the paged kernel on a GPU's kernels, else each
+request's masked attention over its slot), and the picks are the argmax of the target's lm_head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...cache import KVLayer
+from ...graphs import CapturedGraph
+from ...model.transformer import StepCtx
+from .eagle3_pool_graph import PoolChainGraphs
+
+__all__ = ["MTPPoolGraphs", "poolable"]
+
+
+def poolable(head) -> bool:
+    """Whether the loop's MTP drafters keep their K/V as slots of one draft pool, which the
+    pool's graphs read: one MTP layer, of grouped attention (MLA's latents and two or more
+    layers keep caches of their own and draft on the eager chains)."""
+    from ...model.attention import Attention  # noqa: PLC0415
+
+    return head.n == 1 and type(head.layer(0).self_attn) is Attention
+
+
+class MTPPoolGraphs(PoolChainGraphs):
+    def __init__(self, head, stage, pool, taps, K: int, max_n: int, graph_cls=CapturedGraph, paged: bool = False):
+        """`head`: the MTP layers (one); `stage`: the target's (its embedding and lm_head);
+        `pool` the draft pool (one layer, the MTP attention's K/V), `taps` the tap pool (FINAL)."""
+        super().__init__(head, stage.embed_tokens, pool, taps, K, max_n, graph_cls, paged)
+        self.head, self.blk, self.lm_head = head, head.layer(0), stage.lm_head
+
+    def _step(self, tokens, hidden, pos, row_slots, lim, idx, T: int):
+        """The MTP layer over b requests' T rows each (row t of request r at position pos, its
+        K/V into slot row_slots, attending over slot idx[r] below lim) -> normed outputs (b T, H)."""
+        from ...batching.paged import BatchView, PagedRows, Segment  # noqa: PLC0415
+
+        pool, b, blk = self.pool, idx.shape[0], self.blk
+        rows, dev = pool.rows, pos.device
+        state = KVLayer(*(x[0].view(-1, *x.shape[3:]) for x in (pool.k, pool.v)))  # (slots + 1) rows, flat
+        if self.paged:  # pos == lim - 1 for every row: the paged kernel's key limit
+            view = BatchView(row_slots * rows + pos, paged=PagedRows(
+                torch.arange(0, b * T, T, device=dev, dtype=torch.int32), torch.full((b,), T, device=dev, dtype=torch.int32),
+                idx.to(torch.int32).view(b, 1), rows, T, rows))
+        else:
+            span = torch.arange(rows, device=dev)
+            keys = idx[:, None] * rows + span  # (b, rows): each request's slot, in position order
+            masks = span[None, None, :] < lim.view(b, T)[:, :, None]  # (b, T, rows)
+            view = BatchView(row_slots * rows + pos, [Segment(r * T, (r + 1) * T, 0, rows, keys[r], masks[r])
+                                                      for r in range(b)])
+        ctx = StepCtx(pos=pos, mask=None, rope=self.head.rope(pos), batch=view)
+        x = blk.eh_proj(torch.cat((blk.enorm(self.embed(tokens)), blk.hnorm(hidden)), dim=-1))
+        return blk.shared_head["norm"](blk(x, ctx, state))
+
+    def _body(self, b: int):
+        tok, pos, tslot, slot, lim, last_row, idx, cpos = self._views(b)
+        hidden = self.taps.gather(tslot, pos, self.taps.layers)  # (b R, H): the FINAL tap's rows
+        last = self._step(tok, hidden, pos, slot, lim, idx, self.R)[last_row]  # (b, H)
+        picks = []
+        for s in range(self.K):
+            t = self.lm_head(last).float().argmax(-1)  # (b,)
+            picks.append(t)
+            if s + 1 < self.K:
+                p = cpos + s
+                last = self._step(t, last, p, idx, p + 1, idx, 1)
+        return torch.stack(picks, 1)  # (b, K)

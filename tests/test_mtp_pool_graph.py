@@ -1,0 +1,117 @@
+"""The engine loop's MTP rounds as one graph a step over the draft and tap pools
+(specdec/drafters/mtp_pool_graph.py): a glm4_moe target with one MTP layer, its requests
+batched four at a time, get every proposal and every id they get alone (CPU, fp32), the graphs
+replayed from an emulated capture (or re-run, where they launch Triton kernels)."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_batching import CAP, _batched, _prompts, _solo, spy_proposals
+from test_draft_pool import _Rerun, _mostly_k_0, _proposals_as_alone
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    from moe_ckpt import save_moe
+
+    path, _ = save_moe(tmp_path_factory.mktemp("mtpg") / "glm4_moe", "glm4_moe", layers=2, n_mtp=1, seed=2)
+    return path
+
+
+def _graphs(eng, graph_cls=None, paged=False):
+    """The pool's MTP graphs (K 3, up to 4 requests: buckets 1, 2, 4), installed as the engine's
+    GPU path installs them."""
+    from graph_emulator import EmulatedCapture
+
+    from memra_dist.specdec.drafters.mtp_pool_graph import MTPPoolGraphs
+
+    b = eng._backend
+    b.draft_pool.alloc(CAP)
+    b.batcher.tap_pool.alloc(CAP)
+    g = MTPPoolGraphs(b.tap_net, b.runner.stage, b.draft_pool, b.batcher.tap_pool, 3, 4,
+                      graph_cls=graph_cls or EmulatedCapture, paged=paged)
+    assert g.warm() == 3
+    b.draft_pool.graphs = g
+    return g
+
+
+def _alone(glm, monkeypatch, n: int = 8):
+    """(requests, their solo ids, the spy's proposals list (then empty), their solo proposals
+    sorted); the MoE FFNs in their grouped form (what a graph captures: bf16 on CUDA), solo and
+    batched alike."""
+    from memra_dist.model.moe import MoE
+    from memra_dist.specdec.drafters.mtp import MTPDrafter
+
+    monkeypatch.setattr(MoE, "use_grouped", lambda self, on: setattr(self.experts, "grouped", True))
+
+    seen = spy_proposals(monkeypatch, MTPDrafter)
+    reqs = [(p[:14], m) for p, m in _prompts(n)]
+    solo = _solo(glm, "mtp", reqs)
+    alone, seen[:] = sorted(seen), []
+    return reqs, solo, seen, alone
+
+
+def test_a_one_layer_mtp_target_keeps_its_draft_caches_in_one_pool(glm):
+    """The backend pools a single grouped-attention MTP layer's K/V (one pool layer, the
+    attention's KV heads and head size); the pool's slots all come back after the requests."""
+    from memra_dist.app import open_engine
+
+    from test_batching import _cfg
+
+    with open_engine(_cfg(glm, "mtp"), capacity=CAP, max_batch=3) as eng:
+        b = eng._backend
+        a = b.tap_net.layer(0).self_attn
+        p = b.draft_pool
+        assert (p.layers, p.n_kv, p.head_dim, p.slots) == (1, a.nkv, a.hd, 3)
+        took = []
+        real = p.take
+        p.take = lambda d, rows: took.append(rows) or real(d, rows)
+        for prompt, n in [(q[:14], 6) for q, _ in _prompts(2)]:
+            eng.generate(prompt, _cfg(glm, "mtp", max_new_tokens=n))
+        assert took == [CAP, CAP] and p.owners.held == 0 and p.graphs is None  # (no graphs on the CPU)
+
+
+def test_the_mtp_rounds_replayed_from_the_pool_graphs_draft_what_each_request_drafts_alone(glm, monkeypatch):
+    """Eight requests four at a time: every round of up to four greedy requests is one replay
+    (the first forward over each request's new rows padded to K + 1, then K - 1 chained rows,
+    the target's lm_head picking), and every proposal equals the request's solo proposal at the
+    same context; near its end a request whose chain would pass its cache drafts on the eager
+    chains."""
+    reqs, solo, seen, alone = _alone(glm, monkeypatch)
+    made = []
+    batched, stats = _batched(glm, "mtp", reqs, max_batch=4, on_open=lambda eng: made.append(_graphs(eng)))
+    assert batched == solo and sorted(seen) == alone
+    assert stats["draft_batches"] > 0 and made[0].replays > stats["draft_batches"] // 2, (made[0].replays, stats)
+
+
+def test_requests_back_from_k_0_catch_up_and_replay(glm, monkeypatch):
+    """--spec-k auto leaving requests at K 0 for rounds: a request back from them has more new
+    rows than the graph takes; those are run first (their K/V only) and the round replays:
+    every id as alone, most rounds' proposals as alone, most rounds replayed."""
+    reqs, solo, seen, alone = _alone(glm, monkeypatch)
+    made = []
+    batched, stats = _mostly_k_0(monkeypatch, glm, "mtp", reqs, "", lambda eng: (
+        setattr(eng._backend.batcher, "auto_k", True), made.append(_graphs(eng))))
+    assert batched == solo
+    assert made[0].replays >= stats["draft_batches"] // 2 > 0, (made[0].replays, stats)
+    _proposals_as_alone(seen, alone)
+
+
+@pytest.mark.slow  # the Triton interpreter: ~10-20 s on 2 cores
+def test_the_mtp_pool_graphs_on_the_paged_kernel_draft_what_each_request_drafts_alone(glm, monkeypatch):
+    """`paged=True` (a GPU's fast path): the layer's rotary and K/V write in one kernel and its
+    attention one paged launch reading each request's slot through its one-block table."""
+    import memra_dist.kernels.paged_attention as pa
+
+    reqs, solo, seen, alone = _alone(glm, monkeypatch, n=5)
+    made, launches, real = [], [], pa.paged_attention
+    monkeypatch.setattr(pa, "paged_attention", lambda q, kp, *a, **kw: launches.append(a[4].shape) or real(q, kp, *a, **kw))
+
+    def on_open(eng):
+        eng._backend.tap_net.layer(0).self_attn.fuse()  # (the engine fuses it where the target runs our kernels)
+        made.append(_graphs(eng, _Rerun, paged=True))
+
+    batched, stats = _batched(glm, "mtp", reqs, max_batch=4, on_open=on_open)
+    assert batched == solo and sorted(seen) == alone
+    assert made[0].replays > 0 and launches and all(t[1] == 1 for t in launches), (made[0].replays, launches[:3])
