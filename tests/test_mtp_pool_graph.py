@@ -89,11 +89,30 @@ def test_requests_back_from_k_0_catch_up_and_replay(glm, monkeypatch):
     """--spec-k auto leaving requests at K 0 for rounds: a request back from them has more new
     rows than the graph takes; those are run first (their K/V only) and the round replays:
     every id as alone, most rounds' proposals as alone, most rounds replayed."""
+    import memra_dist.specdec.drafters.mtp_batch as mb
+
     reqs, solo, seen, alone = _alone(glm, monkeypatch)
-    made = []
+    made, caught, inside = [], [], [False]
+    real_layer, real_replayed = mb._layer, mb._replayed
+
+    def replayed(g, live):
+        inside[0] = True
+        try:
+            return real_replayed(g, live)
+        finally:
+            inside[0] = False
+
+    def layer(head, j, ds, los, lens, *a):  # the catch-up rows run before a replay
+        if inside[0]:
+            caught.extend(lens)
+        return real_layer(head, j, ds, los, lens, *a)
+
+    monkeypatch.setattr(mb, "_replayed", replayed)
+    monkeypatch.setattr(mb, "_layer", layer)
     batched, stats = _mostly_k_0(monkeypatch, glm, "mtp", reqs, "", lambda eng: (
         setattr(eng._backend.batcher, "auto_k", True), made.append(_graphs(eng))))
     assert batched == solo
+    assert caught and min(caught) > 0, caught
     assert made[0].replays >= stats["draft_batches"] // 2 > 0, (made[0].replays, stats)
     _proposals_as_alone(seen, alone)
 
