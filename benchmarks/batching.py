@@ -156,7 +156,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64, help="tokens each request generates")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (copy-with-edits prompts)")
     ap.add_argument("--drafter", default="none", help="none, ngram, replay (greedy; k = 4), or dflash-replay / "
-                    "eagle3-replay: the bench's random drafter over the target drafting in full (at concurrency 1, "
+                    "eagle3-replay / mtp-replay (mtp: the target is a glm4_moe slice of GLM-4.5-Air's widths at "
+                    "--shape 8b, 1 dense + 3 MoE layers and its MTP layer; tiny at --shape tiny): the bench's "
+                    "random drafter over the target drafting in full (at concurrency 1, "
                     "one request on an engine of --max-batch 2, or with --max-batch 1 an engine of one), "
                     "its drafts replaced by each request's plain greedy ids (recorded by a plain run first) "
                     "corrupted at --corrupt")
@@ -229,17 +231,19 @@ def main() -> int:
         have_png = False
     from memra_dist.bench.checkpoints import bench_cache_dir, ensure_checkpoint
 
-    model = str(ensure_checkpoint(a.shape, bench_cache_dir(), torch.device(a.device),
-                                  lambda s: print(f"[batching] {s}", file=sys.stderr)))
+    import memra_dist.bench.tap_checkpoints as tc
+
+    say = lambda s: print(f"[batching] {s}", file=sys.stderr)  # noqa: E731
+    if a.drafter == "mtp-replay":  # the target is a glm4_moe slice holding its MTP layer
+        model = str(tc.ensure_glm_mtp(a.shape, bench_cache_dir(), torch.device(a.device), say))
+    else:
+        model = str(ensure_checkpoint(a.shape, bench_cache_dir(), torch.device(a.device), say))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tap, draft = a.drafter.endswith("-replay") and a.drafter != "replay", None
-    if tap:
-        import memra_dist.bench.tap_checkpoints as tc
-
+    if a.drafter in ("dflash-replay", "eagle3-replay"):
         ensure = {"dflash-replay": tc.ensure_dflash, "eagle3-replay": tc.ensure_eagle3}[a.drafter]
-        draft = str(ensure(a.shape, bench_cache_dir(), torch.device(a.device),
-                           lambda s: print(f"[batching] {s}", file=sys.stderr))[1])
+        draft = str(ensure(a.shape, bench_cache_dir(), torch.device(a.device), say)[1])
     rows, idents, bw_memo = [], [], {}
     for n in (int(x) for x in a.concurrency.split(",")):
         sizes = (1,) if n == 1 else (min(a.max_batch, n),) if a.only_batched else (1, min(a.max_batch, n))
@@ -276,7 +280,7 @@ def main() -> int:
                     r["corrupt"] = corrupt
                 if tap:
                     r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], kw["recorded"]))
-                    if spec_k == "fixed":  # its level-1 draft phase against its forwards' reads
+                    if spec_k == "fixed" and draft is not None:  # its level-1 draft phase against its forwards' reads
                         dr = _draft_read(r, a.drafter, model, draft, a.device, a.prompt, a.new, bw_memo)
                         if dr is not None:
                             r["draft_read"] = dr

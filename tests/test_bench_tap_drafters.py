@@ -174,3 +174,23 @@ def test_the_batching_bench_runs_a_tap_replay_alone_on_an_engine_of_one_and_of_t
     for mb, r in rows.items():
         assert r["max_batch"] == mb and r["batcher"]["steps"] > 0 and r["batcher"]["max_requests"] == 1, r
         assert r["ids_equal_alone"] == 1 and r["tokens_per_round"] > 1.5, r
+
+
+def test_the_batching_bench_replays_mtp_over_a_glm4_moe_slice(tmp_path):
+    """`benchmarks/batching.py --drafter mtp-replay --shape tiny`: the target is the glm4_moe slice
+    with its MTP layer (tap_checkpoints.GLM_SHAPES, written once), each request's MTP layer
+    drafting in full (its K/V a slot of the draft pool) and its drafts replayed: three requests
+    together keep their plain ids, share their draft forwards and take more than a token a round."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MEMRA_BENCH_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "batching.py"), str(tmp_path / "out"),
+                        "--shape", "tiny", "--concurrency", "3", "--max-batch", "3", "--only-batched", "--drafter",
+                        "mtp-replay", "--prompt", "32", "--new", "16", "--spec-k", "fixed"],
+                       capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = json.loads(next((tmp_path / "cache").glob("glm-mtp-tiny-*/config.json")).read_text())
+    assert cfg == tc.GLM_SHAPES["tiny"]
+    row = next(r for r in json.loads((tmp_path / "out" / "batching.json").read_text())["rows"]
+               if r["drafter"] == "mtp-replay")
+    assert row["ids_equal_alone"] == 3 and row["tokens_per_round"] > 1.5, row
+    assert row["batcher"]["draft_batches"] > 0 and row["batcher"]["mean_draft_batch"] > 1, row["batcher"]

@@ -128,7 +128,7 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     from .runs import make_prompt  # noqa: PLC0415
 
     tap = drafter.endswith("-replay")
-    if tap and (recorded is None or draft_model is None):
+    if tap and (recorded is None or (draft_model is None and drafter != "mtp-replay")):  # (MTP: the target's own layer)
         raise ValueError(f"{drafter}: the draft checkpoint and each request's recorded ids")
     cfg = RunConfig(model=model, drafter=drafter[:-len("-replay")] if tap else drafter, k=k, device=device,
                     max_new_tokens=new, replay_corrupt=corrupt, draft_model=draft_model, spec_k=spec_k,

@@ -37,8 +37,8 @@ import torch
 
 from .checkpoints import SHARD_BYTES, _chain_head, _draw, _key, _param_shapes, ensure_checkpoint
 
-__all__ = ["DFLASH_SHAPES", "DSV3_SHAPES", "EAGLE3_SHAPES", "dflash_config", "ensure_dflash", "eagle3_config",
-           "ensure_eagle3", "eagle3_read_bytes", "dflash_read_bytes", "draft_kv_bytes", "dsv3_config", "ensure_dsv3_mtp", "mtp_step_read_bytes",
+__all__ = ["DFLASH_SHAPES", "DSV3_SHAPES", "EAGLE3_SHAPES", "GLM_SHAPES", "dflash_config", "ensure_dflash", "eagle3_config",
+           "ensure_eagle3", "ensure_glm_mtp", "eagle3_read_bytes", "dflash_read_bytes", "draft_kv_bytes", "dsv3_config", "ensure_dsv3_mtp", "mtp_step_read_bytes",
            "planned_bytes"]
 
 DFLASH_SHAPES = {  # target shape -> the drafter's shape (model/tiny_dflash.dflash_config_dict's arguments)
@@ -73,6 +73,24 @@ def _dsv3(hidden, inter, moe_inter, heads, q_lora, kv_lora, nope, rope, v, exper
 DSV3_SHAPES = {  # DeepSeek-V3's released widths; 1 dense + 1 MoE layer + 1 MTP layer
     "8b": _dsv3(7168, 18432, 2048, 128, 1536, 512, 128, 64, 128, 256, 8, 8, 4, 129280),
     "tiny": _dsv3(64, 128, 32, 4, 32, 16, 16, 8, 16, 16, 4, 8, 4, 512),
+}
+
+
+def _glm(hidden, inter, moe_inter, heads, kv_heads, head_dim, experts, top_k, vocab, layers=4, dense=1, mtp=1) -> dict:
+    return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "vocab_size": vocab,
+            "hidden_size": hidden, "intermediate_size": inter, "moe_intermediate_size": moe_inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": head_dim, "partial_rotary_factor": 0.5, "use_qk_norm": False, "attention_bias": True,
+            "n_routed_experts": experts, "n_shared_experts": 1, "num_experts_per_tok": top_k, "n_group": 1,
+            "topk_group": 1, "first_k_dense_replace": dense, "num_nextn_predict_layers": mtp, "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+            "max_position_embeddings": 8192, "hidden_act": "silu", "tie_word_embeddings": False,
+            "bos_token_id": 0, "eos_token_id": None, "torch_dtype": "bfloat16"}
+
+
+GLM_SHAPES = {  # GLM-4.5-Air's widths (grouped attention, partial rotary, 128 experts top 8); 1 dense + 3 MoE + 1 MTP layer
+    "8b": _glm(4096, 10944, 1408, 96, 8, 128, 128, 8, 151552),
+    "tiny": _glm(64, 128, 32, 4, 2, 16, 8, 2, 512),
 }
 
 
@@ -181,7 +199,7 @@ def mtp_step_read_bytes(cfg: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
 
 def planned_bytes(kind: str, shape: str) -> int:
     """Disk bytes the checkpoint(s) of one case write (bf16): 'dflash' / 'eagle3' = the drafter
-    alone (the target is the bench's shape checkpoint), 'dsv3' = the target with its MTP layer."""
+    alone (the target is the bench's shape checkpoint), 'dsv3' / 'glm' = the target with its MTP layer."""
     if kind == "eagle3":
         from .checkpoints import shape_config  # noqa: PLC0415
 
@@ -191,7 +209,7 @@ def planned_bytes(kind: str, shape: str) -> int:
         from .checkpoints import shape_config  # noqa: PLC0415
 
         return _nbytes(_dflash_shapes(dflash_config(shape_config(shape), shape)), torch.bfloat16)
-    cfg = DSV3_SHAPES[shape]
+    cfg = GLM_SHAPES[shape] if kind == "glm" else DSV3_SHAPES[shape]
     return _nbytes({**_param_shapes(cfg), **_mtp_shapes(cfg)}, torch.bfloat16)
 
 
@@ -316,3 +334,19 @@ def ensure_dsv3_mtp(shape: str, cache: Path, device: torch.device, say: Callable
         return t
 
     return _ensure(out, cfg, shapes, special, device, dtype, say, f"deepseek_v3 slice ({shape}) + MTP")
+
+
+def ensure_glm_mtp(shape: str, cache: Path, device: torch.device, say: Callable[[str], None],
+                   dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The GLM-4.5-Air-shaped slice with its MTP layer (GLM_SHAPES), written once: a glm4_moe
+    target whose MTP layer drafts on the engine loop's pool graphs (mtp_pool_graph.py)."""
+    cfg = dict(GLM_SHAPES[shape])
+    shapes = {**_param_shapes(cfg), **_mtp_shapes(cfg)}
+    out = cache / f"glm-mtp-{shape}-{_key(cfg)}"
+
+    def special() -> dict:
+        t: dict = {}
+        _chain_head("glm", cfg, t, device, dtype)
+        return t
+
+    return _ensure(out, cfg, shapes, special, device, dtype, say, f"glm4_moe slice ({shape}) + MTP")
