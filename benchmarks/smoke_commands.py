@@ -13,7 +13,8 @@ Rows (`--only` picks groups):
   compile   `generate --json --compile on` once per family (mtp where it has MTP layers, else ngram)
   bench     `bench --quick` (`--budget-s`: --bench-budget-s, default 480; 150 on CPU)
   serve     `serve` on a free port; one streamed completion timed from here (http.client)
-  batch     `batch` of three lines, one at a time and with `--max-batch 3` (one batched engine)
+  batch     `batch` of three lines, one at a time and with `--max-batch 3` (one batched engine);
+            glm4_moe's with `--drafter mtp --max-batch 3` (MTP's rounds on the loop's pool graphs)
   pp2       `--pp 2` (generate llama ngram / dflash, glm4_moe mtp, kimi_linear eagle3; batch):
             only with >= 2 CUDA devices, or `--pp2-cpu` (a local Ray on the CPU)
 Figures come from each command's own output: `--json` stats (ttft_ms, tok_per_s), the demo's
@@ -253,21 +254,24 @@ class Smoke:
     def batch(self) -> None:
         self._batch()
         self._batch(max_batch=3)  # the three lines in one batched engine (batching/)
+        self._batch(max_batch=3, arch="glm4_moe", drafter="mtp")  # MTP's rounds on the loop's pool graphs
 
-    def _batch(self, pp: int = 1, max_batch: int = 1) -> None:
-        name = f"batch llama --pp {pp}" if pp > 1 else "batch llama"
+    def _batch(self, pp: int = 1, max_batch: int = 1, arch: str = "llama", drafter: str | None = None) -> None:
+        name = f"batch {arch} --pp {pp}" if pp > 1 else f"batch {arch}"
+        name += f" --drafter {drafter}" if drafter else ""
         name += f" --max-batch {max_batch}" if max_batch > 1 else ""
-        ck = self.family("llama")
+        ck = self.family(arch)
         if isinstance(ck, str):
             return self.skip(name, ck)
-        d = self.work / "batch" / (f"pp{pp}" if pp > 1 else "llama") / (f"b{max_batch}" if max_batch > 1 else "")
+        d = (self.work / "batch" / (f"pp{pp}" if pp > 1 else arch) / (drafter or "")
+             / (f"b{max_batch}" if max_batch > 1 else ""))
         d.mkdir(parents=True, exist_ok=True)
         (d / "results.jsonl").unlink(missing_ok=True)  # a fresh job, not a resumed one
         (d / "prompts.jsonl").write_text("".join(json.dumps({"id": i + 1, "prompt": p}) + "\n"
                                                  for i, p in enumerate(BATCH_PROMPTS)))
         self.add(name, ["batch", "--model", ck["target"], "--input", str(d / "prompts.jsonl"), "--output",
                         str(d / "results.jsonl"), *self.dev(), *self.new] + (["--pp", str(pp)] if pp > 1 else [])
-                 + (["--max-batch", str(max_batch)] if max_batch > 1 else []),
+                 + (["--max-batch", str(max_batch)] if max_batch > 1 else []) + (["--drafter", drafter] if drafter else []),
                  "batch", output=str(d / "results.jsonl"))
 
     def serve(self) -> None:
