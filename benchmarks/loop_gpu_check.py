@@ -17,7 +17,7 @@ model from flipping an argmax between two correct paths; a mismatch prints the f
 that differs.
 
     python benchmarks/loop_gpu_check.py OUT_DIR [--device cuda] [--families llama,qwen3]
-        [--drafters none,model] [--new 40] [--k 3]
+        [--drafters none,model] [--dtype fp32] [--new 40] [--k 3]
 
 Writes OUT_DIR/loop_gpu_check.json and prints a line a row (~2-4 min for every family on one
 H100, most of it kernel JIT and graph capture; `--device cpu` runs the same comparison on the
@@ -57,7 +57,7 @@ def _row(fam: dict, arch: str, drafter: str, a) -> dict:
 
     def cfg(**kw):
         return RunConfig(model=str(fam["target"]), drafter=drafter, draft_model=str(draft) if draft else None,
-                         k=a.k, device=a.device, dtype="fp32", max_new_tokens=a.new, spec_k="fixed", **kw)
+                         k=a.k, device=a.device, dtype=a.dtype, max_new_tokens=a.new, spec_k="fixed", **kw)
 
     ref_cfg = cfg(kernels="off", graphs="off")
     with open_engine(ref_cfg, capacity=256) as eng:
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the fast path checked) or cpu")
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated families (default: all)")
     ap.add_argument("--drafters", default=None, help="comma-separated drafters (default: each family's own)")
+    ap.add_argument("--dtype", default="fp32", help="fp32 (default: no near-tie flips between two correct paths) or "
+                    "bf16 (what a GPU serves: the MoE FFNs in their grouped form, so glm4_moe's and deepseek_v3's "
+                    "steps and MTP rounds replay graphs; a random model's near-ties may then differ)")
     ap.add_argument("--new", type=int, default=40, help="tokens each request generates (default 40)")
     ap.add_argument("--k", type=int, default=3, help="drafts a round, fixed (default 3)")
     a = ap.parse_args(argv)
