@@ -29,10 +29,11 @@ class Serve:
 
 
 @contextmanager
-def serve(model, *flags: str, cwd, up_s: float = 180.0, stop=signal.SIGTERM, clean: tuple[str, ...] = CLEAN):
+def serve(model, *flags: str, cwd, up_s: float = 180.0, stop=signal.SIGTERM, clean: tuple[str, ...] = CLEAN,
+          stop_wait_s: float = 60.0):
     """`memra-dist serve --model MODEL --device cpu --dtype fp32 --port P FLAGS...` -> a Serve once
     it is up, its environment without the variables starting with `clean`. On leaving: `stop` to
-    its process group (None: none), then SIGKILL to what is left."""
+    its process group (None: none), up to `stop_wait_s` for it to exit, then SIGKILL to what is left."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(clean)}
     p = subprocess.Popen([sys.executable, "-m", "memra_dist.cli", "serve", "--model", str(model), "--device", "cpu",
@@ -52,7 +53,7 @@ def serve(model, *flags: str, cwd, up_s: float = 180.0, stop=signal.SIGTERM, cle
         try:
             if stop is not None and p.poll() is None:
                 os.killpg(p.pid, stop)
-                p.wait(60)
+                p.wait(stop_wait_s)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         finally:

@@ -181,8 +181,8 @@ def served_batched(llama, tmp_path_factory):
     pytest.importorskip("httpx")
     from serve_proc import CLEAN, serve
 
-    with serve(llama, "--drafter", "ngram", "--max-batch", "4", "--max-queue", "32",
-               cwd=tmp_path_factory.mktemp("serve"), clean=(*CLEAN, "MEMRA_")) as srv:
+    with serve(llama, "--drafter", "ngram", "--max-batch", "4", "--max-queue", "32",  # (its stop's bound: test_serve_hostile)
+               cwd=tmp_path_factory.mktemp("serve"), clean=(*CLEAN, "MEMRA_"), stop_wait_s=25) as srv:
         yield srv.base, srv.port, srv.lines
 
 
