@@ -176,6 +176,7 @@ def test_the_batching_bench_runs_a_tap_replay_alone_on_an_engine_of_one_and_of_t
         assert r["ids_equal_alone"] == 1 and r["tokens_per_round"] > 1.5, r
 
 
+@pytest.mark.slow  # a tiny batched run in a subprocess (~6 s)
 def test_the_batching_bench_replays_mtp_over_a_glm4_moe_slice(tmp_path):
     """`benchmarks/batching.py --drafter mtp-replay --shape tiny`: the target is the glm4_moe slice
     with its MTP layer (tap_checkpoints.GLM_SHAPES, written once), each request's MTP layer
