@@ -321,32 +321,29 @@ def dsv3_config(shape: str) -> dict:
     return dict(DSV3_SHAPES[shape])
 
 
-def ensure_dsv3_mtp(shape: str, cache: Path, device: torch.device, say: Callable[[str], None],
-                    dtype: torch.dtype = torch.bfloat16) -> Path:
-    """The DeepSeek-V3-shaped slice with its MTP layer (module docstring), written once."""
-    cfg = dsv3_config(shape)
+def _ensure_mtp_slice(name: str, cfg: dict, shape: str, cache: Path, device, say, dtype, what: str) -> Path:
+    """A target slice with its MTP layers (`cfg`), written once under `name`-mtp-`shape`-<key>,
+    its embedding / lm_head carrying the bench's chain structure."""
     shapes = {**_param_shapes(cfg), **_mtp_shapes(cfg)}
-    out = cache / f"dsv3-mtp-{shape}-{_key(cfg)}"
 
     def special() -> dict:
         t: dict = {}
-        _chain_head("dsv3", cfg, t, device, dtype)
+        _chain_head(name, cfg, t, device, dtype)
         return t
 
-    return _ensure(out, cfg, shapes, special, device, dtype, say, f"deepseek_v3 slice ({shape}) + MTP")
+    return _ensure(cache / f"{name}-mtp-{shape}-{_key(cfg)}", cfg, shapes, special, device, dtype, say, what)
+
+
+def ensure_dsv3_mtp(shape: str, cache: Path, device: torch.device, say: Callable[[str], None],
+                    dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The DeepSeek-V3-shaped slice with its MTP layer (module docstring), written once."""
+    return _ensure_mtp_slice("dsv3", dsv3_config(shape), shape, cache, device, say, dtype,
+                             f"deepseek_v3 slice ({shape}) + MTP")
 
 
 def ensure_glm_mtp(shape: str, cache: Path, device: torch.device, say: Callable[[str], None],
                    dtype: torch.dtype = torch.bfloat16) -> Path:
     """The GLM-4.5-Air-shaped slice with its MTP layer (GLM_SHAPES), written once: a glm4_moe
     target whose MTP layer drafts on the engine loop's pool graphs (mtp_pool_graph.py)."""
-    cfg = dict(GLM_SHAPES[shape])
-    shapes = {**_param_shapes(cfg), **_mtp_shapes(cfg)}
-    out = cache / f"glm-mtp-{shape}-{_key(cfg)}"
-
-    def special() -> dict:
-        t: dict = {}
-        _chain_head("glm", cfg, t, device, dtype)
-        return t
-
-    return _ensure(out, cfg, shapes, special, device, dtype, say, f"glm4_moe slice ({shape}) + MTP")
+    return _ensure_mtp_slice("glm", dict(GLM_SHAPES[shape]), shape, cache, device, say, dtype,
+                             f"glm4_moe slice ({shape}) + MTP")
