@@ -39,23 +39,30 @@ def test_an_moe_target_batched_with_its_mtp_layers_drafts_and_decodes_as_alone(t
     assert stats["max_requests"] >= 2 and stats["kv_blocks_used"] == 0, stats
 
 
-def test_sampled_requests_with_two_mtp_layers_draft_together_as_alone(tmp_path_factory, monkeypatch):
-    """Sampled MTP requests (glm4_moe, two MTP layers) drafted by the step leader as batched
-    chains: each step's draft drawn with its own request's generator and fed to its next step,
-    accepted with it on the step's logits: every proposal and every id as alone."""
+@pytest.mark.parametrize("n_mtp", [1, 2])
+def test_sampled_requests_with_their_mtp_layers_draft_together_as_alone(tmp_path_factory, monkeypatch, n_mtp):
+    """Sampled MTP requests (glm4_moe) drafted by the step leader as batched chains: each step's
+    draft drawn with its own request's generator and fed to its next step, accepted with it on
+    the step's logits: every proposal and every id as alone. One MTP layer: its K/V in the draft
+    pool, each chain step one batched step over it (mtp_pool_graph.py `pooled_step`); two: each
+    request's own caches."""
     from moe_ckpt import save_moe
 
+    import memra_dist.specdec.drafters.mtp_batch as mb
     from memra_dist.specdec.drafters.mtp import MTPDrafter
 
-    path, _ = save_moe(tmp_path_factory.mktemp("bmtps") / "glm", "glm4_moe", layers=2, n_mtp=2, seed=2)
+    path, _ = save_moe(tmp_path_factory.mktemp("bmtps") / "glm", "glm4_moe", layers=2, n_mtp=n_mtp, seed=2)
     kw = dict(sampling=SamplingParams(temperature=0.9, top_k=30), seed=7)
     seen = spy_proposals(monkeypatch, MTPDrafter)
+    pooled, real = [], mb.pooled_step
+    monkeypatch.setattr(mb, "pooled_step", lambda *a, **k: pooled.append(a[8]) or real(*a, **k))
     reqs = [(p[:14], n) for p, n in _prompts(6)]
     solo = _solo(path, "mtp", reqs, **kw)
     alone, seen[:] = sorted(seen), []
     batched, stats = _batched(path, "mtp", reqs, max_batch=3, **kw)
     assert batched == solo and sorted(seen) == alone and len(alone) > 20
     assert stats["draft_batches"] > 0 and stats["kv_blocks_used"] == 0, stats
+    assert (len(pooled) > 0) == (n_mtp == 1) and (n_mtp == 2 or any(len(x) > 1 for x in pooled)), pooled[:5]
 
 
 def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_factory):

@@ -134,3 +134,42 @@ def test_the_mtp_pool_graphs_on_the_paged_kernel_draft_what_each_request_drafts_
     batched, stats = _batched(glm, "mtp", reqs, max_batch=4, on_open=on_open)
     assert batched == solo and sorted(seen) == alone
     assert made[0].replays > 0 and launches and all(t[1] == 1 for t in launches), (made[0].replays, launches[:3])
+
+
+@pytest.mark.slow  # the Triton interpreter (~5 s)
+def test_a_pooled_step_on_the_paged_kernel_equals_the_masked_one_for_ragged_rows(glm):
+    """`pooled_step` over requests of 3, 1 and 2 rows (the eager chains' ragged layout, as a
+    sampled round on a GPU's kernels runs it): the paged kernel's arm and the masked per-request
+    arm write the same K/V and give the same outputs."""
+    import torch
+
+    from memra_dist.model.config import load_config
+    from memra_dist.model.mtp import load_mtp
+    from memra_dist.specdec.drafters.draft_pool import DraftPool
+    from memra_dist.specdec.drafters.mtp_pool_graph import pooled_step
+
+    cpu = torch.device("cpu")
+    head = load_mtp(glm, load_config(glm), 1, cpu, torch.float32)
+    head.layer(0).self_attn.fuse()
+    a = head.layer(0).self_attn
+    g = torch.Generator().manual_seed(0)
+    H = head.cfg.hidden_size
+    embed = torch.nn.Embedding(head.cfg.vocab_size, H)
+    lens, starts, idx = [3, 1, 2], [10, 5, 20], [2, 0, 1]
+    pos = torch.tensor([s + t for s, n in zip(starts, lens) for t in range(n)])
+    slots = torch.tensor([i for i, n in zip(idx, lens) for _ in range(n)])
+    tokens = torch.randint(0, head.cfg.vocab_size, (sum(lens),), generator=g)
+    hidden = torch.randn(sum(lens), H, generator=g)
+    outs, pools = [], []
+    for paged in (False, True):
+        pool = DraftPool(3, 1, a.nkv, a.hd, cpu, torch.float32)
+        pool.alloc(32)
+        gk = torch.Generator().manual_seed(1)  # the same earlier rows in both pools
+        pool.k.normal_(generator=gk)
+        pool.v.normal_(generator=gk)
+        with torch.inference_mode():
+            outs.append(pooled_step(head, embed, pool, tokens, hidden, pos, slots, torch.tensor(idx), lens, paged))
+        pools.append((pool.k.clone(), pool.v.clone()))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pools[1][0], pools[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pools[1][1], pools[0][1], rtol=1e-5, atol=1e-5)

@@ -18,7 +18,9 @@ import torch
 from .base import EMPTY, Proposal
 from .chain_picks import ChainPicks
 from ...device import to_device
+from ...model.prefix_attention import PREFIX_MIN_ROWS
 from .draft_pool import pool_of
+from .mtp_pool_graph import pooled_step
 
 __all__ = ["maintain_many", "propose_many"]
 
@@ -31,8 +33,16 @@ def maintain_many(drafters, contexts) -> None:
 def _layer(head, j: int, ds, los: list[int], lens: list[int], tokens: torch.Tensor, hidden: torch.Tensor,
            chained: bool) -> torch.Tensor:
     """MTP layer j over several requests' rows (request r: lens[r] rows from position los[r]) ->
-    normed outputs (rows, H). `chained`: one row each past the layers (no output kept)."""
+    normed outputs (rows, H). `chained`: one row each past the layers (no output kept). Where
+    every request's K/V is a slot of one pool (one MTP layer) and no request runs a prefill's
+    worth of rows, one batched step over the pool (mtp_pool_graph.py `pooled_step`)."""
     blk, dev = head.layer(j), hidden.device
+    pool = pool_of(ds) if head.n == 1 else None
+    if pool is not None and max(lens) <= PREFIX_MIN_ROWS:
+        pos = to_device([p for lo, n in zip(los, lens) for p in range(lo, lo + n)], dev)
+        slots = to_device([d.pool_slot for d, n in zip(ds, lens) for _ in range(n)], dev)
+        return pooled_step(head, ds[0].target.stage.embed_tokens, pool, tokens, hidden, pos, slots, pool.index(ds),
+                           lens, getattr(pool.graphs, "paged", False))
     poss = [torch.arange(lo, lo + n, device=dev) for lo, n in zip(los, lens)]
     emb = ds[0].target.stage.embed_tokens(tokens)
     x = blk.eh_proj(torch.cat((blk.enorm(emb), blk.hnorm(hidden)), dim=-1))

@@ -24,7 +24,7 @@ from ...graphs import CapturedGraph
 from ...model.transformer import StepCtx
 from .eagle3_pool_graph import PoolChainGraphs
 
-__all__ = ["MTPPoolGraphs", "poolable"]
+__all__ = ["MTPPoolGraphs", "poolable", "pooled_step"]
 
 
 def poolable(head) -> bool:
@@ -36,6 +36,37 @@ def poolable(head) -> bool:
     return head.n == 1 and type(head.layer(0).self_attn) is Attention
 
 
+def pooled_step(head, embed, pool, tokens, hidden, pos, row_slots, idx, lens, paged: bool) -> torch.Tensor:
+    """The (one) MTP layer over several requests' rows as one batched step of the target's kind
+    over the draft pool: request r's rows (consecutive, in request order; `lens[r]` of them, or
+    `lens` = T for every request: a graph's static layout) at positions `pos`, their K/V written
+    into pool slots `row_slots`, each attending over its own slot idx[r] up to its position ->
+    the normed outputs (rows, H). `paged`: on the paged kernel (the layer's QKV fused)."""
+    from ...batching.paged import BatchView, PagedRows, Segment  # noqa: PLC0415
+
+    b, rows, dev, blk = idx.shape[0], pool.rows, pos.device, head.layer(0)
+    spans = [(r * lens, lens) for r in range(b)] if isinstance(lens, int) else \
+        [(sum(lens[:r]), n) for r, n in enumerate(lens)]
+    state = KVLayer(*(x[0].view(-1, *x.shape[3:]) for x in (pool.k, pool.v)))  # (slots + 1) rows, flat
+    slots = row_slots * rows + pos
+    if paged:  # each request's slot the one block of its table, read below each row's position
+        if isinstance(lens, int):  # made on the device (a graph captures no host copy)
+            lo = torch.arange(0, b * lens, lens, device=dev, dtype=torch.int32)
+            n = torch.full((b,), lens, device=dev, dtype=torch.int32)
+        else:
+            lo, n = (torch.tensor(c, dtype=torch.int32).to(dev) for c in zip(*spans))
+        view = BatchView(slots, paged=PagedRows(lo, n, idx.to(torch.int32).view(b, 1), rows, max(m for _, m in spans),
+                                                rows))
+    else:
+        span = torch.arange(rows, device=dev)
+        keys = idx[:, None] * rows + span  # (b, rows): each request's slot, in position order
+        masks = span[None, :] <= pos[:, None]  # (rows in the step, slot rows)
+        view = BatchView(slots, [Segment(o, o + m, 0, rows, keys[r], masks[o:o + m]) for r, (o, m) in enumerate(spans)])
+    ctx = StepCtx(pos=pos, mask=None, rope=head.rope(pos), batch=view)
+    x = blk.eh_proj(torch.cat((blk.enorm(embed(tokens)), blk.hnorm(hidden)), dim=-1))
+    return blk.shared_head["norm"](blk(x, ctx, state))
+
+
 class MTPPoolGraphs(PoolChainGraphs):
     def __init__(self, head, stage, pool, taps, K: int, max_n: int, graph_cls=CapturedGraph, paged: bool = False):
         """`head`: the MTP layers (one); `stage`: the target's (its embedding and lm_head);
@@ -44,26 +75,8 @@ class MTPPoolGraphs(PoolChainGraphs):
         self.head, self.blk, self.lm_head = head, head.layer(0), stage.lm_head
 
     def _step(self, tokens, hidden, pos, row_slots, lim, idx, T: int):
-        """The MTP layer over b requests' T rows each (row t of request r at position pos, its
-        K/V into slot row_slots, attending over slot idx[r] below lim) -> normed outputs (b T, H)."""
-        from ...batching.paged import BatchView, PagedRows, Segment  # noqa: PLC0415
-
-        pool, b, blk = self.pool, idx.shape[0], self.blk
-        rows, dev = pool.rows, pos.device
-        state = KVLayer(*(x[0].view(-1, *x.shape[3:]) for x in (pool.k, pool.v)))  # (slots + 1) rows, flat
-        if self.paged:  # pos == lim - 1 for every row: the paged kernel's key limit
-            view = BatchView(row_slots * rows + pos, paged=PagedRows(
-                torch.arange(0, b * T, T, device=dev, dtype=torch.int32), torch.full((b,), T, device=dev, dtype=torch.int32),
-                idx.to(torch.int32).view(b, 1), rows, T, rows))
-        else:
-            span = torch.arange(rows, device=dev)
-            keys = idx[:, None] * rows + span  # (b, rows): each request's slot, in position order
-            masks = span[None, None, :] < lim.view(b, T)[:, :, None]  # (b, T, rows)
-            view = BatchView(row_slots * rows + pos, [Segment(r * T, (r + 1) * T, 0, rows, keys[r], masks[r])
-                                                      for r in range(b)])
-        ctx = StepCtx(pos=pos, mask=None, rope=self.head.rope(pos), batch=view)
-        x = blk.eh_proj(torch.cat((blk.enorm(self.embed(tokens)), blk.hnorm(hidden)), dim=-1))
-        return blk.shared_head["norm"](blk(x, ctx, state))
+        """The MTP layer over b requests' T rows each (pos == lim - 1 for every row, pads too)."""
+        return pooled_step(self.head, self.embed, self.pool, tokens, hidden, pos, row_slots, idx, T, self.paged)
 
     def _body(self, b: int):
         tok, pos, tslot, slot, lim, last_row, idx, cpos = self._views(b)
