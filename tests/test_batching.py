@@ -398,6 +398,7 @@ def test_served_requests_batched_get_their_solo_completions(llama, draft_llama, 
 
     def serve(max_batch):
         cfg = RunConfig(model=str(llama), drafter=drafter, k=3, device="cpu", dtype="fp32", ctx=CAP,
+                        spec_k="fixed",  # (every round drafts: --spec-k auto may leave the draft model K 0)
                         **({"draft_model": str(draft_llama)} if drafter == "model" else {}))
         host = EngineHost(cfg, None, max_batch=max_batch)
         assert host.sessions == max_batch
