@@ -1,11 +1,13 @@
 """MTP for many requests at once: the step leader's chained rounds (batching/chain_drafts.py)
-draft every greedy MTP request of a step together, as batched chains.
+draft every MTP request of a step together, as batched chains.
 
 Step s of a round runs the same MTP layer (s % n) for every request still drafting (requests
 ask for different k), so the step is ONE forward of that layer over all their rows: its input
 projection, its FFN (the target's MoE kind) and the lm_head over every request's rows at once,
 the attention per request over its own draft cache under its own mask (MTPDrafter._rows /
-_rows_chain: the same step context its solo step builds). Each request drafts exactly what it
+_rows_chain: the same step context its solo step builds), or, where every request's K/V is a
+slot of the draft pool (one MTP layer), the whole layer as one batched step over it
+(mtp_pool_graph.py `pooled_step`). Each request drafts exactly what it
 drafts alone; the picks stay on the device until one readback of them all. Eager, except where
 the engine captured the pool's graphs (one MTP layer, every request greedy and its round within
 the graphs' rows: mtp_pool_graph.py): then the whole round is one replay.

@@ -2,8 +2,8 @@
 (mtp_batch.py `propose_many`), one per bucket of requests, for a target with one MTP layer of
 grouped attention (GLM-4.5's: partial rotary, q / k norms, its MoE FFN).
 
-Eager, a round of b requests' chains is K forwards of the layer and its lm_head, each a few
-dozen launches (attention request by request): on an H100 a tiny glm4_moe's MTP decoded 87 tok/s
+Eager (before the pool: attention request by request), a round of b requests' chains was K
+forwards of the layer and its lm_head, each a few dozen launches: on an H100 a tiny glm4_moe's MTP decoded 87 tok/s
 on the loop against 1,108 on the solo engine's graphs, the device idle after 399 of 400 steps
 (BENCHMARKS.md). With one layer an MTP round is an EAGLE-3 round with another step: row p pairs
 the token at p + 1 with a hidden of position p (the target's final-normed hidden, the FINAL tap
