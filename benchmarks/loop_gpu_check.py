@@ -2,7 +2,8 @@
 
 For each family of memra_dist/bench/tiny_families.py (tiny random checkpoints saved by
 transformers: llama, qwen2, qwen3, kimi_linear, deepseek_v3, glm4_moe) and each drafter it
-takes (none, ngram, model, dflash, eagle3; mtp where it has MTP layers), greedy, fixed K:
+takes (none, ngram, model, dflash, eagle3; mtp where it has MTP layers), greedy (or sampled,
+`--temperature`: every path seeded alike draws the same drafts and acceptances), fixed K:
 
   reference  `--kernels off --graphs off`: every request alone, torch's eager ops
   alone      the default flags, every request alone (a GPU runs our kernels and CUDA graphs:
@@ -17,7 +18,7 @@ model from flipping an argmax between two correct paths; a mismatch prints the f
 that differs.
 
     python benchmarks/loop_gpu_check.py OUT_DIR [--device cuda] [--families llama,qwen3]
-        [--drafters none,model] [--dtype fp32] [--new 40] [--k 3]
+        [--drafters none,model] [--dtype fp32] [--new 40] [--k 3] [--temperature 0.8 --top-k 50]
 
 Writes OUT_DIR/loop_gpu_check.json and prints a line a row (~2-4 min for every family on one
 H100, most of it kernel JIT and graph capture; `--device cpu` runs the same comparison on the
@@ -52,10 +53,13 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 def _row(fam: dict, arch: str, drafter: str, a) -> dict:
     from memra_dist.app import open_engine  # noqa: PLC0415
     from memra_dist.config import RunConfig  # noqa: PLC0415
+    from memra_dist.specdec.sampling import SamplingParams  # noqa: PLC0415
 
     draft = {"model": fam["draft"], "dflash": fam["dflash"], "eagle3": fam["eagle3"]}.get(drafter)
 
     def cfg(**kw):
+        if a.temperature > 0:  # every request's generator seeded alike on every path
+            kw.update(sampling=SamplingParams(temperature=a.temperature, top_k=a.top_k), seed=7)
         return RunConfig(model=str(fam["target"]), drafter=drafter, draft_model=str(draft) if draft else None,
                          k=a.k, device=a.device, dtype=a.dtype, max_new_tokens=a.new, spec_k="fixed", **kw)
 
@@ -86,7 +90,7 @@ def _row(fam: dict, arch: str, drafter: str, a) -> dict:
     batched = [got[i] for i in range(len(PROMPTS))]
     row = {"family": arch, "drafter": drafter, "alone_engine": engine,
            "alone_equal": alone == ref, "batched_equal": batched == ref,
-           "counts": {k: st.get(k) for k in ("graphs", "eager_steps", "chained_rounds", "draft_batches")}}
+           "counts": {k: st.get(k) for k in ("graphs", "eager_steps", "chained_rounds", "draft_batches", "draft_graphs")}}
     for name, runs in (("alone", alone), ("batched", batched)):
         diffs = [(i, _first_diff(r, x)) for i, (r, x) in enumerate(zip(ref, runs)) if r != x]
         if diffs:
@@ -107,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                     "steps and MTP rounds replay graphs; a random model's near-ties may then differ)")
     ap.add_argument("--new", type=int, default=40, help="tokens each request generates (default 40)")
     ap.add_argument("--k", type=int, default=3, help="drafts a round, fixed (default 3)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled requests at this temperature (seeded "
+                    "alike on every path: the drafts' and the acceptance's draws are the same, so the ids must be "
+                    "too; default 0, greedy)")
+    ap.add_argument("--top-k", type=int, default=0, help="with --temperature: the requests' top-k (default 0, off)")
     a = ap.parse_args(argv)
     fams = [f.strip() for f in a.families.split(",") if f.strip()]
     bad = [f for f in fams if f not in FAMILIES]

@@ -58,3 +58,22 @@ def test_a_path_that_differs_fails_the_shell_and_says_where(check, tmp_path, mon
 def test_an_unknown_family_is_exit_2(check, tmp_path, capsys):
     assert check.main([str(tmp_path), "--device", "cpu", "--families", "gpt2"]) == 2
     assert "unknown family 'gpt2'" in capsys.readouterr().err
+
+
+def test_sampled_rows_are_seeded_alike_on_every_path(check, tmp_path, monkeypatch):
+    """`--temperature`: every request samples (top-k too) with one seed on each path, so the fast
+    path's ids still equal the reference's (the drafts' and the acceptance's draws alike)."""
+    import memra_dist.app as app
+
+    real, asked = app.Engine.generate, set()
+
+    def generate(self, prompt, cfg, *a, **kw):
+        asked.add((cfg.sampling.temperature, cfg.sampling.top_k, cfg.seed))
+        return real(self, prompt, cfg, *a, **kw)
+
+    monkeypatch.setattr(app.Engine, "generate", generate)
+    rc = check.main([str(tmp_path), "--device", "cpu", "--families", "qwen3", "--drafters", "eagle3",
+                     "--new", "8", "--temperature", "0.9", "--top-k", "20"])
+    row = json.loads((tmp_path / "loop_gpu_check.json").read_text())[0]
+    assert rc == 0 and row["alone_equal"] and row["batched_equal"], row
+    assert row["counts"]["chained_rounds"] > 0 and asked == {(0.9, 20, 7)}

@@ -95,10 +95,10 @@ def test_requests_back_from_k_0_catch_up_and_replay(glm, monkeypatch):
     made, caught, inside = [], [], [False]
     real_layer, real_replayed = mb._layer, mb._replayed
 
-    def replayed(g, live):
+    def replayed(g, live, *a):
         inside[0] = True
         try:
-            return real_replayed(g, live)
+            return real_replayed(g, live, *a)
         finally:
             inside[0] = False
 

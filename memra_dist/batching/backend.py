@@ -441,6 +441,7 @@ class BatchedBackend:
         if g is not None:
             ing = self.draft_pool.ingest_graphs
             out["draft_graphs"] = {"captured": len(g.graphs), "replays": g.replays,
+                                   "sampled_replays": getattr(g, "sampled_replays", 0),
                                    "ingest_replays": ing.replays if ing is not None else 0}
         if self.draft_batcher is not None:
             d = self.draft_batcher

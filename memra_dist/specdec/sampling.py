@@ -29,7 +29,7 @@ from ..errors import UserError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SamplingParams", "probs", "draw_drafts", "sampling_rule", "SAMPLING_FIELDS", "RULES", "GREEDY_BELOW", "MAX_SEED",
+__all__ = ["SamplingParams", "probs", "probs_rows", "draw_rows", "uniforms", "draw_drafts", "non_finite_drafts", "sampling_rule", "SAMPLING_FIELDS", "RULES", "GREEDY_BELOW", "MAX_SEED",
            "NonFiniteLogits"]
 
 GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) act as (and are stored as) 0 = greedy
@@ -95,31 +95,77 @@ class SamplingParams:
 
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """(T, V) fp32 logits -> (T, V) probabilities of the filtered, tempered distribution."""
+    """(T, V) fp32 logits -> (T, V) probabilities of the filtered, tempered distribution: one
+    request's rows through `probs_rows`, so a batch's rows (each its own parameters) and a
+    request alone give the same distribution. No filter on: no sort (the masks would be empty)."""
     import torch  # noqa: PLC0415 (the rules above are read by torch-free front ends: the server's parsing)
 
-    x = logits.float() / sp.temperature
-    if sp.top_k and sp.top_k < x.shape[-1]:
-        kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]  # (T, 1)
-        x = x.masked_fill(x < kth, float("-inf"))
-    if sp.top_p < 1.0:
-        # stable: among equal logits the first id leads, the one argmax (greedy) picks
-        sorted_x, idx = torch.sort(x, dim=-1, descending=True, stable=True)
-        sm = torch.softmax(sorted_x, dim=-1)
-        drop = (sm.cumsum(-1) - sm) >= sp.top_p  # keep the token that crosses p
-        drop[..., 0] = False  # and the most likely one always (a top_p that is 0 in fp32 would drop every token)
-        x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    T, dev = logits.shape[0], logits.device
+    full = lambda v, dt: torch.full((T,), v, dtype=dt, device=dev)  # noqa: E731
+    return probs_rows(logits, full(sp.temperature, torch.float32), full(sp.top_k, torch.long),
+                      full(sp.top_p, torch.float32), filters=bool(sp.top_k and sp.top_k < logits.shape[-1]) or sp.top_p < 1.0)
+
+
+def probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               filters: bool = True) -> torch.Tensor:
+    """(T, V) logits and each row's sampling parameters ((T,) tensors on the logits' device:
+    temperature > 0, top_k (0 = off), top_p (1 = off)) -> (T, V) probabilities, on the device
+    with no host sync (a CUDA graph captures it). Row by row what `probs` gives: top-k keeps
+    the values >= the k-th largest, then top-p keeps the most likely tokens up to the one whose
+    preceding mass crosses p (the most likely always; among equal logits the first id leads, as
+    argmax picks). `filters` False: no row filters (no sort)."""
+    import torch  # noqa: PLC0415
+
+    x = logits.float() / temperature.to(torch.float32)[:, None]
+    top_p = top_p.to(torch.float32)
+    if not filters:
+        return torch.softmax(x, dim=-1)
+    V = x.shape[-1]
+    sorted_x, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V)
+    kth = sorted_x.gather(-1, (k - 1)[:, None])  # (T, 1): the k-th largest (the smallest at k = V)
+    x = x.masked_fill(x < kth, float("-inf"))
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))  # = x sorted (the masked tail stays -inf)
+    sm = torch.softmax(sorted_x, dim=-1)
+    drop = (sm.cumsum(-1) - sm) >= top_p[:, None]  # keep the token that crosses p
+    drop[..., 0] = False  # and the most likely one always (a top_p that is 0 in fp32 would drop every token)
+    drop &= (top_p < 1.0)[:, None]  # top_p 1 is off (fp32 sums can reach 1 before the tail)
+    x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     return torch.softmax(x, dim=-1)
 
 
+def draw_rows(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token a row of the probabilities q (T, V) for the uniforms u (T,) in [0, 1): the
+    inverse of each row's CDF (in fp64) at u times its total, on q's device with no host sync.
+    A zero-probability token is never drawn (its CDF step is empty)."""
+    import torch  # noqa: PLC0415
+
+    cdf = q.double().cumsum(-1)
+    at = (u.to(cdf.device, torch.float64) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, at, right=True)[:, 0].clamp_(max=q.shape[-1] - 1)
+
+
+def uniforms(gen, n: int):
+    """A request's next n draft uniforms (fp64) from its generator: `draw_drafts` takes one a
+    row, so n drawn at once equal n drawn one at a time (the CPU generator's stream)."""
+    import torch  # noqa: PLC0415
+
+    return torch.rand(n, generator=gen, dtype=torch.float64)
+
+
 def draw_drafts(q, gen, drafter: str):
-    """One draft per row of the drafter's probabilities q (T, V), drawn on the host with the
-    request's generator -> (T,) int64. Non-finite rows (NaN / inf in the drafter's logits: a
-    broken draft checkpoint) are refused in one line instead of sampled into a traceback."""
+    """One draft per row of the drafter's probabilities q (T, V), drawn with the request's
+    generator (one uniform a row, `draw_rows`) -> (T,) int64 on the host. Non-finite rows (NaN /
+    inf in the drafter's logits: a broken draft checkpoint) are refused in one line instead of
+    sampled into a traceback."""
     import torch  # noqa: PLC0415
 
     q = q.cpu()
     if not bool(torch.isfinite(q.sum(-1)).all()):
-        raise UserError(f"non-finite logits (NaN/inf) from the {drafter} drafter: its sampling distribution "
-                        "is undefined (a broken draft checkpoint?)")
-    return torch.multinomial(q, 1, generator=gen)[:, 0]
+        raise non_finite_drafts(drafter)
+    return draw_rows(q, uniforms(gen, q.shape[0]))
+
+
+def non_finite_drafts(drafter: str) -> UserError:
+    return UserError(f"non-finite logits (NaN/inf) from the {drafter} drafter: its sampling distribution "
+                     "is undefined (a broken draft checkpoint?)")

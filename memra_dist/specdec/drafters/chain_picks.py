@@ -1,43 +1,77 @@
 """The picks of a batched draft chain (eagle3_batch.py, mtp_batch.py): each chain step's draft
-for every request still drafting, greedy on the device or, for a sampled request, drawn on the
-host with its own generator (its step's distribution kept for the acceptance), and at the end
-one readback of them all, unpacked into each request's Proposal."""
+for every request still drafting, on the device with no host sync: greedy the argmax; sampled
+drawn from the step's distribution (`probs_rows`, each request's own temperature / top-k /
+top-p) at a uniform its generator gave before the chain (`draw_rows`: one a step, as its solo
+proposal draws them one at a time), the distribution kept for the acceptance. At the end one
+readback of them all (and of a flag for a non-finite draft distribution), unpacked into each
+request's Proposal."""
 
 from __future__ import annotations
 
 import torch
 
-from ..sampling import draw_drafts, probs
+from ...device import to_device
+from ..sampling import draw_rows, non_finite_drafts, probs_rows, uniforms
 from .base import EMPTY, Proposal
 
-__all__ = ["ChainPicks"]
+__all__ = ["ChainPicks", "sampled_rows"]
+
+
+def sampled_rows(sps, gens, ks: list[int], dev):
+    """For sampled requests (sampling params, generators, drafts each): ((n, 3) fp64 rows of
+    temperature, top-k, top-p; (n, max k) fp64 uniforms, each request's k drawn from its
+    generator now, the rest 0) on `dev` in one copy, and whether any row filters (top-k / top-p)."""
+    K = max(ks)
+    rows = torch.zeros(len(sps), 3 + K, dtype=torch.float64)
+    for r, (sp, gen, k) in enumerate(zip(sps, gens, ks)):
+        rows[r, :3] = torch.tensor([sp.temperature, sp.top_k, sp.top_p], dtype=torch.float64)
+        rows[r, 3:3 + k] = uniforms(gen, k)
+    rows = to_device(rows, dev)
+    return rows[:, :3], rows[:, 3:], any(sp.top_k or sp.top_p < 1.0 for sp in sps)
 
 
 class ChainPicks:
-    def __init__(self, live, sps, gens):
+    def __init__(self, live, sps, gens, dev):
         """`live`: the drafting requests as (index into the batch, drafter, context, k)."""
-        self.live, self.sps, self.gens = live, sps, gens
+        self.live = live
         self.picks: list[torch.Tensor] = []
         self.order: list[list[int]] = []
-        self.qs: dict[int, list[torch.Tensor]] = {r: [] for r, (i, *_) in enumerate(live) if not sps[i].greedy}
+        self.samp = [r for r, (i, *_) in enumerate(live) if not sps[i].greedy]
+        self.at = {r: j for j, r in enumerate(self.samp)}  # request -> its row of the sampled params
+        self.qs: dict[int, list[torch.Tensor]] = {r: [] for r in self.samp}
+        self.bad = None  # a device flag: some draft distribution was not finite
+        if self.samp:
+            idx = [live[r][0] for r in self.samp]
+            self.params, self.u, self.filters = sampled_rows([sps[i] for i in idx], [gens[i] for i in idx],
+                                                             [live[r][3] for r in self.samp], dev)
+            self.dev = dev
 
     def take(self, active: list[int], tok: torch.Tensor, dist) -> torch.Tensor:
         """One chain step: `tok` (n_active,) the greedy ids on the device, its sampled requests'
-        entries replaced by their draws from `dist(a)` ((1, V) logits over the target vocabulary
-        of active row a), as each request's solo step draws them. Returns the step's drafts."""
-        for a, r in enumerate(active):
-            if r in self.qs:
-                i = self.live[r][0]
-                q = probs(dist(a), self.sps[i])
-                self.qs[r].append(q)
-                tok[a] = int(draw_drafts(q, self.gens[i], self.live[r][1].name)[0])
+        entries replaced by their draws from `dist(sel)` ((n, V) logits over the target vocabulary
+        of the active rows `sel`, a device index). Returns the step's drafts."""
+        s = len(self.picks)
+        rows = [(a, self.at[r]) for a, r in enumerate(active) if r in self.at]
+        if rows:
+            ix = to_device([a for a, _ in rows] + [j for _, j in rows], self.dev)
+            sel, js = ix[:len(rows)], ix[len(rows):]
+            p = self.params[js]
+            q = probs_rows(dist(sel), p[:, 0], p[:, 1].long(), p[:, 2], self.filters)
+            tok = tok.index_put((sel,), draw_rows(q, self.u[js, s]))
+            bad = ~torch.isfinite(q.sum(-1)).all()
+            self.bad = bad if self.bad is None else self.bad | bad
+            for n, (a, _) in enumerate(rows):
+                self.qs[active[a]].append(q[n:n + 1])
         self.picks.append(tok)
         self.order.append(active)
         return tok
 
     def proposals(self, n: int) -> list[Proposal]:
         """Every request's Proposal (EMPTY for one not drafting), from one readback."""
-        flat = torch.cat(self.picks).tolist() if self.picks else []
+        flat = torch.cat(self.picks + ([self.bad.long().view(1)] if self.bad is not None else [])).tolist() \
+            if self.picks else []
+        if self.bad is not None and flat.pop():
+            raise non_finite_drafts(self.live[self.samp[0]][1].name)
         got: list[list[int]] = [[] for _ in self.live]
         lo = 0
         for rs in self.order:

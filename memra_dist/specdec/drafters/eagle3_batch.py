@@ -177,6 +177,15 @@ def _early(d, N: int, k: int):
     return dd, row
 
 
+def _replay(graphs, reqs, live, sps, gens, name: str) -> list[Proposal] | None:
+    """The live requests' round as one replay: the greedy graph where every request is greedy,
+    else the sampled one (None where it could not be captured: the eager chains run it)."""
+    ks = [k for *_, k in live]
+    if all(sps[i].greedy for i, *_ in live):
+        return [Proposal(ids=t[:k]) for t, k in zip(graphs.greedy(reqs), ks)]
+    return graphs.sampled(reqs, [sps[i] for i, *_ in live], [gens[i] for i, *_ in live], ks, name)
+
+
 def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = False) -> list[Proposal]:
     """Each drafter's Proposal (k drafts, on the host; EMPTY where k <= 0) after its context:
     the round's first forward and each chain step shared by every request still drafting.
@@ -203,7 +212,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
     lens = [N - 1 - lo for N, lo in zip(Ns, los)]
     pool = pool_of(ds)
     graphs = pool.graphs if pool is not None else None
-    if graphs is not None and all(sps[i].greedy for i, *_ in live):  # one replay (eagle3_pool_graph.py)
+    if graphs is not None:  # one replay (eagle3_pool_graph.py)
         behind = [r for r, N in enumerate(Ns) if N - 1 - los[r] > graphs.R]
         if behind:  # they skipped rounds at K 0 (--spec-k auto): the rows the graph cannot take,
             _prime_kv_many([ds[r] for r in behind], [live[r][2] for r in behind],  # their K/V
@@ -212,11 +221,13 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
                 los[r], lens[r] = ds[r].n, graphs.R
         sinks = [d._taps() for d in ds]
         if graphs.fits(ds, sinks, los, Ns, [k for *_, k in live]):
-            toks = graphs.greedy([(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)])
-            for (i, d, _, k), N, t in zip(live, Ns, toks):
-                d.n = N - 1
-                out[i] = Proposal(ids=t[:k])
-            return out
+            reqs = [(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)]
+            props = _replay(graphs, reqs, live, sps, gens, d0.name)
+            if props is not None:
+                for (i, d, _, _), N, p in zip(live, Ns, props):
+                    d.n = N - 1
+                    out[i] = p
+                return out
     tokens = to_device([t for (_, _, c, _), lo, N in zip(live, los, Ns) for t in c[lo + 1:N]], dev)
     g = net.features(gather_rows([d._taps() for d in ds], [(lo, N - 1) for lo, N in zip(los, Ns)], dev))
     h = _step(net, ds, los, lens, tokens, g)
@@ -225,10 +236,10 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
     for d, N in zip(ds, Ns):
         d.n = N - 1
     active = list(range(len(live)))
-    picks = ChainPicks(live, sps, gens)
+    picks = ChainPicks(live, sps, gens, dev)
     for s in range(max(k for *_, k in live)):
         logits = net.logits(last)  # (len(active), Vd): greedy, the argmax as target ids; sampled, over the target's
-        tok = picks.take(active, net.hot[logits.argmax(-1)], lambda a: net.target_logits(logits[a:a + 1]))
+        tok = picks.take(active, net.hot[logits.argmax(-1)], lambda sel: net.target_logits(logits[sel]))
         keep = [a for a, r in enumerate(active) if s + 1 < live[r][3]]
         if not keep:
             break

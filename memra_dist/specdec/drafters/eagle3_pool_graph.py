@@ -11,15 +11,23 @@ and write the draft pool's), the index of each request's last committed row, its
 first chain position. The graph runs the first forward, then K chain steps of one row a request
 (the argmax mapped to target ids through d2t, fed back as the next row's token, the row's
 pre-norm output as its hidden), and leaves the (b, K) picks: one readback gives every request's
-greedy drafts. Used where every request asks for at most K drafts, has at most K + 1 new rows,
-and its chain stays inside its cache; else, and for sampled requests, the eager chains.
+greedy drafts. A round with sampled requests replays the bucket's sampled graph (captured at
+the first such round): each chain step also draws every sampled row's draft on the device from
+its own tempered, filtered distribution at a uniform its generator gave before the replay (as
+its solo proposal draws one a step), and leaves the distributions for the acceptance. Used where
+every request asks for at most K drafts, has at most K + 1 new rows, and its chain stays inside
+its cache; else the eager chains.
 """
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import torch
 
 from ...graphs import CapturedGraph
+from ..sampling import draw_rows, non_finite_drafts, probs_rows, uniforms
 from .dflash_pool_graph import _BucketGraphs
 from .draft_pool import paged_pool_attention, pooled_attention
 from .host_row import HostRow
@@ -41,8 +49,11 @@ class PoolChainGraphs(_BucketGraphs):
             self.fold_rows = BATCH_FOLD_ROWS
         self.R = K + 1
         n = self.max_n
-        # [tokens, positions, tap slots, draft slots, limits] (n R each), then [last row, slot, chain position] (n each)
-        self.row = HostRow(5 * n * self.R + 3 * n, pool.device)
+        # [tokens, positions, tap slots, draft slots, limits] (n R each), then [last row, slot, chain position] (n each),
+        # then a sampled round's (fp64 bits): [temperature, top-k, top-p] (n each), uniforms (n K)
+        self.row = HostRow(5 * n * self.R + 6 * n + n * K, pool.device)
+        self._sampled_ok = True
+        self.sampled_replays = 0  # of the replays, those of a sampled graph
 
     def _views(self, b: int):
         N, d, m = self.max_n * self.R, self.row.ids, b * self.R
@@ -69,19 +80,44 @@ class PoolChainGraphs(_BucketGraphs):
 
         return self.net.step(self.embed(tokens), g, pos, kv_of, None, attend)
 
-    def _body(self, b: int):
-        tok, pos, tslot, slot, lim, last_row, idx, cpos = self._views(b)
-        net = self.net
-        g = net.features(self.taps.gather(tslot, pos, self.taps.layers))
-        last = self._step(tok, g, pos, slot, lim, idx, self.R)[last_row]  # (b, H)
-        picks = []
+    def _first(self, v) -> torch.Tensor:
+        """The round's first forward over every request's new rows -> its last row's output (b, H)."""
+        tok, pos, tslot, slot, lim, last_row, idx, _ = v
+        g = self.net.features(self.taps.gather(tslot, pos, self.taps.layers))
+        return self._step(tok, g, pos, slot, lim, idx, self.R)[last_row]
+
+    def _pick(self, last):
+        """A chain step's picks from its outputs (b, H): (the argmax as target ids (b,), a thunk
+        of the target-vocabulary logits (b, V) a sampled row draws from)."""
+        logits = self.net.logits(last)
+        return self.net.hot[logits.argmax(-1)], lambda: self.net.target_logits(logits)
+
+    def _body(self, b: int, sampled: bool = False):
+        """The round: the first forward, then K chain steps. Greedy: the (b, K) picks. Sampled
+        (`_sampling_views`; greedy rows and pads at temperature 0 keep the argmax): each row's
+        draw at its uniform from its tempered, filtered distribution, fed on as the greedy pick
+        is, and (picks, the distributions (b, K, V), a flag: a sampled row's was not finite)."""
+        v = self._views(b)
+        idx, cpos = v[6], v[7]
+        last = self._first(v)
+        if sampled:
+            temp, top_k, top_p, u = self._sampling_views(b)
+            greedy = temp <= 0
+            temp = torch.where(greedy, 1.0, temp)
+        picks, qs = [], []
         for s in range(self.K):
-            t = net.hot[net.logits(last).argmax(-1)]  # (b,) target ids
+            t, dist = self._pick(last)
+            if sampled:
+                qs.append(probs_rows(dist(), temp, top_k.long(), top_p))
+                t = torch.where(greedy, t, draw_rows(qs[-1], u[:, s]))
             picks.append(t)
             if s + 1 < self.K:
                 p = cpos + s
                 last = self._step(t, last, p, idx, p + 1, idx, 1)
-        return torch.stack(picks, 1)  # (b, K)
+        if not sampled:
+            return torch.stack(picks, 1)  # (b, K)
+        q = torch.stack(qs, 1)
+        return torch.stack(picks, 1), q, (~torch.isfinite(q.sum(-1)) & ~greedy[:, None]).any()
 
     def fits(self, ds, sinks, los: list[int], Ns: list[int], ks: list[int]) -> bool:
         """These requests' round can replay: few enough, at most K drafts and K + 1 new rows
@@ -155,6 +191,65 @@ class PoolChainGraphs(_BucketGraphs):
         g.replay()
         self.replays += 1
         return DeviceDrafts(g.out[:n], acc, bonus)
+
+    def _sampling_views(self, b: int):
+        n, K = self.max_n, self.K
+        lo = 5 * n * self.R + 3 * n
+        f = self.row.ids[lo:lo + 3 * n + n * K].view(torch.float64)
+        return f[:b], f[n:n + b], f[2 * n:2 * n + b], f[3 * n:3 * n + n * K].view(n, K)[:b]
+
+    def _load_sampling(self, sps, gens, ks: list[int]) -> None:
+        """A sampled round's parameters and uniforms into the pinned row (sent with `_load`'s):
+        a greedy request's temperature 0, a sampled one's k uniforms from its generator (as its
+        solo proposal draws them, one a step)."""
+        n, K = self.max_n, self.K
+        lo = 5 * n * self.R + 3 * n
+        f = self.row.writable()[lo:lo + 3 * n + n * K].view(np.float64)
+        f[:] = 0.0
+        f[n:2 * n], f[2 * n:3 * n] = 0.0, 1.0
+        u = f[3 * n:3 * n + n * K].reshape(n, K)
+        for r, (sp, gen, k) in enumerate(zip(sps, gens, ks)):
+            if not sp.greedy:
+                f[r], f[n + r], f[2 * n + r] = sp.temperature, sp.top_k, sp.top_p
+                u[r, :k] = uniforms(gen, k).numpy()
+
+    def sampled(self, reqs: list, sps, gens, ks: list[int], name: str) -> list | None:
+        """Each request's Proposal after its context, greedy and sampled requests together (`reqs`
+        as `_load`'s; `sps` / `gens` / `ks` each request's sampling, generator and drafts), in one
+        replay of the bucket's sampled graph (captured at the first such round); None where that
+        capture failed (once, one warning line: the eager chains draw them)."""
+        from .base import Proposal  # noqa: PLC0415
+
+        if not self._sampled_ok:
+            return None
+        b = self.bucket(len(reqs))
+        key = (b, "sampled")
+        g = self.graphs.get(key)
+        if g is None:  # captured over pads (no generator drawn from yet: a failure leaves them as they were)
+            self._load_sampling([], [], [])
+            self._load([], b)
+            try:
+                g = self.graphs[key] = self._capture(lambda: self._body(b, sampled=True))
+            except Exception as e:  # noqa: BLE001 (a fast path: the eager chains draw the same drafts)
+                self._sampled_ok = False
+                line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                print(f"[memra] warning: sampled draft chains stay eager (their CUDA graph failed: {line})",
+                      file=sys.stderr)
+                return None
+        self._load_sampling(sps, gens, ks)
+        self._load(reqs, b)
+        g.replay()
+        self.replays += 1
+        self.sampled_replays += 1
+        picks, q, bad = g.out
+        n = len(reqs)
+        flat = torch.cat([picks[:n].flatten(), bad.long().view(1)]).tolist()
+        if flat.pop():
+            raise non_finite_drafts(name)
+        K = self.K
+        return [Proposal(ids=flat[r * K:r * K + k]) if sp.greedy else
+                Proposal(torch.tensor(flat[r * K:r * K + k], dtype=torch.long), q[r, :k].clone())
+                for r, (sp, k) in enumerate(zip(sps, ks))]
 
     def greedy(self, reqs: list) -> list[list[int]]:
         """Each request's K greedy drafts (host lists) after its context: `reqs` as `_load`'s."""

@@ -72,17 +72,17 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     if not live:
         return out
     pool = pool_of([d for _, d, _, _ in live])
-    if pool is not None and pool.graphs is not None and all(sps[i].greedy for i, *_ in live):
-        toks = _replayed(pool.graphs, live)
-        if toks is not None:
-            for (i, _, _, k), t in zip(live, toks):
-                out[i] = Proposal(ids=t[:k])
+    if pool is not None and pool.graphs is not None:
+        props = _replayed(pool.graphs, live, sps, gens)
+        if props is not None:
+            for (i, *_), p in zip(live, props):
+                out[i] = p
             return out
     d0 = live[0][1]
     head, dev, lm_head = d0.head, d0.device, d0.target.stage.lm_head
     Ns = [len(c) for _, _, c, _ in live]
     drafts: list[list[torch.Tensor]] = [[] for _ in live]  # each request's picks so far, (1,) on the device
-    picks = ChainPicks(live, sps, gens)
+    picks = ChainPicks(live, sps, gens, dev)
     active = list(range(len(live)))
     prev = None  # the active requests' previous outputs (n_active, H)
     for s in range(max(k for *_, k in live)):
@@ -103,7 +103,7 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
             tokens = torch.cat([drafts[a][-1] for a in active])
             last = _layer(head, j, ds, [Ns[a] - 2 + r for a in active], [1] * len(active), tokens, prev, True)
         logits = lm_head(last).float()  # (n_active, V)
-        tok = picks.take(active, logits.argmax(-1), lambda i: logits[i:i + 1])
+        tok = picks.take(active, logits.argmax(-1), lambda sel: logits[sel])
         for i, a in enumerate(active):
             drafts[a].append(tok[i:i + 1])
         keep = [i for i, a in enumerate(active) if s + 1 < live[a][3]]
@@ -114,10 +114,10 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens) -> list[Proposal]
     return picks.proposals(len(drafters))
 
 
-def _replayed(g, live) -> list[list[int]] | None:
-    """The round of every live request (greedy, one MTP layer) as one replay of the pool's
-    graphs (mtp_pool_graph.py), its K drafts a request on the host; None where the round does not
-    fit them (the eager chains run it). Rows the graph cannot take (a request that skipped rounds
+def _replayed(g, live, sps, gens) -> list[Proposal] | None:
+    """The round of every live request (one MTP layer) as one replay of the pool's graphs
+    (mtp_pool_graph.py: the greedy graph, or the sampled one where a request samples), each
+    request's Proposal; None where the round does not fit them (the eager chains run it). Rows the graph cannot take (a request that skipped rounds
     at K 0 under --spec-k auto has more than K + 1 new rows) are run first, their K/V only, in one
     eager forward."""
     ds = [d for _, d, _, _ in live]
@@ -134,7 +134,14 @@ def _replayed(g, live) -> list[list[int]] | None:
         ids = torch.cat([to_device(live[r][2][lo + 1:los[r] + 1], dev) for r, lo in zip(behind, lo0)])
         hidden = torch.cat([d._final()[lo:los[r]] for d, r, lo in zip(b, behind, lo0)])
         _layer(head, 0, b, lo0, [los[r] - lo for r, lo in zip(behind, lo0)], ids, hidden, False)
-    toks = g.greedy([(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)])
+    reqs = [(c, lo, s.pool_slot, d.pool_slot) for (_, d, c, _), lo, s in zip(live, los, sinks)]
+    ks = [k for *_, k in live]
+    if all(sps[i].greedy for i, *_ in live):
+        props = [Proposal(ids=t[:k]) for t, k in zip(g.greedy(reqs), ks)]
+    else:
+        props = g.sampled(reqs, [sps[i] for i, *_ in live], [gens[i] for i, *_ in live], ks, ds[0].name)
+        if props is None:
+            return None
     for d, N in zip(ds, Ns):
         d.done[0] = N - 1
-    return toks
+    return props

@@ -78,15 +78,12 @@ class MTPPoolGraphs(PoolChainGraphs):
         """The MTP layer over b requests' T rows each (pos == lim - 1 for every row, pads too)."""
         return pooled_step(self.head, self.embed, self.pool, tokens, hidden, pos, row_slots, idx, T, self.paged)
 
-    def _body(self, b: int):
-        tok, pos, tslot, slot, lim, last_row, idx, cpos = self._views(b)
+    def _first(self, v) -> torch.Tensor:
+        tok, pos, tslot, slot, lim, last_row, idx, _ = v
         hidden = self.taps.gather(tslot, pos, self.taps.layers)  # (b R, H): the FINAL tap's rows
-        last = self._step(tok, hidden, pos, slot, lim, idx, self.R)[last_row]  # (b, H)
-        picks = []
-        for s in range(self.K):
-            t = self.lm_head(last).float().argmax(-1)  # (b,)
-            picks.append(t)
-            if s + 1 < self.K:
-                p = cpos + s
-                last = self._step(t, last, p, idx, p + 1, idx, 1)
-        return torch.stack(picks, 1)  # (b, K)
+        return self._step(tok, hidden, pos, slot, lim, idx, self.R)[last_row]  # (b, H)
+
+    def _pick(self, last):
+        """The target's lm_head over the step's outputs: its argmax, and its logits for a sampled row."""
+        logits = self.lm_head(last).float()  # (b, V)
+        return logits.argmax(-1), lambda: logits
