@@ -14,7 +14,7 @@ from ...device import to_device
 from ..sampling import draw_rows, non_finite_drafts, probs_rows, uniforms
 from .base import EMPTY, Proposal
 
-__all__ = ["ChainPicks", "sampled_rows"]
+__all__ = ["ChainPicks", "sampled_rows", "draw_requests"]
 
 
 def sampled_rows(sps, gens, ks: list[int], dev):
@@ -28,6 +28,29 @@ def sampled_rows(sps, gens, ks: list[int], dev):
         rows[r, 3:3 + k] = uniforms(gen, k)
     rows = to_device(rows, dev)
     return rows[:, :3], rows[:, 3:], any(sp.top_k or sp.top_p < 1.0 for sp in sps)
+
+
+def draw_requests(logits: list[torch.Tensor], sps, gens, name: str, dev) -> list[Proposal]:
+    """Sampled requests' drafts from their rows' logits (request r's (k_r, V)) at once: every
+    row's distribution (`probs_rows`, its request's parameters) and its draw at the request's
+    next uniform, then one readback for all of them (and of a flag: a distribution that is not
+    finite, refused in one line) -> each request's Proposal (drafts, the distributions), as
+    `draw_drafts` draws them request by request."""
+    ks = [x.shape[0] for x in logits]
+    params, u, filters = sampled_rows(sps, gens, ks, dev)
+    at = to_device([r for r, k in enumerate(ks) for _ in range(k)] + [j for k in ks for j in range(k)], dev)
+    rix, cix = at[:sum(ks)], at[sum(ks):]
+    p = params[rix]
+    q = probs_rows(torch.cat(logits), p[:, 0], p[:, 1].long(), p[:, 2], filters)
+    bad = ~torch.isfinite(q.sum(-1)).all()
+    flat = torch.cat([draw_rows(q, u[rix, cix]), bad.long().view(1)]).tolist()
+    if flat.pop():
+        raise non_finite_drafts(name)
+    out, lo = [], 0
+    for k in ks:
+        out.append(Proposal(torch.tensor(flat[lo:lo + k], dtype=torch.long), q[lo:lo + k]))
+        lo += k
+    return out
 
 
 class ChainPicks:

@@ -23,7 +23,7 @@ import torch
 
 from ...model.tap_pool import gather_rows
 from ..chunks import pack_chunks
-from ..sampling import draw_drafts, probs
+from .chain_picks import draw_requests
 from .base import EMPTY, Proposal
 from ...device import to_device
 from .dflash_pool_graph import DeviceDrafts
@@ -170,10 +170,16 @@ def propose_many(drafters, contexts, ks: list[int], sps, gens, defer: bool = Fal
             toks, rows = toks if sampled else (toks, None)
             for at, r in enumerate(rest):
                 early[r] = (toks, at)
+        samp = [r for r, (i, *_) in enumerate(live) if not sps[i].greedy]
+        if samp:  # every sampled request's drafts drawn at once, one readback (chain_picks.py)
+            drawn = draw_requests([rows[early[r][1]][:live[r][3]] for r in samp], [sps[live[r][0]] for r in samp],
+                                  [gens[live[r][0]] for r in samp], d0.name, dev)
+            for r, p in zip(samp, drawn):
+                out[live[r][0]] = p
         for (i, d, _, kk), (toks, at) in zip(live, early):
             if not sps[i].greedy:
-                out[i] = _drawn(rows[at][:kk], sps[i], gens[i], d.name)
-            elif defer:
+                continue
+            if defer:
                 out[i] = Proposal(dev=(toks, at, kk))
             else:
                 out[i] = Proposal(ids=(toks.rows() if isinstance(toks, DeviceDrafts) else toks)[at][:kk])
@@ -215,23 +221,19 @@ def _pooled(pool, ds, pos: torch.Tensor, starts: list[int], B: int):
 def _picks(out, live, h, per: int, stage, sps, gens, dev) -> list[Proposal]:
     """Each live request's drafts from the kept block outputs h (n * per, H: rows 1 .. per of
     each block): its first k through the lm_head at once; greedy the argmax (one readback),
-    sampled drawn with its generator."""
+    sampled drawn with its generator (all at once: `draw_requests`)."""
     rows = [r * per + i for r, (_, _, _, kk) in enumerate(live) for i in range(kk)]
     logits = stage.lm_head(h if len(rows) == h.shape[0] else h[to_device(rows, dev)]).float()  # (rows, V)
-    toks = logits.argmax(-1).tolist()
-    lo = 0
-    for i, d, _, kk in live:
-        sp = sps[i]
-        if sp.greedy:
-            out[i] = Proposal(ids=toks[lo:lo + kk])
-        else:
-            out[i] = _drawn(logits[lo:lo + kk], sp, gens[i], d.name)
-        lo += kk
+    los = torch.tensor([0] + [kk for *_, kk in live]).cumsum(0).tolist()
+    samp = [r for r, (i, *_) in enumerate(live) if not sps[i].greedy]
+    if samp:
+        drawn = draw_requests([logits[los[r]:los[r + 1]] for r in samp], [sps[live[r][0]] for r in samp],
+                              [gens[live[r][0]] for r in samp], live[0][1].name, dev)
+        for r, p in zip(samp, drawn):
+            out[live[r][0]] = p
+    if len(samp) < len(live):
+        toks = logits.argmax(-1).tolist()
+        for r, (i, *_) in enumerate(live):
+            if sps[i].greedy:
+                out[i] = Proposal(ids=toks[los[r]:los[r + 1]])
     return out
-
-
-def _drawn(logits: torch.Tensor, sp, gen, name: str) -> Proposal:
-    """A sampled request's drafts: drawn from its own rows' distribution (logits (k, V)) with its
-    own generator, as its solo proposal draws them."""
-    q = probs(logits.float(), sp)
-    return Proposal(draw_drafts(q, gen, name), q)
