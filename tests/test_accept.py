@@ -142,3 +142,37 @@ def test_greedy_commit_on_rows_read_back_by_a_batched_step_equals_its_own_readba
     pred = bad.argmax(-1)
     with pytest.raises(NonFiniteRow):
         greedy_commit(bad, torch.zeros(1, dtype=torch.long), (pred.tolist(), bad.gather(-1, pred[:, None]).view(-1).tolist()))
+
+
+def test_rounds_accepted_together_are_each_as_accepted_alone():
+    """`accept_sampled_many` (the engine loop: a step's sampled rounds with one readback) gives
+    every round what `accept_sampled` gives it alone with the same generator: rounds of 0 to 4
+    drafts, draft distributions and one-hot drafts mixed, a round whose later rows are NaN
+    (rejected there: its first non-finite row is reported only where the round reaches it)."""
+    from memra_dist.specdec.accept import NonFiniteRow, accept_sampled_many
+    from memra_dist.specdec.sampling import uniforms
+
+    g = torch.Generator().manual_seed(4)
+    for trial in range(40):
+        rounds = []
+        for r in range(1 + trial % 5):
+            k = (trial + r) % 5
+            p = torch.softmax(torch.randn(k + 1, 12, generator=g) * 2, -1)
+            q = torch.softmax(torch.randn(k, 12, generator=g) * 2, -1) if (trial + r) % 3 else None
+            d = torch.randint(0, 12, (k,), generator=g)
+            if q is not None and k:
+                d[0] = int(p[0].argmax())  # accepted often: later rows get reached
+            if trial % 7 == 3 and r == 0 and k >= 2:
+                p[2] = float("nan")
+            rounds.append((p, q, d, 100 * trial + r))
+        alone = []
+        for p, q, d, seed in rounds:
+            try:
+                alone.append(accept_sampled(p, q, d, torch.Generator().manual_seed(seed)))
+            except NonFiniteRow as e:
+                alone.append(("nan", e.row))
+        together = accept_sampled_many([p for p, *_ in rounds], [q for _, q, *_ in rounds], [d for _, _, d, _ in rounds],
+                                       [uniforms(torch.Generator().manual_seed(s), d.shape[0] + 1)
+                                        for _, _, d, s in rounds])
+        got = [("nan", bad) if bad >= 0 else (j, nxt, kind) for j, nxt, kind, bad in together]
+        assert got == alone, (trial, got, alone)

@@ -227,3 +227,25 @@ def test_a_sampled_graph_that_cannot_be_captured_leaves_the_eager_chains(drafter
     err = capfd.readouterr().err
     assert err.count("sampled draft chains stay eager") == 1, err
     assert made[0].replays > 0 and not made[0]._sampled_ok
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_a_steps_sampled_rounds_are_accepted_together(drafter, llama, monkeypatch):
+    """The loop accepts a step's sampled rounds at once (chain.py `accept_sampled_rounds`: one
+    readback for all, not each round's logit rows copied to the host): plain sampled decoding and
+    n-gram's one-hot drafts, six requests at a time, each its solo ids, steps of several rounds."""
+    import memra_dist.batching.chain as chain_mod
+
+    sizes, real = [], chain_mod.accept_sampled_many
+
+    def many(ps, *a):
+        sizes.append(len(ps))
+        return real(ps, *a)
+
+    reqs = _prompts(6)
+    kw = SAMPLED[1]
+    solo = _solo(llama, drafter, reqs, **kw)
+    monkeypatch.setattr(chain_mod, "accept_sampled_many", many)
+    batched, _ = _batched(llama, drafter, reqs, max_batch=6, **kw)
+    assert batched == solo
+    assert max(sizes) >= 4 and sum(sizes) > 3 * len(sizes) // 2, sizes

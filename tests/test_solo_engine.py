@@ -41,10 +41,22 @@ def test_the_solo_engine_and_the_loop_give_a_request_alone_the_same_ids(llama, d
     assert _run(model, drafter, reqs, True, monkeypatch, **kw) == _run(model, drafter, reqs, False, monkeypatch, **kw)
 
 
-def test_sampled_requests_alone_draw_the_same_on_both(llama, monkeypatch):
-    reqs = _prompts(2)
-    kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=7)
-    assert _run(llama, "ngram", reqs, True, monkeypatch, **kw) == _run(llama, "ngram", reqs, False, monkeypatch, **kw)
+@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "eagle3", "mtp"])
+def test_sampled_requests_alone_draw_the_same_on_both(llama, draft_llama, tmp_path_factory, monkeypatch, drafter):
+    """The solo engine's session draws each draft (`draw_drafts`) and accepts each round
+    (`accept_sampled`) request by request; the loop draws a step's drafts on the device and
+    accepts its rounds together: the same uniforms from each request's generator, the same ids."""
+    reqs, model, kw = _prompts(2), llama, dict(sampling=SamplingParams(temperature=0.8, top_k=20, top_p=0.95), seed=7)
+    if drafter == "model":
+        kw["draft_model"] = str(draft_llama)
+    if drafter in ("dflash", "eagle3"):
+        kw["draft_model"] = str(_tap_drafter(drafter, llama, tmp_path_factory))
+    if drafter == "mtp":
+        from moe_ckpt import save_moe
+
+        model, _ = save_moe(tmp_path_factory.mktemp("solo-smoe") / "glm4_moe", "glm4_moe", layers=2, n_mtp=1, seed=2)
+        reqs = [(p[:14], n) for p, n in reqs]
+    assert _run(model, drafter, reqs, True, monkeypatch, **kw) == _run(model, drafter, reqs, False, monkeypatch, **kw)
 
 
 def test_a_request_alone_keeps_the_solo_engine_only_where_the_loops_steps_would_run_eager(monkeypatch):

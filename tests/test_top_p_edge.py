@@ -59,7 +59,7 @@ def test_rejection_sampling_on_a_tiny_top_p_commits_the_argmax(top_p, monkeypatc
             drafts[1] = (best[1] + 1) % 16  # the second draft is not the target's choice
             j, nxt, _ = accept_sampled(p, qq, drafts, gen)
             assert j <= 1 and nxt == int(best[j])
-    monkeypatch.setattr(torch, "rand", lambda k, generator=None: torch.zeros(k))  # u = 0 exactly
+    monkeypatch.setattr(torch, "rand", lambda k, generator=None, **kw: torch.zeros(k, **kw))  # u = 0 exactly
     j, nxt, _ = accept_sampled(p, None, torch.tensor([(int(best[0]) + 1) % 16]), torch.Generator())
     assert (j, nxt) == (0, int(best[0]))  # the strict test rejects a zero-mass draft even then
 

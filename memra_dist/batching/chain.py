@@ -52,14 +52,14 @@ import torch
 from ..device import device_mark
 from ..phase.late_stamps import LateStamp
 from ..phase.subsplit import SubsplitTimer, no_drain
-from ..specdec.accept import accept_sampled, commit_rows
+from ..specdec.accept import NonFiniteRow, accept_sampled, accept_sampled_many, commit_rows
 from ..specdec.drafters.none import NoDrafter
-from ..specdec.sampling import probs
+from ..specdec.sampling import probs, probs_rows, uniforms
 from ..specdec.spec_k import SHADOW_ALPHA, Acceptance
 from ..specdec.stop import commit_tokens
 from .job import BatchStep, Job
 
-__all__ = ["Chain", "ChainRound", "maint_end"]
+__all__ = ["Chain", "ChainRound", "maint_end", "accept_sampled_rounds"]
 
 
 @dataclass
@@ -103,6 +103,7 @@ class Chain:
         self.err_ids: tuple[list[int], int] | None = None  # a non-finite row's verify ids and start
         self._drafts: list[int] = []
         self._q = None  # a sampled round's draft probabilities (None: deterministic drafts)
+        self._accepted = None  # a sampled round's acceptance, made with the step's others (accept_sampled_rounds)
         self._t0 = 0
         self._anchor: tuple | None = None  # its last step's readback on the host's clock (Job.anchor)
         self._late1: tuple = ()  # its pending round's draft end, an event behind its shared draft forward
@@ -261,6 +262,7 @@ class Chain:
         blocks to them; the rows it wrote when every draft was accepted); None when the round
         failed (`err` set)."""
         t2 = time.perf_counter_ns()
+        got, self._accepted = self._accepted, None
         self._anchor = job.anchor
         if self._drafts is None:  # left on the device: the step ran behind their draft, read now
             self._drafts = job.host_ids()[1:]
@@ -274,9 +276,16 @@ class Chain:
             if self.greedy:
                 pred, val = job.greedy
                 new = commit_rows(pred, self._drafts, val)
-            else:
+            elif got is None:
                 j, nxt, _kind = accept_sampled(probs(job.out, self.sp), self._q,
                                                torch.tensor(self._drafts, dtype=torch.long), self.gen)
+                new = self._drafts[:j] + [nxt]
+            else:  # accepted with the step's other sampled rounds
+                if isinstance(got, BaseException):
+                    raise got
+                j, nxt, _kind, bad = got
+                if bad >= 0:
+                    raise NonFiniteRow(bad)
                 new = self._drafts[:j] + [nxt]
         except Exception as e:  # noqa: BLE001 (NonFiniteRow: the session names the layer)
             self._fail(e, (list(job.ids), job.start))
@@ -363,3 +372,31 @@ def _ahead_where_accepted(job: Job) -> bool:
     accept, and the request fails."""
     dd, row, packed = job.ahead
     return packed + dd.accepted(row) == job.start
+
+
+def accept_sampled_rounds(rounds: list) -> None:
+    """The step's sampled rounds (`rounds`: (chain, job) of every settling round) accepted
+    together on the device before each settles: their target distributions in one pass
+    (`probs_rows`, each row its request's parameters), each request's K + 1 uniforms from its
+    generator (as `accept_sampled` takes them alone), `accept_sampled_many`'s one readback for
+    all, not K + 1 logit rows and K draft rows copied to the host a request. Each chain's
+    `settle` takes its result (an error: every one of these rounds fails with it)."""
+    todo = [(ch, job) for ch, job in rounds if not ch.greedy and job.err is None and job.ahead is None
+            and job.out is not None and ch._drafts is not None and job.out.shape[0] > len(ch._drafts)]
+    if not todo:
+        return
+    try:
+        ks = [len(ch._drafts) for ch, _ in todo]
+        sps = [ch.sp for ch, _ in todo]
+        dev = todo[0][1].out.device
+        rows = torch.tensor([[sp.temperature, sp.top_k, sp.top_p] for sp, k in zip(sps, ks) for _ in range(k + 1)],
+                            dtype=torch.float64).to(dev)
+        P = probs_rows(torch.cat([job.out[:k + 1] for (_, job), k in zip(todo, ks)]), rows[:, 0], rows[:, 1].long(),
+                       rows[:, 2], filters=any(sp.top_k or sp.top_p < 1.0 for sp in sps))
+        got = accept_sampled_many(list(P.split([k + 1 for k in ks])), [ch._q for ch, _ in todo],
+                                  [torch.tensor(ch._drafts, dtype=torch.long) for ch, _ in todo],
+                                  [uniforms(ch.gen, k + 1) for (ch, _), k in zip(todo, ks)])
+    except BaseException as e:  # noqa: BLE001 (each of these rounds fails with it, in its settle)
+        got = [e] * len(todo)
+    for (ch, _), g in zip(todo, got):
+        ch._accepted = g

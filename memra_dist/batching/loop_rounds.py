@@ -13,6 +13,7 @@ import time
 
 from ..device import device_mark
 from ..specdec.spec_k import Others, choose
+from .chain import accept_sampled_rounds
 from .chain_drafts import drop_pre, maintain_rounds, propose_rounds
 from .job import Job
 
@@ -35,6 +36,7 @@ def chain_rounds(b, jobs: list[Job]) -> None:
     if b.draft_seen is not None:  # the drafting before this step, left on the device: its cost now
         _observe_deferred(b)
     settled, touched = [], []
+    accept_sampled_rounds([(j.chain, j) for j in jobs if j.chain is not None and not j.chain.ended and not j.void])
     for j in jobs:
         ch = j.chain
         if ch is None or ch.ended or j.void:  # not chained, its request left, or a row past its end

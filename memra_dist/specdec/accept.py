@@ -19,7 +19,7 @@ import math
 
 import torch
 
-__all__ = ["accept_greedy", "greedy_commit", "commit_rows", "accept_sampled", "NonFiniteRow", "RECOVERED", "BONUS"]
+__all__ = ["accept_greedy", "greedy_commit", "commit_rows", "accept_sampled", "accept_sampled_many", "NonFiniteRow", "RECOVERED", "BONUS"]
 
 RECOVERED, BONUS = "recovered", "bonus"
 
@@ -99,32 +99,82 @@ def accept_sampled(
     p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, gen: torch.Generator
 ) -> tuple[int, int, str]:
     """p (K+1, V) target probs; q (K, V) draft probs or None (one-hot drafts); drafts (K,).
-    Returns (j, next token, RECOVERED | BONUS). Draws K uniforms then one categorical."""
-    k = drafts.shape[0]
-    p = p.cpu()
-    drafts = drafts.cpu()
-    if k:
-        u = torch.rand(k, generator=gen)
-        rows = torch.arange(k)
-        p_d = p[rows, drafts]  # (K,)
-        q_d = q.cpu()[rows, drafts] if q is not None else torch.ones(k)
-        # u < p/q without dividing by a zero q (a NaN p rejects); strict, so a draft the target
-        # gives no mass (top-p / top-k filtered it out) is never accepted, u = 0 included
-        ok = (u * q_d < p_d).int()
-        j = int(ok.cumprod(0).sum())
-    else:
-        j = 0
-    # the rows the round draws from, on the host already: a NaN / inf logit makes its row's
-    # softmax NaN, and a row's sum (<= 1, never overflowing) is NaN exactly then
-    _check_rows(p[:j + 1].sum(-1).tolist(), j)
-    if j == k:
-        return j, int(torch.multinomial(p[k], 1, generator=gen)), BONUS
-    if q is not None:
-        resid = (p[j] - q.cpu()[j]).clamp_min(0)
-    else:
-        resid = p[j].clone()
-        resid[drafts[j]] = 0
-    total = resid.sum()
-    # p == q on the support leaves nothing to recover from; then p itself is exact
-    dist = resid / total if total > 0 else p[j]
-    return j, int(torch.multinomial(dist, 1, generator=gen)), RECOVERED
+    Returns (j, next token, RECOVERED | BONUS). Takes K + 1 uniforms from `gen` (K for the
+    acceptance tests, one for the token drawn after them): `accept_sampled_many` for one round."""
+    from .sampling import uniforms  # noqa: PLC0415
+
+    j, nxt, kind, bad = accept_sampled_many([p], [q], [drafts], [uniforms(gen, int(drafts.shape[0]) + 1)])[0]
+    if bad >= 0:
+        raise NonFiniteRow(bad)
+    return j, nxt, kind
+
+
+def accept_sampled_many(ps: list, qs: list, drafts: list, us: list) -> list[tuple[int, int, str, int]]:
+    """Several rounds' rejection sampling at once, on their device, with ONE readback: round r's
+    target probs ps[r] (k_r + 1, V), draft probs qs[r] (k_r, V) or None (one-hot drafts), drafts
+    (k_r,) and k_r + 1 uniforms us[r] (fp64, its generator's: `sampling.uniforms`). Draft i is
+    accepted where u_i q_i(d_i) < p_i(d_i) (strict: a draft the target gives no mass is never
+    accepted, u = 0 included; a NaN p rejects); the token after the j accepted ones is drawn at
+    u_k from p_k (all accepted: BONUS) or from max(p_j - q_j, 0) (p_j without d_j for one-hot
+    drafts; p_j itself where nothing is left: RECOVERED), by the inverse CDF (`draw_rows`). ->
+    each round's (j, next token, kind, the first of its rows 0 .. j whose probabilities are not
+    finite or -1: the caller raises NonFiniteRow, no token drawn from them counts)."""
+    from .sampling import draw_rows  # noqa: PLC0415
+
+    n, dev = len(ps), ps[0].device
+    ks = [int(d.shape[0]) for d in drafts]
+    K = max(ks)
+    P = torch.cat([x[:k + 1].float() for x, k in zip(ps, ks)])  # (sum k + 1, V)
+    pb = [0]
+    for k in ks:
+        pb.append(pb[-1] + k + 1)
+    # host indices in one copy: each draft's row of P (and its request, its column), each round's first row
+    rix = [r for r, k in enumerate(ks) for _ in range(k)]
+    col = [i for k in ks for i in range(k)]
+    hq = [x is not None for x in qs]
+    qb, acc = [], 0
+    for x, k in zip(qs, ks):
+        qb.append(acc)
+        acc += k if x is not None else 0
+    ix = torch.tensor([pb[r] + i for r, i in zip(rix, col)] + rix + col + pb[:n] + qb + hq + ks,
+                      dtype=torch.long).to(dev)
+    m = len(rix)
+    prow, dr, dc = ix[:m], ix[m:2 * m], ix[2 * m:3 * m]
+    base, qbase, has_q, kk = ix[3 * m:3 * m + n], ix[3 * m + n:3 * m + 2 * n], ix[3 * m + 2 * n:3 * m + 3 * n].bool(), \
+        ix[3 * m + 3 * n:]
+    U = torch.zeros(n, K + 1, dtype=torch.float64, device=dev)
+    U[[r for r, k in enumerate(ks) for _ in range(k + 1)], [i for k in ks for i in range(k + 1)]] = \
+        torch.cat([u.to(dev, torch.float64) for u in us])
+    j = torch.zeros(n, dtype=torch.long, device=dev)
+    D = torch.zeros(n, max(K, 1), dtype=torch.long, device=dev)
+    Q = torch.cat([x[:k].float() for x, k in zip(qs, ks) if x is not None]) if any(hq) else None
+    Q = Q if Q is not None and Q.shape[0] else None  # (draft distributions of rounds with no drafts)
+    if m:
+        d = torch.cat([x.to(dev) for x in drafts]).long()
+        D[dr, dc] = d
+        p_d = P[prow, d]
+        q_d = torch.ones(m, device=dev)
+        if Q is not None:
+            qrow = torch.tensor([qb[r] + i for r, i in zip(rix, col) if hq[r]], dtype=torch.long).to(dev)
+            q_d[has_q[dr]] = Q[qrow, d[has_q[dr]]]
+        ok = torch.zeros(n, K, dtype=torch.int32, device=dev)
+        ok[dr, dc] = (U[dr, dc] * q_d < p_d).int()
+        j = ok.cumprod(1).sum(1)
+    last = base + j  # each round's row j
+    pj = P[last]  # (n, V)
+    bonus = j == kk
+    dj = D.gather(1, j.clamp(max=D.shape[1] - 1)[:, None])  # d_j where j < k
+    resid = pj.scatter(1, dj, 0.0)  # one-hot drafts: p_j without d_j
+    if Q is not None:
+        qj = Q[(qbase + j.clamp(max=(kk - 1).clamp(min=0))).clamp(max=Q.shape[0] - 1)]
+        resid = torch.where(has_q[:, None], (pj - qj).clamp_min(0), resid)
+    dist = torch.where(bonus[:, None] | (resid.sum(-1) <= 0)[:, None], pj, resid)
+    nxt = draw_rows(dist, U.gather(1, kk[:, None])[:, 0])
+    # the rows each round uses (0 .. j) must be finite: the first that is not, per round
+    fin = torch.ones(n, K + 1, dtype=torch.bool, device=dev)
+    fin[[r for r, k in enumerate(ks) for _ in range(k + 1)], [i for k in ks for i in range(k + 1)]] = \
+        torch.isfinite(P.sum(-1))
+    badm = ~fin & (torch.arange(K + 1, device=dev)[None, :] <= j[:, None])
+    first = torch.where(badm.any(1), badm.int().argmax(1), -1)
+    out = torch.stack([j, nxt, first]).tolist()
+    return [(a, b, BONUS if a == k else RECOVERED, c) for a, b, c, k in zip(*out, ks)]
