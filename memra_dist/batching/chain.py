@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..device import device_mark
+from ..device import device_mark, to_device
 from ..phase.late_stamps import LateStamp
 from ..phase.subsplit import SubsplitTimer, no_drain
 from ..specdec.accept import NonFiniteRow, accept_sampled, accept_sampled_many, commit_rows
@@ -389,8 +389,8 @@ def accept_sampled_rounds(rounds: list) -> None:
         ks = [len(ch._drafts) for ch, _ in todo]
         sps = [ch.sp for ch, _ in todo]
         dev = todo[0][1].out.device
-        rows = torch.tensor([[sp.temperature, sp.top_k, sp.top_p] for sp, k in zip(sps, ks) for _ in range(k + 1)],
-                            dtype=torch.float64).to(dev)
+        rows = to_device(torch.tensor([[sp.temperature, sp.top_k, sp.top_p] for sp, k in zip(sps, ks)
+                                       for _ in range(k + 1)], dtype=torch.float64), dev)
         P = probs_rows(torch.cat([job.out[:k + 1] for (_, job), k in zip(todo, ks)]), rows[:, 0], rows[:, 1].long(),
                        rows[:, 2], filters=any(sp.top_k or sp.top_p < 1.0 for sp in sps))
         got = accept_sampled_many(list(P.split([k + 1 for k in ks])), [ch._q for ch, _ in todo],

@@ -119,6 +119,7 @@ def accept_sampled_many(ps: list, qs: list, drafts: list, us: list) -> list[tupl
     drafts; p_j itself where nothing is left: RECOVERED), by the inverse CDF (`draw_rows`). ->
     each round's (j, next token, kind, the first of its rows 0 .. j whose probabilities are not
     finite or -1: the caller raises NonFiniteRow, no token drawn from them counts)."""
+    from ..device import to_device  # noqa: PLC0415
     from .sampling import draw_rows  # noqa: PLC0415
 
     n, dev = len(ps), ps[0].device
@@ -128,7 +129,9 @@ def accept_sampled_many(ps: list, qs: list, drafts: list, us: list) -> list[tupl
     pb = [0]
     for k in ks:
         pb.append(pb[-1] + k + 1)
-    # host indices in one copy: each draft's row of P (and its request, its column), each round's first row
+    # host indices and uniforms in one pinned copy each (no copy that waits for the device's queue):
+    # each draft's row of P, its round and column, its row of Q; each round's first row of P and Q,
+    # whether it has a Q, its k; each round's rows (for the finite check)
     rix = [r for r, k in enumerate(ks) for _ in range(k)]
     col = [i for k in ks for i in range(k)]
     hq = [x is not None for x in qs]
@@ -136,27 +139,28 @@ def accept_sampled_many(ps: list, qs: list, drafts: list, us: list) -> list[tupl
     for x, k in zip(qs, ks):
         qb.append(acc)
         acc += k if x is not None else 0
-    ix = torch.tensor([pb[r] + i for r, i in zip(rix, col)] + rix + col + pb[:n] + qb + hq + ks,
-                      dtype=torch.long).to(dev)
-    m = len(rix)
-    prow, dr, dc = ix[:m], ix[m:2 * m], ix[2 * m:3 * m]
-    base, qbase, has_q, kk = ix[3 * m:3 * m + n], ix[3 * m + n:3 * m + 2 * n], ix[3 * m + 2 * n:3 * m + 3 * n].bool(), \
-        ix[3 * m + 3 * n:]
-    U = torch.zeros(n, K + 1, dtype=torch.float64, device=dev)
-    U[[r for r, k in enumerate(ks) for _ in range(k + 1)], [i for k in ks for i in range(k + 1)]] = \
-        torch.cat([u.to(dev, torch.float64) for u in us])
+    qrows = [qb[r] + i if hq[r] else 0 for r, i in zip(rix, col)]  # (rows without a Q: 0, not read)
+    ur = [r for r, k in enumerate(ks) for _ in range(k + 1)]
+    uc = [i for k in ks for i in range(k + 1)]
+    m, mq, mu = len(rix), len(qrows), len(ur)
+    ix = to_device([pb[r] + i for r, i in zip(rix, col)] + rix + col + qrows + pb[:n] + qb + hq + ks + ur + uc, dev)
+    prow, dr, dc, qrow = ix[:m], ix[m:2 * m], ix[2 * m:3 * m], ix[3 * m:3 * m + mq]
+    o = 3 * m + mq
+    base, qbase, has_q, kk = ix[o:o + n], ix[o + n:o + 2 * n], ix[o + 2 * n:o + 3 * n].bool(), ix[o + 3 * n:o + 4 * n]
+    urow, ucol = ix[o + 4 * n:o + 4 * n + mu], ix[o + 4 * n + mu:]
+    Uh = torch.zeros(n, K + 1, dtype=torch.float64)
+    for r, (u, k) in enumerate(zip(us, ks)):
+        Uh[r, :k + 1] = u.to(torch.float64)
+    U = to_device(Uh, dev)
     j = torch.zeros(n, dtype=torch.long, device=dev)
     D = torch.zeros(n, max(K, 1), dtype=torch.long, device=dev)
     Q = torch.cat([x[:k].float() for x, k in zip(qs, ks) if x is not None]) if any(hq) else None
     Q = Q if Q is not None and Q.shape[0] else None  # (draft distributions of rounds with no drafts)
     if m:
-        d = torch.cat([x.to(dev) for x in drafts]).long()
+        d = torch.cat([x.long() if x.device == dev else to_device(x.long().cpu(), dev) for x in drafts])
         D[dr, dc] = d
         p_d = P[prow, d]
-        q_d = torch.ones(m, device=dev)
-        if Q is not None:
-            qrow = torch.tensor([qb[r] + i for r, i in zip(rix, col) if hq[r]], dtype=torch.long).to(dev)
-            q_d[has_q[dr]] = Q[qrow, d[has_q[dr]]]
+        q_d = torch.where(has_q[dr], Q[qrow, d], 1.0) if Q is not None else torch.ones(m, device=dev)
         ok = torch.zeros(n, K, dtype=torch.int32, device=dev)
         ok[dr, dc] = (U[dr, dc] * q_d < p_d).int()
         j = ok.cumprod(1).sum(1)
@@ -172,8 +176,7 @@ def accept_sampled_many(ps: list, qs: list, drafts: list, us: list) -> list[tupl
     nxt = draw_rows(dist, U.gather(1, kk[:, None])[:, 0])
     # the rows each round uses (0 .. j) must be finite: the first that is not, per round
     fin = torch.ones(n, K + 1, dtype=torch.bool, device=dev)
-    fin[[r for r, k in enumerate(ks) for _ in range(k + 1)], [i for k in ks for i in range(k + 1)]] = \
-        torch.isfinite(P.sum(-1))
+    fin[urow, ucol] = torch.isfinite(P.sum(-1))
     badm = ~fin & (torch.arange(K + 1, device=dev)[None, :] <= j[:, None])
     first = torch.where(badm.any(1), badm.int().argmax(1), -1)
     out = torch.stack([j, nxt, first]).tolist()
