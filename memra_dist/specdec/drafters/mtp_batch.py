@@ -41,10 +41,12 @@ def _layer(head, j: int, ds, los: list[int], lens: list[int], tokens: torch.Tens
     blk, dev = head.layer(j), hidden.device
     pool = pool_of(ds) if head.n == 1 else None
     if pool is not None and max(lens) <= PREFIX_MIN_ROWS:
-        pos = to_device([p for lo, n in zip(los, lens) for p in range(lo, lo + n)], dev)
-        slots = to_device([d.pool_slot for d, n in zip(ds, lens) for _ in range(n)], dev)
-        return pooled_step(head, ds[0].target.stage.embed_tokens, pool, tokens, hidden, pos, slots, pool.index(ds),
-                           lens, getattr(pool.graphs, "paged", False))
+        m, b = sum(lens), len(ds)  # positions, row slots, each request's slot, first row and rows: one copy
+        ix = to_device([p for lo, n in zip(los, lens) for p in range(lo, lo + n)]
+                       + [d.pool_slot for d, n in zip(ds, lens) for _ in range(n)] + [d.pool_slot for d in ds]
+                       + [sum(lens[:r]) for r in range(b)] + list(lens), dev)
+        return pooled_step(head, ds[0].target.stage.embed_tokens, pool, tokens, hidden, ix[:m], ix[m:2 * m],
+                           ix[2 * m:2 * m + b], lens, getattr(pool.graphs, "paged", False), spans=ix[2 * m + b:])
     poss = [torch.arange(lo, lo + n, device=dev) for lo, n in zip(los, lens)]
     emb = ds[0].target.stage.embed_tokens(tokens)
     x = blk.eh_proj(torch.cat((blk.enorm(emb), blk.hnorm(hidden)), dim=-1))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ...cache import KVLayer
+from ...device import to_device
 from ...graphs import CapturedGraph
 from ...model.transformer import StepCtx
 from .eagle3_pool_graph import PoolChainGraphs
@@ -36,16 +37,18 @@ def poolable(head) -> bool:
     return head.n == 1 and type(head.layer(0).self_attn) is Attention
 
 
-def pooled_step(head, embed, pool, tokens, hidden, pos, row_slots, idx, lens, paged: bool) -> torch.Tensor:
+def pooled_step(head, embed, pool, tokens, hidden, pos, row_slots, idx, lens, paged: bool, spans=None) -> torch.Tensor:
     """The (one) MTP layer over several requests' rows as one batched step of the target's kind
     over the draft pool: request r's rows (consecutive, in request order; `lens[r]` of them, or
     `lens` = T for every request: a graph's static layout) at positions `pos`, their K/V written
     into pool slots `row_slots`, each attending over its own slot idx[r] up to its position ->
-    the normed outputs (rows, H). `paged`: on the paged kernel (the layer's QKV fused)."""
+    the normed outputs (rows, H). `paged`: on the paged kernel (the layer's QKV fused); with
+    ragged `lens`, `spans` are each request's first row then its row count on the device (the
+    caller's copy; else copied here)."""
     from ...batching.paged import BatchView, PagedRows, Segment  # noqa: PLC0415
 
     b, rows, dev, blk = idx.shape[0], pool.rows, pos.device, head.layer(0)
-    spans = [(r * lens, lens) for r in range(b)] if isinstance(lens, int) else \
+    rows_of = [(r * lens, lens) for r in range(b)] if isinstance(lens, int) else \
         [(sum(lens[:r]), n) for r, n in enumerate(lens)]
     state = KVLayer(*(x[0].view(-1, *x.shape[3:]) for x in (pool.k, pool.v)))  # (slots + 1) rows, flat
     slots = row_slots * rows + pos
@@ -54,14 +57,15 @@ def pooled_step(head, embed, pool, tokens, hidden, pos, row_slots, idx, lens, pa
             lo = torch.arange(0, b * lens, lens, device=dev, dtype=torch.int32)
             n = torch.full((b,), lens, device=dev, dtype=torch.int32)
         else:
-            lo, n = (torch.tensor(c, dtype=torch.int32).to(dev) for c in zip(*spans))
-        view = BatchView(slots, paged=PagedRows(lo, n, idx.to(torch.int32).view(b, 1), rows, max(m for _, m in spans),
+            sd = (spans if spans is not None else to_device([o for o, _ in rows_of] + list(lens), dev)).to(torch.int32)
+            lo, n = sd[:b], sd[b:]
+        view = BatchView(slots, paged=PagedRows(lo, n, idx.to(torch.int32).view(b, 1), rows, max(m for _, m in rows_of),
                                                 rows))
     else:
         span = torch.arange(rows, device=dev)
         keys = idx[:, None] * rows + span  # (b, rows): each request's slot, in position order
         masks = span[None, :] <= pos[:, None]  # (rows in the step, slot rows)
-        view = BatchView(slots, [Segment(o, o + m, 0, rows, keys[r], masks[o:o + m]) for r, (o, m) in enumerate(spans)])
+        view = BatchView(slots, [Segment(o, o + m, 0, rows, keys[r], masks[o:o + m]) for r, (o, m) in enumerate(rows_of)])
     ctx = StepCtx(pos=pos, mask=None, rope=head.rope(pos), batch=view)
     x = blk.eh_proj(torch.cat((blk.enorm(embed(tokens)), blk.hnorm(hidden)), dim=-1))
     return blk.shared_head["norm"](blk(x, ctx, state))
