@@ -167,6 +167,9 @@ def main() -> int:
                     "that never pays: what --spec-k auto must not lose to plain)")
     ap.add_argument("--spec-k", default="fixed", help="the drafter rows' --spec-k, comma-separated: fixed, auto "
                     "or fixed,auto (each a row of its own on the same recordings)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request of the drafter rows sampled at "
+                    "this temperature (top-k 50, request i seeded i; default 0: greedy). The replay drafters still "
+                    "draft the plain greedy recordings; the ids are not checked against one at a time")
     ap.add_argument("--no-prefix-cache", action="store_true", help="the engines' --no-prefix-cache: every run "
                     "prefills its prompts whole (with the cache on, the warm-up has cached the timed runs' prompts, "
                     "so TTFT is a cached prompt's; off, it is the first token under load)")
@@ -275,10 +278,13 @@ def main() -> int:
                 idents.clear()  # (this row's engine loop only)
                 with _loop_idents(idents) if a.loop_profile else contextlib.nullcontext():
                     r = concurrent(model, a.device, n, b, a.new, a.prompt, a.drafter, repeats=a.repeats, levels=levels,
-                                   spans_on=not a.no_spans, spec_k=spec_k, prefix_cache=not a.no_prefix_cache, **kw)
+                                   spans_on=not a.no_spans, spec_k=spec_k, prefix_cache=not a.no_prefix_cache,
+                                   temperature=a.temperature, **kw)
                 if corrupt is not None:
                     r["corrupt"] = corrupt
-                if tap:
+                if a.temperature > 0:
+                    pass  # (sampled: no greedy ids to check against)
+                elif tap:
                     r["ids_equal_alone"] = sum(x == y for x, y in zip(r["ids"], kw["recorded"]))
                     if spec_k == "fixed" and draft is not None:  # its level-1 draft phase against its forwards' reads
                         dr = _draft_read(r, a.drafter, model, draft, a.device, a.prompt, a.new, bw_memo)
@@ -306,7 +312,7 @@ def main() -> int:
     for r in rows:
         bs = r["batcher"] or {}
         name = r["drafter"] + (f" {r['spec_k']}" if r["drafter"] != "none" and r.get("spec_k") else "") + (
-            f" c{r['corrupt']:g}" if "corrupt" in r else "")
+            f" c{r['corrupt']:g}" if "corrupt" in r else "") + (f" t{r['temperature']:g}" if "temperature" in r else "")
         print(f"| {name} | {r['concurrency']} | {r['max_batch']} | {r['decode_tok_s']} | {r['steady_tok_s'] or '-'} "
               f"| {r['aggregate_tok_s']} | {r['itl_ms_p50']} / {r['itl_ms_p99']} "
               f"| {r['gap_ms_p50']} / {r['gap_ms_p99']} | {r['first_gap_ms_p50']} / {r['first_gap_ms_p99']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} "

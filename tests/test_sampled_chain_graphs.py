@@ -36,6 +36,11 @@ def test_probs_rows_gives_each_row_what_probs_gives_it_alone():
     for r, sp in enumerate(sps):
         assert torch.equal(rows[r], probs(x[r:r + 1], sp)[0]), (r, sp)
     assert (rows[4] > 0).sum() == 1 and (rows[5] > 0).sum() == 1  # top-k 1 and a top-p of 0 in fp32: greedy
+    # top-k alone (no row with a top-p): one topk of the largest k instead of a sort, the same rows
+    ko, ks = [0, 1, 2, 4], [0, 5, 60, 1]  # no filter, k 5, k 60 (past V: no filter), k 1
+    sub = probs_rows(x[ko], torch.tensor([sps[r].temperature for r in ko]), torch.tensor(ks), torch.ones(4), filters=60)
+    for i, (r, k) in enumerate(zip(ko, ks)):
+        assert torch.equal(sub[i], probs(x[r:r + 1], SamplingParams(temperature=sps[r].temperature, top_k=k))[0]), r
 
 
 def test_draw_rows_follows_the_distribution_and_never_draws_a_zero():

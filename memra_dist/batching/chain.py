@@ -54,7 +54,7 @@ from ..phase.late_stamps import LateStamp
 from ..phase.subsplit import SubsplitTimer, no_drain
 from ..specdec.accept import NonFiniteRow, accept_sampled, accept_sampled_many, commit_rows
 from ..specdec.drafters.none import NoDrafter
-from ..specdec.sampling import probs, probs_rows, uniforms
+from ..specdec.sampling import probs, probs_rows, row_filters, uniforms
 from ..specdec.spec_k import SHADOW_ALPHA, Acceptance
 from ..specdec.stop import commit_tokens
 from .job import BatchStep, Job
@@ -392,7 +392,7 @@ def accept_sampled_rounds(rounds: list) -> None:
         rows = to_device(torch.tensor([[sp.temperature, sp.top_k, sp.top_p] for sp, k in zip(sps, ks)
                                        for _ in range(k + 1)], dtype=torch.float64), dev)
         P = probs_rows(torch.cat([job.out[:k + 1] for (_, job), k in zip(todo, ks)]), rows[:, 0], rows[:, 1].long(),
-                       rows[:, 2], filters=any(sp.top_k or sp.top_p < 1.0 for sp in sps))
+                       rows[:, 2], filters=row_filters(sps))
         got = accept_sampled_many(list(P.split([k + 1 for k in ks])), [ch._q for ch, _ in todo],
                                   [torch.tensor(ch._drafts, dtype=torch.long) for ch, _ in todo],
                                   [uniforms(ch.gen, k + 1) for (ch, _), k in zip(todo, ks)])

@@ -107,7 +107,7 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
                drafter: str = "none", k: int = K, repeats: int = 1, levels: tuple[int, ...] = (0,),
                spans_on: bool = True, corrupt: float = REPLAY_CORRUPT, draft_model: str | None = None,
                recorded: list[list[int]] | None = None, profile=None, spec_k: str = "fixed",
-               prefix_cache: bool = True) -> dict:
+               prefix_cache: bool = True, temperature: float = 0.0) -> dict:
     """n callers, each one request (greedy), on an engine of `max_batch` -> the setting's row
     (its `ids`: each request's token ids, for the caller's check against one at a time). With
     repeats > 1 the timed run is repeated on the same engine: the row's figures are the
@@ -120,7 +120,8 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     --torch-profile). `spec_k`: the engine's --spec-k (fixed, or auto: each request's K by goodput).
     `prefix_cache`: the engine's (on by default): the warm-up runs the timed prompts, so with it on
     the timed runs' prompts are cached but their last block and TTFT is a cached prompt's; off,
-    every run prefills its prompts whole (the first token under load)."""
+    every run prefills its prompts whole (the first token under load). `temperature` > 0: every
+    request sampled (top-k 50), request i seeded i."""
     from ..app import open_engine  # noqa: PLC0415
     from ..config import RunConfig  # noqa: PLC0415
     from ..model.config import load_config  # noqa: PLC0415
@@ -133,6 +134,10 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     cfg = RunConfig(model=model, drafter=drafter[:-len("-replay")] if tap else drafter, k=k, device=device,
                     max_new_tokens=new, replay_corrupt=corrupt, draft_model=draft_model, spec_k=spec_k,
                     prefix_cache=prefix_cache)
+    if temperature > 0:
+        from ..specdec.sampling import SamplingParams  # noqa: PLC0415
+
+        cfg = cfg.with_(sampling=SamplingParams(temperature=temperature, top_k=50))
     vocab = load_config(model).vocab_size  # the bench's copy-with-edits prompts, one seed per request
     prompts = [make_prompt(plen, vocab, seed=i) for i in range(n)]
     kv_mb = None
@@ -147,7 +152,7 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
         tpr: list = [None] * n  # each request's tokens a round (its last run's)
 
         def one(i, c, sink):
-            res = eng.generate(prompts[i], c, stream=sink, sink=tables[i], span_sink=spans[i])
+            res = eng.generate(prompts[i], c.with_(seed=i), stream=sink, sink=tables[i], span_sink=spans[i])
             ids[i], tpr[i] = res.token_ids, res.stats.get("tokens_per_round")
 
         def callers(c, sinks):
@@ -191,6 +196,7 @@ def concurrent(model: str, device: str, n: int, max_batch: int, new: int = NEW, 
     first = runs[levels[0]]
     mid = sorted(first, key=lambda r: r["steady_tok_s"] or r["decode_tok_s"])[len(first) // 2]
     row = {"concurrency": n, "max_batch": max_batch, "drafter": drafter, "spec_k": spec_k, "prefix_cache": prefix_cache,
+           **({"temperature": temperature} if temperature > 0 else {}),
            **mid, "repeats": len(first),
            "runs": [{key: r[key] for key in RUN_KEYS} for r in first],
            "kv_mb_per_request": kv_mb, "batcher": bstats, "ids": ids,

@@ -29,7 +29,7 @@ from ..errors import UserError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SamplingParams", "probs", "probs_rows", "draw_rows", "uniforms", "draw_drafts", "non_finite_drafts", "sampling_rule", "SAMPLING_FIELDS", "RULES", "GREEDY_BELOW", "MAX_SEED",
+__all__ = ["SamplingParams", "probs", "probs_rows", "row_filters", "draw_rows", "uniforms", "draw_drafts", "non_finite_drafts", "sampling_rule", "SAMPLING_FIELDS", "RULES", "GREEDY_BELOW", "MAX_SEED",
            "NonFiniteLogits"]
 
 GREEDY_BELOW = 1e-5  # temperatures in (0, GREEDY_BELOW) act as (and are stored as) 0 = greedy
@@ -103,17 +103,26 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     T, dev = logits.shape[0], logits.device
     full = lambda v, dt: torch.full((T,), v, dtype=dt, device=dev)  # noqa: E731
     return probs_rows(logits, full(sp.temperature, torch.float32), full(sp.top_k, torch.long),
-                      full(sp.top_p, torch.float32), filters=bool(sp.top_k and sp.top_k < logits.shape[-1]) or sp.top_p < 1.0)
+                      full(sp.top_p, torch.float32), filters=row_filters([sp]))
+
+
+def row_filters(sps) -> bool | int:
+    """`probs_rows`' `filters` for rows of these sampling parameters: True where a row has a
+    top-p, else the largest top-k (top-k alone: no sort), else False (no filter)."""
+    if any(sp.top_p < 1.0 for sp in sps):
+        return True
+    return max((sp.top_k for sp in sps), default=0) or False
 
 
 def probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               filters: bool = True) -> torch.Tensor:
+               filters: bool | int = True) -> torch.Tensor:
     """(T, V) logits and each row's sampling parameters ((T,) tensors on the logits' device:
     temperature > 0, top_k (0 = off), top_p (1 = off)) -> (T, V) probabilities, on the device
     with no host sync (a CUDA graph captures it). Row by row what `probs` gives: top-k keeps
     the values >= the k-th largest, then top-p keeps the most likely tokens up to the one whose
     preceding mass crosses p (the most likely always; among equal logits the first id leads, as
-    argmax picks). `filters` False: no row filters (no sort)."""
+    argmax picks). `filters` False: no row filters (no sort); an int: top-k alone, no row's
+    above it (each row's k-th largest from one `topk`, no sort); True: any filter."""
     import torch  # noqa: PLC0415
 
     x = logits.float() / temperature.to(torch.float32)[:, None]
@@ -121,6 +130,11 @@ def probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     if not filters:
         return torch.softmax(x, dim=-1)
     V = x.shape[-1]
+    if filters is not True:  # top-k alone: each row's k-th largest value (the smallest at k = V: no mask)
+        top = torch.topk(x, min(int(filters), V), dim=-1).values
+        k = torch.where((top_k > 0) & (top_k < V), top_k, 0)
+        kth = torch.where(k[:, None] > 0, top.gather(-1, (k - 1).clamp(min=0)[:, None]), float("-inf"))
+        return torch.softmax(x.masked_fill(x < kth, float("-inf")), dim=-1)
     sorted_x, idx = torch.sort(x, dim=-1, descending=True, stable=True)
     k = torch.where((top_k > 0) & (top_k < V), top_k, V)
     kth = sorted_x.gather(-1, (k - 1)[:, None])  # (T, 1): the k-th largest (the smallest at k = V)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...device import to_device
-from ..sampling import draw_rows, non_finite_drafts, probs_rows, uniforms
+from ..sampling import draw_rows, non_finite_drafts, probs_rows, row_filters, uniforms
 from .base import EMPTY, Proposal
 
 __all__ = ["ChainPicks", "sampled_rows", "draw_requests"]
@@ -20,14 +20,14 @@ __all__ = ["ChainPicks", "sampled_rows", "draw_requests"]
 def sampled_rows(sps, gens, ks: list[int], dev):
     """For sampled requests (sampling params, generators, drafts each): ((n, 3) fp64 rows of
     temperature, top-k, top-p; (n, max k) fp64 uniforms, each request's k drawn from its
-    generator now, the rest 0) on `dev` in one copy, and whether any row filters (top-k / top-p)."""
+    generator now, the rest 0) on `dev` in one copy, and their `probs_rows` filters (`row_filters`)."""
     K = max(ks)
     rows = torch.zeros(len(sps), 3 + K, dtype=torch.float64)
     for r, (sp, gen, k) in enumerate(zip(sps, gens, ks)):
         rows[r, :3] = torch.tensor([sp.temperature, sp.top_k, sp.top_p], dtype=torch.float64)
         rows[r, 3:3 + k] = uniforms(gen, k)
     rows = to_device(rows, dev)
-    return rows[:, :3], rows[:, 3:], any(sp.top_k or sp.top_p < 1.0 for sp in sps)
+    return rows[:, :3], rows[:, 3:], row_filters(sps)
 
 
 def draw_requests(logits: list[torch.Tensor], sps, gens, name: str, dev) -> list[Proposal]:
