@@ -195,3 +195,20 @@ def test_the_batching_bench_replays_mtp_over_a_glm4_moe_slice(tmp_path):
                if r["drafter"] == "mtp-replay")
     assert row["ids_equal_alone"] == 3 and row["tokens_per_round"] > 1.5, row
     assert row["batcher"]["draft_batches"] > 0 and row["batcher"]["mean_draft_batch"] > 1, row["batcher"]
+
+
+@pytest.mark.slow  # three tiny batched runs (~5 s)
+def test_the_batching_benchs_sampled_rows_are_seeded_request_by_request(tmp_path, monkeypatch):
+    """`benchmarks/batching.py --temperature` (bench/batching.py `concurrent`): every request
+    sampled, request i seeded i: two runs give the same ids, not the greedy ones, and the row
+    says its temperature."""
+    from memra_dist.bench.batching import concurrent
+    from memra_dist.bench.checkpoints import ensure_checkpoint
+
+    monkeypatch.setenv("MEMRA_BENCH_CACHE", str(tmp_path / "cache"))
+    model = str(ensure_checkpoint("tiny", tmp_path / "cache", torch.device("cpu"), lambda s: None))
+    kw = dict(new=12, plen=24, drafter="ngram")
+    a, b = (concurrent(model, "cpu", 3, 3, temperature=0.8, **kw) for _ in range(2))
+    greedy = concurrent(model, "cpu", 3, 3, **kw)
+    assert a["ids"] == b["ids"] and a["ids"] != greedy["ids"] and a["temperature"] == 0.8 and "temperature" not in greedy
+    assert len({tuple(x) for x in a["ids"]}) == 3  # (each its own seed and prompt)
