@@ -18,6 +18,7 @@ import torch
 
 from ...runner import ModelRunner
 from ..sampling import SamplingParams, draw_drafts, probs
+from .chain_picks import draw_requests
 from .base import EMPTY, PARK, Drafter, Proposal
 from .chain_graph import chain_graph
 
@@ -58,7 +59,8 @@ class ModelDrafter(Drafter):
         """Each drafter's `propose(context, k, sp, gen)`, the draft steps of all of them batched:
         the catch-up rows of every request in one forward of the draft batcher, then step i's
         one row of every request still drafting (k > i) in one forward, each request's draws
-        from its own generator in the order its own propose draws them. A request whose rows
+        from its own generator in the order its own propose draws them (a step's sampled draws
+        made together on the device, one readback: chain_picks.py `draw_requests`). A request whose rows
         found no room in the draft pool without waiting gets `PARK` (its session drafts that
         round itself; its drafter's rows past its context go at that propose's maintain)."""
         from ...batching.slot import BatchSlot  # noqa: PLC0415
@@ -76,6 +78,10 @@ class ModelDrafter(Drafter):
             logits = BatchSlot.forward_many([drafters[i].runner for i in live], [rows[i] for i in live],
                                             [len(drafters[i].cached) for i in live])
             nxt = []
+            samp = [(i, lg) for i, lg in zip(live, logits) if lg is not None and not sps[i].greedy]
+            drawn = dict(zip((i for i, _ in samp), draw_requests(  # the step's sampled draws at once, one readback
+                [lg[-1:].float() for _, lg in samp], [sps[i] for i, _ in samp], [gens[i] for i, _ in samp],
+                drafters[samp[0][0]].name, samp[0][1].device))) if samp else {}
             for i, lg in zip(live, logits):
                 if lg is None:
                     parked.add(i)
@@ -85,8 +91,8 @@ class ModelDrafter(Drafter):
                 if sp.greedy:
                     t = int(d._argmax(lg))
                 else:
-                    t, q = d._draw(lg[-1:], sp, gens[i])
-                    qs[i].append(q)
+                    t = int(drawn[i].tokens[0])
+                    qs[i].append(drawn[i].q[0])
                 toks[i].append(t)
                 if len(toks[i]) < ks[i]:
                     rows[i] = torch.tensor([t])
