@@ -111,17 +111,19 @@ class _BucketGraphs:
 
     compiled = False  # the network's compiled pieces swapped in while capturing (dflash_compile.py)
 
-    def _capture(self, fn):
+    def _capture(self, fn, graph_cls=None):
         """A bucket's graph, with the compiled pieces where on; a compile failure (raised at the
-        capture's eager warm-up, before the capture starts) turns them off, one warning line."""
+        capture's eager warm-up, before the capture starts) turns them off, one warning line.
+        `graph_cls`: another capture than the set's (a lazy one while serving: thread-local mode)."""
+        cls = graph_cls or self.graph_cls
         if self.compiled:
             try:
                 with compiled_pieces(self.net, dynamic=True):
-                    return self.graph_cls(fn, self.mem)
+                    return cls(fn, self.mem)
             except Exception as e:  # noqa: BLE001 (inductor / Triton errors of any kind)
                 self.compiled = False
                 warn_fallback(e)
-        return self.graph_cls(fn, self.mem)
+        return cls(fn, self.mem)
 
     def _body(self, b: int):
         raise NotImplementedError

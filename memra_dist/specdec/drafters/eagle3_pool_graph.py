@@ -36,6 +36,13 @@ from ...device import to_device
 __all__ = ["PoolChainGraphs"]
 
 
+class LazyGraph(CapturedGraph):
+    """A graph captured while serving (a bucket's sampled graph, at its first round): other
+    threads may call CUDA meanwhile, so the capture checks this thread's calls only."""
+
+    mode = "thread_local"
+
+
 class PoolChainGraphs(_BucketGraphs):
     def __init__(self, net, embed, pool, taps, K: int, max_n: int, graph_cls=CapturedGraph, paged: bool = False):
         """`paged`: the attention on our paged kernel (draft_pool.py `paged_pool_attention`)."""
@@ -229,7 +236,8 @@ class PoolChainGraphs(_BucketGraphs):
             self._load_sampling([], [], [])
             self._load([], b)
             try:
-                g = self.graphs[key] = self._capture(lambda: self._body(b, sampled=True))
+                lazy = LazyGraph if self.graph_cls is CapturedGraph else None  # (the request threads run on)
+                g = self.graphs[key] = self._capture(lambda: self._body(b, sampled=True), lazy)
             except Exception as e:  # noqa: BLE001 (a fast path: the eager chains draw the same drafts)
                 self._sampled_ok = False
                 line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
