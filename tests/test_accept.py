@@ -176,3 +176,21 @@ def test_rounds_accepted_together_are_each_as_accepted_alone():
                                         for _, _, d, s in rounds])
         got = [("nan", bad) if bad >= 0 else (j, nxt, kind) for j, nxt, kind, bad in together]
         assert got == alone, (trial, got, alone)
+
+
+def test_rounds_without_drafts_draw_as_beside_a_round_with_drafts():
+    """Plain sampled rounds (no drafts) take a shorter path when no round of the step drafts:
+    each round's token and finiteness as when a drafting round rides with them."""
+    from memra_dist.specdec.accept import accept_sampled_many
+    from memra_dist.specdec.sampling import uniforms
+
+    g = torch.Generator().manual_seed(8)
+    ps = [torch.softmax(torch.randn(1, 30, generator=g), -1) for _ in range(5)]
+    ps[3] = torch.full((1, 30), float("nan"))
+    us = [uniforms(torch.Generator().manual_seed(s), 1) for s in range(5)]
+    none = torch.zeros(0, dtype=torch.long)
+    alone = accept_sampled_many(ps, [None] * 5, [none] * 5, us)
+    extra = torch.softmax(torch.randn(2, 30, generator=g), -1)
+    beside = accept_sampled_many(ps + [extra], [None] * 6, [none] * 5 + [torch.tensor([4])],
+                                 us + [uniforms(torch.Generator().manual_seed(9), 2)])
+    assert alone == beside[:5] and alone[3][3] == 0 and all(r[3] == -1 for i, r in enumerate(alone) if i != 3)

@@ -126,6 +126,10 @@ def accept_sampled_many(ps: list, qs: list, drafts: list, us: list) -> list[tupl
     ks = [int(d.shape[0]) for d in drafts]
     K = max(ks)
     P = torch.cat([x[:k + 1].float() for x, k in zip(ps, ks)])  # (sum k + 1, V)
+    if K == 0:  # no drafts (plain sampled decoding): each round's token drawn from its one row
+        u = to_device(torch.stack([x[0].to(torch.float64) for x in us]), dev)
+        out = torch.stack([draw_rows(P, u), torch.where(torch.isfinite(P.sum(-1)), -1, 0)]).tolist()
+        return [(0, t, BONUS, bad) for t, bad in zip(*out)]
     pb = [0]
     for k in ks:
         pb.append(pb[-1] + k + 1)
