@@ -6,6 +6,8 @@ rollbacks, preemption and sampling, with their MTP layers and draft models."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from memra_dist.specdec.sampling import SamplingParams
@@ -77,6 +79,7 @@ def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_
     from memra_dist.batching.paged import PagedKV, PagedLatent
 
     path, _ = save_moe(tmp_path_factory.mktemp("bds") / "ds", "deepseek_v3", layers=2, n_mtp=1, seed=3)
+    path = _no_eos(Path(path), tmp_path_factory.mktemp("bds") / "ds-no-eos")
     reqs, kv_rows = _crowded(longest=58)
     assert max(len(p) for p, _ in reqs) > 40  # two prefill chunks of 40
     kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11)
@@ -95,8 +98,22 @@ def test_a_latent_attention_target_preempted_and_sampled_loses_nothing(tmp_path_
     assert stats["preemptions"] >= 1 and stats["kv_blocks_used"] == 0, stats
 
 
+def _no_eos(path, to):
+    """A copy of checkpoint `path` whose config names no EOS token: a sampled request runs to its
+    max_new (where an EOS drawn early would end it, `_crowded`'s requests might all fit without a
+    preemption, depending on the threads' timing)."""
+    import json
+    import shutil
+
+    out = shutil.copytree(path, to)
+    conf = json.loads((out / "config.json").read_text())
+    conf["eos_token_id"] = None
+    (out / "config.json").write_text(json.dumps(conf))
+    return out
+
+
 @pytest.mark.parametrize("drafter,sampled", [("ngram", False), ("ngram", True), ("none", False), ("model", False)])
-def test_a_linear_attention_target_batched_gets_its_solo_ids(drafter, sampled):
+def test_a_linear_attention_target_batched_gets_its_solo_ids(drafter, sampled, tmp_path):
     """kimi_linear (KDA layers, a recurrent state per request, beside MLA layers in the paged
     pool): prompts over the recurrent form's rows (the chunked scan) and two prefill chunks,
     rollbacks on rejected drafts (each request's state rolled back at its next forward), four
@@ -110,6 +127,7 @@ def test_a_linear_attention_target_batched_gets_its_solo_ids(drafter, sampled):
     _, path, draft = hybrid()  # the draft model: kimi_linear too (its own batcher's states)
     reqs, kv_rows = _crowded(longest=58)
     kw = dict(sampling=SamplingParams(temperature=0.8, top_k=20), seed=11) if sampled else {}
+    path = _no_eos(Path(path), tmp_path / "k") if sampled else path
     if drafter == "model":
         kw["draft_model"] = draft
     solo = _solo(path, drafter, reqs, **kw)
