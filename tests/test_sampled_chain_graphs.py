@@ -254,3 +254,23 @@ def test_a_steps_sampled_rounds_are_accepted_together(drafter, llama, monkeypatc
     batched, _ = _batched(llama, drafter, reqs, max_batch=6, **kw)
     assert batched == solo
     assert max(sizes) >= 4 and sum(sizes) > 3 * len(sizes) // 2, sizes
+
+
+def test_a_non_finite_draft_distribution_on_the_sampled_graph_is_one_line(llama, tmp_path_factory):
+    """A broken EAGLE-3 head (NaN in its lm_head) under sampled requests on the replayed sampled
+    graph: the request ends with the drafter's one-line error (the graph's non-finite flag,
+    read back with its drafts), as the solo path's `draw_drafts` refuses it."""
+    from memra_dist.app import open_engine
+    from memra_dist.errors import UserError
+
+    from test_batching import CAP, _cfg
+    from test_draft_pool import _chain_graphs
+
+    ddir = str(_tap_drafter("eagle3", llama, tmp_path_factory))
+    kw = dict(draft_model=ddir, **SAMPLED[0])
+    with open_engine(_cfg(llama, "eagle3", **kw), capacity=CAP, max_batch=4) as eng:
+        g = _chain_graphs(eng._backend)
+        eng._backend.tap_net.lm_head.weight.data[3] = float("nan")
+        with pytest.raises(UserError, match=r"non-finite logits \(NaN/inf\) from the eagle3 drafter"):
+            eng.generate(_prompts(1)[0][0], _cfg(llama, "eagle3", max_new_tokens=8, **kw))
+        assert g.sampled_replays > 0

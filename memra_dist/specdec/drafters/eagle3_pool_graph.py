@@ -57,8 +57,8 @@ class PoolChainGraphs(_BucketGraphs):
         self.R = K + 1
         n = self.max_n
         # [tokens, positions, tap slots, draft slots, limits] (n R each), then [last row, slot, chain position] (n each),
-        # then a sampled round's (fp64 bits): [temperature, top-k, top-p] (n each), uniforms (n K)
-        self.row = HostRow(5 * n * self.R + 6 * n + n * K, pool.device)
+        # then a sampled round's (fp64 bits): [temperature, top-k, top-p, drafts] (n each), uniforms (n K)
+        self.row = HostRow(5 * n * self.R + 7 * n + n * K, pool.device)
         self._sampled_ok = True
         self.sampled_replays = 0  # of the replays, those of a sampled graph
 
@@ -108,7 +108,7 @@ class PoolChainGraphs(_BucketGraphs):
         idx, cpos = v[6], v[7]
         last = self._first(v)
         if sampled:
-            temp, top_k, top_p, u = self._sampling_views(b)
+            temp, top_k, top_p, ks, u = self._sampling_views(b)
             greedy = temp <= 0
             temp = torch.where(greedy, 1.0, temp)
         picks, qs = [], []
@@ -124,7 +124,8 @@ class PoolChainGraphs(_BucketGraphs):
         if not sampled:
             return torch.stack(picks, 1)  # (b, K)
         q = torch.stack(qs, 1)
-        return torch.stack(picks, 1), q, (~torch.isfinite(q.sum(-1)) & ~greedy[:, None]).any()
+        drafted = torch.arange(self.K, device=q.device)[None, :] < ks[:, None]  # (a row's steps past its k: unread)
+        return torch.stack(picks, 1), q, (~torch.isfinite(q.sum(-1)) & ~greedy[:, None] & drafted).any()
 
     def fits(self, ds, sinks, los: list[int], Ns: list[int], ks: list[int]) -> bool:
         """These requests' round can replay: few enough, at most K drafts and K + 1 new rows
@@ -202,8 +203,8 @@ class PoolChainGraphs(_BucketGraphs):
     def _sampling_views(self, b: int):
         n, K = self.max_n, self.K
         lo = 5 * n * self.R + 3 * n
-        f = self.row.ids[lo:lo + 3 * n + n * K].view(torch.float64)
-        return f[:b], f[n:n + b], f[2 * n:2 * n + b], f[3 * n:3 * n + n * K].view(n, K)[:b]
+        f = self.row.ids[lo:lo + 4 * n + n * K].view(torch.float64)
+        return f[:b], f[n:n + b], f[2 * n:2 * n + b], f[3 * n:3 * n + b], f[4 * n:4 * n + n * K].view(n, K)[:b]
 
     def _load_sampling(self, sps, gens, ks: list[int]) -> None:
         """A sampled round's parameters and uniforms into the pinned row (sent with `_load`'s):
@@ -211,13 +212,13 @@ class PoolChainGraphs(_BucketGraphs):
         solo proposal draws them, one a step)."""
         n, K = self.max_n, self.K
         lo = 5 * n * self.R + 3 * n
-        f = self.row.writable()[lo:lo + 3 * n + n * K].view(np.float64)
+        f = self.row.writable()[lo:lo + 4 * n + n * K].view(np.float64)
         f[:] = 0.0
-        f[n:2 * n], f[2 * n:3 * n] = 0.0, 1.0
-        u = f[3 * n:3 * n + n * K].reshape(n, K)
+        f[2 * n:3 * n] = 1.0
+        u = f[4 * n:4 * n + n * K].reshape(n, K)
         for r, (sp, gen, k) in enumerate(zip(sps, gens, ks)):
             if not sp.greedy:
-                f[r], f[n + r], f[2 * n + r] = sp.temperature, sp.top_k, sp.top_p
+                f[r], f[n + r], f[2 * n + r], f[3 * n + r] = sp.temperature, sp.top_k, sp.top_p, k
                 u[r, :k] = uniforms(gen, k).numpy()
 
     def sampled(self, reqs: list, sps, gens, ks: list[int], name: str) -> list | None:
