@@ -32,7 +32,7 @@ from .drafters.base import Drafter
 from .non_finite import locate_non_finite
 from .session_stats import SessionStats
 from .stop import commit_tokens
-from .sampling import NonFiniteLogits, SamplingParams, probs
+from .sampling import NonFiniteLogits, SamplingParams, draw_rows, probs, uniforms
 
 __all__ = ["SpecSession", "SessionStats", "Target", "SessionSink"]
 
@@ -226,7 +226,8 @@ class SpecSession:
         only full check: each round's rides in its readback, accept.py). Greedy: the logit at
         the argmax comes back with it (NaN / +inf are where argmax lands; on a batched target both
         came back in the step's readback: no device op, no wait for the step running now);
-        sampled: the host's probabilities sum to NaN exactly when a logit is not finite."""
+        sampled: the probabilities sum to NaN exactly when a logit is not finite (read back with
+        the draw, two numbers)."""
         rows = getattr(self.target, "greedy_rows", None) if self.sp.greedy else None
         if rows is not None:  # a batched target: the step's one readback holds the row's argmax and its logit
             tok, ok = int(rows[0][-1]), math.isfinite(rows[1][-1])
@@ -234,9 +235,8 @@ class SpecSession:
             a = logits[0].argmax()
             tok, ok = torch.stack((a, torch.isfinite(logits[0, a]).long())).tolist()
         else:
-            p = probs(logits, self.sp)[0].cpu()
-            ok = bool(torch.isfinite(p.sum()))
-            tok = int(torch.multinomial(p, 1, generator=self.gen)) if ok else 0
+            p = probs(logits[:1], self.sp)  # drawn on its device at the generator's next uniform (`draw_rows`)
+            tok, ok = torch.stack((draw_rows(p, uniforms(self.gen, 1))[0], torch.isfinite(p.sum()).long())).tolist()
         if not ok:
             raise self._non_finite(last_id, pos, 0, "the prompt's last row")
         return int(tok)
