@@ -234,11 +234,34 @@ def test_a_sampled_graph_that_cannot_be_captured_leaves_the_eager_chains(drafter
     assert made[0].replays > 0 and not made[0]._sampled_ok
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_sampled_plain_decoding_draws_at_launch_and_goes_ahead(llama, monkeypatch):
+    """Sampled requests with no drafter: each step's rows drawn on the device as the step is
+    launched (step_forward.py `draw_at_launch`, read back as greedy rows are), so the loop launches
+    the next step behind it as for greedy plain decoding: six at a time, each its solo ids, several
+    rows drawn a step, steps launched ahead."""
+    import memra_dist.batching.step_forward as sf
+
+    sizes, real = [], sf.draw_at_launch
+
+    def draw(jobs, *a):
+        sizes.append(sum(1 for j in jobs if j.chain is not None and j.chain.drawn))
+        return real(jobs, *a)
+
+    reqs = _prompts(6)
+    solo = _solo(llama, "none", reqs, **SAMPLED[1])
+    monkeypatch.setattr(sf, "draw_at_launch", draw)
+    batched, stats = _batched(llama, "none", reqs, max_batch=6, **SAMPLED[1],
+                              on_open=lambda eng: setattr(eng._backend.batcher, "ahead", True))  # (as on a GPU's graphs)
+    assert batched == solo
+    assert max(sizes) >= 4 and stats["ahead_steps"] > stats["steps"] // 3, (max(sizes), stats)
+    assert stats["void_rows"] <= len(reqs), stats  # (a row launched past a request's EOS at most once each)
+
+
+@pytest.mark.parametrize("drafter", ["ngram"])
 def test_a_steps_sampled_rounds_are_accepted_together(drafter, llama, monkeypatch):
     """The loop accepts a step's sampled rounds at once (chain.py `accept_sampled_rounds`: one
-    readback for all, not each round's logit rows copied to the host): plain sampled decoding and
-    n-gram's one-hot drafts, six requests at a time, each its solo ids, steps of several rounds."""
+    readback for all, not each round's logit rows copied to the host): n-gram's one-hot drafts,
+    six requests at a time, each its solo ids, steps of several rounds."""
     import memra_dist.batching.chain as chain_mod
 
     sizes, real = [], chain_mod.accept_sampled_many

@@ -41,7 +41,7 @@ def test_the_solo_engine_and_the_loop_give_a_request_alone_the_same_ids(llama, d
     assert _run(model, drafter, reqs, True, monkeypatch, **kw) == _run(model, drafter, reqs, False, monkeypatch, **kw)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "dflash", "eagle3", "mtp"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model", "dflash", "eagle3", "mtp"])
 def test_sampled_requests_alone_draw_the_same_on_both(llama, draft_llama, tmp_path_factory, monkeypatch, drafter):
     """The solo engine's session draws each draft (`draw_drafts`) and accepts each round
     (`accept_sampled`) request by request; the loop draws a step's drafts on the device and

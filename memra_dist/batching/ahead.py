@@ -2,7 +2,9 @@
 
 A step whose every row is a chained request's decode row with no drafts (drafter `none`, or
 K 0 chosen by --spec-k auto: its next input is the argmax of its row; a tap drafter's taps are
-still written, for when it drafts again) does not need the host to know the next step's inputs: the
+still written, for when it drafts again; a sampled request with drafter `none`: its row's token
+drawn on the device at launch, step_forward.py `draw_at_launch`, stands where the argmax would)
+does not need the host to know the next step's inputs: the
 positions are the next ones, the blocks can be grown now, and the ids are the step's argmax,
 which the device copies into the next step's input itself. So the leader launches step N + 1
 right behind step N, before reading N back, and runs N's rounds (commit, stop rules) while the

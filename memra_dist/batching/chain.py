@@ -115,6 +115,10 @@ class Chain:
         self._expected = -1.0  # the latest proposal's predicted accepted drafts (--spec-k auto)
         self.greedy = sp.greedy  # sampled: the leader accepts on the step's logits with the request's generator
         self.never_drafts = isinstance(drafter, NoDrafter)
+        # sampled plain decoding: each row's token drawn on the device as the step is launched
+        # (step_forward.py `draw_at_launch`), read back as a greedy row's argmax is: settled as
+        # greedy rows are, and launched ahead as they are
+        self.drawn = not self.greedy and self.never_drafts
         self.inflight: Job | None = None  # its next round's row, launched one step ahead (ahead.py)
         self.acc: Acceptance | None = None  # --spec-k auto: its running acceptance per draft position (start_chain)
         self.k_step: int | None = None  # the K the engine chose for its next round (--spec-k auto), else k
@@ -124,9 +128,10 @@ class Chain:
 
     @property
     def plain(self) -> bool:
-        """Its next round drafts nothing (drafter none, or K 0 under --spec-k auto) and is greedy:
-        that row's input is the argmax of this one's, so the loop may launch it ahead (ahead.py)."""
-        return self.greedy and (self.never_drafts or self.k_step == 0)
+        """Its next round drafts nothing (drafter none, or K 0 under --spec-k auto) and is greedy
+        (or sampled plain decoding, drawn on the device): that row's input is this one's argmax
+        (or draw), so the loop may launch it ahead (ahead.py)."""
+        return self.drawn or (self.greedy and (self.never_drafts or self.k_step == 0))
 
     def skips_maint(self) -> bool:
         """--spec-k auto chose K 0 for its next round (or --ngram-first's lookup drafts it), or the
@@ -273,7 +278,7 @@ class Chain:
             self._fail(job.err, None)
             return None
         try:
-            if self.greedy:
+            if self.greedy or self.drawn:  # (drawn: its row's token and finiteness in the greedy rows)
                 pred, val = job.greedy
                 new = commit_rows(pred, self._drafts, val)
             elif got is None:
@@ -381,7 +386,7 @@ def accept_sampled_rounds(rounds: list) -> None:
     generator (as `accept_sampled` takes them alone), `accept_sampled_many`'s one readback for
     all, not K + 1 logit rows and K draft rows copied to the host a request. Each chain's
     `settle` takes its result (an error: every one of these rounds fails with it)."""
-    todo = [(ch, job) for ch, job in rounds if not ch.greedy and job.err is None and job.ahead is None
+    todo = [(ch, job) for ch, job in rounds if not ch.greedy and not ch.drawn and job.err is None and job.ahead is None
             and job.out is not None and ch._drafts is not None and job.out.shape[0] > len(ch._drafts)]
     if not todo:
         return

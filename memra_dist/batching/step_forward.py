@@ -21,7 +21,7 @@ from .job import Job, Launched
 from .laps import timed_step
 from .paged import BatchView
 
-__all__ = ["launch", "forward", "eager", "layers", "stage_layers", "scatter_taps", "wake"]
+__all__ = ["launch", "draw_at_launch", "forward", "eager", "layers", "stage_layers", "scatter_taps", "wake"]
 
 
 def launch(b, jobs: list[Job], wakes, ids_dev=None, advance=None):
@@ -36,10 +36,43 @@ def launch(b, jobs: list[Job], wakes, ids_dev=None, advance=None):
         # requests' greedy accepts then need no device op and no readback of their own
         pred = logits.argmax(-1)
         val = logits.gather(-1, pred.unsqueeze(-1)).view(-1)
+        pred, val = draw_at_launch(jobs, logits, pred, val)
         graphed = b.graphs is not None and b.graphs.replays > replays
         return Launched(logits, torch.cat((pred.double(), val.double())), pred, graphed, b.launch_ids)
     except BaseException as e:  # noqa: BLE001 (every request of the step gets the error)
         return e
+
+
+def draw_at_launch(jobs: list[Job], logits: torch.Tensor, pred: torch.Tensor, val: torch.Tensor):
+    """Sampled plain decoding's rows (`Chain.drawn`): each row's token drawn on the device from its
+    request's distribution (`probs_rows`) at its generator's next uniform, as its session draws a
+    plain round (`accept_sampled` with no drafts), in place of the row's argmax, and its logit
+    replaced by 0 (finite) or NaN (the row's probabilities are not): the step's readback carries
+    them as greedy rows, and a step launched behind this one reads its ids from them (ahead.py)."""
+    at, chains, lo = [], [], 0
+    for j in jobs:
+        n = 1 if j.last else j.n
+        ch = j.chain
+        if ch is not None and ch.drawn and not ch.ended and not j.void and n == 1:
+            at.append(lo)
+            chains.append(ch)
+        lo += n
+    if not at:
+        return pred, val
+    from ..specdec.sampling import draw_rows, probs_rows, row_filters, uniforms  # noqa: PLC0415
+
+    dev, m = logits.device, len(at)
+    host = torch.tensor([[ch.sp.temperature, ch.sp.top_k, ch.sp.top_p, float(r)] for ch, r in zip(chains, at)],
+                        dtype=torch.float64)
+    u = torch.cat([uniforms(ch.gen, 1) for ch in chains])
+    x = to_device(torch.cat([host.view(-1), u]), dev)  # (one copy)
+    prm, u = x[:4 * m].view(m, 4), x[4 * m:]
+    rows = prm[:, 3].long()
+    p = probs_rows(logits[rows], prm[:, 0], prm[:, 1].long(), prm[:, 2], row_filters([ch.sp for ch in chains]))
+    ok = torch.isfinite(p.sum(-1))
+    pred = pred.index_put((rows,), draw_rows(p, u))
+    val = val.index_put((rows,), torch.where(ok, 0.0, float("nan")).to(val.dtype))
+    return pred, val
 
 
 @torch.inference_mode()
